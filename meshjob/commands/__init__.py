@@ -1,0 +1,1 @@
+"""One module per `meshjob` subcommand: HELP, add_arguments(parser), run(args) -> int."""
