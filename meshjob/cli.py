@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from meshjob.errors import PlacementError, SpecError
+from meshjob.errors import PlacementError, SpecError, UsageError
 
 # subcommand -> module in meshjob.commands (the module may live in an executor package)
 COMMANDS: dict[str, str] = {
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command])
     try:
         return int(module.run(args) or 0)
-    except (SpecError, PlacementError) as err:
+    except (SpecError, PlacementError, UsageError) as err:
         print(f"meshjob {args.command}: invalid input:\n{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,3 +25,7 @@ class SpecError(ValueError):
 
 class PlacementError(ValueError):
     """The cluster cannot hold the job; the message says what is missing."""
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the CLI prints it and exits 2."""

@@ -1,0 +1,76 @@
+"""`meshjob simulate job.yaml`: predict a plan's step time, bubbles and resharding time (no processes run)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+HELP = "predict step time, bubbles and resharding time of a plan at any scale"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="TrainingJob manifest (YAML)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="spread the job over this many hosts (each stage's mesh dim 0 grows; data parallel)")
+    p.add_argument("--nic-rate", default="1gbit", help="NIC rate per host, tc style (default 1gbit)")
+    p.add_argument("--calibrate", metavar="RUN_JSON",
+                   help="compute costs measured by `meshjob run --json` (its 'calibration' object)")
+    p.add_argument("--layer-forward-ms", type=float, default=None,
+                   help="forward seconds of one layer for one microbatch, in ms (default: calibration or 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from meshjob.errors import UsageError
+    from meshjob.plan import build_plan
+    from meshjob.simulate import CostModel, scale_job, simulate_plan, summarize
+    from meshjob.spec import load_job
+    from meshjob.units import parse_rate
+
+    try:
+        nic = parse_rate(args.nic_rate)
+    except ValueError as err:
+        raise UsageError(f"--nic-rate: {err}") from None
+    if args.hosts is not None and args.hosts < 1:
+        raise UsageError(f"--hosts: {args.hosts} is invalid: use a positive number of hosts")
+    job = load_job(args.job)
+    if args.hosts:
+        job = scale_job(job, args.hosts)
+    cost = CostModel(nic_bytes_per_s=nic)
+    if args.calibrate:
+        with open(args.calibrate) as f:
+            cost = CostModel.from_run(json.load(f), cost)
+    if args.layer_forward_ms is not None:
+        cost = replace(cost, layer_forward_s=args.layer_forward_ms / 1e3)
+    t0 = time.perf_counter()
+    plan = build_plan(job, nic_bytes_per_s=nic)
+    t_plan = time.perf_counter() - t0
+    result = simulate_plan(plan, cost)
+    t_sim = time.perf_counter() - t0 - t_plan
+    out = {"job": job.name, "world_size": plan.placement.world_size, "hosts": len(plan.placement.hosts_used()),
+           "nic_rate": args.nic_rate, "schedule": job.schedule.kind, "plan_seconds": t_plan,
+           "simulate_seconds": t_sim, **result.to_json(), "boundaries": summarize(plan, result)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    con = Console()
+    con.print(f"[bold]{job.name}[/]: {out['world_size']} devices on {out['hosts']} hosts, NIC {args.nic_rate}, "
+              f"{job.schedule.kind}; planned in {t_plan:.2f}s, simulated in {t_sim:.2f}s")
+    con.print(f"predicted step time {result.step_s * 1e3:.2f} ms, mean bubble {result.bubble_fraction():.1%}")
+    t = Table("stage", "compute ms", "bubble", "comm overlap", "exposed comm ms", title="stages")
+    for i, s in result.stages.items():
+        t.add_row(str(i), f"{s.compute_s * 1e3:.2f}", f"{s.bubble_fraction(result.step_s):.1%}",
+                  f"{s.overlap_fraction():.1%}", f"{s.exposed_comm_s * 1e3:.2f}")
+    con.print(t)
+    t = Table("boundary", "simulated ms", "planned ms", "lower bound ms", "sim / bound", title="resharding")
+    for row in out["boundaries"]:
+        lb = row["lower_bound_s"]
+        t.add_row(row["boundary"], f"{row['simulated_s'] * 1e3:.2f}", f"{row['planned_s'] * 1e3:.2f}",
+                  f"{lb * 1e3:.2f}", f"{row['simulated_s'] / lb:.2f}" if lb > 0 else "-")
+    con.print(t)
+    return 0

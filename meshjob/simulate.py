@@ -1,0 +1,274 @@
+"""A discrete-event model of a Plan: predicts step time, bubbles and resharding time at any scale.
+
+Two levels, both deterministic and pure:
+- `simulate_transfer(steps, host_of, cost)`: the lowered point-to-point steps of one boundary over host NICs.
+  Each host NIC is two FIFO resources (out and in, full duplex); a cross-host step occupies its source host's
+  out-link and its destination host's in-link for nbytes / bandwidth, starting when its dependencies are done
+  and both links are free. Intra-host steps use a per-host fast link. This reproduces the strategies' cost
+  formulas (e.g. broadcast: t + (A-1)t/K) and the contention between tasks that share a host.
+- `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
+  the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
+  through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other);
+  a RECV waits for it. From the timeline: step time, bubble fraction and communication overlap per stage.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
+
+from meshjob.resharding import Step
+from meshjob.schedule import Action
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work; calibrate `layer_forward_s` from a measured run (`from_run`)."""
+
+    nic_bytes_per_s: float = 1e9 / 8
+    intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
+    layer_forward_s: float = 1e-3  # one layer, one microbatch, unsharded
+    backward_factor: float = 2.0  # B = I + W, each about one forward
+    itemsize: int = 4
+
+    def forward_s(self, layers: int, tp_degree: int, dp_degree: int) -> float:
+        return self.layer_forward_s * layers / max(1, tp_degree * dp_degree)
+
+    @staticmethod
+    def from_run(report: Mapping, base: "CostModel | None" = None) -> "CostModel":
+        """Calibrate from a measured run: report["calibration"] = {"layer_forward_s": ...}."""
+        base = base or CostModel()
+        cal = report.get("calibration", {})
+        return replace(base, **{k: float(v) for k, v in cal.items() if k in _CALIBRATABLE})
+
+
+_CALIBRATABLE = ("layer_forward_s", "backward_factor", "nic_bytes_per_s", "intra_host_bytes_per_s")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    makespan_s: float
+    finish_s: Mapping[int, float]  # step id -> finish time
+    nic_busy_s: Mapping[tuple[int, str], float]  # (host, "out"|"in") -> busy seconds
+
+
+def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost: CostModel) -> TransferResult:
+    """Run one boundary's steps over FIFO NIC links; steps become ready when their `after` steps finish."""
+    by_id = {s.id: s for s in steps}
+    waiting = {s.id: len(s.after) for s in steps}
+    dependents: dict[int, list[int]] = {}
+    for s in steps:
+        for d in s.after:
+            dependents.setdefault(d, []).append(s.id)
+    order = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
+    ready: list[tuple[float, int, int]] = [(0.0, order[s.id], s.id) for s in steps if not s.after]
+    heapq.heapify(ready)
+    link_free: dict[tuple[int, str], float] = {}
+    busy: dict[tuple[int, str], float] = {}
+    finish: dict[int, float] = {}
+    while ready:
+        t_ready, _, sid = heapq.heappop(ready)
+        step = by_id[sid]
+        src_h, dst_h = host_of(step.src), host_of(step.dst)
+        nbytes = 1 if step.signal else step.nbytes(cost.itemsize)
+        if src_h == dst_h:
+            links = [(src_h, "local")]
+            duration = nbytes / cost.intra_host_bytes_per_s
+        else:
+            links = [(src_h, "out"), (dst_h, "in")]
+            duration = nbytes / cost.nic_bytes_per_s
+        start = max([t_ready] + [link_free.get(link, 0.0) for link in links])
+        end = start + duration
+        for link in links:
+            link_free[link] = end
+            busy[link] = busy.get(link, 0.0) + duration
+        finish[sid] = end
+        for nxt in dependents.get(sid, ()):
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                t_next = max(finish[d] for d in by_id[nxt].after)
+                heapq.heappush(ready, (t_next, order[nxt], nxt))
+    if len(finish) != len(steps):
+        missing = sorted(set(by_id) - set(finish))[:5]
+        raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
+    makespan = max(finish.values(), default=0.0)
+    return TransferResult(makespan, finish, {k: v for k, v in busy.items() if k[1] != "local"})
+
+
+@dataclass
+class StageStats:
+    compute_s: float = 0.0
+    busy_until_s: float = 0.0
+    comm_s: float = 0.0  # time its outgoing/incoming transfers were in flight
+    exposed_comm_s: float = 0.0  # time it sat in a RECV waiting for a transfer
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+
+    def bubble_fraction(self, step_s: float) -> float:
+        return 0.0 if step_s <= 0 else max(0.0, 1.0 - self.compute_s / step_s)
+
+    def overlap_fraction(self) -> float:
+        """Share of this stage's communication time hidden behind its compute."""
+        return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    step_s: float
+    stages: Mapping[int, StageStats]
+    transfer_s: Mapping[str, float]  # boundary key -> simulated makespan of one microbatch's transfer
+
+    def bubble_fraction(self) -> float:
+        return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
+
+    def to_json(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "bubble_fraction": self.bubble_fraction(),
+            "stages": {
+                str(i): {
+                    "compute_s": s.compute_s,
+                    "bubble_fraction": s.bubble_fraction(self.step_s),
+                    "overlap_fraction": s.overlap_fraction(),
+                    "exposed_comm_s": s.exposed_comm_s,
+                }
+                for i, s in self.stages.items()
+            },
+            "transfer_s": dict(self.transfer_s),
+        }
+
+
+def boundary_key(src: int, dst: int, tensor: str) -> str:
+    return f"{src}->{dst}:{tensor}"
+
+
+def _boundary_for(action: Action, stage: int, boundaries: Mapping[str, object]) -> str:
+    """The boundary a SEND/RECV action moves: forward tensors go src->dst, gradients dst->src."""
+    if action.kind in ("SEND_F", "RECV_F"):
+        src, dst = (stage, action.peer) if action.kind == "SEND_F" else (action.peer, stage)
+        return boundary_key(src, dst, action.tensor)
+    src, dst = (stage, action.peer) if action.kind == "SEND_B" else (action.peer, stage)
+    return boundary_key(src, dst, f"grad:{action.tensor}")
+
+
+def simulate_pipeline(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[str, tuple[float, frozenset[tuple[int, str]]]],
+) -> PipelineResult:
+    """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
+    microbatch's transfer, the NIC links (host, "out"|"in") it holds). Deterministic list scheduling: the
+    stage whose next action can start earliest goes first."""
+    stats = {s: StageStats() for s in schedules}
+    pos = {s: 0 for s in schedules}
+    sent: dict[tuple[str, int], float] = {}  # (boundary, mb) -> arrival time
+    link_free: dict[tuple[int, str], float] = {}
+    remaining = sum(len(v) for v in schedules.values())
+    while remaining:
+        progressed = False
+        for stage in sorted(schedules, key=lambda s: stats[s].busy_until_s):
+            acts = schedules[stage]
+            if pos[stage] >= len(acts):
+                continue
+            a = acts[pos[stage]]
+            st = stats[stage]
+            now = st.busy_until_s
+            if a.kind in ("F", "B", "I", "W"):
+                dur = compute_s[(stage, a.kind)]
+                st.timeline.append((str(a), now, now + dur))
+                st.compute_s += dur
+                st.busy_until_s = now + dur
+            elif a.kind in ("SEND_F", "SEND_B"):
+                key = _boundary_for(a, stage, transfers)
+                seconds, links = transfers[key]
+                start = max([now] + [link_free.get(link, 0.0) for link in links])
+                for link in links:
+                    link_free[link] = start + seconds
+                sent[(key, a.mb)] = start + seconds
+                st.comm_s += start + seconds - now
+            else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
+                key = _boundary_for(a, stage, transfers)
+                if (key, a.mb) not in sent:
+                    continue  # the peer has not sent yet: try another stage first
+                arrival = sent[(key, a.mb)]
+                wait = max(0.0, arrival - now)
+                st.exposed_comm_s += wait
+                st.busy_until_s = now + wait
+            pos[stage] += 1
+            remaining -= 1
+            progressed = True
+            break
+        if not progressed:
+            blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
+            raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
+    step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
+    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()})
+
+
+def _stage_degrees(stage_spec) -> tuple[int, int]:
+    tp = stage_spec.mesh[stage_spec.tensor_parallel_dim] if stage_spec.tensor_parallel_dim is not None else 1
+    dp = stage_spec.mesh[stage_spec.data_parallel_dim] if stage_spec.data_parallel_dim is not None else 1
+    return tp, dp
+
+
+def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
+    """Per stage: F, B, I, W seconds for one microbatch from its layer count and parallel degrees."""
+    out: dict[tuple[int, str], float] = {}
+    for i, st in enumerate(plan.job.stages):
+        tp, dp = _stage_degrees(st)
+        f = cost.forward_s(st.layers[1] - st.layers[0], tp, dp)
+        b = f * cost.backward_factor
+        out[(i, "F")], out[(i, "B")], out[(i, "I")], out[(i, "W")] = f, b, b / 2, b / 2
+    return out
+
+
+def transfer_costs(plan, cost: CostModel) -> dict[str, tuple[float, frozenset[tuple[int, str]]]]:
+    """Simulate every boundary of the plan once; its makespan and the NIC links it uses."""
+    out = {}
+    for b in plan.boundaries:
+        res = simulate_transfer(b.steps, plan.placement.host_of, cost)
+        out[boundary_key(b.src, b.dst, b.tensor)] = (res.makespan_s, frozenset(res.nic_busy_s))
+    return out
+
+
+def simulate_plan(plan, cost: CostModel | None = None) -> PipelineResult:
+    cost = cost or CostModel(nic_bytes_per_s=plan.nic_bytes_per_s)
+    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost))
+
+
+def bubble_1f1b(stages: int, microbatches: int) -> float:
+    """Analytic bubble fraction of 1F1B/GPipe without communication: (S-1)/(M+S-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def broadcast_time(t: float, hosts: int, chunks: int) -> float:
+    """Seed 000 §3.1: T_bc = t + (A-1) t / K."""
+    return t + (hosts - 1) * t / chunks
+
+
+def scale_job(job, hosts: int):
+    """The same job spread over `hosts` hosts: each stage's mesh dim 0 grows to hosts/S (data parallel over it),
+    the global batch grows so every data-parallel replica keeps whole samples. Re-validated like a manifest."""
+    from meshjob.spec import job_to_dict, parse_job
+
+    per_stage = max(1, hosts // len(job.stages))
+    doc = job_to_dict(job)
+    for stage in doc["spec"]["stages"]:
+        stage["mesh"] = [per_stage] + list(stage["mesh"][1:])
+        if stage.get("tensorParallelDim") == 0:  # dim 0 now spans hosts: keep tensor parallel inside hosts
+            stage.pop("tensorParallelDim")
+        stage["dataParallelDim"] = 0
+    doc["spec"].pop("edges", None)  # default edges follow the new natural layouts
+    training = doc["spec"]["training"]
+    unit = training["microbatches"] * per_stage
+    training["globalBatch"] = max(unit, -(-training["globalBatch"] // unit) * unit)
+    return parse_job(doc)
+
+
+def summarize(plan, result: PipelineResult) -> list[dict]:
+    """One row per boundary: simulated transfer makespan vs the plan's balanced estimate and lower bound."""
+    rows = []
+    for b in plan.boundaries:
+        key = boundary_key(b.src, b.dst, b.tensor)
+        rows.append({"boundary": key, "simulated_s": result.transfer_s[key], "planned_s": b.makespan_s,
+                     "lower_bound_s": b.lower_bound_s})
+    return rows
