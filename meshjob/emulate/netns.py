@@ -1,0 +1,249 @@
+"""An emulated cluster on one machine: one network namespace per host, joined by a bridge.
+
+Layout (DESIGN.md "Emulated cluster"):
+    mj<pid>_sw   holds bridge br0 and the switch end h<i> of every host's veth
+    mj<pid>_h<i> holds eth0 (10.77.0.<i+1>/16) and lo
+tbf on eth0 throttles what host i sends, tbf on h<i> what it receives: together they are its NIC.
+Interfaces are created directly inside the namespaces, so the root namespace is never touched.
+
+Without root or without `ip`, the cluster falls back to loopback (every host is 127.0.0.1,
+no throttling) with a warning; `emulated` is then False and results must say so.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import warnings
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Callable
+
+NETNS_DIR = "/var/run/netns"
+CLONE_NEWNET = 0x40000000
+SUBNET = "10.77"
+IFNAME = "eth0"
+_NAME_RE = re.compile(r"^mj(\d+)_(h\d+|sw)$")
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+class EmulationError(RuntimeError):
+    """A namespace, link or qdisc could not be set up; the message has the failing command."""
+
+
+def parse_rate(rate: str, path: str = "nic_rate") -> float:
+    """tc rate text ("1gbit", "500mbit", "125mbps") -> bits per second."""
+    m = _RATE_RE.match(rate.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{path}: {rate!r} is invalid: a positive tc rate such as "
+                         f"'1gbit', '500mbit' or '125mbps' (units: {', '.join(_RATE_UNITS)})")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def netns_available() -> tuple[bool, str]:
+    """Whether namespaces can be made here, and if not, why (for the warning)."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "`ip`/`tc` (iproute2) not found"
+    return True, ""
+
+
+def _ip(*args: str) -> None:
+    cmd = ["ip", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def _tc(ns: str, dev: str, rate: str, burst: str, latency: str) -> None:
+    _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        "rate", rate, "burst", burst, "latency", latency)
+
+
+def list_netns() -> list[str]:
+    try:
+        return sorted(os.listdir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces left by meshjob runs whose process is gone; returns their names."""
+    removed = []
+    for name in list_netns():
+        m = _NAME_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    return removed
+
+
+def setns(name: str) -> None:
+    """Move the calling process into network namespace `name` (call before making sockets).
+
+    Python 3.11's os has no setns, so libc's is called through ctypes; a forked child uses this
+    instead of `ip netns exec`, which would re-import torch in every rank.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class EmulatedHost:
+    index: int
+    netns: str | None  # None in the loopback fallback
+    address: str  # where ranks on this host listen
+    ifname: str  # GLOO_SOCKET_IFNAME for ranks on this host
+
+    def enter(self) -> None:
+        """Join this host's namespace (in a forked child, before any socket)."""
+        if self.netns is not None:
+            setns(self.netns)
+
+    def env(self) -> dict[str, str]:
+        return {"GLOO_SOCKET_IFNAME": self.ifname, "MESHJOB_HOST_ADDR": self.address}
+
+
+class EmulatedCluster:
+    """Context manager: `with EmulatedCluster(4, "1gbit") as c: c.hosts[i].enter() ...`.
+
+    Always removes what it made: on normal exit, on exceptions, on SIGTERM (turned into
+    SystemExit while the cluster is up) and, as a last resort, at interpreter exit.
+    """
+
+    def __init__(self, num_hosts: int, nic_rate: str = "1gbit", burst: str = "128kb",
+                 latency: str = "10ms", use_netns: bool = True, prefix: str | None = None):
+        if num_hosts < 1 or num_hosts > 250:
+            raise ValueError(f"num_hosts: {num_hosts!r} is invalid: between 1 and 250")
+        self.rate_bps = parse_rate(nic_rate)
+        self.num_hosts = num_hosts
+        self.nic_rate = nic_rate
+        self.burst = burst
+        self.latency = latency
+        self.prefix = prefix or f"mj{os.getpid()}_"
+        self.use_netns = use_netns
+        self.fallback_reason = "" if use_netns else "--no-netns"
+        self.hosts: list[EmulatedHost] = []
+        self._made: list[str] = []
+        self._old_sigterm: Callable | int | None = None
+        self._owner_pid = os.getpid()
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.hosts) and self.hosts[0].netns is not None
+
+    @property
+    def switch_ns(self) -> str:
+        return f"{self.prefix}sw"
+
+    def host_ns(self, i: int) -> str:
+        return f"{self.prefix}h{i}"
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.rate_bps / 8
+
+    def __enter__(self) -> EmulatedCluster:
+        self._install_sigterm()
+        atexit.register(self.close)
+        if self.use_netns:
+            ok, why = netns_available()
+            if not ok:
+                self.fallback_reason = why
+                self.use_netns = False
+        if self.use_netns:
+            try:
+                self._create()
+            except BaseException:
+                self.close()
+                raise
+        else:
+            warnings.warn(f"emulated cluster: no network namespaces ({self.fallback_reason}); "
+                          f"all {self.num_hosts} hosts share loopback, NIC rate "
+                          f"{self.nic_rate} is NOT applied", RuntimeWarning, stacklevel=2)
+            self.hosts = [EmulatedHost(i, None, "127.0.0.1", "lo") for i in range(self.num_hosts)]
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        sw = self.switch_ns
+        _ip("netns", "add", sw)
+        self._made.append(sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        for i in range(self.num_hosts):
+            ns = self.host_ns(i)
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            peer = f"h{i}"
+            _ip("-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", peer, "netns", sw)
+            addr = f"{SUBNET}.{i // 250}.{i % 250 + 1}"
+            _ip("-n", ns, "addr", "add", f"{addr}/16", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", sw, "link", "set", peer, "master", "br0")
+            _ip("-n", sw, "link", "set", peer, "up")
+            # both directions: what the host sends (eth0) and what it receives (switch port)
+            _tc(ns, IFNAME, self.nic_rate, self.burst, self.latency)
+            _tc(sw, peer, self.nic_rate, self.burst, self.latency)
+            self.hosts.append(EmulatedHost(i, ns, addr, IFNAME))
+
+    def close(self) -> None:
+        """Delete every namespace this cluster made (idempotent; only in the creating process)."""
+        if os.getpid() != self._owner_pid:
+            return  # a forked rank must not tear down the cluster
+        for name in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
+        self._restore_sigterm()
+        atexit.unregister(self.close)
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def describe(self) -> str:
+        if self.emulated:
+            return (f"{self.num_hosts} emulated hosts (network namespaces {self.prefix}h*), "
+                    f"NIC {self.nic_rate} each (tbf, burst {self.burst})")
+        return (f"{self.num_hosts} hosts on loopback ({self.fallback_reason}): NIC rate "
+                f"{self.nic_rate} NOT applied")
+
+
+def _sigterm_to_exit(signum: int, frame: FrameType | None) -> None:
+    # SystemExit unwinds the with-blocks, so the namespaces are deleted on `kill <pid>`
+    raise SystemExit(128 + signum)
