@@ -1,0 +1,188 @@
+"""A trainer process's place in the job: its environment, the process group, its context.
+
+WorkerEnv reads torchrun's variables (and Kubeflow's PET_* spellings) plus meshjob's own.
+init_distributed() runs a rendezvous of its own on a TCPStore before creating the process
+group, so a rank that never comes is named in the error instead of a bare timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazily at run time
+    from meshjob.plan import Plan
+    from meshjob.spec import TrainingJob
+
+DEFAULT_TIMEOUT_S = 300.0
+RENDEZVOUS_PREFIX = "meshjob/rendezvous"
+
+
+class DistError(RuntimeError):
+    """The process group could not be formed; the message says which rank or setting is at fault."""
+
+
+def _env_int(env: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int:
+    for name in names:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise DistError(f"environment {name}={raw!r} is invalid: must be an integer >= 0") from None
+        if value < 0:
+            raise DistError(f"environment {name}={raw!r} is invalid: must be an integer >= 0")
+        return value
+    if default is None:
+        raise DistError(f"environment {' or '.join(names)} is not set: needed to place this process in the job")
+    return default
+
+
+def _env_str(env: Mapping[str, str], names: tuple[str, ...], default: str) -> str:
+    for name in names:
+        if env.get(name):
+            return env[name]
+    return default
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    job_path: str = ""  # MESHJOB_JOB: the TrainingJob YAML
+    hosts_path: str = ""  # MESHJOB_HOSTS: optional hosts.yaml (else the plan's default hosts)
+    checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
+    pod_name: str = ""  # MESHJOB_POD_NAME: set by the operator; enables pod annotations
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise DistError(f"WORLD_SIZE={self.world_size} is invalid: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise DistError(f"RANK={self.rank} is invalid: must be in [0, WORLD_SIZE={self.world_size})")
+        if not 0 < self.master_port < 65536:
+            raise DistError(f"MASTER_PORT={self.master_port} is invalid: must be in [1, 65535]")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "WorkerEnv":
+        """torchrun names first, then Kubeflow's PET_* ones; `overrides` win over both."""
+        env = os.environ if env is None else env
+        readers: dict[str, Any] = dict(
+            rank=lambda: _env_int(env, ("RANK", "PET_RANK"), None),
+            world_size=lambda: _env_int(env, ("WORLD_SIZE", "PET_WORLD_SIZE"), None),
+            local_rank=lambda: _env_int(env, ("LOCAL_RANK", "PET_LOCAL_RANK"), 0),
+            node_rank=lambda: _env_int(env, ("NODE_RANK", "PET_NODE_RANK", "GROUP_RANK"), 0),
+            master_addr=lambda: _env_str(env, ("MASTER_ADDR", "PET_MASTER_ADDR"), "127.0.0.1"),
+            master_port=lambda: _env_int(env, ("MASTER_PORT", "PET_MASTER_PORT"), 29500),
+            job_path=lambda: _env_str(env, ("MESHJOB_JOB",), ""),
+            hosts_path=lambda: _env_str(env, ("MESHJOB_HOSTS",), ""),
+            checkpoint_dir=lambda: _env_str(env, ("MESHJOB_CHECKPOINT_DIR",), ""),
+            pod_name=lambda: _env_str(env, ("MESHJOB_POD_NAME",), ""),
+            extra=lambda: {k: v for k, v in env.items() if k.startswith("MESHJOB_")},
+        )
+        values = {name: read() for name, read in readers.items() if name not in overrides}
+        values.update(overrides)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables a child process needs to rebuild this WorkerEnv."""
+        out = dict(self.extra)
+        out.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                   NODE_RANK=str(self.node_rank), MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        for key, value in (("MESHJOB_JOB", self.job_path), ("MESHJOB_HOSTS", self.hosts_path),
+                           ("MESHJOB_CHECKPOINT_DIR", self.checkpoint_dir), ("MESHJOB_POD_NAME", self.pod_name)):
+            if value:
+                out[key] = value
+        return out
+
+
+def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -> None:
+    """The launcher's WORLD_SIZE must be the plan's: every rank's role comes from the plan."""
+    if env.world_size != plan_world_size:
+        of = f" of job {job_name!r}" if job_name else ""
+        raise DistError(
+            f"WORLD_SIZE={env.world_size} but the plan{of} needs {plan_world_size} ranks "
+            f"(one per device of every stage mesh); start exactly {plan_world_size} processes")
+
+
+def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
+    """Every rank sets its key on rank 0's TCPStore, then waits for all keys (polling gently),
+    so that on timeout it can say which ranks are missing."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - torch raises several types for "cannot connect"
+        who = "this rank (0) could not host it" if env.rank == 0 else "rank 0 never came or is unreachable"
+        raise DistError(
+            f"rank {env.rank}: rendezvous store at {env.master_addr}:{env.master_port} not reachable within "
+            f"{timeout_s:g} s: {who} ({type(err).__name__}: {err})") from err
+    store.set(f"{RENDEZVOUS_PREFIX}/{env.rank}", "1")
+    keys = [f"{RENDEZVOUS_PREFIX}/{r}" for r in range(env.world_size)]
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise DistError(
+                f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} timed out after "
+                f"{timeout_s:g} s: rank(s) {', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} "
+                f"never joined")
+        time.sleep(0.05)
+    return store
+
+
+def backend_for_device() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
+                     expected_world_size: int | None = None) -> str:
+    """Join the default process group (gloo on CPU, NCCL when CUDA is present); returns the backend."""
+    import torch
+    import torch.distributed as dist
+
+    if expected_world_size is not None:
+        check_world_size(env, expected_world_size)
+    backend = backend or backend_for_device()
+    store = _rendezvous(env, timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class WorkerContext:
+    """What the training loop (meshjob.trainer.train.train) gets from the worker."""
+
+    env: WorkerEnv
+    job: "TrainingJob"
+    plan: "Plan"
+    stage: int  # this rank's pipeline stage
+    reshard: Any  # meshjob.trainer.reshard.ReshardExecutor for this rank
+    metrics: Any = None  # meshjob.trainer.metrics.TrainerMetrics, or None
+    checkpoints: Any = None  # meshjob.trainer.checkpoint.Checkpointer, or None when checkpoints are off
+    status: Any = None  # meshjob.trainer.status.PodStatus (no-op outside a pod)
+    device: str = "cpu"
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
