@@ -1,0 +1,179 @@
+"""The emulated cluster: namespaces made and always removed, tbf really throttles, loopback fallback."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from meshjob.emulate.launcher import RankContext, run_gang, run_with_restarts
+from meshjob.emulate.netns import (EmulatedCluster, cleanup_stale, list_netns, netns_available,
+                                   parse_rate)
+
+HAVE_NETNS, WHY_NOT = netns_available()
+netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
+
+
+def ours(prefix: str) -> list[str]:
+    return [n for n in list_netns() if n.startswith(prefix)]
+
+
+def test_parse_rate_reads_tc_units():
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("500mbit") == 5e8
+    assert parse_rate("125mbps") == 1e9
+
+
+def test_parse_rate_error_names_field_value_and_allowed_units():
+    with pytest.raises(ValueError, match=r"nic_rate: '1 gigabit' is invalid: a positive tc rate"):
+        parse_rate("1 gigabit")
+
+
+@pytest.mark.netns
+@netns
+def test_cluster_makes_one_namespace_per_host_plus_switch_and_removes_them():
+    with EmulatedCluster(3, "1gbit", prefix="mjt1_") as c:
+        assert ours("mjt1_") == ["mjt1_h0", "mjt1_h1", "mjt1_h2", "mjt1_sw"]
+        assert c.emulated and [h.address for h in c.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+        qdiscs = subprocess.run(["ip", "netns", "exec", "mjt1_sw", "tc", "qdisc", "show"],
+                                capture_output=True, text=True).stdout
+        assert qdiscs.count("tbf") == 3  # the switch end of every host's veth (receive side)
+    assert ours("mjt1_") == []
+
+
+@pytest.mark.netns
+@netns
+def test_addresses_exist_only_inside_namespaces():
+    with EmulatedCluster(2, prefix="mjt2_"):
+        root = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        assert "10.77." not in root
+
+
+@pytest.mark.netns
+@netns
+def test_cleanup_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(2, prefix="mjt3_"):
+            raise RuntimeError("boom")
+    assert ours("mjt3_") == []
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@netns
+def test_cleanup_after_sigterm_of_the_process(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from meshjob.emulate.netns import EmulatedCluster
+        with EmulatedCluster(2, prefix="mjt4_"):
+            print("up", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert len(ours("mjt4_")) == 3
+        proc.terminate()
+        assert proc.wait(timeout=20) == 128 + 15
+    finally:
+        proc.kill()
+    assert ours("mjt4_") == []
+
+
+@pytest.mark.netns
+@netns
+def test_cleanup_stale_removes_namespaces_of_dead_runs_only():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    stale = f"mj{proc.pid}_h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with EmulatedCluster(1) as live:
+            removed = cleanup_stale()
+            assert stale in removed
+            assert ours(live.prefix) == [live.host_ns(0), live.switch_ns]
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def _receiver(ctx: RankContext) -> None:
+    with socket.create_server((ctx.host.address, 5001)) as srv:
+        ctx.report(listening=True)
+        conn, _ = srv.accept()
+        with conn:
+            got = 0
+            t0 = time.monotonic()
+            while chunk := conn.recv(1 << 20):
+                got += len(chunk)
+            ctx.report(received=got, seconds=time.monotonic() - t0)
+
+
+def _sender(nbytes: int, address: str):
+    def send(ctx: RankContext) -> None:
+        for _ in range(100):  # wait for the receiver's listen
+            try:
+                conn = socket.create_connection((address, 5001))
+                break
+            except OSError:
+                time.sleep(0.05)
+        with conn:
+            conn.sendall(b"\0" * nbytes)
+    return send
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@netns
+def test_tbf_throttles_a_tcp_transfer_between_two_hosts_to_the_nic_rate():
+    nbytes, rate = 4 << 20, 100e6  # 4 MiB at 100 mbit: >= 0.34 s
+    events: list[dict] = []
+    with EmulatedCluster(2, "100mbit", prefix="mjt5_") as c:
+        send = _sender(nbytes, c.hosts[1].address)
+        result = run_gang(c, [1, 0], lambda ctx: (_receiver if ctx.rank == 0 else send)(ctx),
+                          on_event=events.append)
+    assert result.ok, result
+    done = next(e for e in events if "received" in e)
+    assert done["received"] == nbytes
+    burst = 128 * 1024  # tbf lets one burst through at line speed
+    assert done["seconds"] >= (nbytes - burst) * 8 / rate
+
+
+def test_loopback_fallback_warns_and_says_the_rate_is_not_applied():
+    with pytest.warns(RuntimeWarning, match="NIC rate 1gbit is NOT applied"):
+        with EmulatedCluster(2, use_netns=False) as c:
+            assert not c.emulated
+            assert [h.address for h in c.hosts] == ["127.0.0.1", "127.0.0.1"]
+            assert "NOT applied" in c.describe()
+
+
+@pytest.mark.slow
+def test_gang_kills_the_other_ranks_when_one_fails():
+    def target(ctx: RankContext) -> None:
+        if ctx.rank == 1:
+            raise SystemExit(3)
+        time.sleep(60)  # would hang in a collective; the launcher must kill it
+    with pytest.warns(RuntimeWarning):
+        with EmulatedCluster(2, use_netns=False) as c:
+            t0 = time.monotonic()
+            result = run_gang(c, [0, 1], target)
+    assert not result.ok and result.first_failure.rank == 1 and result.first_failure.code == 3
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.slow
+def test_gang_restarts_after_a_killed_rank_and_reports_each_attempt():
+    def target(ctx: RankContext) -> None:
+        if ctx.rank == 0 and ctx.attempt == 0:
+            os.kill(os.getpid(), 9)
+        ctx.report(attempt=ctx.attempt)
+    events: list[dict] = []
+    with pytest.warns(RuntimeWarning):
+        with EmulatedCluster(1, use_netns=False) as c:
+            results = run_with_restarts(c, [0, 0], target, max_restarts=2, on_event=events.append)
+    assert [r.ok for r in results] == [False, True]
+    assert results[0].first_failure.describe() == "rank 0 killed by SIGKILL"
+    assert {e["rank"] for e in events if e["attempt"] == 1} == {0, 1}
