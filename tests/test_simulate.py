@@ -1,0 +1,118 @@
+"""The simulator against analytic cases: broadcast chains, send/recv fan-out, 1F1B bubbles."""
+from __future__ import annotations
+
+import pytest
+
+from meshjob.resharding import Step
+from meshjob.schedule import Action, generate
+from meshjob.simulate import (
+    CostModel,
+    bubble_1f1b,
+    broadcast_time,
+    simulate_pipeline,
+    simulate_transfer,
+)
+
+MiB = 2**20
+COST = CostModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15)
+
+
+def host_of_rank(rank: int) -> int:
+    return rank  # one device per host in the hand-built cases
+
+
+def chain_steps(hosts: int, chunks: int, nbytes: int) -> list[Step]:
+    """Broadcast from rank 0 to ranks 1..hosts as a chain of `chunks` pieces (1-D regions of float32)."""
+    elems = nbytes // 4
+    per = elems // chunks
+    steps, sid = [], 0
+    last_hop: dict[int, int] = {}
+    for k in range(chunks):
+        region = ((k * per, (k + 1) * per),)
+        for h in range(1, hosts + 1):
+            after = (last_hop[k],) if h > 1 else ()
+            steps.append(Step(id=sid, task=0, src=h - 1, dst=h, region=region, after=after,
+                              scope="cross_host", signal=False))
+            last_hop[k] = sid
+            sid += 1
+    return steps
+
+
+@pytest.mark.parametrize("hosts,chunks", [(1, 1), (2, 4), (4, 16), (3, 64)])
+def test_broadcast_chain_matches_t_plus_a_minus_1_t_over_k(hosts, chunks):
+    nbytes = 64 * MiB
+    t = nbytes / COST.nic_bytes_per_s
+    result = simulate_transfer(chain_steps(hosts, chunks, nbytes), host_of_rank, COST)
+    assert result.makespan_s == pytest.approx(broadcast_time(t, hosts, chunks), rel=1e-9)
+
+
+def test_send_recv_fan_out_serializes_on_the_sender_nic():
+    nbytes, receivers = 8 * MiB, 5
+    steps = [Step(id=i, task=0, src=0, dst=i + 1, region=((0, nbytes // 4),), after=(), scope="cross_host",
+                  signal=False) for i in range(receivers)]
+    result = simulate_transfer(steps, host_of_rank, COST)
+    assert result.makespan_s == pytest.approx(receivers * nbytes / COST.nic_bytes_per_s)
+    assert result.nic_busy_s[(0, "out")] == pytest.approx(result.makespan_s)
+
+
+def test_transfers_on_disjoint_links_run_in_parallel():
+    nbytes = 8 * MiB
+    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+             Step(id=1, task=1, src=2, dst=3, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)]
+    result = simulate_transfer(steps, host_of_rank, COST)
+    assert result.makespan_s == pytest.approx(nbytes / COST.nic_bytes_per_s)
+
+
+def test_signal_steps_cost_one_byte():
+    steps = chain_steps(3, 1, 64 * MiB)
+    signal = [Step(id=s.id, task=s.task, src=s.src, dst=s.dst, region=s.region, after=s.after, scope=s.scope,
+                   signal=True) for s in steps]
+    assert simulate_transfer(signal, host_of_rank, COST).makespan_s == pytest.approx(3 / COST.nic_bytes_per_s)
+
+
+def test_a_step_waiting_on_a_missing_step_is_reported():
+    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, 4),), after=(7,), scope="cross_host", signal=False)]
+    with pytest.raises(ValueError, match="never run"):
+        simulate_transfer(steps, host_of_rank, COST)
+
+
+def chain_edges(stages: int) -> list[tuple[int, int, str]]:
+    return [(i, i + 1, "activation") for i in range(stages - 1)]
+
+
+def free_transfers(stages: int) -> dict:
+    out = {}
+    for i in range(stages - 1):
+        out[f"{i}->{i + 1}:activation"] = (0.0, frozenset())
+        out[f"{i}->{i + 1}:grad:activation"] = (0.0, frozenset())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 4), (3, 12)])
+def test_bubble_fraction_without_communication_is_s_minus_1_over_m_plus_s_minus_1(kind, stages, microbatches):
+    schedules = generate(kind, stages, microbatches, chain_edges(stages))
+    f = 1.0
+    compute = {(s, k): v for s in range(stages) for k, v in (("F", f), ("B", 2 * f), ("I", f), ("W", f))}
+    result = simulate_pipeline(schedules, compute, free_transfers(stages))
+    assert result.step_s == pytest.approx((microbatches + stages - 1) * 3 * f)
+    for stats in result.stages.values():
+        assert stats.bubble_fraction(result.step_s) == pytest.approx(bubble_1f1b(stages, microbatches))
+
+
+def test_eager_1f1b_hides_communication_that_1f1b_exposes():
+    stages, microbatches = 4, 8
+    compute = {(s, k): v for s in range(stages) for k, v in (("F", 1.0), ("B", 2.0), ("I", 1.0), ("W", 1.0))}
+    transfers = {k: (1.0, frozenset({(i, "out")})) for i, k in enumerate(free_transfers(stages))}
+    one = simulate_pipeline(generate("1f1b", stages, microbatches, chain_edges(stages)), compute, transfers)
+    eager = simulate_pipeline(generate("eager-1f1b", stages, microbatches, chain_edges(stages)), compute, transfers)
+    assert eager.step_s < one.step_s
+    exposed = lambda r: sum(s.exposed_comm_s for s in r.stages.values())  # noqa: E731
+    assert exposed(eager) < exposed(one)
+
+
+def test_a_schedule_whose_recv_never_gets_a_send_is_reported_as_deadlock():
+    schedules = {0: [Action("F", 0, None)], 1: [Action("RECV_F", 0, 0), Action("F", 0, None)]}
+    compute = {(s, "F"): 1.0 for s in range(2)}
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate_pipeline(schedules, compute, {"0->1:activation": (0.0, frozenset())})
