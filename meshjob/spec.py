@@ -1,10 +1,20 @@
 """The TrainingJob model (DESIGN.md "user-facing API"), parsed and validated from YAML.
 
-CONTRACT STUB: the dataclasses and function signatures below are the interface other modules
-code against. The owner of this module fills in parsing/validation; names stay.
+One table of field schemas (`schema_of`) is derived from the dataclasses below plus the RULES
+table of constraints; the structural pass of `parse_job`, `job_to_dict` and the CRD generator
+(meshjob.crd) all read that one table, so the YAML names, types, enums and minimums cannot drift
+apart. Semantic rules that tie fields together (layer ranges, mesh vs topology, divisibility,
+edge layouts) run after the structural pass and skip any field that already failed it.
 """
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -18,6 +28,9 @@ BALANCERS = ("naive", "load_balance", "dfs", "greedy")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 WEIGHT_GRAD_DELAY = ("off", "on", "auto")
 CLEAN_POD_POLICIES = ("All", "Running", "None")
+MAX_MESH_DIMS = 3
+MAX_STAGE_DEVICES = 4096  # keeps per-device planning (tiles, placement) bounded
+ACTIVATION = "activation"
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,19 @@ class StageSpec:
     mesh: tuple[int, ...]  # dim 0 across hosts, the rest within a host; 1-3 dims
     data_parallel_dim: int | None = None  # YAML: dataParallelDim
     tensor_parallel_dim: int | None = None  # YAML: tensorParallelDim
+
+    @property
+    def size(self) -> int:
+        """Devices in this stage's mesh."""
+        return math.prod(self.mesh)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh[self.data_parallel_dim] if self.data_parallel_dim is not None else 1
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.mesh[self.tensor_parallel_dim] if self.tensor_parallel_dim is not None else 1
 
 
 @dataclass(frozen=True)
@@ -123,22 +149,596 @@ class TrainingJob:
         """(microbatch size, seq, hidden): the tensor every edge carries."""
         return (self.training.microbatch_size, self.model.seq_len, self.model.hidden)
 
+    @property
+    def world_size(self) -> int:
+        """Total ranks: one per device of every stage's mesh."""
+        return sum(s.size for s in self.stages)
+
+    def stage_of_layer(self, layer: int) -> int:
+        """Index of the stage whose [first, last) range holds `layer`."""
+        for i, stage in enumerate(self.stages):
+            if stage.layers[0] <= layer < stage.layers[1]:
+                return i
+        raise ValueError(f"layer {layer} is in no stage of {self.name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The field table: YAML name, JSON type and constraints of every field, derived from the
+# dataclasses; RULES adds what the Python types cannot say.
+
+
+@dataclass(frozen=True)
+class FieldSchema:
+    attr: str  # dataclass attribute (snake_case)
+    yaml: str  # manifest name (camelCase)
+    type: str  # JSON type: integer | number | string | boolean | object | array
+    required: bool = False
+    nullable: bool = False
+    default: Any = None  # dataclass default (None when required)
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    enum: tuple[str, ...] | None = None
+    pattern: str | None = None
+    min_length: int | None = None
+    min_items: int | None = None
+    max_items: int | None = None
+    items: FieldSchema | None = None  # element schema of an array
+    model: type | None = None  # nested dataclass of an object (or of array elements)
+    preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
+    description: str = ""
+
+
+RENAMES = {"src": "from", "dst": "to"}
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+NAT_INT = {"minimum": 0}
+POS_INT = {"minimum": 1}
+TENSOR_NAME = r"^(activation|skip[0-9]+)$"
+
+# (dataclass name, attribute) -> extra schema keywords
+RULES: dict[tuple[str, str], dict[str, Any]] = {
+    ("ModelSpec", "kind"): {"enum": MODEL_KINDS, "description": "gpt: a decoder stack; utransformer: "
+                            "layer i also feeds layer L-1-i (skip connections)"},
+    ("ModelSpec", "layers"): POS_INT | {"description": "transformer blocks (L)"},
+    ("ModelSpec", "hidden"): POS_INT,
+    ("ModelSpec", "heads"): POS_INT | {"description": "attention heads; divides hidden"},
+    ("ModelSpec", "vocab"): POS_INT,
+    ("ModelSpec", "seq_len"): POS_INT,
+    ("CheckpointSpec", "every"): NAT_INT | {"description": "steps between checkpoints; 0 = never"},
+    ("TrainingSpec", "steps"): POS_INT,
+    ("TrainingSpec", "global_batch"): POS_INT | {"description": "sequences per step"},
+    ("TrainingSpec", "microbatches"): POS_INT | {"description": "pipeline microbatches per step; "
+                                                 "divides globalBatch"},
+    ("TrainingSpec", "learning_rate"): {"minimum": 0, "exclusive_minimum": True},
+    ("TrainingSpec", "seed"): NAT_INT,
+    ("TopologySpec", "devices_per_host"): POS_INT,
+    ("TopologySpec", "host_label"): {"min_length": 1},
+    ("TopologySpec", "device_resource"): {"description": "resource requested per device: cpu or "
+                                          "nvidia.com/gpu"},
+    ("StageSpec", "layers"): {"description": "half-open [first, last) layer range"},
+    ("StageSpec", "mesh"): {"min_items": 1, "max_items": MAX_MESH_DIMS,
+                            "description": "device mesh shape; dim 0 runs across hosts, the "
+                            "rest within a host"},
+    ("StageSpec", "data_parallel_dim"): NAT_INT | {"description": "mesh dim the batch is sharded over"},
+    ("StageSpec", "tensor_parallel_dim"): NAT_INT | {"description": "mesh dim of tensor parallelism"},
+    ("EdgeSpec", "src"): NAT_INT | {"description": "source stage"},
+    ("EdgeSpec", "dst"): NAT_INT | {"description": "destination stage"},
+    ("EdgeSpec", "send"): {"description": "sharding spec of the activation as sent (default: the "
+                           "source stage's natural layout)"},
+    ("EdgeSpec", "recv"): {"description": "sharding spec as received (default: the destination "
+                           "stage's natural layout)"},
+    ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME},
+    ("ReshardingSpec", "strategy"): {"enum": STRATEGIES},
+    ("ReshardingSpec", "chunks"): POS_INT | {"description": "K: chunks of the broadcast chain"},
+    ("ReshardingSpec", "balancer"): {"enum": BALANCERS},
+    ("ReshardingSpec", "budget_seconds"): {"minimum": 0, "exclusive_minimum": True,
+                                           "description": "planning time budget of dfs"},
+    ("ScheduleSpec", "kind"): {"enum": SCHEDULES},
+    ("ScheduleSpec", "weight_grad_delay"): {"enum": WEIGHT_GRAD_DELAY},
+    ("RunPolicy", "backoff_limit"): NAT_INT,
+    ("RunPolicy", "active_deadline_seconds"): NAT_INT,
+    ("RunPolicy", "ttl_seconds_after_finished"): NAT_INT,
+    ("RunPolicy", "clean_pod_policy"): {"enum": CLEAN_POD_POLICIES},
+    ("MetricsSpec", "port"): {"minimum": 1, "maximum": 65535},
+    ("TrainingJob", "image"): {"min_length": 1},
+    ("TrainingJob", "stages"): {"min_items": 1, "required": True, "description": "one disjoint device mesh per "
+                                "pipeline stage, in layer order"},
+    ("TrainingJob", "edges"): {"description": "optional layout overrides of the model's edges (the "
+                               "stage chain plus utransformer skip edges)"},
+    ("TrainingJob", "resources"): {"description": "k8s ResourceRequirements per device"},
+}
+# TrainingJob fields that live in metadata, not in spec
+METADATA_ATTRS = ("name", "namespace")
+
+
+def camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _schema_for_type(attr: str, hint: Any, owner: str) -> FieldSchema:
+    """Map a Python type hint to its JSON schema (before RULES are applied)."""
+    yaml_name = RENAMES.get(attr, camel(attr))
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return dataclasses.replace(_schema_for_type(attr, inner, owner), nullable=True)
+    if hint is bool:
+        return FieldSchema(attr, yaml_name, "boolean")
+    if hint is int:
+        return FieldSchema(attr, yaml_name, "integer")
+    if hint is float:
+        return FieldSchema(attr, yaml_name, "number")
+    if hint is str:
+        return FieldSchema(attr, yaml_name, "string")
+    if dataclasses.is_dataclass(hint):
+        return FieldSchema(attr, yaml_name, "object", model=hint)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
+            item = _schema_for_type(attr, args[0], owner)
+            return FieldSchema(attr, yaml_name, "array", items=item, model=item.model)
+        item = _schema_for_type(attr, args[0], owner)  # tuple[X, X]: fixed length
+        return FieldSchema(attr, yaml_name, "array", items=item, min_items=len(args),
+                           max_items=len(args))
+    if origin in (collections.abc.Mapping, dict):
+        return FieldSchema(attr, yaml_name, "object", preserve_unknown=True)
+    raise TypeError(f"{owner}.{attr}: no schema for type {hint!r}")
+
+
+def schema_of(cls: type) -> tuple[FieldSchema, ...]:
+    """The field table of one dataclass: types from its hints, constraints from RULES."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if cls is TrainingJob and f.name in METADATA_ATTRS:
+            continue
+        schema = _schema_for_type(f.name, hints[f.name], cls.__name__)
+        rules = RULES.get((cls.__name__, f.name), {})
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if cls is EdgeSpec and f.name in ("send", "recv"):
+            required = False  # defaults to the stages' natural layouts
+        schema = dataclasses.replace(schema, **({"required": required, "default": default} | rules))
+        if schema.items is not None and schema.items.type == "integer":
+            # element bounds: array lengths and element minimums are different keywords
+            item_min = 1 if f.name == "mesh" else 0
+            schema = dataclasses.replace(schema, items=dataclasses.replace(schema.items, minimum=item_min))
+        out.append(schema)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structural pass: types, enums, bounds, unknown and missing fields, driven by the table.
+
+
+class _Reader:
+    """Collects FieldErrors; remembers which paths failed so semantic rules can skip them."""
+
+    def __init__(self) -> None:
+        self.errors: list[FieldError] = []
+        self.bad: set[str] = set()
+
+    def fail(self, path: str, value: Any, allowed: str) -> None:
+        self.errors.append(FieldError(path, value, allowed))
+        self.bad.add(path)
+
+    def clean(self, *paths: str) -> bool:
+        """True when no error touched these paths, their parents or their children."""
+        for path in paths:
+            for bad in self.bad:
+                if bad == path or bad.startswith((path + ".", path + "[")) \
+                        or path.startswith((bad + ".", bad + "[")):
+                    return False
+        return True
+
+    def read_object(self, cls: type, node: Any, path: str) -> dict[str, Any] | None:
+        """attr -> value of one dataclass from a mapping, or None when the node is no mapping."""
+        table = schema_of(cls)
+        if not isinstance(node, Mapping):
+            self.fail(path, node, f"a mapping with fields {', '.join(f.yaml for f in table)}")
+            return None
+        by_yaml = {f.yaml: f for f in table}
+        for key in node:
+            if not isinstance(key, str):
+                self.fail(f"{path}[{key!r}]", key, "field names are strings")
+            elif key not in by_yaml:
+                self.fail(f"{path}.{key}", node[key], _unknown(key, list(by_yaml)))
+        values: dict[str, Any] = {}
+        for f in table:
+            sub = f"{path}.{f.yaml}"
+            if f.yaml not in node or (node[f.yaml] is None and f.nullable):
+                if f.required:
+                    self.fail(sub, None, f"required: {_describe(f)}")
+                values[f.attr] = f.default
+            else:
+                values[f.attr] = self.read_value(f, node[f.yaml], sub)
+        return values
+
+    def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
+        """The checked (converted) value, or the field default after recording an error."""
+        ok = _check_scalar(f, value)
+        if f.type in ("integer", "number", "string", "boolean"):
+            if ok is not None:
+                self.fail(path, value, ok)
+                return f.default
+            return float(value) if f.type == "number" else value
+        if f.type == "object" and f.preserve_unknown:
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                self.fail(path, value, "a mapping with string keys (k8s ResourceRequirements)")
+                return f.default
+            return dict(value)
+        if f.type == "object":
+            attrs = self.read_object(f.model, value, path)
+            return f.default if attrs is None else _build(f.model, attrs)
+        return self.read_array(f, value, path)
+
+    def read_array(self, f: FieldSchema, value: Any, path: str) -> Any:
+        if not isinstance(value, (list, tuple)):
+            self.fail(path, value, f"a list: {_describe(f)}")
+            return f.default
+        if f.min_items is not None and len(value) < f.min_items or \
+                f.max_items is not None and len(value) > f.max_items:
+            self.fail(path, value, _describe(f))
+            return f.default
+        items = []
+        for i, item in enumerate(value):
+            items.append(self.read_value(f.items, item, f"{path}[{i}]"))
+        return tuple(items)
+
+
+def _build(cls: type, attrs: dict[str, Any]) -> Any:
+    return cls(**attrs)
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown field{hint}; known fields: {', '.join(known)}"
+
+
+def _describe(f: FieldSchema) -> str:
+    """What a field accepts, in words (used in every structural error)."""
+    if f.type == "array":
+        if f.min_items is not None and f.min_items == f.max_items:
+            count = f"exactly {f.min_items}"
+        elif f.max_items is not None:
+            count = f"{f.min_items or 0} to {f.max_items}"
+        else:
+            count = f"at least {f.min_items or 0}"
+        return f"a list of {count} {_describe(f.items) if f.items.model is None else 'mappings'}"
+    if f.type == "object":
+        return "a mapping"
+    if f.enum is not None:
+        return "one of " + ", ".join(f.enum)
+    words = {"integer": "an integer", "number": "a number", "string": "a string",
+             "boolean": "true or false"}[f.type]
+    if f.minimum is not None and f.maximum is not None:
+        words += f" in {_num(f.minimum)}..{_num(f.maximum)}"
+    elif f.minimum is not None:
+        words += f" {'>' if f.exclusive_minimum else '>='} {_num(f.minimum)}"
+    if f.pattern is not None:
+        words += f" matching {f.pattern}"
+    if f.min_length:
+        words = f"a string of at least {f.min_length} character(s)"
+    return words
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _check_scalar(f: FieldSchema, value: Any) -> str | None:
+    """None when a scalar value fits its schema, else what is allowed (in words)."""
+    if f.type == "integer":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return _describe(f)
+    elif f.type == "number":
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return _describe(f)
+    elif f.type == "string":
+        if isinstance(value, bool) and f.enum is not None and set(f.enum) & {"on", "off"}:
+            # YAML 1.1 reads unquoted on/off as booleans
+            return _describe(f) + " (quote on/off in YAML: unquoted they are booleans)"
+        if not isinstance(value, str):
+            return _describe(f)
+        if f.enum is not None and value not in f.enum:
+            return _describe(f)
+        if f.pattern is not None and not re.match(f.pattern, value):
+            return _describe(f)
+        if f.min_length is not None and len(value) < f.min_length:
+            return _describe(f)
+        return None
+    elif f.type == "boolean":
+        return None if isinstance(value, bool) else _describe(f)
+    else:
+        return None
+    if f.minimum is not None and (value < f.minimum or (f.exclusive_minimum and value == f.minimum)):
+        return _describe(f)
+    if f.maximum is not None and value > f.maximum:
+        return _describe(f)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantic rules
+
 
 def natural_layout(stage: StageSpec) -> str:
     """Batch sharded over the data-parallel mesh dim, replicated otherwise (canonical spec)."""
-    raise NotImplementedError
+    dp = stage.data_parallel_dim
+    if dp is not None and dp < len(stage.mesh) and stage.mesh[dp] > 1:
+        return f"S{dp}RR"
+    return "RRR"
+
+
+def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[EdgeSpec, ...]:
+    """The chain i -> i+1, then (utransformer) skip edges layer i -> layer L-1-i across stages."""
+    edges = [EdgeSpec(i, i + 1, natural_layout(stages[i]), natural_layout(stages[i + 1]))
+             for i in range(len(stages) - 1)]
+    if model.kind == "utransformer":
+        def stage_of(layer: int) -> int:
+            return next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])
+        last = model.layers - 1
+        for i in range(model.layers // 2):
+            a, b = stage_of(i), stage_of(last - i)
+            if a != b:
+                edges.append(EdgeSpec(a, b, natural_layout(stages[a]), natural_layout(stages[b]),
+                                      tensor=f"skip{i}"))
+    return tuple(edges)
+
+
+def _check_model(r: _Reader, m: ModelSpec) -> None:
+    if r.clean("spec.model.heads", "spec.model.hidden") and m.hidden % m.heads:
+        r.fail("spec.model.heads", m.heads, f"a divisor of spec.model.hidden ({m.hidden})")
+
+
+def _check_training(r: _Reader, t: TrainingSpec) -> None:
+    if r.clean("spec.training.microbatches", "spec.training.globalBatch") \
+            and t.global_batch % t.microbatches:
+        r.fail("spec.training.microbatches", t.microbatches,
+               f"a divisor of spec.training.globalBatch ({t.global_batch})")
+    if r.clean("spec.training.checkpoint") and t.checkpoint.every > 0 and not t.checkpoint.path:
+        r.fail("spec.training.checkpoint.path", t.checkpoint.path,
+               "a non-empty path when spec.training.checkpoint.every > 0")
+
+
+def _check_stages(r: _Reader, job: TrainingJob) -> None:
+    """Layer ranges, meshes vs topology, parallel dims vs model and batch."""
+    m, t = job.model, job.training
+    expect = 0  # where the next stage's layer range must begin
+    ranges_ok = r.clean("spec.model.layers")
+    for i, st in enumerate(job.stages):
+        p = f"spec.stages[{i}]"
+        if not r.clean(f"{p}.layers"):
+            ranges_ok = False
+        elif ranges_ok:
+            first, last = st.layers
+            if first != expect or last <= first:
+                r.fail(f"{p}.layers", list(st.layers),
+                       f"a non-empty range [{expect}, n) with {expect} < n <= {m.layers}: "
+                       f"stages cover [0, spec.model.layers) contiguously, in order")
+                ranges_ok = False
+            elif last > m.layers:
+                r.fail(f"{p}.layers", list(st.layers),
+                       f"a range ending at most at spec.model.layers ({m.layers})")
+                ranges_ok = False
+            else:
+                expect = last
+        if not r.clean(f"{p}.mesh"):
+            continue
+        if st.size > MAX_STAGE_DEVICES:
+            r.fail(f"{p}.mesh", list(st.mesh), f"a mesh of at most {MAX_STAGE_DEVICES} devices")
+            continue
+        per_host = math.prod(st.mesh[1:])
+        if r.clean("spec.topology.devicesPerHost") and per_host > job.topology.devices_per_host:
+            r.fail(f"{p}.mesh", list(st.mesh),
+                   f"mesh dims after dim 0 (dim 0 runs across hosts) multiply to at most "
+                   f"spec.topology.devicesPerHost ({job.topology.devices_per_host}), got {per_host}")
+        dims = len(st.mesh)
+        for key, dim in (("dataParallelDim", st.data_parallel_dim),
+                         ("tensorParallelDim", st.tensor_parallel_dim)):
+            if r.clean(f"{p}.{key}") and dim is not None and dim >= dims:
+                r.fail(f"{p}.{key}", dim, f"a mesh dim in 0..{dims - 1} (spec.stages[{i}].mesh "
+                       f"has {dims} dims)")
+        dp, tp = st.data_parallel_dim, st.tensor_parallel_dim
+        if r.clean(f"{p}.dataParallelDim", f"{p}.tensorParallelDim") and dp is not None and dp == tp:
+            r.fail(f"{p}.tensorParallelDim", tp, f"a mesh dim other than dataParallelDim ({dp})")
+        if r.clean(f"{p}.tensorParallelDim") and tp is not None and tp < dims:
+            degree = st.mesh[tp]
+            for key, size in (("heads", m.heads), ("hidden", m.hidden)):
+                if r.clean(f"spec.model.{key}") and size % degree:
+                    r.fail(f"{p}.mesh[{tp}]", degree, f"a tensor-parallel degree dividing "
+                           f"spec.model.{key} ({size})")
+        if r.clean(f"{p}.dataParallelDim", "spec.training") and dp is not None and dp < dims \
+                and t.global_batch % t.microbatches == 0 and t.microbatch_size % st.mesh[dp]:
+            r.fail(f"{p}.mesh[{dp}]", st.mesh[dp], f"a data-parallel degree dividing the microbatch "
+                   f"size {t.microbatch_size} (spec.training.globalBatch / microbatches)")
+    if ranges_ok and job.stages and expect != m.layers:
+        i = len(job.stages) - 1
+        r.fail(f"spec.stages[{i}].layers", list(job.stages[i].layers),
+               f"a range ending at spec.model.layers ({m.layers}): stages cover every layer")
+
+
+def _resolve_edges(r: _Reader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
+    """The model's edges (defaults) with the user's layout overrides applied and checked."""
+    defaults = default_edges(job.model, job.stages)
+    if raw is None:
+        return defaults
+    index = {(e.src, e.dst, e.tensor): k for k, e in enumerate(defaults)}
+    edges = list(defaults)
+    seen: set[tuple[int, int, str]] = set()
+    shape = job.activation_shape()
+    for n, e in enumerate(raw):
+        p = f"spec.edges[{n}]"
+        if not r.clean(p):
+            continue
+        n_stages = len(job.stages)
+        bad = False
+        for key, stage in (("from", e.src), ("to", e.dst)):
+            if stage >= n_stages:
+                r.fail(f"{p}.{key}", stage, f"a stage index in 0..{n_stages - 1}")
+                bad = True
+        if bad:
+            continue
+        if e.src >= e.dst:
+            r.fail(f"{p}.to", e.dst, f"a stage after from ({e.src}): edges run forward in layer order")
+            continue
+        key = (e.src, e.dst, e.tensor)
+        if key not in index:
+            known = ", ".join(f"{a}->{b} {t}" for a, b, t in index)
+            r.fail(p, {"from": e.src, "to": e.dst, "tensor": e.tensor},
+                   f"an edge of the model: {known}")
+            continue
+        if key in seen:
+            r.fail(p, {"from": e.src, "to": e.dst, "tensor": e.tensor}, "each edge listed once")
+            continue
+        seen.add(key)
+        default = defaults[index[key]]
+        send = _check_layout(r, f"{p}.send", e.send, default.send, job.stages[e.src], e.src,
+                             shape, "source")
+        recv = _check_layout(r, f"{p}.recv", e.recv, default.recv, job.stages[e.dst], e.dst,
+                             shape, "destination")
+        edges[index[key]] = EdgeSpec(e.src, e.dst, send, recv, e.tensor)
+    return tuple(edges)
+
+
+def _check_layout(r: _Reader, path: str, text: str | None, natural: str, stage: StageSpec,
+                  index: int, shape: tuple[int, int, int], role: str) -> str:
+    """Canonical form of a user layout, checked against the stage's mesh and natural layout."""
+    if text is None:
+        return natural
+    from meshjob import sharding  # the sharding algebra is its own module (owned elsewhere)
+
+    try:
+        spec = sharding.ShardingSpec.parse(text, ndim=len(shape), path=path)
+    except SpecError as err:
+        for problem in err.errors:
+            r.fail(problem.path, problem.value, f"{problem.allowed}; e.g. {natural} "
+                   f"(the activation is (batch, seq, hidden))")
+        return natural
+    except ValueError as err:
+        r.fail(path, text, f"a sharding spec with one token per activation dim (batch, seq, "
+               f"hidden), e.g. {natural}: {_reason(err)}")
+        return natural
+    problems = sharding.check_spec(spec, stage.mesh, shape, path)
+    if problems:
+        for problem in problems:
+            r.errors.append(problem)
+            r.bad.add(problem.path)
+        return natural
+    coarser = sharding.ShardingSpec.parse(natural, ndim=len(shape))
+    if not sharding.at_least_as_sharded(spec, coarser, stage.mesh, shape):
+        r.fail(path, text, f"a layout at least as sharded as the {role} stage {index}'s natural "
+               f"layout {natural} (its tiles must nest in those tiles)")
+        return natural
+    return str(spec)
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, SpecError) and err.errors:
+        return "; ".join(e.allowed for e in err.errors)
+    return str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+TOP_LEVEL = ("apiVersion", "kind", "metadata", "spec", "status")
 
 
 def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     """Validate a whole TrainingJob document; raise SpecError with every problem at once."""
-    raise NotImplementedError
+    r = _Reader()
+    if not isinstance(doc, Mapping):
+        raise SpecError([FieldError("document", doc, "a TrainingJob mapping with apiVersion, kind, "
+                                    "metadata and spec")])
+    for key in doc:
+        if key not in TOP_LEVEL:
+            r.fail(str(key) if isinstance(key, str) else f"[{key!r}]", doc[key],
+                   _unknown(str(key), list(TOP_LEVEL)))
+    if doc.get("apiVersion") != API_VERSION:
+        r.fail("apiVersion", doc.get("apiVersion"), API_VERSION)
+    if doc.get("kind") != KIND:
+        r.fail("kind", doc.get("kind"), KIND)
+    name, namespace = _read_metadata(r, doc.get("metadata"))
+    attrs = r.read_object(TrainingJob, doc.get("spec"), "spec")
+    if attrs is None:
+        raise SpecError(r.errors)
+    raw_edges = attrs.pop("edges") if "edges" in doc["spec"] else None
+    attrs.pop("edges", None)
+    job = TrainingJob(name=name, namespace=namespace, **attrs, edges=())
+    _check_model(r, job.model)
+    _check_training(r, job.training)
+    _check_stages(r, job)
+    if r.clean("spec.stages", "spec.model", "spec.training"):
+        job = dataclasses.replace(job, edges=_resolve_edges(r, job, raw_edges))
+    if r.errors:
+        raise SpecError(r.errors)
+    return job
+
+
+def _read_metadata(r: _Reader, meta: Any) -> tuple[str, str]:
+    """name (required) and namespace (default "default"); other k8s metadata is ignored."""
+    allowed = "a DNS-1123 label: at most 63 lowercase letters, digits and '-', starting and " \
+              "ending with a letter or digit"
+    if not isinstance(meta, Mapping):
+        r.fail("metadata", meta, "a mapping with name (and optionally namespace)")
+        return "", "default"
+    name = meta.get("name")
+    if not isinstance(name, str) or len(name) > 63 or not DNS1123_LABEL.match(name):
+        r.fail("metadata.name", name, allowed)
+    namespace = meta.get("namespace", "default")
+    if not isinstance(namespace, str) or len(namespace) > 63 or not DNS1123_LABEL.match(namespace):
+        r.fail("metadata.namespace", namespace, allowed)
+    return (name if isinstance(name, str) else ""), (namespace if isinstance(namespace, str) else "default")
 
 
 def load_job(path: str) -> TrainingJob:
     """Read YAML from a file and parse_job() it (YAML errors become SpecError too)."""
-    raise NotImplementedError
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError([FieldError(path, None, f"a readable UTF-8 YAML file ({err})")]) from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        problem = getattr(err, "problem", None) or str(err)
+        raise SpecError([FieldError(where, problem, "valid YAML (one TrainingJob document)")]) from None
+    return parse_job(doc)
+
+
+def _to_plain(cls: type, obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in schema_of(cls):
+        value = getattr(obj, f.attr)
+        if value is None:
+            continue
+        if f.type == "object" and f.model is not None:
+            value = _to_plain(f.model, value)
+        elif f.type == "array" and f.model is not None:
+            value = [_to_plain(f.model, v) for v in value]
+        elif f.type == "array":
+            value = list(value)
+        elif f.preserve_unknown:
+            value = dict(value)
+        out[f.yaml] = value
+    return out
 
 
 def job_to_dict(job: TrainingJob) -> dict[str, Any]:
     """The camelCase manifest form of a job (parse_job(job_to_dict(j)) == j)."""
-    raise NotImplementedError
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": job.name, "namespace": job.namespace},
+            "spec": _to_plain(TrainingJob, job)}
