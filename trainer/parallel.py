@@ -1,0 +1,219 @@
+"""Intra-stage parallelism: process groups per stage mesh, Megatron tensor-parallel linears,
+and the gradient reductions that make a sharded stage compute what one process would.
+
+Conventions (DESIGN.md "natural layout"): a stage's activation is sharded over the batch along
+its data-parallel mesh dim and replicated along its tensor-parallel dim. Mesh dims that are
+neither are redundant replicas (same inputs, same gradients: nothing to reduce).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's tensor-parallel group; size 1 means no tensor parallelism (group None)."""
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """The groups one rank belongs to, built by build_groups()."""
+
+    tp: TPGroup
+    dp_group: dist.ProcessGroup | None  # None when the stage has no data parallelism
+    dp_rank: int
+    dp_size: int
+    # ranks of the first and last stage together: the tied token embedding's gradient is summed
+    # over it (None when this rank is in neither, or there is one stage).
+    tie_group: dist.ProcessGroup | None
+    tie_members: int  # number of ranks holding a copy of the tied embedding in this group's stage
+
+
+@dataclass(frozen=True)
+class StageMesh:
+    """What build_groups needs about one stage: its mesh and which dims do DP/TP."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # global ranks, row-major over shape
+    dp_dim: int | None
+    tp_dim: int | None
+
+
+def mesh_index(shape: Sequence[int], ranks: Sequence[int], rank: int) -> tuple[int, ...]:
+    """Row-major index of `rank` in a mesh."""
+    flat = list(ranks).index(rank)
+    index = []
+    for extent in reversed(shape):
+        index.append(flat % extent)
+        flat //= extent
+    return tuple(reversed(index))
+
+
+def _lines(mesh: StageMesh, dim: int) -> list[tuple[int, ...]]:
+    """Every set of ranks that differ only along mesh dim `dim`, in a fixed order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in mesh.ranks:
+        index = list(mesh_index(mesh.shape, mesh.ranks, rank))
+        index[dim] = 0
+        groups.setdefault(tuple(index), []).append(rank)
+    return [tuple(g) for _, g in sorted(groups.items())]
+
+
+def build_groups(meshes: Sequence[StageMesh], rank: int) -> StageGroups:
+    """Create the DP, TP and tie groups of every stage. Collective: every rank calls it with the
+    same meshes, so new_group is called in the same order everywhere."""
+    stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
+    tp, dp_group, dp_rank, dp_size = TPGroup(), None, 0, 1
+    for s, mesh in enumerate(meshes):
+        for dim, kind in ((mesh.tp_dim, "tp"), (mesh.dp_dim, "dp")):
+            if dim is None or mesh.shape[dim] == 1:
+                continue
+            for members in _lines(mesh, dim):
+                group = dist.new_group(list(members))
+                if rank in members:
+                    if kind == "tp":
+                        tp = TPGroup(group, members.index(rank), len(members))
+                    else:
+                        dp_group, dp_rank, dp_size = group, members.index(rank), len(members)
+    tie_group, tie_members = None, len(meshes[stage].ranks)
+    last = len(meshes) - 1
+    if last > 0:
+        members = sorted(meshes[0].ranks + meshes[last].ranks)
+        group = dist.new_group(members)
+        if stage in (0, last):
+            tie_group = group
+    return StageGroups(tp, dp_group, dp_rank, dp_size, tie_group, tie_members)
+
+
+# --- Megatron's conjugate pair: f (identity forward, all-reduce backward) and g (the reverse) ---
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp.group)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group)
+
+
+# --- sharded parameters -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How a local parameter relates to the full one: the slice `index` of `parts` equal slices
+    along `dim` (dim None: replicated)."""
+
+    dim: int | None
+    index: int = 0
+    parts: int = 1
+
+
+def take_shard(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    if info.dim is None or info.parts == 1:
+        return full.clone()
+    return full.chunk(info.parts, dim=info.dim)[info.index].clone()
+
+
+def sharded(full: torch.Tensor, info: ShardInfo) -> nn.Parameter:
+    """A parameter holding this rank's shard; it remembers its ShardInfo for reassembly."""
+    param = nn.Parameter(take_shard(full, info))
+    param.shard = info  # type: ignore[attr-defined]
+    return param
+
+
+def shard_info(param: torch.Tensor) -> ShardInfo:
+    return getattr(param, "shard", ShardInfo(None))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over the TP group; input replicated, output
+    sharded (its backward all-reduces the input gradient)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        info = ShardInfo(0, tp.rank, tp.size)
+        self.weight = sharded(weight, info)
+        self.bias = sharded(bias, info)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over TP ranks of x_r W_r^T, + b once: input sharded on its last dim, output
+    replicated (all-reduced forward; its backward is the identity)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = sharded(weight, ShardInfo(1, tp.rank, tp.size))
+        self.bias = sharded(bias, ShardInfo(None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.tp) + self.bias
+
+
+# --- gradient reductions after the last microbatch ---------------------------------------
+
+def reduce_gradients(params: Iterable[nn.Parameter], groups: StageGroups, tied: nn.Parameter | None) -> None:
+    """Data parallel: SUM the gradients over the DP group. The loss each rank backpropagates is
+    already its share of the global-batch mean (token sum / global token count), which keeps the
+    activation gradients sent between stages of different DP widths exact; a mean here would
+    divide twice.
+
+    Tied embedding: the first and last stage each hold a copy of the token embedding (used for
+    the input lookup and the output head); summing their gradients over the tie group gives both
+    copies the gradient of the single tied weight, so both take the same optimizer step."""
+    params = list(params)
+    if groups.dp_group is not None:
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=groups.dp_group)
+    if tied is not None and groups.tie_group is not None:
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
+        # every rank of a stage holds the same gradient: divide by the holders so that the sum
+        # adds each stage's gradient once.
+        tied.grad.div_(groups.tie_members)
+        dist.all_reduce(tied.grad, group=groups.tie_group)
+
+
+def init_std(hidden: int, layers: int, residual_proj: bool) -> float:
+    """nanoGPT's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 L)."""
+    return 0.02 / math.sqrt(2 * layers) if residual_proj else 0.02
