@@ -1,0 +1,180 @@
+"""Progress of a running gang: events from the ranks, aggregated figures, rich bar and summary.
+
+Ranks send JSON events through the launcher's pipe (RankContext.report). Schema (`kind` first):
+  step:       stage, step (None: count), seconds, tokens (of the global batch), loss (NaN: no loss here)
+  reshard:    boundary "a->b", strategy, scope, bytes (received by this rank), seconds
+  checkpoint: step, seconds
+  pipeline:   stage, bubble, overlap (fractions)
+`hook_trainer_metrics` produces them from the trainer's own TrainerMetrics calls, so the trainer
+needs no second reporting path.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def hook_trainer_metrics(report: Callable[..., None]) -> None:
+    """In a forked rank: make every TrainerMetrics.record_* call also report a progress event."""
+    from meshjob.trainer.metrics import TrainerMetrics
+
+    orig_step = TrainerMetrics.record_step
+    orig_reshard = TrainerMetrics.record_resharding
+    orig_ckpt = TrainerMetrics.record_checkpoint
+    orig_pipe = TrainerMetrics.record_pipeline
+
+    def record_step(self: Any, seconds: float, tokens: int, loss: float, step: int | None = None) -> None:
+        orig_step(self, seconds, tokens, loss, step)
+        report(kind="step", stage=self.stage, step=step, seconds=seconds, tokens=tokens, loss=loss)
+
+    def record_resharding(self: Any, strategy: str, scope: str, boundary: str, nbytes: int,
+                          seconds: float) -> None:
+        orig_reshard(self, strategy, scope, boundary, nbytes, seconds)
+        report(kind="reshard", boundary=boundary, strategy=strategy, scope=scope, bytes=nbytes,
+               seconds=seconds)
+
+    def record_checkpoint(self: Any, seconds: float, step: int) -> None:
+        orig_ckpt(self, seconds, step)
+        report(kind="checkpoint", step=step, seconds=seconds)
+
+    def record_pipeline(self: Any, stage: int, bubble_fraction: float, overlap_fraction: float) -> None:
+        orig_pipe(self, stage, bubble_fraction, overlap_fraction)
+        report(kind="pipeline", stage=stage, bubble=bubble_fraction, overlap=overlap_fraction)
+
+    TrainerMetrics.record_step = record_step  # type: ignore[method-assign]
+    TrainerMetrics.record_resharding = record_resharding  # type: ignore[method-assign]
+    TrainerMetrics.record_checkpoint = record_checkpoint  # type: ignore[method-assign]
+    TrainerMetrics.record_pipeline = record_pipeline  # type: ignore[method-assign]
+
+
+@dataclass
+class RunStats:
+    """Aggregates rank events; a step counts as done when every rank has reported it."""
+
+    world_size: int
+    total_steps: int
+    last_step: dict[int, int] = field(default_factory=dict)  # rank -> last step reported
+    step_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # max over ranks
+    step_tokens: dict[int, int] = field(default_factory=dict)
+    loss: float = math.nan
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    reshard_bytes: int = 0
+    reshard_seconds: float = 0.0
+    reshard_by_boundary: dict[str, list[float]] = field(default_factory=dict)  # [bytes, seconds, n]
+    checkpoint_step: int | None = None
+    pipeline: dict[int, tuple[float, float]] = field(default_factory=dict)
+    restarts: int = 0
+
+    def add(self, event: dict) -> None:
+        kind, rank = event.get("kind"), int(event.get("rank", -1))
+        if kind == "step":
+            step = event.get("step")
+            step = self.last_step.get(rank, 0) + 1 if step is None else int(step)
+            self.last_step[rank] = step
+            self.step_seconds[step] = max(self.step_seconds[step], float(event["seconds"]))
+            self.step_tokens[step] = int(event["tokens"])
+            loss = float(event["loss"])
+            if not math.isnan(loss):
+                self.loss = loss
+                self.losses.append((step, loss))
+        elif kind == "reshard":
+            self.reshard_bytes += int(event["bytes"])
+            self.reshard_seconds += float(event["seconds"])
+            acc = self.reshard_by_boundary.setdefault(event["boundary"], [0.0, 0.0, 0.0])
+            acc[0] += float(event["bytes"])
+            acc[1] += float(event["seconds"])
+            acc[2] += 1
+        elif kind == "checkpoint":
+            self.checkpoint_step = int(event["step"])
+        elif kind == "pipeline":
+            self.pipeline[int(event["stage"])] = (float(event["bubble"]), float(event["overlap"]))
+
+    def restart(self) -> None:
+        """A new gang resumes from the checkpoint: steps after it will be reported again."""
+        self.restarts += 1
+        self.last_step.clear()
+
+    @property
+    def step(self) -> int:
+        """Steps completed by every rank."""
+        if len(self.last_step) < self.world_size:
+            return 0
+        return min(self.last_step.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Of the last completed step (the slowest rank's time)."""
+        s = self.step
+        if s == 0 or self.step_seconds.get(s, 0) <= 0:
+            return 0.0
+        return self.step_tokens[s] / self.step_seconds[s]
+
+    @property
+    def mean_tokens_per_s(self) -> float:
+        done = [s for s in range(1, self.step + 1) if self.step_seconds.get(s, 0) > 0]
+        secs = sum(self.step_seconds[s] for s in done)
+        return sum(self.step_tokens[s] for s in done) / secs if secs > 0 else 0.0
+
+    @property
+    def reshard_gbytes_per_s(self) -> float:
+        """Mean receive rate of a receiving rank while resharding (bytes / its resharding time)."""
+        return self.reshard_bytes / self.reshard_seconds / 1e9 if self.reshard_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps_completed": self.step, "total_steps": self.total_steps,
+            "final_loss": None if math.isnan(self.loss) else self.loss,
+            "losses": self.losses,
+            "tokens_per_s_mean": self.mean_tokens_per_s,
+            "resharding_bytes": self.reshard_bytes,
+            "resharding_gbytes_per_s": self.reshard_gbytes_per_s,
+            "resharding": {b: {"bytes": v[0], "seconds": v[1], "count": int(v[2])}
+                           for b, v in sorted(self.reshard_by_boundary.items())},
+            "pipeline": {str(s): {"bubble": b, "overlap": o} for s, (b, o) in sorted(self.pipeline.items())},
+            "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
+        }
+
+
+class ProgressView:
+    """A rich progress bar refreshed by the caller (no refresh thread: ranks are forked from the
+    main thread, and a fork while another thread holds a stdio lock could deadlock the child)."""
+
+    def __init__(self, stats: RunStats, console: Console | None = None, enabled: bool = True):
+        self.stats = stats
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("reshard {task.fields[gbps]} GB/s"), TimeElapsedColumn(),
+            console=self.console, auto_refresh=False, disable=not enabled, transient=False)
+        self.task = self.progress.add_task("train", total=stats.total_steps, loss="-", tps="-", gbps="-")
+
+    def __enter__(self) -> ProgressView:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.update()
+        self.progress.stop()
+
+    def update(self) -> None:
+        s = self.stats
+        self.progress.update(
+            self.task, completed=s.step, loss="-" if math.isnan(s.loss) else f"{s.loss:.4f}",
+            tps=f"{s.tokens_per_s:,.0f}", gbps=f"{s.reshard_gbytes_per_s:.3f}")
+        self.progress.refresh()
+
+
+def summary_table(rows: list[tuple[str, str]], title: str) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
