@@ -1,0 +1,168 @@
+"""Writes meshjob.json, the Grafana dashboard, from the panel list below.
+
+Run `python charts/meshjob/dashboards/generate.py` after editing; a test fails when the committed
+JSON differs from what this prints. Queries use two Grafana variables: $job (the TrainingJob label
+of trainer metrics) and $__rate_interval.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOB = 'job=~"$job"'
+RATE = "$__rate_interval"
+
+
+@dataclass
+class Panel:
+    title: str
+    description: str
+    targets: list[tuple[str, str]]  # (PromQL, legend)
+    unit: str = "short"
+    kind: str = "timeseries"
+    width: int = 12
+    extra: dict = field(default_factory=dict)
+
+
+ROWS: list[tuple[str, list[Panel]]] = [
+    ("Cross-mesh resharding", [
+        Panel("Resharding bandwidth per link and strategy",
+              "Bytes per second received by cross-mesh resharding, per stage boundary (link), strategy and "
+              "scope (intra_host: same host; cross_host: through the NICs).",
+              [(f'sum by (boundary, strategy, scope) (rate(meshjob_resharding_bytes_total{{{JOB}}}[{RATE}]))',
+                "{{boundary}} {{strategy}} {{scope}}")], unit="Bps"),
+        Panel("Achieved NIC bandwidth per host",
+              "Bytes per second through each host's NIC while it reshards.",
+              [(f'max by (host) (meshjob_nic_bandwidth_bytes_per_second{{{JOB}}})', "{{host}}")], unit="Bps"),
+        Panel("Resharding time / lower bound",
+              "Last resharding time of each boundary over its lower bound (bytes through the busiest NIC / "
+              "NIC rate). 1 is optimal; the alert fires above 4.",
+              [(f'max by (boundary) (meshjob_resharding_lower_bound_ratio{{{JOB}}})', "{{boundary}}")],
+              extra={"fieldConfig": {"defaults": {"unit": "short", "min": 0,
+                                                  "thresholds": {"mode": "absolute", "steps": [
+                                                      {"color": "green", "value": None},
+                                                      {"color": "orange", "value": 2},
+                                                      {"color": "red", "value": 4}]}}}}),
+        Panel("Resharding time per boundary",
+              "Mean and 95th percentile wall time of one resharding of a boundary.",
+              [(f'sum by (boundary, strategy) (rate(meshjob_resharding_seconds_sum{{{JOB}}}[{RATE}])) / '
+                f'sum by (boundary, strategy) (rate(meshjob_resharding_seconds_count{{{JOB}}}[{RATE}]))',
+                "mean {{boundary}} {{strategy}}"),
+               (f'histogram_quantile(0.95, sum by (le, boundary) '
+                f'(rate(meshjob_resharding_seconds_bucket{{{JOB}}}[{RATE}])))', "p95 {{boundary}}")], unit="s"),
+        Panel("Unit tasks per balancer",
+              "Resharding unit tasks executed per second, by the balancer that chose their senders.",
+              [(f'sum by (balancer) (rate(meshjob_unit_tasks_total{{{JOB}}}[{RATE}]))', "{{balancer}}")],
+              unit="ops"),
+    ]),
+    ("Training", [
+        Panel("Step time",
+              "Median and 95th percentile wall time of a training step.",
+              [(f'histogram_quantile(0.5, sum by (le) (rate(meshjob_step_seconds_bucket{{{JOB}}}[{RATE}])))', "p50"),
+               (f'histogram_quantile(0.95, sum by (le) (rate(meshjob_step_seconds_bucket{{{JOB}}}[{RATE}])))', "p95")],
+              unit="s"),
+        Panel("Throughput",
+              "Tokens trained per second (every rank counts the global batch: max over ranks).",
+              [(f'max by (job) (rate(meshjob_tokens_total{{{JOB}}}[{RATE}]))', "{{job}}")], unit="short"),
+        Panel("Loss", "Training loss of the last step (from the stage that computes it).",
+              [(f'min by (job) (meshjob_loss{{{JOB}}})', "{{job}}")]),
+        Panel("Step and last checkpoint",
+              "Last completed step and the step of the last checkpoint written.",
+              [(f'max by (job) (meshjob_step{{{JOB}}})', "step {{job}}"),
+               (f'max by (job) (meshjob_last_checkpoint_step{{{JOB}}})', "checkpoint {{job}}")]),
+        Panel("Checkpoint time", "Mean wall time of writing a checkpoint.",
+              [(f'sum by (job) (rate(meshjob_checkpoint_seconds_sum{{{JOB}}}[{RATE}])) / '
+                f'sum by (job) (rate(meshjob_checkpoint_seconds_count{{{JOB}}}[{RATE}]))', "{{job}}")], unit="s"),
+        Panel("Job configuration", "Strategy, schedule, balancer and mesh shapes of each job.",
+              [(f'max by (job, strategy, schedule, balancer, meshes) (meshjob_info{{{JOB}}})', "")],
+              kind="table"),
+    ]),
+    ("Pipeline", [
+        Panel("Bubble fraction per stage", "Idle fraction of each stage's step time.",
+              [(f'max by (stage) (meshjob_pipeline_bubble_fraction{{{JOB}}})', "stage {{stage}}")],
+              unit="percentunit"),
+        Panel("Communication/compute overlap per stage",
+              "Fraction of each stage's communication time hidden behind compute.",
+              [(f'max by (stage) (meshjob_pipeline_overlap_fraction{{{JOB}}})', "stage {{stage}}")],
+              unit="percentunit"),
+    ]),
+    ("Operator", [
+        Panel("Jobs by phase", "TrainingJobs per phase, as the operator sees them.",
+              [("sum by (phase) (meshjob_operator_jobs)", "{{phase}}")]),
+        Panel("Gang restarts", "Gang restarts of TrainingJobs in the last hour.",
+              [("sum(increase(meshjob_operator_restarts_total[1h]))", "restarts")]),
+        Panel("Reconcile duration", "95th percentile duration of the operator's handlers.",
+              [(f'histogram_quantile(0.95, sum by (le) (rate(meshjob_operator_reconcile_duration_seconds_bucket[{RATE}])))',
+                "p95")], unit="s"),
+        Panel("Pod creation latency", "95th percentile time from a job's creation to its pods.",
+              [(f'histogram_quantile(0.95, sum by (le) (rate(meshjob_operator_pod_creation_latency_seconds_bucket[{RATE}])))',
+                "p95")], unit="s"),
+    ]),
+]
+
+
+def panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
+    body = {
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             **({"format": "table", "instant": True} if panel.kind == "table" else {})}
+            for i, (expr, legend) in enumerate(panel.targets)
+        ],
+    }
+    body.update(panel.extra)
+    return body
+
+
+def dashboard() -> dict:
+    panels: list[dict] = []
+    panel_id, y = 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"id": panel_id, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        panel_id, y, x = panel_id + 1, y + 1, 0
+        for panel in row_panels:
+            if x + panel.width > 24:
+                x, y = 0, y + 8
+            panels.append(panel_json(panel, panel_id, x, y))
+            panel_id, x = panel_id + 1, x + panel.width
+        y += 8
+    return {
+        "uid": "meshjob",
+        "title": "meshjob",
+        "description": "Cross-mesh resharding, pipeline schedule and training of meshjob TrainingJobs; the operator.",
+        "tags": ["meshjob", "training"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timezone": "browser",
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
+             "current": {}, "hide": 0},
+            {"name": "job", "type": "query", "label": "TrainingJob",
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": {"query": "label_values(meshjob_info, job)", "refId": "jobs"},
+             "definition": "label_values(meshjob_info, job)",
+             "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "current": {}, "hide": 0},
+        ]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    Path(__file__).with_name("meshjob.json").write_text(render())
