@@ -1,17 +1,171 @@
 """Cross-mesh resharding: decomposition into unit tasks (seed 000 App. B) and lowering by strategy.
 
-CONTRACT STUB. Names other modules rely on:
-  @dataclass(frozen=True) UnitTask: slice: Slice; senders: tuple[int, ...] (global ranks holding it);
-      receivers: tuple[int, ...] (global ranks needing it); bytes: int
-  decompose(shape, src_mesh, src_spec, dst_mesh, dst_spec, itemsize=4) -> list[UnitTask]
-  @dataclass(frozen=True) Step: id: int; task: int; src: int; dst: int (global ranks);
-      region: Slice (global tensor coordinates); after: tuple[int, ...] (step ids that must finish
-      before src may send: src receives region through them); scope: "cross_host" | "intra_host";
-      signal: bool (send 1 byte instead of the region);  property nbytes(itemsize=4)
-  lower(task, task_index, sender, strategy, chunks, host_of: Callable[[int], int],
-        first_step_id=0) -> list[Step]
-      strategies: send_recv, local_allgather, global_allgather, broadcast, signal.
-      All-gathers are lowered to point-to-point ring steps, so executors only copy regions.
-  nic_bytes(steps, host_of, itemsize=4) -> dict[host, (bytes_out, bytes_in)]   # cross_host only
+decompose() cuts the tensor at every shard boundary of both specs, so each resulting slice is held
+whole by a set of source devices and needed whole by a set of destination devices: one UnitTask.
+lower() turns one UnitTask into point-to-point region copies (Steps) for a chosen sender rank;
+all-gathers become ring steps, so executors only ever copy regions.
 """
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from meshjob.errors import SpecError
+from meshjob.mesh import Mesh
+from meshjob.sharding import ShardingSpec, Slice, check_spec, contains, slice_numel, slice_shape, tile
+
+STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
+CROSS_HOST = "cross_host"
+INTRA_HOST = "intra_host"
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    slice: Slice
+    senders: tuple[int, ...]  # global ranks holding the slice, source mesh row-major order
+    receivers: tuple[int, ...]  # global ranks needing it, destination mesh row-major order
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Step:
+    id: int
+    task: int
+    src: int  # global rank
+    dst: int
+    region: Slice  # global tensor coordinates
+    after: tuple[int, ...]  # steps through which src receives `region`; they finish first
+    scope: str  # CROSS_HOST or INTRA_HOST
+    signal: bool = False  # send 1 byte instead of the region (upper-bound baseline)
+
+    def nbytes(self, itemsize: int = 4) -> int:
+        return 1 if self.signal else slice_numel(self.region) * itemsize
+
+
+def _cuts(length: int, pieces: int) -> set[int]:
+    return {length * i // pieces for i in range(pieces + 1)}
+
+
+def decompose(shape: tuple[int, ...], src_mesh: Mesh, src_spec: ShardingSpec, dst_mesh: Mesh,
+              dst_spec: ShardingSpec, itemsize: int = 4) -> list[UnitTask]:
+    """Unit tasks of resharding a tensor of `shape` from (src_mesh, src_spec) to (dst_mesh, dst_spec).
+
+    Slices are ordered row-major over the per-dim intervals."""
+    errors = (check_spec(src_spec, src_mesh.shape, shape, "src_spec")
+              + check_spec(dst_spec, dst_mesh.shape, shape, "dst_spec"))
+    if errors:
+        raise SpecError(errors)
+    src_pieces, dst_pieces = src_spec.shards(src_mesh.shape), dst_spec.shards(dst_mesh.shape)
+    intervals = []
+    for length, a, b in zip(shape, src_pieces, dst_pieces):
+        points = sorted(_cuts(length, a) | _cuts(length, b))
+        intervals.append(list(zip(points, points[1:])))
+    src_tiles = [(r, tile(src_spec, src_mesh.shape, shape, src_mesh.index_of(r))) for r in src_mesh.ranks]
+    dst_tiles = [(r, tile(dst_spec, dst_mesh.shape, shape, dst_mesh.index_of(r))) for r in dst_mesh.ranks]
+    tasks = []
+    for piece in itertools.product(*intervals):
+        senders = tuple(r for r, t in src_tiles if contains(t, piece))
+        receivers = tuple(r for r, t in dst_tiles if contains(t, piece))
+        tasks.append(UnitTask(piece, senders, receivers, slice_numel(piece) * itemsize))
+    return tasks
+
+
+def split(region: Slice, parts: int) -> list[Slice]:
+    """Cut `region` into at most `parts` non-empty pieces along its longest dim (first on ties)."""
+    sizes = slice_shape(region)
+    axis = max(range(len(sizes)), key=lambda d: (sizes[d], -d))
+    start, stop = region[axis]
+    n = max(1, min(parts, stop - start))
+    bounds = [start + (stop - start) * i // n for i in range(n + 1)]
+    return [region[:axis] + ((lo, hi),) + region[axis + 1:] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def group_by_host(ranks: Iterable[int], host_of: Callable[[int], int]) -> list[list[int]]:
+    """Ranks grouped by host, hosts in first-seen order, ranks in given order."""
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(host_of(r), []).append(r)
+    return list(groups.values())
+
+
+class _Builder:
+    """Appends steps with consecutive ids, each scoped by the hosts of its two ends."""
+
+    def __init__(self, task: int, host_of: Callable[[int], int], first_id: int, signal: bool = False):
+        self.task, self.host_of, self.next_id, self.signal = task, host_of, first_id, signal
+        self.steps: list[Step] = []
+
+    def copy(self, src: int, dst: int, region: Slice, after: tuple[int, ...]) -> int:
+        scope = INTRA_HOST if self.host_of(src) == self.host_of(dst) else CROSS_HOST
+        step = Step(self.next_id, self.task, src, dst, region, after, scope, self.signal)
+        self.steps.append(step)
+        self.next_id += 1
+        return step.id
+
+
+def _scatter_then_ring(b: _Builder, sender: int, region: Slice, ring: list[int]) -> None:
+    """Scatter: part p of `region` goes to ring[p]. Then the ring all-gather as point-to-point
+    steps: each part travels once around the ring, one hop per round, and every hop waits for the
+    step that brought that part to the forwarding device."""
+    parts = split(region, len(ring))
+    last = [b.copy(sender, ring[p], part, ()) for p, part in enumerate(parts)]
+    n = len(ring)
+    for k in range(1, n):
+        for p, part in enumerate(parts):
+            last[p] = b.copy(ring[(p + k - 1) % n], ring[(p + k) % n], part, (last[p],))
+
+
+def _chain(b: _Builder, sender: int, region: Slice, hosts: list[list[int]], chunks: int) -> None:
+    """Pipelined broadcast: sender -> head of host 1 -> head of host 2 ...; each head forwards
+    chunk k onward and to its host's other devices as soon as it holds chunk k."""
+    for chunk in split(region, chunks):
+        src, got = sender, ()
+        for devices in hosts:
+            head = devices[0]
+            received = b.copy(src, head, chunk, got)
+            for other in devices[1:]:
+                b.copy(head, other, chunk, (received,))
+            src, got = head, (received,)
+
+
+def lower(task: UnitTask, task_index: int, sender: int, strategy: str, chunks: int,
+          host_of: Callable[[int], int], first_step_id: int = 0) -> list[Step]:
+    """Explicit region copies that deliver `task.slice` from `sender` to every receiver."""
+    if sender not in task.senders:
+        raise ValueError(f"sender {sender} does not hold slice {task.slice} (holders: {task.senders})")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is invalid: one of {', '.join(STRATEGIES)}")
+    if chunks < 1:
+        raise ValueError(f"chunks {chunks!r} is invalid: a positive integer")
+    hosts = group_by_host(task.receivers, host_of)
+    # The sender's own host (if it receives) goes first: its hop stays intra-host and its head
+    # then feeds the rest of the chain.
+    hosts.sort(key=lambda devices: host_of(devices[0]) != host_of(sender))
+    b = _Builder(task_index, host_of, first_step_id, signal=strategy == "signal")
+    if strategy == "send_recv":
+        for r in task.receivers:
+            b.copy(sender, r, task.slice, ())
+    elif strategy == "local_allgather":
+        for devices in hosts:
+            _scatter_then_ring(b, sender, task.slice, devices)
+    elif strategy == "global_allgather":
+        _scatter_then_ring(b, sender, task.slice, [r for devices in hosts for r in devices])
+    elif strategy == "broadcast":
+        _chain(b, sender, task.slice, hosts, chunks)
+    else:  # signal: the broadcast's dependency shape with one 1-byte chunk
+        _chain(b, sender, task.slice, hosts, 1)
+    return b.steps
+
+
+def nic_bytes(steps: Iterable[Step], host_of: Callable[[int], int],
+              itemsize: int = 4) -> dict[int, tuple[int, int]]:
+    """Bytes each host's NIC sends and receives (cross-host steps only): host -> (out, in)."""
+    out: dict[int, list[int]] = {}
+    for s in steps:
+        if s.scope != CROSS_HOST:
+            continue
+        n = s.nbytes(itemsize)
+        out.setdefault(host_of(s.src), [0, 0])[0] += n
+        out.setdefault(host_of(s.dst), [0, 0])[1] += n
+    return {h: (o, i) for h, (o, i) in out.items()}
