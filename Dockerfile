@@ -1,0 +1,51 @@
+# syntax=docker/dockerfile:1.7
+# meshjob images. Two targets:
+#   docker build --target operator -t meshjob/operator:0.1.0 .   # kopf operator, no torch
+#   docker build --target trainer  -t meshjob/trainer:0.1.0 .    # trainer worker, torch 2.13.0 CPU
+# The Helm chart's default images are these two tags. Both run as the non-root user 10001.
+
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+
+# ---- base: interpreter, non-root user, quiet pip ----
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --gid 10001 meshjob \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin meshjob
+WORKDIR /app
+
+# ---- build: the meshjob wheel (one distribution: meshjob, meshjob.operator, meshjob.trainer) ----
+FROM base AS build
+RUN pip install setuptools==84.2.1 wheel==0.45.1
+COPY pyproject.toml README.md ./
+COPY meshjob/ meshjob/
+COPY operator/ operator/
+COPY trainer/ trainer/
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
+
+# ---- operator: `meshjob operator` (kopf), no torch ----
+FROM base AS operator
+COPY --from=build /wheels /wheels
+RUN pip install --find-links /wheels "meshjob[operator]==0.1.0" \
+      kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
+ && rm -rf /wheels
+USER 10001:10001
+EXPOSE 9401 8080
+ENTRYPOINT ["meshjob"]
+CMD ["operator"]
+
+# ---- trainer: `meshjob worker`, one process per device (torch CPU wheel) ----
+FROM base AS trainer
+# The CPU-only wheel index: torch from the default index pulls the multi-GB CUDA build.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY --from=build /wheels /wheels
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+ && pip install --find-links /wheels "meshjob[trainer]==0.1.0" \
+      torch==2.13.0 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
+ && rm -rf /wheels
+USER 10001:10001
+EXPOSE 9400
+ENTRYPOINT ["meshjob"]
+CMD ["worker"]

@@ -1,0 +1,247 @@
+"""The Dockerfile, without a docker engine: it parses, its targets exist, it pins what it installs,
+runs as non-root, and every command it (and the chart) runs is one of the project's entry points."""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTRUCTIONS = {"FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "EXPOSE", "ENTRYPOINT", "CMD",
+                "LABEL", "HEALTHCHECK", "SHELL", "VOLUME", "STOPSIGNAL", "ONBUILD"}
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [args for kw, args in self.instructions if kw == keyword]
+
+
+def parse_dockerfile(text: str) -> tuple[dict[str, str], dict[str, Stage]]:
+    """Global ARGs and stages by name; raises ValueError on an unknown instruction."""
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    global_args: dict[str, str] = {}
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+    for line in logical:
+        keyword, _, args = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword not in INSTRUCTIONS:
+            raise ValueError(f"unknown Dockerfile instruction {keyword!r} in: {line}")
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", args.strip(), re.IGNORECASE)
+            if not match:
+                raise ValueError(f"every stage must be named (FROM image AS name): {line}")
+            current = stages[match[2]] = Stage(name=match[2], base=match[1])
+        elif current is None:
+            if keyword != "ARG":
+                raise ValueError(f"only ARG may precede the first FROM: {line}")
+            name, _, default = args.partition("=")
+            global_args[name.strip()] = default.strip()
+        else:
+            current.instructions.append((keyword, args.strip()))
+    return global_args, stages
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> tuple[dict[str, str], dict[str, Stage]]:
+    return parse_dockerfile((ROOT / "Dockerfile").read_text())
+
+
+def chain(stages: dict[str, Stage], name: str) -> list[Stage]:
+    """The stage and the stages it is built FROM, final first."""
+    result = [stages[name]]
+    while result[-1].base in stages:
+        result.append(stages[result[-1].base])
+    return result
+
+
+def exec_form(args: str) -> list[str]:
+    import json
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"not exec form: {args}"
+    return value
+
+
+def pip_requirements(run: str) -> list[str]:
+    """Requirement specifiers of every `pip install` in a RUN line (options and paths dropped)."""
+    found: list[str] = []
+    for command in re.split(r"&&|;", run):
+        words = shlex.split(command)
+        if words[:2] != ["pip", "install"]:
+            continue
+        skip_next = False
+        for word in words[2:]:
+            if skip_next:
+                skip_next = False
+            elif word in ("--index-url", "--find-links", "-c", "--constraint", "-i"):
+                skip_next = True
+            elif not word.startswith("-"):
+                found.append(word)
+    return found
+
+
+def test_dockerfile_has_operator_and_trainer_targets(dockerfile):
+    _, stages = dockerfile
+    assert {"operator", "trainer"} <= set(stages)
+
+
+def test_base_image_is_pinned_to_a_patch_release(dockerfile):
+    global_args, stages = dockerfile
+    bases = {s.base for s in stages.values() if s.base not in stages}
+    for base in bases:
+        image = global_args.get(base.strip("${}"), base) if base.startswith("$") else base
+        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*(@sha256:[0-9a-f]{64})?", image), \
+            f"base image {image!r} must name an exact version"
+
+
+def test_every_pip_install_pins_exact_versions(dockerfile):
+    _, stages = dockerfile
+    requirements = [r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run)]
+    assert requirements, "the Dockerfile installs nothing with pip"
+    for requirement in requirements:
+        assert "==" in requirement, f"{requirement!r} in the Dockerfile is not pinned with =="
+
+
+def test_pinned_meshjob_version_is_the_project_version(dockerfile):
+    _, stages = dockerfile
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    pins = [r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run) if r.startswith("meshjob")]
+    assert pins and all(r.endswith(f"=={version}") for r in pins), pins
+
+
+def test_pip_extras_used_by_the_dockerfile_exist_in_pyproject(dockerfile):
+    _, stages = dockerfile
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for stage in ("operator", "trainer"):
+        used = {m for run in stages[stage].all("RUN") for r in pip_requirements(run)
+                for m in re.findall(r"meshjob\[([\w,]+)\]", r)}
+        assert used == {stage}, f"target {stage} installs extras {used}, expected [{stage}]"
+        assert stage in extras
+
+
+def test_operator_image_installs_no_torch(dockerfile):
+    _, stages = dockerfile
+    for stage in chain(stages, "operator"):
+        for run in stage.all("RUN"):
+            assert "torch" not in run, f"stage {stage.name} of the operator image installs torch"
+    assert "torch" not in " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                                   ["project"]["optional-dependencies"]["operator"])
+
+
+def test_trainer_image_installs_torch_2_13_0_cpu(dockerfile):
+    _, stages = dockerfile
+    runs = " ".join(run for s in chain(stages, "trainer") for run in s.all("RUN"))
+    assert "torch==2.13.0" in runs and "--index-url" in runs
+    assert any("whl/cpu" in a for a in stages["trainer"].all("ARG")), "torch must come from the CPU wheel index"
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_target_runs_as_numeric_non_root_user(dockerfile, target):
+    _, stages = dockerfile
+    users = [u for s in reversed(chain(stages, target)) for u in s.all("USER")]
+    assert users, f"target {target} sets no USER"
+    uid = users[-1].split(":")[0]
+    # Kubernetes' runAsNonRoot can only verify a numeric UID.
+    assert uid.isdigit() and int(uid) != 0, f"target {target} runs as {users[-1]!r}"
+
+
+@pytest.mark.parametrize("target,subcommand", [("operator", "operator"), ("trainer", "worker")])
+def test_entrypoint_is_the_projects_real_command(dockerfile, target, subcommand):
+    _, stages = dockerfile
+    command = exec_form(stages[target].all("ENTRYPOINT")[-1]) + exec_form(stages[target].all("CMD")[-1])
+    assert command == ["meshjob", subcommand]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["meshjob"] == "meshjob.cli:main"
+    result = subprocess.run([sys.executable, "-m", "meshjob.cli", *command[1:], "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, f"`meshjob {subcommand} --help` failed:\n{result.stderr[-2000:]}"
+
+
+def _context_files() -> list[str]:
+    """Files of the repository that .dockerignore lets into the build context."""
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    kept = []
+    for path in tracked:
+        included = True
+        for pattern in patterns:  # last match wins, as in Docker
+            negate = pattern.startswith("!")
+            pat = pattern[1:] if negate else pattern
+            pat = pat.rstrip("/")
+            if fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(path, pat + "/*") or \
+                    fnmatch.fnmatch(path, pat.replace("**/", "*/")) or \
+                    (pat.startswith("**/") and fnmatch.fnmatch(Path(path).name, pat[3:])):
+                included = negate
+        if included:
+            kept.append(path)
+    return kept
+
+
+def test_dockerignore_keeps_tests_charts_and_git_out_of_the_context():
+    kept = _context_files()
+    assert kept, ".dockerignore excludes everything"
+    for path in kept:
+        assert not path.startswith(("tests/", "charts/", "bench/", ".git", "examples/")), path
+        assert "__pycache__" not in path
+
+
+def test_every_copy_source_is_in_the_build_context(dockerfile):
+    _, stages = dockerfile
+    kept = _context_files()
+    for stage in stages.values():
+        for args in stage.all("COPY"):
+            if args.startswith("--from"):
+                continue
+            for source in shlex.split(args)[:-1]:
+                assert any(k == source or k.startswith(source.rstrip("/") + "/") for k in kept), \
+                    f"COPY {source} in stage {stage.name}: not in the build context (.dockerignore)"
+
+
+@pytest.mark.slow
+def test_wheel_built_from_the_context_has_both_executor_packages(tmp_path):
+    """What the build stage does: a wheel from only the files the context holds."""
+    context = tmp_path / "context"
+    for path in _context_files():
+        target = context / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((ROOT / path).read_bytes())
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "--wheel-dir", str(wheels), str(context)], check=True, timeout=120,
+                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    (wheel,) = wheels.glob("meshjob-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("meshjob/cli.py", "meshjob/operator/__init__.py", "meshjob/trainer/__init__.py",
+                   "meshjob/trainer/metrics.py"):
+        assert module in names, f"{module} missing from the image's wheel"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "meshjob = meshjob.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
