@@ -8,6 +8,7 @@ edge layouts) run after the structural pass and skip any field that already fail
 """
 from __future__ import annotations
 
+import bisect
 import collections.abc
 import dataclasses
 import difflib
@@ -411,7 +412,7 @@ def _describe(f: FieldSchema) -> str:
             count = f"{f.min_items or 0} to {f.max_items}"
         else:
             count = f"at least {f.min_items or 0}"
-        return f"a list of {count} {_describe(f.items) if f.items.model is None else 'mappings'}"
+        return f"a list of {count} items, each {_describe(f.items)}"
     if f.type == "object":
         return "a mapping"
     if f.enum is not None:
@@ -482,11 +483,11 @@ def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[Edge
     edges = [EdgeSpec(i, i + 1, natural_layout(stages[i]), natural_layout(stages[i + 1]))
              for i in range(len(stages) - 1)]
     if model.kind == "utransformer":
-        def stage_of(layer: int) -> int:
-            return next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])
+        starts = [st.layers[0] for st in stages]
         last = model.layers - 1
         for i in range(model.layers // 2):
-            a, b = stage_of(i), stage_of(last - i)
+            a = bisect.bisect_right(starts, i) - 1  # stage holding layer i
+            b = bisect.bisect_right(starts, last - i) - 1
             if a != b:
                 edges.append(EdgeSpec(a, b, natural_layout(stages[a]), natural_layout(stages[b]),
                                       tensor=f"skip{i}"))
@@ -702,18 +703,23 @@ def _read_metadata(r: _Reader, meta: Any) -> tuple[str, str]:
 
 def load_job(path: str) -> TrainingJob:
     """Read YAML from a file and parse_job() it (YAML errors become SpecError too)."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError([FieldError(path, None, f"a readable UTF-8 YAML file ({err})")]) from None
+    return parse_yaml(text, source=path)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> TrainingJob:
+    """parse_job() of one YAML document; syntax errors name source:line:column."""
+    import yaml
+
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = getattr(err, "problem", None) or str(err)
         raise SpecError([FieldError(where, problem, "valid YAML (one TrainingJob document)")]) from None
     return parse_job(doc)
