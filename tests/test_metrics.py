@@ -1,0 +1,156 @@
+"""TrainerMetrics: what each record_* call exports, naming conventions, validation, serving."""
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshjob.trainer.metrics import TrainerMetrics
+
+ALLOWED_LABELS = {"job", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
+
+
+@pytest.fixture
+def metrics() -> TrainerMetrics:
+    return TrainerMetrics(job="gpt-demo", rank=3, host="h1", stage=1)
+
+
+def value(m: TrainerMetrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def feed_everything(m: TrainerMetrics) -> None:
+    m.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
+    m.record_resharding("broadcast", "cross_host", "0->1", 1000, 0.2)
+    m.record_nic("h1", 1.25e8)
+    m.record_unit_tasks("greedy", 4)
+    m.record_resharding_ratio("0->1", 1.1)
+    m.record_step(0.5, 4096, 2.5)
+    m.record_pipeline(1, 0.25, 0.75)
+    m.record_checkpoint(0.05, 10)
+
+
+def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(metrics):
+    metrics.record_resharding("broadcast", "cross_host", "0->1", 1000, 0.2)
+    metrics.record_resharding("broadcast", "cross_host", "0->1", 500, 0.1)
+    metrics.record_resharding("send_recv", "intra_host", "1->2", 7, 0.001)
+    labels = dict(job="gpt-demo", strategy="broadcast", scope="cross_host", boundary="0->1")
+    assert value(metrics, "meshjob_resharding_bytes_total", **labels) == 1500
+    assert value(metrics, "meshjob_resharding_seconds_count", **labels) == 2
+    assert value(metrics, "meshjob_resharding_seconds_sum", **labels) == pytest.approx(0.3)
+    assert value(metrics, "meshjob_resharding_bytes_total", job="gpt-demo", strategy="send_recv",
+                 scope="intra_host", boundary="1->2") == 7
+
+
+def test_step_counts_tokens_sets_loss_and_advances_the_step(metrics):
+    metrics.record_step(0.5, 4096, 2.5)
+    metrics.record_step(0.7, 4096, 2.25)
+    labels = dict(job="gpt-demo", stage="1")
+    assert value(metrics, "meshjob_tokens_total", **labels) == 8192
+    assert value(metrics, "meshjob_loss", **labels) == 2.25
+    assert value(metrics, "meshjob_step", **labels) == 2
+    assert value(metrics, "meshjob_step_seconds_count", **labels) == 2
+
+
+def test_step_number_can_be_set_after_a_resume(metrics):
+    metrics.record_step(0.5, 4096, 2.5, step=41)
+    assert value(metrics, "meshjob_step", job="gpt-demo", stage="1") == 41
+
+
+def test_nan_loss_means_this_stage_computes_no_loss(metrics):
+    metrics.record_step(0.5, 4096, math.nan)
+    assert value(metrics, "meshjob_loss", job="gpt-demo", stage="1") is None
+    assert value(metrics, "meshjob_tokens_total", job="gpt-demo", stage="1") == 4096
+
+
+def test_pipeline_fractions_are_exported_for_the_given_stage(metrics):
+    metrics.record_pipeline(2, 0.25, 0.75)
+    assert value(metrics, "meshjob_pipeline_bubble_fraction", job="gpt-demo", stage="2") == 0.25
+    assert value(metrics, "meshjob_pipeline_overlap_fraction", job="gpt-demo", stage="2") == 0.75
+
+
+def test_checkpoint_observes_seconds_and_remembers_the_step(metrics):
+    metrics.record_checkpoint(0.05, 10)
+    metrics.record_checkpoint(0.07, 20)
+    assert value(metrics, "meshjob_last_checkpoint_step", job="gpt-demo", stage="1") == 20
+    assert value(metrics, "meshjob_checkpoint_seconds_count", job="gpt-demo", stage="1") == 2
+
+
+def test_nic_unit_tasks_and_lower_bound_ratio(metrics):
+    metrics.record_nic("h1", 1.25e8)
+    metrics.record_unit_tasks("greedy", 4)
+    metrics.record_unit_tasks("greedy", 2)
+    metrics.record_resharding_ratio("0->1", 1.1)
+    assert value(metrics, "meshjob_nic_bandwidth_bytes_per_second", job="gpt-demo", host="h1") == 1.25e8
+    assert value(metrics, "meshjob_unit_tasks_total", job="gpt-demo", balancer="greedy") == 6
+    assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary="0->1") == 1.1
+
+
+def test_info_carries_strategy_schedule_balancer_and_mesh_shapes(metrics):
+    metrics.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
+    assert value(metrics, "meshjob_info", job="gpt-demo", stage="1", strategy="broadcast", schedule="eager-1f1b",
+                 balancer="greedy", meshes="1x2,2x1", rank="3", host="h1") == 1
+
+
+def test_names_have_prefix_and_counters_end_in_total(metrics):
+    feed_everything(metrics)
+    families = list(metrics.registry.collect())
+    assert len(families) == 14
+    unitless = {"meshjob_loss", "meshjob_step", "meshjob_last_checkpoint_step"}
+    units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio")
+    for family in families:
+        for sample in family.samples:
+            assert sample.name.startswith("meshjob_"), sample.name
+        if family.type == "counter":
+            assert family.name + "_total" in {s.name for s in family.samples}, family.name
+        elif family.type in ("histogram", "gauge"):
+            assert family.name in unitless or family.name.endswith(units), family.name
+
+
+def test_series_carry_only_low_cardinality_labels(metrics):
+    feed_everything(metrics)
+    for family in metrics.registry.collect():
+        if family.type == "info":
+            continue  # one series per process, by design
+        for sample in family.samples:
+            assert set(sample.labels) <= ALLOWED_LABELS, (sample.name, sample.labels)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m: m.record_resharding("magic", "cross_host", "0->1", 1, 0.1), "strategy='magic'"),
+    (lambda m: m.record_resharding("broadcast", "rack", "0->1", 1, 0.1), "scope='rack'"),
+    (lambda m: m.record_resharding("broadcast", "cross_host", "0-1", 1, 0.1), "boundary='0-1'"),
+    (lambda m: m.record_resharding("broadcast", "cross_host", "0->1", -5, 0.1), "nbytes=-5"),
+    (lambda m: m.record_step(math.nan, 1, 1.0), "seconds=nan"),
+    (lambda m: m.record_step(0.1, 1, math.inf), "loss=inf"),
+    (lambda m: m.record_pipeline(0, 1.5, 0.5), "bubble_fraction=1.5"),
+    (lambda m: m.record_nic("h0", -1.0), "bytes_per_second=-1.0"),
+    (lambda m: m.serve(70000), "port=70000"),
+])
+def test_bad_input_names_the_argument_the_value_and_what_is_allowed(metrics, call, message):
+    with pytest.raises(ValueError) as err:
+        call(metrics)
+    assert message in str(err.value)
+    assert "must be" in str(err.value)
+
+
+def test_two_trainers_in_one_process_keep_separate_registries():
+    a = TrainerMetrics(job="a", rank=0, host="h0", stage=0)
+    b = TrainerMetrics(job="a", rank=1, host="h0", stage=0)
+    a.record_step(0.1, 10, 1.0)
+    assert b.registry.get_sample_value("meshjob_tokens_total", {"job": "a", "stage": "0"}) is None
+
+
+def test_serve_exposes_the_metrics_over_http_and_close_frees_the_port(metrics):
+    feed_everything(metrics)
+    port = metrics.serve(0, addr="127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        metrics.close()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["meshjob_resharding_bytes"].samples[0].value == 1000
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
