@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazi
 
 DEFAULT_TIMEOUT_S = 300.0
 RENDEZVOUS_PREFIX = "meshjob/rendezvous"
+NAMED_VARIABLES = ("MESHJOB_JOB", "MESHJOB_HOSTS", "MESHJOB_CHECKPOINT_DIR", "MESHJOB_POD_NAME")
 
 
 class DistError(RuntimeError):
@@ -60,7 +61,7 @@ class WorkerEnv:
     hosts_path: str = ""  # MESHJOB_HOSTS: optional hosts.yaml (else the plan's default hosts)
     checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
     pod_name: str = ""  # MESHJOB_POD_NAME: set by the operator; enables pod annotations
-    extra: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, str] = field(default_factory=dict)  # other MESHJOB_* variables, passed on as is
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -85,7 +86,7 @@ class WorkerEnv:
             hosts_path=lambda: _env_str(env, ("MESHJOB_HOSTS",), ""),
             checkpoint_dir=lambda: _env_str(env, ("MESHJOB_CHECKPOINT_DIR",), ""),
             pod_name=lambda: _env_str(env, ("MESHJOB_POD_NAME",), ""),
-            extra=lambda: {k: v for k, v in env.items() if k.startswith("MESHJOB_")},
+            extra=lambda: {k: v for k, v in env.items() if k.startswith("MESHJOB_") and k not in NAMED_VARIABLES},
         )
         values = {name: read() for name, read in readers.items() if name not in overrides}
         values.update(overrides)

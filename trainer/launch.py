@@ -104,22 +104,30 @@ def _run_child(rank_env: Mapping[str, str], rank: int, target: Callable[[WorkerE
         os._exit(code)
 
 
-def _kill(pids: Sequence[int], grace_s: float) -> None:
+def _kill(pids: Sequence[int], grace_s: float) -> dict[int, int]:
+    """SIGTERM, then SIGKILL after `grace_s`; reaps them all and returns pid -> wait status."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    statuses: dict[int, int] = {}
     deadline = time.monotonic() + grace_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
+    while len(statuses) < len(pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-        alive = [p for p in alive if os.waitpid(p, os.WNOHANG) == (0, 0)]
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in pids:
+            if pid not in statuses:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses[pid] = status
+    for pid in pids:
+        if pid not in statuses:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            statuses[pid] = os.waitpid(pid, 0)[1]
+    return statuses
 
 
 def _exit_code(status: int) -> int:
@@ -169,9 +177,7 @@ def launch_local(world_size: int, target: Callable[[WorkerEnv], Any], *, ranks: 
                 timed_out = True
             if pending and (failed or timed_out):
                 reason = f"timed out after {timeout_s:g} s" if timed_out else "killed: another rank failed"
-                _kill(list(pending), kill_grace_s)
-                for pid in list(pending):
-                    _, status = os.waitpid(pid, 0)
+                for pid, status in _kill(list(pending), kill_grace_s).items():
                     res = results[pending.pop(pid)]
                     res.exit_code = _exit_code(status)
                     res.error = reason if res.exit_code != 0 else ""
