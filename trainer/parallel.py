@@ -161,8 +161,9 @@ def shard_info(param: torch.Tensor) -> ShardInfo:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split over the TP group; input replicated, output
-    sharded (its backward all-reduces the input gradient)."""
+    """y = x W^T + b with W's output rows split over the TP group: input replicated, output
+    sharded. The caller applies copy_to_tp to the input once for all column-parallel linears
+    that read it (q, k and v share one backward all-reduce)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: TPGroup):
         super().__init__()
@@ -172,7 +173,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = sharded(bias, info)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
