@@ -1,0 +1,65 @@
+"""`meshjob operator`: run the kopf operator with meshjob's flags (same handlers as `kopf run -m meshjob.operator`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+HELP = "the Kubernetes operator (kopf)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs like 'team-*' work)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (the default)")
+    parser.add_argument("--liveness", metavar="URL", default=None,
+                        help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=9401, metavar="PORT",
+                        help="Prometheus metrics port (0: off; default 9401)")
+    parser.add_argument("--peering", metavar="NAME", default=None,
+                        help="KopfPeering name: replicas with the same name never act at once")
+    parser.add_argument("--priority", type=int, default=0, help="peering priority (the highest one acts)")
+    parser.add_argument("--standalone", action="store_true", help="no peering at all")
+    parser.add_argument("--no-webhook", dest="webhook", action="store_false",
+                        help="no validating admission webhook")
+    parser.add_argument("--webhook-addr", default="0.0.0.0", help="webhook listen address")
+    parser.add_argument("--webhook-port", type=int, default=9443, help="webhook listen port")
+    parser.add_argument("--webhook-host", default=None,
+                        help="host name the API server uses to reach the webhook (its certificate's name)")
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("metrics_port", "webhook_port"):
+        value = getattr(args, name)
+        if not 0 <= value <= 65535 or (name == "webhook_port" and value == 0):
+            raise SystemExit(f"meshjob operator: --{name.replace('_', '-')}={value} is invalid: a TCP port 1-65535"
+                             + (" (or 0 for off)" if name == "metrics_port" else ""))
+    if args.peering and args.standalone:
+        raise SystemExit("meshjob operator: --peering and --standalone exclude each other")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    import os
+
+    import kopf
+
+    from meshjob.operator.handlers import STATE, OperatorConfig
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    STATE.config = OperatorConfig(metrics_port=args.metrics_port or None, webhook=args.webhook,
+                                  webhook_addr=args.webhook_addr, webhook_port=args.webhook_port,
+                                  webhook_host=args.webhook_host, kubeconfig=args.kubeconfig)
+    kopf.configure(verbose=args.verbose)
+    asyncio.run(kopf.operator(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+        peering_name=args.peering,
+        priority=args.priority,
+        standalone=True if args.standalone else None,
+    ))
+    return 0
