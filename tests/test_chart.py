@@ -1,0 +1,296 @@
+"""The Helm chart: it lints and renders (helm-python-sdk, Helm's own Go code) with default and
+non-default values, every rendered manifest validates, values.schema.json rejects bad values, and the
+operator Deployment is locked down."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python import Chart, HelmError, lint
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "meshjob"
+KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
+EVERYTHING_ON = {
+    "monitoring": {"release": "kube-prom", "serviceMonitor": {"enabled": True},
+                   "podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    "grafana": {"dashboard": {"enabled": True}},
+}
+NON_DEFAULT = {
+    **EVERYTHING_ON,
+    "fullnameOverride": "mj",
+    "operator": {"replicas": 2, "namespaces": ["team-a", "team-b"], "peering": {"enabled": True, "name": "mj"},
+                 "image": {"repository": "registry.example/meshjob/operator", "tag": "0.1.0-rc1"},
+                 "imagePullSecrets": [{"name": "regcred"}], "extraArgs": ["--verbose"],
+                 "nodeSelector": {"kubernetes.io/os": "linux"},
+                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
+    "serviceAccount": {"name": "meshjob-op", "annotations": {"example.com/role": "x"}},
+}
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = "meshjob-system") -> dict[str, str]:
+    with Chart.load(CHART) as chart:
+        return chart.render(values or {}, name="meshjob", namespace=namespace)
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    docs = []
+    for path, text in rendered.items():
+        if path.endswith(".txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"]
+
+
+def validate_custom(doc: dict[str, Any], crd: dict[str, Any]) -> None:
+    """openAPIV3Schema is OpenAPI 3.0: JSON Schema draft 4 semantics (boolean exclusiveMinimum)."""
+    jsonschema.Draft4Validator(crd_schema(crd)).validate(doc)
+
+
+# Prometheus Operator kinds: no schema ships offline, so check the fields this chart relies on.
+MONITORING_SHAPES = {
+    "ServiceMonitor": {"type": "object", "required": ["spec"], "properties": {"spec": {
+        "type": "object", "required": ["selector", "endpoints"], "properties": {
+            "selector": {"type": "object", "required": ["matchLabels"]},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["port", "interval"],
+                "properties": {"honorLabels": {"type": "boolean"}}}}}}}},
+    "PodMonitor": {"type": "object", "required": ["spec"], "properties": {"spec": {
+        "type": "object", "required": ["selector", "podMetricsEndpoints", "namespaceSelector"], "properties": {
+            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["port", "interval", "honorLabels"]}}}}}},
+    "PrometheusRule": {"type": "object", "required": ["spec"], "properties": {"spec": {
+        "type": "object", "required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "rules"]}}}}}},
+}
+
+
+def validate_manifest(doc: dict[str, Any], crds: dict[str, dict[str, Any]]) -> None:
+    kind = doc["kind"]
+    if kind in MONITORING_SHAPES:
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        jsonschema.validate(doc, MONITORING_SHAPES[kind])
+    elif kind in crds:
+        validate_custom(doc, crds[kind])
+    else:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def rendered_crds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    crds = {d["spec"]["names"]["kind"]: d for d in by_kind(docs, "CustomResourceDefinition")}
+    for path in (CHART / "crds").glob("*.yaml"):
+        for d in yaml.safe_load_all(path.read_text()):
+            crds[d["spec"]["names"]["kind"]] = d
+    return crds
+
+
+# --- lint and render ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT], ids=["default", "non-default"])
+def test_chart_lints_without_errors_or_warnings(values):
+    report = lint(CHART, values, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("values", [{}, EVERYTHING_ON, NON_DEFAULT], ids=["default", "everything-on", "non-default"])
+def test_every_rendered_manifest_validates(values):
+    docs = manifests(render(values))
+    crds = rendered_crds(docs)
+    assert docs
+    for doc in docs:
+        validate_manifest(doc, crds)
+
+
+def test_default_render_has_exactly_the_core_objects():
+    kinds = sorted(d["kind"] for d in manifests(render()))
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_optional_objects_appear_only_behind_their_flags():
+    kinds = {d["kind"] for d in manifests(render(EVERYTHING_ON))}
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} <= kinds
+    for flag, kind in [(("monitoring", "serviceMonitor"), "ServiceMonitor"), (("monitoring", "podMonitor"), "PodMonitor"),
+                       (("monitoring", "prometheusRule"), "PrometheusRule"), (("grafana", "dashboard"), "ConfigMap")]:
+        values = json.loads(json.dumps(EVERYTHING_ON))
+        values[flag[0]][flag[1]]["enabled"] = False
+        assert kind not in {d["kind"] for d in manifests(render(values))}, flag
+
+
+def test_example_trainingjobs_validate_against_the_charts_crd():
+    crd = rendered_crds([])["TrainingJob"]
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "TrainingJob":
+                validate_custom(doc, crd)
+
+
+def test_chart_crds_are_identical_to_the_generated_crds():
+    chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    repo_crds = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    assert chart_crds and chart_crds == repo_crds
+
+
+# --- values.schema.json -------------------------------------------------------------------
+
+def test_default_values_satisfy_the_schema():
+    jsonschema.Draft7Validator.check_schema(json.loads((CHART / "values.schema.json").read_text()))
+    with Chart.load(CHART) as chart:
+        chart.validate_schema(chart.values)
+
+
+@pytest.mark.parametrize("values,path", [
+    ({"operator": {"replicas": -1}}, "replicas"),
+    ({"operator": {"metricsPort": 70000}}, "metricsPort"),
+    ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
+    ({"operator": {"namespaces": ["Not_A_Namespace"]}}, "namespaces"),
+    ({"operator": {"replica": 2}}, "replica"),
+    ({"monitoring": {"serviceMonitor": {"enabled": "yes"}}}, "enabled"),
+    ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "interval"),
+    ({"service": {"type": "Ingress"}}, "type"),
+    ({"grafana": {"dashboard": {"enabled": True, "labelValue": 1}}}, "labelValue"),
+])
+def test_schema_rejects_bad_values_naming_the_field(values, path):
+    with pytest.raises(HelmError) as err:
+        render(values)
+    assert path in str(err.value)
+
+
+# --- the operator Deployment ----------------------------------------------------------------
+
+def deployment(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    (dep,) = by_kind(manifests(render(values)), "Deployment")
+    return dep
+
+
+def test_operator_runs_non_root_with_read_only_root_fs_no_capabilities_and_runtime_default_seccomp():
+    pod = deployment()["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_operator_probes_hit_the_liveness_endpoint_it_is_told_to_serve():
+    (container,) = deployment()["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    liveness = next(a for a in container["args"] if a.startswith("--liveness="))
+    match = re.fullmatch(r"--liveness=http://0\.0\.0\.0:(\d+)(/\S+)", liveness)
+    assert match, liveness
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == match[2] and ports[get["port"]] == int(match[1])
+
+
+def test_operator_has_resource_requests_and_limits():
+    (container,) = deployment()["spec"]["template"]["spec"]["containers"]
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+
+
+def test_default_images_are_the_dockerfile_targets_at_app_version():
+    with Chart.load(CHART) as chart:
+        app_version = chart.metadata["appVersion"]
+    (container,) = deployment()["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"meshjob/operator:{app_version}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MESHJOB_TRAINER_IMAGE"] == f"meshjob/trainer:{app_version}"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM \S+ AS operator$", dockerfile, re.M) and re.search(r"^FROM \S+ AS trainer$", dockerfile, re.M)
+
+
+def test_namespaces_and_peering_values_become_operator_arguments():
+    (container,) = deployment(NON_DEFAULT)["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+    assert "--peering=mj" in args and "--standalone" not in args
+    default_args = deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" in default_args and "--standalone" in default_args
+    assert deployment()["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_every_operator_argument_is_accepted_by_meshjob_operator():
+    """The chart's command line must parse: a typo or a renamed flag would crash-loop the pod."""
+    (container,) = deployment(NON_DEFAULT)["spec"]["template"]["spec"]["containers"]
+    args = [a for a in container["args"] if a != "--verbose"]
+    (default,) = deployment()["spec"]["template"]["spec"]["containers"]
+    code = ("import sys; from meshjob.cli import build_parser; "
+            "argv = sys.argv[1:]; build_parser(argv).parse_args(argv)")
+    for argv in (container["command"][1:] + args, default["command"][1:] + default["args"]):
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"meshjob {' '.join(argv)}:\n{result.stderr[-1500:]}"
+
+
+# --- monitoring objects, dashboard, notes -------------------------------------------------
+
+def test_monitors_and_rule_carry_the_configured_release_label():
+    docs = manifests(render(EVERYTHING_ON))
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        (doc,) = by_kind(docs, kind)
+        assert doc["metadata"]["labels"]["release"] == "kube-prom", kind
+
+
+def test_pod_monitor_selects_trainer_pods_by_the_operators_job_label_and_metrics_port():
+    from meshjob.operator import names
+    (pm,) = by_kind(manifests(render(EVERYTHING_ON)), "PodMonitor")
+    assert pm["spec"]["selector"]["matchExpressions"] == [{"key": names.JOB_LABEL, "operator": "Exists"}]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert pm["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+
+
+def test_service_monitor_selects_the_operator_service_port():
+    docs = manifests(render(EVERYTHING_ON))
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    (svc,) = by_kind(docs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    pod_labels = deployment()["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_prometheus_rule_holds_the_rules_file_verbatim():
+    (rule,) = by_kind(manifests(render(EVERYTHING_ON)), "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "rules" / "meshjob-alerts.yaml").read_text())
+
+
+def test_dashboard_configmap_is_labelled_for_grafana_and_holds_the_dashboard():
+    (cm,) = by_kind(manifests(render(EVERYTHING_ON)), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["meshjob.json"]) == json.loads((CHART / "dashboards" / "meshjob.json").read_text())
+
+
+def test_committed_dashboard_is_what_the_generator_writes():
+    sys.path.insert(0, str(CHART / "dashboards"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    assert (CHART / "dashboards" / "meshjob.json").read_text() == generate.render()
+
+
+def test_notes_say_how_to_apply_an_example_job_that_exists():
+    notes = render()["meshjob/templates/NOTES.txt"]
+    assert "kubectl apply -f examples/" in notes
+    for name in re.findall(r"examples/([\w.-]+\.yaml)", notes):
+        assert (ROOT / "examples" / name).is_file(), name
