@@ -1,15 +1,279 @@
 """The Plan: everything decided before a process starts (placement, boundaries, schedules).
 
-CONTRACT STUB. Names other modules rely on:
-  @dataclass(frozen=True) Boundary: src: int; dst: int; tensor: str ("activation", "skip<i>",
-      and "grad:<tensor>" for the backward direction); shape: tuple[int, ...];
-      send: ShardingSpec; recv: ShardingSpec; strategy: str; balancer: str; chunks: int;
-      tasks: tuple[UnitTask, ...]; schedule: balance.Schedule; senders: tuple[int, ...] (chosen
-      sender rank per task); steps: tuple[Step, ...] (lowered, ordered by task start);
-      makespan_s; lower_bound_s;  to_json()
-  @dataclass(frozen=True) Plan: job: TrainingJob; placement: Placement;
-      boundaries: tuple[Boundary, ...]; schedules: dict[int, tuple[Action, ...]];
-      nic_bytes_per_s: float;  mesh(stage) -> Mesh; to_json() -> dict (DESIGN.md contract)
-  build_plan(job, hosts=None, nic_bytes_per_s=1e9/8) -> Plan
+build_plan(job) places the stage meshes on hosts, then for every edge builds two Boundaries:
+the forward one (the edge's tensor, src mesh in the `send` layout -> dst mesh in the `recv`
+layout) and the backward one ("grad:<tensor>", dst mesh in `recv` -> src mesh in `send`). Each
+boundary is decomposed into unit tasks, balanced at host level (sender host and start time per
+task), and lowered task by task, in start order, into point-to-point steps from the chosen sender
+rank. Schedules come from job.schedule; the plan is validated and deterministic.
+
+Weight-grad delay (job.schedule.weightGradDelay):
+  off   backward not split (B)
+  on    split into I and W; each stage that sends gradients delays one W
+  auto  split; each stage delays ceil(comm / W) W's (seed 000 §4: the least delay that covers
+        the communication), where comm = the summed balanced makespans of the gradient
+        boundaries the stage sends and W = the weight-grad time of one microbatch from the
+        simulator's cost model (layer_forward_s x layers / (tp x dp) x backward_factor / 2),
+        capped at M - 1.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from meshjob import balance as bal
+from meshjob.mesh import Mesh
+from meshjob.placement import Host, Placement, default_hosts, place
+from meshjob.resharding import Step, UnitTask, decompose, lower
+from meshjob.schedule import Action, generate, peak_stashed, validate, weight_delay_for
+from meshjob.sharding import ShardingSpec
+from meshjob.simulate import CostModel
+from meshjob.spec import TrainingJob
+
+GRAD_PREFIX = "grad:"
+ITEMSIZE = 4  # float32 activations
+
+
+@dataclass(frozen=True)
+class Boundary:
+    src: int  # sending stage
+    dst: int  # receiving stage
+    tensor: str  # "activation", "skip<i>", or "grad:<tensor>" for the backward direction
+    shape: tuple[int, ...]
+    send: ShardingSpec  # layout on the src mesh
+    recv: ShardingSpec  # layout on the dst mesh
+    strategy: str
+    balancer: str
+    chunks: int
+    tasks: tuple[UnitTask, ...]
+    schedule: bal.Schedule
+    senders: tuple[int, ...]  # chosen sender rank per task
+    steps: tuple[Step, ...]  # lowered, ordered by task start
+
+    @property
+    def makespan_s(self) -> float:
+        return self.schedule.makespan_s
+
+    @property
+    def lower_bound_s(self) -> float:
+        return self.schedule.lower_bound_s
+
+    @property
+    def is_backward(self) -> bool:
+        return self.tensor.startswith(GRAD_PREFIX)
+
+    def task_order(self) -> list[int]:
+        """Task indices by start time (ties by index): the order the steps were lowered in."""
+        return sorted(range(len(self.tasks)), key=lambda i: (self.schedule.start_s[i], i))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "from": self.src,
+            "to": self.dst,
+            "tensor": self.tensor,
+            "shape": list(self.shape),
+            "send": str(self.send),
+            "recv": str(self.recv),
+            "strategy": self.strategy,
+            "balancer": self.balancer,
+            "chunks": self.chunks,
+            "makespan_s": self.makespan_s,
+            "lower_bound_s": self.lower_bound_s,
+            "num_steps": len(self.steps),
+            "tasks": [
+                {
+                    "slice": [list(interval) for interval in task.slice],
+                    "senders": list(task.senders),
+                    "receivers": list(task.receivers),
+                    "sender": self.senders[i],
+                    "bytes": task.bytes,
+                    "start_s": self.schedule.start_s[i],
+                    "seconds": self.schedule.seconds[i],
+                }
+                for i, task in enumerate(self.tasks)
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: TrainingJob
+    placement: Placement
+    boundaries: tuple[Boundary, ...]
+    schedules: dict[int, tuple[Action, ...]]
+    nic_bytes_per_s: float
+    split_backward: bool = False
+    weight_delay: dict[int, int] = field(default_factory=dict)
+
+    def mesh(self, stage: int) -> Mesh:
+        return self.placement.mesh(stage)
+
+    def boundary(self, src: int, dst: int, tensor: str) -> Boundary:
+        for b in self.boundaries:
+            if (b.src, b.dst, b.tensor) == (src, dst, tensor):
+                return b
+        raise KeyError(f"no boundary {src}->{dst} ({tensor}) in plan {self.job.name!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The DESIGN.md contract (placement, boundaries, schedules) plus hosts, meshes, world
+        size and the schedule settings."""
+        placement = self.placement
+        return {
+            "job": self.job.name,
+            "world_size": placement.world_size,
+            "nic_bytes_per_s": self.nic_bytes_per_s,
+            "hosts": [
+                {"name": h.name, "devices": h.devices, "rack": h.rack, "ranks": list(placement.ranks_on(i))}
+                for i, h in enumerate(placement.hosts)
+            ],
+            "meshes": [
+                {"stage": s, "shape": list(m.shape), "ranks": list(m.ranks), "hosts": list(m.hosts)}
+                for s, m in ((s, self.mesh(s)) for s in range(len(self.job.stages)))
+            ],
+            "placement": placement.to_json(),
+            "boundaries": [b.to_json() for b in self.boundaries],
+            "schedule": {
+                "kind": self.job.schedule.kind,
+                "weight_grad_delay": self.job.schedule.weight_grad_delay,
+                "split_backward": self.split_backward,
+                "weight_delay": {str(s): d for s, d in sorted(self.weight_delay.items())},
+                "peak_stashed": {str(s): n for s, n in peak_stashed(self.schedules).items()},
+            },
+            "schedules": {str(s): [str(a) for a in actions] for s, actions in sorted(self.schedules.items())},
+        }
+
+
+def _host_tasks(tasks: Sequence[UnitTask], placement: Placement) -> list[bal.HostTask]:
+    def hosts(ranks: Sequence[int]) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(placement.host_of(r) for r in ranks))
+
+    return [bal.HostTask(hosts(t.senders), hosts(t.receivers), t.bytes) for t in tasks]
+
+
+def _receivers_per_host(tasks: Sequence[UnitTask], placement: Placement) -> int:
+    most = 1
+    for task in tasks:
+        counts: dict[int, int] = {}
+        for rank in task.receivers:
+            counts[placement.host_of(rank)] = counts.get(placement.host_of(rank), 0) + 1
+        most = max([most] + list(counts.values()))
+    return most
+
+
+def _choose_senders(tasks: Sequence[UnitTask], schedule: bal.Schedule, placement: Placement) -> tuple[int, ...]:
+    """On the balancer's sender host, the holder with the fewest bytes to send so far: spreads a
+    host's sends over its devices. Decided in start order, so it is deterministic."""
+    load: dict[int, int] = {}
+    chosen: dict[int, int] = {}
+    for i in sorted(range(len(tasks)), key=lambda i: (schedule.start_s[i], i)):
+        host = schedule.sender_host[i]
+        holders = [r for r in tasks[i].senders if placement.host_of(r) == host]
+        if not holders:
+            raise ValueError(f"balancer chose host {host} for task {i}, which holds none of its senders")
+        rank = min(holders, key=lambda r: (load.get(r, 0), r))
+        load[rank] = load.get(rank, 0) + tasks[i].bytes
+        chosen[i] = rank
+    return tuple(chosen[i] for i in range(len(tasks)))
+
+
+def build_boundary(
+    job: TrainingJob,
+    placement: Placement,
+    src: int,
+    dst: int,
+    tensor: str,
+    send: str,
+    recv: str,
+    nic_bytes_per_s: float,
+) -> Boundary:
+    spec = job.resharding
+    shape = tuple(job.activation_shape())
+    send_spec = ShardingSpec.parse(send, len(shape))
+    recv_spec = ShardingSpec.parse(recv, len(shape))
+    tasks = tuple(decompose(shape, placement.mesh(src), send_spec, placement.mesh(dst), recv_spec, ITEMSIZE))
+    schedule = bal.balance(
+        _host_tasks(tasks, placement),
+        spec.balancer,
+        spec.strategy,
+        spec.chunks,
+        nic_bytes_per_s,
+        budget_s=spec.budget_seconds,
+        seed=job.training.seed,
+        receiver_devices_per_host=_receivers_per_host(tasks, placement),
+    )
+    senders = _choose_senders(tasks, schedule, placement)
+    steps: list[Step] = []
+    for i in sorted(range(len(tasks)), key=lambda i: (schedule.start_s[i], i)):
+        steps += lower(tasks[i], i, senders[i], spec.strategy, spec.chunks, placement.host_of, len(steps))
+    return Boundary(
+        src=src, dst=dst, tensor=tensor, shape=shape, send=send_spec, recv=recv_spec,
+        strategy=spec.strategy, balancer=spec.balancer, chunks=spec.chunks, tasks=tasks,
+        schedule=schedule, senders=senders, steps=tuple(steps),
+    )
+
+
+def _boundaries(job: TrainingJob, placement: Placement, nic_bytes_per_s: float) -> list[Boundary]:
+    out: list[Boundary] = []
+    for edge in job.edges:
+        out.append(build_boundary(job, placement, edge.src, edge.dst, edge.tensor, edge.send, edge.recv, nic_bytes_per_s))
+        out.append(build_boundary(
+            job, placement, edge.dst, edge.src, GRAD_PREFIX + edge.tensor, edge.recv, edge.send, nic_bytes_per_s
+        ))
+    return out
+
+
+def weight_grad_seconds(job: TrainingJob, stage: int, cost: CostModel) -> float:
+    """One microbatch's W on one stage: half of the backward, which is backward_factor forwards."""
+    st = job.stages[stage]
+    forward = cost.forward_s(st.layers[1] - st.layers[0], st.tensor_parallel, st.data_parallel)
+    return forward * cost.backward_factor / 2
+
+
+def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], cost: CostModel) -> tuple[bool, dict[int, int]]:
+    """(split_backward, W's each stage delays) for job.schedule.weightGradDelay."""
+    mode = job.schedule.weight_grad_delay
+    if mode == "off":
+        return False, {}
+    cap = max(0, job.training.microbatches - 1)
+    delays: dict[int, int] = {}
+    for stage in range(len(job.stages)):
+        comm_s = sum(b.makespan_s for b in boundaries if b.is_backward and b.src == stage)
+        if mode == "on":
+            delays[stage] = min(1, cap) if any(b.is_backward and b.src == stage for b in boundaries) else 0
+        else:
+            delays[stage] = weight_delay_for(comm_s, weight_grad_seconds(job, stage, cost), cap)
+    return True, delays
+
+
+def _edges(job: TrainingJob) -> list[tuple[int, int, str]]:
+    return [(e.src, e.dst, e.tensor) for e in job.edges]
+
+
+def build_plan(
+    job: TrainingJob,
+    hosts: Sequence[Host] | None = None,
+    nic_bytes_per_s: float = 1e9 / 8,
+    cost: CostModel | None = None,
+) -> Plan:
+    """Place, decompose, balance, lower and schedule. Raises PlacementError when the hosts
+    cannot hold the job; the same inputs always give the same plan."""
+    if not nic_bytes_per_s > 0:
+        raise ValueError(f"nic_bytes_per_s must be > 0, got {nic_bytes_per_s}")
+    cost = cost or CostModel(nic_bytes_per_s=nic_bytes_per_s)
+    placement = place(job, default_hosts(job) if hosts is None else hosts)
+    boundaries = _boundaries(job, placement, nic_bytes_per_s)
+    split, delays = weight_delays(job, boundaries, cost)
+    edges = _edges(job)
+    microbatches = job.training.microbatches
+    lists = generate(job.schedule.kind, len(job.stages), microbatches, edges, split, delays)
+    validate(lists, edges, microbatches, split)
+    return Plan(
+        job=job,
+        placement=placement,
+        boundaries=tuple(boundaries),
+        schedules={s: tuple(actions) for s, actions in lists.items()},
+        nic_bytes_per_s=nic_bytes_per_s,
+        split_backward=split,
+        weight_delay=delays,
+    )
+

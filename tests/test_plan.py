@@ -1,0 +1,214 @@
+"""The Plan: placement + boundaries + schedules, and its JSON contract (DESIGN.md)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshjob.errors import PlacementError
+from meshjob.placement import Host
+from meshjob.plan import build_plan
+from meshjob.schedule import Action, validate, warmup_forwards
+from meshjob.spec import load_job, parse_job
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+
+BASE: dict[str, Any] = {
+    "apiVersion": "meshjob.io/v1alpha1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "plan-test"},
+    "spec": {
+        "model": {"kind": "gpt", "layers": 4, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 8},
+        "training": {"steps": 2, "globalBatch": 8, "microbatches": 4, "seed": 3},
+        "topology": {"devicesPerHost": 2},
+        "stages": [
+            {"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
+            {"layers": [2, 4], "mesh": [2, 1], "dataParallelDim": 0},
+        ],
+        "resharding": {"strategy": "broadcast", "chunks": 4, "balancer": "greedy", "budgetSeconds": 0.2},
+        "schedule": {"kind": "eager-1f1b", "weightGradDelay": "off"},
+    },
+}
+
+
+def make_job(**spec_changes: Any):
+    doc = copy.deepcopy(BASE)
+    for key, value in spec_changes.items():
+        if isinstance(value, dict) and isinstance(doc["spec"].get(key), dict):
+            doc["spec"][key].update(value)
+        else:
+            doc["spec"][key] = value
+    return parse_job(doc)
+
+
+def utransformer_job(**spec_changes: Any):
+    changes: dict[str, Any] = {
+        "model": {"kind": "utransformer", "layers": 6},
+        "stages": [
+            {"layers": [0, 2], "mesh": [1, 2], "dataParallelDim": 1},
+            {"layers": [2, 4], "mesh": [2, 1], "dataParallelDim": 0},
+            {"layers": [4, 6], "mesh": [1, 2], "tensorParallelDim": 1},
+        ],
+    }
+    changes.update(spec_changes)
+    return make_job(**changes)
+
+
+# --- the JSON contract -------------------------------------------------------------------------
+
+def assert_contract(doc: dict[str, Any], num_stages: int) -> None:
+    assert isinstance(doc["placement"], list) and doc["placement"]
+    for row in doc["placement"]:
+        assert isinstance(row["stage"], int)
+        assert isinstance(row["host"], str)
+        assert isinstance(row["devices"], list) and all(isinstance(d, int) for d in row["devices"])
+    assert isinstance(doc["boundaries"], list) and doc["boundaries"]
+    for b in doc["boundaries"]:
+        for key in ("from", "to"):
+            assert isinstance(b[key], int)
+        for key in ("tensor", "send", "recv", "strategy", "balancer"):
+            assert isinstance(b[key], str)
+        for key in ("makespan_s", "lower_bound_s"):
+            assert isinstance(b[key], float) and b[key] >= 0
+        assert b["tasks"]
+        for task in b["tasks"]:
+            assert all(isinstance(iv, list) and len(iv) == 2 and iv[0] < iv[1] for iv in task["slice"])
+            assert isinstance(task["sender"], int) and task["sender"] in task["senders"]
+            assert task["receivers"] and all(isinstance(r, int) for r in task["receivers"])
+            assert isinstance(task["bytes"], int) and task["bytes"] > 0
+            assert isinstance(task["start_s"], float) and task["start_s"] >= 0
+    assert set(doc["schedules"]) == {str(s) for s in range(num_stages)}
+    for actions in doc["schedules"].values():
+        assert all(isinstance(a, str) for a in actions)
+        assert [str(Action.parse(a)) for a in actions] == actions
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_plans_follow_the_json_contract(path: Path) -> None:
+    job = load_job(str(path))
+    doc = json.loads(json.dumps(build_plan(job).to_json()))
+    assert_contract(doc, len(job.stages))
+    assert doc["world_size"] == job.world_size
+
+
+def test_handmade_job_plan_follows_the_json_contract() -> None:
+    job = utransformer_job()
+    doc = json.loads(json.dumps(build_plan(job).to_json()))
+    assert_contract(doc, 3)
+
+
+def test_same_job_gives_the_same_json() -> None:
+    first = json.dumps(build_plan(utransformer_job()).to_json(), sort_keys=True)
+    second = json.dumps(build_plan(utransformer_job()).to_json(), sort_keys=True)
+    assert first == second
+
+
+def test_placement_json_lists_every_rank_once_stage_by_stage() -> None:
+    doc = build_plan(make_job()).to_json()
+    assert [(row["stage"], row["devices"]) for row in doc["placement"]] == [(0, [0, 1]), (1, [2]), (1, [3])]
+    hosts_of_stage1 = [row["host"] for row in doc["placement"] if row["stage"] == 1]
+    assert len(set(hosts_of_stage1)) == 2
+
+
+# --- boundaries --------------------------------------------------------------------------------
+
+def test_every_edge_has_a_forward_and_a_backward_boundary() -> None:
+    job = utransformer_job()
+    plan = build_plan(job)
+    keys = {(b.src, b.dst, b.tensor, str(b.send), str(b.recv)) for b in plan.boundaries}
+    assert len(plan.boundaries) == 2 * len(job.edges)
+    for e in job.edges:
+        assert (e.src, e.dst, e.tensor, e.send, e.recv) in keys
+        assert (e.dst, e.src, "grad:" + e.tensor, e.recv, e.send) in keys
+    assert any(e.dst - e.src > 1 for e in job.edges)  # a skip edge crosses stages
+
+
+def test_boundary_tasks_carry_the_whole_activation_between_the_right_meshes() -> None:
+    job = make_job()
+    plan = build_plan(job)
+    numel = math.prod(job.activation_shape())
+    for b in plan.boundaries:
+        src, dst = set(plan.mesh(b.src).ranks), set(plan.mesh(b.dst).ranks)
+        assert sum(t.bytes for t in b.tasks) == numel * 4  # slices partition the tensor
+        for task, sender in zip(b.tasks, b.senders):
+            assert sender in task.senders and set(task.senders) <= src
+            assert set(task.receivers) <= dst
+
+
+def test_steps_are_lowered_in_task_start_order_from_the_chosen_senders() -> None:
+    plan = build_plan(utransformer_job(resharding={"chunks": 2}))
+    for b in plan.boundaries:
+        starts = [b.schedule.start_s[s.task] for s in b.steps]
+        assert starts == sorted(starts)
+        assert [s.id for s in b.steps] == list(range(len(b.steps)))
+        first_of_task = {}
+        for s in b.steps:
+            first_of_task.setdefault(s.task, s)
+        for task, step in first_of_task.items():
+            assert step.src == b.senders[task]
+
+
+def test_makespan_is_at_least_the_lower_bound() -> None:
+    for strategy in ("send_recv", "local_allgather", "global_allgather", "broadcast"):
+        plan = build_plan(make_job(resharding={"strategy": strategy}))
+        for b in plan.boundaries:
+            assert b.makespan_s >= b.lower_bound_s * (1 - 1e-9) > 0
+            assert b.strategy == strategy
+
+
+def test_a_slower_nic_scales_the_makespan() -> None:
+    fast = build_plan(make_job(), nic_bytes_per_s=1e9)
+    slow = build_plan(make_job(), nic_bytes_per_s=1e8)
+    for f, s in zip(fast.boundaries, slow.boundaries):
+        assert s.makespan_s == pytest.approx(10 * f.makespan_s)
+
+
+def test_explicit_hosts_are_used_and_too_few_raise_placement_error() -> None:
+    hosts = [Host("a", 4, "r0"), Host("b", 4, "r0")]
+    plan = build_plan(make_job(), hosts)
+    assert {row["host"] for row in plan.to_json()["placement"]} <= {"a", "b"}
+    with pytest.raises(PlacementError, match="missing 1 host"):
+        build_plan(make_job(), [Host("a", 4)])
+
+
+# --- schedules ---------------------------------------------------------------------------------
+
+def edges_of(job) -> list[tuple[int, int, str]]:
+    return [(e.src, e.dst, e.tensor) for e in job.edges]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "eager-1f1b"])
+@pytest.mark.parametrize("delay", ["off", "on", "auto"])
+def test_plan_schedules_validate_for_every_kind_and_delay_mode(kind: str, delay: str) -> None:
+    job = utransformer_job(schedule={"kind": kind, "weightGradDelay": delay})
+    plan = build_plan(job)
+    validate(plan.schedules, edges_of(job), job.training.microbatches, plan.split_backward)
+    assert plan.split_backward == (delay != "off")
+
+
+def test_eager_schedule_warmup_follows_the_formula_in_the_plan() -> None:
+    job = utransformer_job()
+    plan = build_plan(job)
+    for stage, actions in plan.schedules.items():
+        computes = [a.kind for a in actions if not a.is_comm]
+        assert computes.index("B") == warmup_forwards("eager-1f1b", stage, 3, job.training.microbatches)
+
+
+def test_weight_delay_on_delays_one_w_on_stages_that_send_gradients() -> None:
+    plan = build_plan(make_job(schedule={"weightGradDelay": "on"}))
+    assert plan.weight_delay == {0: 0, 1: 1}
+
+
+def test_weight_delay_auto_grows_with_communication_time() -> None:
+    job = make_job(schedule={"weightGradDelay": "auto"})
+    fast = build_plan(job, nic_bytes_per_s=1e15)
+    slow = build_plan(job, nic_bytes_per_s=1e3)
+    assert fast.weight_delay == {0: 0, 1: 1}  # any communication at all needs one W to cover it
+    assert slow.weight_delay == {0: 0, 1: job.training.microbatches - 1}  # capped at M - 1
+    doc = slow.to_json()["schedule"]
+    assert doc["weight_delay"] == {"0": 0, "1": 3}
+    assert doc["split_backward"] is True
