@@ -1,0 +1,110 @@
+"""`meshjob bench resharding`: the physical limit, the aggregation, and a smoke run on the
+emulated cluster that writes a table, JSON and PNG figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
+
+from bench.resharding import ITEMSIZE, Case, Layout, Variant, collect, physical_limit  # noqa: E402
+from meshjob.emulate.netns import netns_available
+from meshjob.resharding import decompose
+from meshjob.sharding import ShardingSpec
+
+HAVE_NETNS, WHY_NOT = netns_available()
+
+
+def test_layout_gives_ranks_in_first_use_order_and_remembers_hosts():
+    layout = Layout()
+    src = layout.grid((1, 1), 0)
+    dst = layout.grid((2, 2), 1)
+    assert src.ranks == (0,) and dst.ranks == (1, 2, 3, 4)
+    assert dst.hosts == (1, 1, 2, 2)
+    assert layout.grid((1, 1), 1).ranks == (1,)  # the same slot keeps its rank
+
+
+def test_physical_limit_of_one_to_many_is_the_whole_tensor_over_the_nic_rate():
+    layout = Layout()
+    shape = (64, 256)
+    tasks = decompose(shape, layout.grid((1, 1), 0), ShardingSpec.parse("RR"), layout.grid((3, 2), 1),
+                      ShardingSpec.parse("RR"), itemsize=ITEMSIZE)
+    assert physical_limit(tasks, layout.host_of, 1e6) == pytest.approx(64 * 256 * 4 / 1e6)
+
+
+def test_physical_limit_counts_only_what_the_busiest_receiving_host_lacks():
+    layout = Layout()
+    shape = (64, 256)
+    src, dst = layout.grid((2, 2), 0), layout.grid((2, 2), 2)
+    # S0R -> S0R between meshes: each receiving host needs half the tensor
+    tasks = decompose(shape, src, ShardingSpec.parse("S0R"), dst, ShardingSpec.parse("S0R"), itemsize=ITEMSIZE)
+    assert physical_limit(tasks, layout.host_of, 1e6) == pytest.approx(64 * 256 * 4 / 2 / 1e6)
+
+
+def _case(variants: list[Variant], limit_s: float) -> Case:
+    layout = Layout()
+    case = Case("one_to_many", "1 -> 1x2", (4, 4), layout.grid((1, 1), 0), layout.grid((1, 2), 1),
+                ShardingSpec.parse("RR"), ShardingSpec.parse("RR"), limit_s, variants)
+    case.boundaries = [type("B", (), {"makespan_s": 1.0, "lower_bound_s": 1.0})() for _ in variants]
+    return case
+
+
+def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_over_baselines():
+    variants = [Variant("send_recv", 1, "greedy"), Variant("global_allgather", 1, "greedy"),
+                Variant("broadcast", 16, "greedy")]
+    case = _case(variants, limit_s=0.5)
+    events = []
+    for vi, seconds in enumerate([2.0, 1.5, 0.5]):
+        for rep, jitter in enumerate([0.0, 0.1, 0.5]):
+            # two ranks: the span runs from the first start to the last end
+            events.append(dict(case=0, variant=vi, rep=rep, start=10.0, end=10.0 + seconds / 2, correct=True))
+            events.append(dict(case=0, variant=vi, rep=rep, start=10.1, end=10.0 + seconds + jitter, correct=True))
+    rows = collect([case], events)
+    bc = rows[2]
+    assert bc.seconds == pytest.approx(0.6)  # median of 0.5, 0.6, 1.0
+    assert bc.over_limit == pytest.approx(0.6 / 0.5)
+    assert bc.speedup_vs_global_allgather == pytest.approx(1.6 / 0.6)
+    assert bc.speedup_vs_send_recv == pytest.approx(2.1 / 0.6)
+    assert all(r.correct for r in rows)
+
+
+def test_collect_marks_a_variant_whose_receiver_got_wrong_data():
+    case = _case([Variant("broadcast", 4, "greedy")], limit_s=1.0)
+    events = [dict(case=0, variant=0, rep=-1, start=0.0, end=1.0, correct=False),
+              dict(case=0, variant=0, rep=0, start=0.0, end=1.0, correct=True)]
+    assert collect([case], events)[0].correct is False
+
+
+def test_bad_chunks_are_rejected_naming_the_option():
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
+                           "--chunks", "4,zero", "--out", "/nonexistent"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2
+    assert "--chunks: '4,zero' is invalid: comma-separated positive integers" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
+def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
+                           "--nic-rate", "500mbit", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "NIC 500mbit" in proc.stdout and "K in {16}" in proc.stdout
+    doc = json.loads((tmp_path / "resharding.json").read_text())
+    assert doc["emulated"] is True and doc["nic_rate"] == "500mbit"
+    rows = doc["rows"]
+    assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",
+                                             "broadcast", "signal"}
+    assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {
+        "naive", "load_balance", "dfs", "greedy"}
+    assert all(r["correct"] for r in rows)
+    assert all(r["seconds"] > 0 and r["limit_s"] > 0 for r in rows)
+    for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig8_balancers.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
