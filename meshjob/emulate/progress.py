@@ -70,12 +70,17 @@ class RunStats:
     checkpoint_step: int | None = None
     pipeline: dict[int, tuple[float, float]] = field(default_factory=dict)
     restarts: int = 0
+    resumed_from: list[int] = field(default_factory=list)  # per restart: steps already done
+    _awaiting_resume: bool = False
 
     def add(self, event: dict) -> None:
         kind, rank = event.get("kind"), int(event.get("rank", -1))
         if kind == "step":
             step = event.get("step")
             step = self.last_step.get(rank, 0) + 1 if step is None else int(step)
+            if self._awaiting_resume:  # the first step a restarted gang finishes
+                self.resumed_from.append(step - 1)
+                self._awaiting_resume = False
             self.last_step[rank] = step
             self.step_seconds[step] = max(self.step_seconds[step], float(event["seconds"]))
             self.step_tokens[step] = int(event["tokens"])
@@ -99,6 +104,7 @@ class RunStats:
         """A new gang resumes from the checkpoint: steps after it will be reported again."""
         self.restarts += 1
         self.last_step.clear()
+        self._awaiting_resume = True
 
     @property
     def step(self) -> int:
@@ -138,6 +144,7 @@ class RunStats:
                            for b, v in sorted(self.reshard_by_boundary.items())},
             "pipeline": {str(s): {"bubble": b, "overlap": o} for s, (b, o) in sorted(self.pipeline.items())},
             "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
+            "resumed_from_steps": self.resumed_from,
         }
 
 
