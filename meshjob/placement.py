@@ -16,6 +16,7 @@ Global ranks run stage by stage, row-major over each mesh.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -130,85 +131,90 @@ def _check_hosts(hosts: Sequence[Host]) -> None:
 
 
 class _Search:
-    """Depth-first assignment of rows to hosts in preference order."""
+    """Depth-first assignment of rows to hosts in preference order (an explicit stack: a job may
+    have thousands of rows)."""
 
     def __init__(self, rows: list[_Row], hosts: Sequence[Host]):
         self.rows = rows
-        self.hosts = hosts
         self.racks = list(dict.fromkeys(h.rack for h in hosts))
-        self.rack_index = {i: self.racks.index(h.rack) for i, h in enumerate(hosts)}
+        self.rack_index = [self.racks.index(h.rack) for h in hosts]
         self.free = [h.devices for h in hosts]
+        self.stage_rows = Counter(r.stage for r in rows)
         self.assignment: list[int] = []
+        self.stage_hosts: dict[int, set[int]] = {}  # stage -> hosts holding its placed rows
         self.home: dict[int, int] = {}  # stage -> home rack index
-        self.nodes = 0
         self.failed: set[tuple] = set()  # canonical states known to have no completion
 
     def run(self) -> list[int] | None:
-        return list(self.assignment) if self._place(0) else None
+        frames: list[tuple[list[int], tuple]] = []  # per placed-or-trying row: candidates, state
+        tried: list[int] = []  # per frame: how many candidates were tried
+        nodes = 0
+        while len(self.assignment) < len(self.rows):
+            index = len(self.assignment)
+            if len(frames) == index:  # first visit of this row
+                nodes += 1
+                row = self.rows[index]
+                if row.row == 0:
+                    self.home[row.stage] = self._home_rack(row)
+                state = self._state(row)
+                blocked = state in self.failed or nodes > MAX_SEARCH_NODES
+                frames.append(([] if blocked else self._candidates(row), state))
+                tried.append(0)
+            candidates, state = frames[-1]
+            if tried[-1] < len(candidates):
+                self._assign(candidates[tried[-1]])
+                tried[-1] += 1
+                continue
+            # every candidate of this row failed: remember the state, backtrack one row
+            self.failed.add(state)
+            frames.pop()
+            tried.pop()
+            if self.rows[index].row == 0:
+                del self.home[self.rows[index].stage]
+            if not self.assignment:
+                return None
+            self._unassign()
+        return list(self.assignment)
 
-    def _home_rack(self, stage: int, need: int, count: int) -> int:
-        previous = self.home.get(stage - 1, 0)
-        fits = [
-            r for r in range(len(self.racks))
-            if sum(1 for i, f in enumerate(self.free) if self.rack_index[i] == r and f >= need) >= count
-        ]
+    def _assign(self, host: int) -> None:
+        row = self.rows[len(self.assignment)]
+        self.free[host] -= row.devices
+        self.stage_hosts.setdefault(row.stage, set()).add(host)
+        self.assignment.append(host)
+
+    def _unassign(self) -> None:
+        host = self.assignment.pop()
+        row = self.rows[len(self.assignment)]
+        self.free[host] += row.devices
+        self.stage_hosts[row.stage].discard(host)
+
+    def _home_rack(self, row: _Row) -> int:
+        previous = self.home.get(row.stage - 1, 0)
+        fitting = Counter(self.rack_index[i] for i, f in enumerate(self.free) if f >= row.devices)
+        fits = [r for r in range(len(self.racks)) if fitting[r] >= self.stage_rows[row.stage]]
         return min(fits, key=lambda r: (abs(r - previous), r)) if fits else previous
 
     def _candidates(self, row: _Row) -> list[int]:
-        used_by_stage = {
-            self.assignment[i] for i, other in enumerate(self.rows[: len(self.assignment)]) if other.stage == row.stage
-        }
-        previous_stage_hosts = {
-            self.assignment[i] for i, other in enumerate(self.rows[: len(self.assignment)]) if other.stage == row.stage - 1
-        }
+        used_by_stage = self.stage_hosts.get(row.stage, set())
+        previous_stage_hosts = self.stage_hosts.get(row.stage - 1, set())
         home = self.home[row.stage]
-        options = sorted(
-            (i for i, free in enumerate(self.free) if free >= row.devices and i not in used_by_stage),
-            key=lambda i: (abs(self.rack_index[i] - home), i not in previous_stage_hosts, self.free[i] - row.devices, i),
-        )
         # hosts alike in free devices, rack and previous-stage membership are interchangeable for
         # every later row: trying one of each kind keeps the search small when it must backtrack
-        seen: set[tuple[int, int, bool]] = set()
-        distinct = []
-        for i in options:
-            kind = (self.free[i], self.rack_index[i], i in previous_stage_hosts)
-            if kind not in seen:
-                seen.add(kind)
-                distinct.append(i)
-        return distinct
+        first_of_kind: dict[tuple[int, int, bool], int] = {}
+        for i, free in enumerate(self.free):
+            if free >= row.devices and i not in used_by_stage:
+                first_of_kind.setdefault((free, self.rack_index[i], i in previous_stage_hosts), i)
+        return sorted(first_of_kind.values(), key=lambda i: (
+            abs(self.rack_index[i] - home), i not in previous_stage_hosts, self.free[i] - row.devices, i,
+        ))
 
-    def _place(self, index: int) -> bool:
-        if index == len(self.rows):
-            return True
-        self.nodes += 1
-        if self.nodes > MAX_SEARCH_NODES:
-            return False
-        row = self.rows[index]
-        state = self._state(index)
-        if state in self.failed:
-            return False
-        set_home = row.row == 0
-        if set_home:
-            count = sum(1 for r in self.rows if r.stage == row.stage)
-            self.home[row.stage] = self._home_rack(row.stage, row.devices, count)
-        for host in self._candidates(row):
-            self.free[host] -= row.devices
-            self.assignment.append(host)
-            if self._place(index + 1):
-                return True
-            self.assignment.pop()
-            self.free[host] += row.devices
-        if set_home:
-            del self.home[row.stage]
-        self.failed.add(state)
-        return False
-
-    def _state(self, index: int) -> tuple:
-        """Feasibility of the rest depends only on each host's free devices and whether the
-        current stage already uses it, not on host names: a failed state never needs a retry."""
-        stage = self.rows[index].stage
-        in_stage = {self.assignment[i] for i, r in enumerate(self.rows[:index]) if r.stage == stage}
-        return (index, tuple(sorted((f, i in in_stage) for i, f in enumerate(self.free))))
+    def _state(self, row: _Row) -> tuple:
+        """Feasibility of the rest depends only on how many hosts have each number of free
+        devices (and whether the current stage uses them), not on names: a failed state never
+        needs a retry."""
+        used = self.stage_hosts.get(row.stage, set())
+        kinds = Counter((f, i in used) for i, f in enumerate(self.free))
+        return (len(self.assignment), tuple(sorted(kinds.items())))
 
 
 def _assign(rows: list[_Row], hosts: Sequence[Host]) -> list[int] | None:

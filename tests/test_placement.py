@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshjob.errors import PlacementError, SpecError
-from meshjob.placement import Host, default_hosts, load_hosts, place
+from meshjob.placement import Host, Placement, default_hosts, load_hosts, place
 from meshjob.spec import StageSpec, TopologySpec, TrainingJob
 
 
@@ -169,3 +173,43 @@ def test_load_hosts_rejects_bad_files_naming_the_field(tmp_path: Path, text: str
 def test_load_hosts_names_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"--hosts: .*nope.yaml"):
         load_hosts(tmp_path / "nope.yaml")
+
+
+def assert_valid(placement: Placement, meshes: list[tuple[int, ...]]) -> None:
+    used = [0] * len(placement.hosts)
+    for stage, mesh in enumerate(meshes):
+        per_row = 1 if len(mesh) == 1 else mesh[1] * (mesh[2] if len(mesh) > 2 else 1)
+        ranks = placement.mesh(stage).ranks
+        rows = [ranks[r * per_row : (r + 1) * per_row] for r in range(mesh[0])]
+        row_hosts = [{placement.host_of(rank) for rank in row} for row in rows]
+        assert all(len(h) == 1 for h in row_hosts)  # a row on one host
+        assert len({min(h) for h in row_hosts}) == len(rows)  # rows of a stage on distinct hosts
+        for rank in ranks:
+            used[placement.host_of(rank)] += 1
+    assert all(u <= h.devices for u, h in zip(used, placement.hosts))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    meshes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=4),
+    devices=st.lists(st.integers(0, 4), min_size=1, max_size=8),
+    racks=st.integers(1, 3),
+)
+def test_random_clusters_either_fit_validly_or_name_hosts_that_would_make_them_fit(
+    meshes: list[tuple[int, int]], devices: list[int], racks: int
+) -> None:
+    j = job(*meshes, devices_per_host=3)
+    hosts = [Host(f"h{i}", d, f"r{i % racks}") for i, d in enumerate(devices)]
+    try:
+        placement = place(j, hosts)
+    except PlacementError as err:
+        match = re.search(r"missing (\d+) hosts? with (\d+) free cpu devices? each", str(err))
+        assert match, str(err)
+        extra = [Host(f"x{i}", int(match[2]), "rx") for i in range(int(match[1]))]
+        assert_valid(place(j, hosts + extra), list(meshes))
+        if int(match[1]) > 1 or int(match[2]) > 1:  # and no smaller addition would do
+            fewer = [Host(f"x{i}", int(match[2]), "rx") for i in range(int(match[1]) - 1)]
+            with pytest.raises(PlacementError):
+                place(j, hosts + fewer)
+    else:
+        assert_valid(placement, list(meshes))
