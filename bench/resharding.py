@@ -137,13 +137,12 @@ def plan_boundary(case: Case, variant: Variant, tasks: list[UnitTask], host_of: 
                            tuple(dict.fromkeys(host_of(r) for r in t.receivers)), t.bytes) for t in tasks]
     sched = balance(host_tasks, variant.balancer, variant.strategy, variant.chunks, nic_bytes_per_s,
                     budget_s=0.5, seed=0, receiver_devices_per_host=case.dst_mesh.shape[-1])
-    used: dict[int, int] = {}  # host -> senders picked there, to spread tasks over its devices
+    load: dict[int, int] = {}  # rank -> bytes it sends: spread a host's tasks over its devices
     steps: list[Any] = []
     for i in sorted(range(len(tasks)), key=lambda i: (sched.start_s[i], i)):
-        host = sched.sender_host[i]
-        on_host = [r for r in tasks[i].senders if host_of(r) == host]
-        sender = on_host[used.get(host, 0) % len(on_host)]
-        used[host] = used.get(host, 0) + 1
+        holders = [r for r in tasks[i].senders if host_of(r) == sched.sender_host[i]]
+        sender = min(holders, key=lambda r: (load.get(r, 0), r))  # the rule meshjob.plan uses
+        load[sender] = load.get(sender, 0) + tasks[i].bytes
         steps += lower(tasks[i], i, sender, variant.strategy, variant.chunks, host_of, first_step_id=len(steps))
     return BenchBoundary(0, 1, tensor, case.shape, case.send, case.recv, variant.strategy, tuple(steps),
                          sched.makespan_s, sched.lower_bound_s)
