@@ -17,7 +17,7 @@ import kopf
 from meshjob.errors import SpecError
 
 from meshjob.operator import names
-from meshjob.operator.kube import ApiError, Connection, Kube, as_kopf_error
+from meshjob.operator.kube import ApiError, Connection, Kube, as_kopf_error, kopf_connection
 from meshjob.operator.metrics import OperatorMetrics
 from meshjob.operator.reconcile import Reconciler, invalid_status, validate
 from meshjob.operator.wakeups import Wakeups, wait_any
@@ -51,6 +51,7 @@ class State:
     wakeups: Wakeups = field(default_factory=Wakeups)
     reconciler: Reconciler | None = None
     metrics_served: bool = False
+    webhook_registered: bool = False
 
 
 STATE = State()
@@ -70,7 +71,10 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
         prefix="meshjob.io", key="last-handled-configuration")
     settings.networking.error_backoffs = [1, 2, 5, 10, 20]
     settings.watching.server_timeout = 300
-    if cfg.webhook:
+    if cfg.webhook:  # registered only when served: kopf refuses admission handlers without a server
+        if not STATE.webhook_registered:
+            kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"])(admit)
+            STATE.webhook_registered = True
         settings.admission.server = kopf.WebhookServer(addr=cfg.webhook_addr, port=cfg.webhook_port,
                                                        host=cfg.webhook_host)
         settings.admission.managed = f"{names.PLURAL}.{names.GROUP}"
@@ -103,7 +107,12 @@ def check_spec(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str, **
     STATE.wakeups.wake((namespace, name))
 
 
-@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"])
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """The operator's kubeconfig (--kubeconfig, $KUBECONFIG) or in-cluster account, read at login time."""
+    return kopf_connection(STATE.config.kubeconfig)
+
+
 def admit(body: kopf.Body, **_: Any) -> None:
     """The admission webhook: `kubectl apply` itself shows what is wrong with the spec."""
     try:

@@ -39,6 +39,46 @@ def as_kopf_error(err: ApiError, delay: float) -> kopf.TemporaryError | kopf.Per
     return kopf.PermanentError(str(err))
 
 
+def load_configuration(kubeconfig: str | None = None) -> Any:
+    """kubernetes.client.Configuration: in-cluster service account, else the kubeconfig file.
+
+    An explicit `kubeconfig` (or $KUBECONFIG read now, not at import) wins over in-cluster.
+    """
+    import os
+
+    import kubernetes  # only for reading the credentials, as kopf does
+
+    config = kubernetes.client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
+        return config
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=config)
+    return config
+
+
+def _bearer(config: Any) -> str | None:
+    token = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    if not token:
+        return None
+    return token if " " in token else f"Bearer {token}"
+
+
+def kopf_connection(kubeconfig: str | None = None) -> kopf.ConnectionInfo:
+    """The same credentials for kopf's own client (its login handler)."""
+    config = load_configuration(kubeconfig)
+    scheme, token = (None, None)
+    bearer = _bearer(config)
+    if bearer:
+        scheme, token = bearer.split(" ", 1)
+    return kopf.ConnectionInfo(server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+                               scheme=scheme, token=token, certificate_path=config.cert_file,
+                               private_key_path=config.key_file)
+
+
 @dataclass
 class Connection:
     server: str
@@ -47,19 +87,9 @@ class Connection:
 
     @classmethod
     def load(cls, kubeconfig: str | None = None) -> "Connection":
-        import kubernetes  # only for reading the credentials, as kopf does
-
-        config = kubernetes.client.Configuration()
-        try:
-            if kubeconfig:
-                raise kubernetes.config.ConfigException("explicit kubeconfig")
-            kubernetes.config.load_incluster_config(client_configuration=config)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
-        headers = {}
-        token = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
-        if token:
-            headers["Authorization"] = token if " " in token else f"Bearer {token}"
+        config = load_configuration(kubeconfig)
+        bearer = _bearer(config)
+        headers = {"Authorization": bearer} if bearer else {}
         context: ssl.SSLContext | bool | None = None
         if config.host.startswith("https"):
             if not config.verify_ssl:
