@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import bisect
 import collections.abc
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -196,7 +198,7 @@ NAT_INT = {"minimum": 0}
 POS_INT = {"minimum": 1}
 TENSOR_NAME = r"^(activation|skip[0-9]+)$"
 
-# (dataclass name, attribute) -> extra schema keywords
+# (dataclass name, attribute) -> FieldSchema keywords (item_minimum: bound of array elements)
 RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("ModelSpec", "kind"): {"enum": MODEL_KINDS, "description": "gpt: a decoder stack; utransformer: "
                             "layer i also feeds layer L-1-i (skip connections)"},
@@ -216,17 +218,17 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("TopologySpec", "host_label"): {"min_length": 1},
     ("TopologySpec", "device_resource"): {"description": "resource requested per device: cpu or "
                                           "nvidia.com/gpu"},
-    ("StageSpec", "layers"): {"description": "half-open [first, last) layer range"},
-    ("StageSpec", "mesh"): {"min_items": 1, "max_items": MAX_MESH_DIMS,
+    ("StageSpec", "layers"): {"item_minimum": 0, "description": "half-open [first, last) layer range"},
+    ("StageSpec", "mesh"): {"item_minimum": 1, "min_items": 1, "max_items": MAX_MESH_DIMS,
                             "description": "device mesh shape; dim 0 runs across hosts, the "
                             "rest within a host"},
     ("StageSpec", "data_parallel_dim"): NAT_INT | {"description": "mesh dim the batch is sharded over"},
     ("StageSpec", "tensor_parallel_dim"): NAT_INT | {"description": "mesh dim of tensor parallelism"},
     ("EdgeSpec", "src"): NAT_INT | {"description": "source stage"},
     ("EdgeSpec", "dst"): NAT_INT | {"description": "destination stage"},
-    ("EdgeSpec", "send"): {"description": "sharding spec of the activation as sent (default: the "
+    ("EdgeSpec", "send"): {"required": False, "description": "sharding spec of the activation as sent (default: the "
                            "source stage's natural layout)"},
-    ("EdgeSpec", "recv"): {"description": "sharding spec as received (default: the destination "
+    ("EdgeSpec", "recv"): {"required": False, "description": "sharding spec as received (default: the destination "
                            "stage's natural layout)"},
     ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME},
     ("ReshardingSpec", "strategy"): {"enum": STRATEGIES},
@@ -287,6 +289,7 @@ def _schema_for_type(attr: str, hint: Any, owner: str) -> FieldSchema:
     raise TypeError(f"{owner}.{attr}: no schema for type {hint!r}")
 
 
+@functools.cache
 def schema_of(cls: type) -> tuple[FieldSchema, ...]:
     """The field table of one dataclass: types from its hints, constraints from RULES."""
     hints = typing.get_type_hints(cls)
@@ -295,22 +298,18 @@ def schema_of(cls: type) -> tuple[FieldSchema, ...]:
         if cls is TrainingJob and f.name in METADATA_ATTRS:
             continue
         schema = _schema_for_type(f.name, hints[f.name], cls.__name__)
-        rules = RULES.get((cls.__name__, f.name), {})
+        rules = dict(RULES.get((cls.__name__, f.name), {}))
+        if "item_minimum" in rules:
+            schema = dataclasses.replace(schema, items=dataclasses.replace(
+                schema.items, minimum=rules.pop("item_minimum")))
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
+            default = f.default_factory()  # a template: copied before use (the table is cached)
         else:
             default = None
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if cls is EdgeSpec and f.name in ("send", "recv"):
-            required = False  # defaults to the stages' natural layouts
-        schema = dataclasses.replace(schema, **({"required": required, "default": default} | rules))
-        if schema.items is not None and schema.items.type == "integer":
-            # element bounds: array lengths and element minimums are different keywords
-            item_min = 1 if f.name == "mesh" else 0
-            schema = dataclasses.replace(schema, items=dataclasses.replace(schema.items, minimum=item_min))
-        out.append(schema)
+        out.append(dataclasses.replace(schema, **({"required": required, "default": default} | rules)))
     return tuple(out)
 
 
@@ -356,27 +355,27 @@ class _Reader:
             if f.yaml not in node or (node[f.yaml] is None and f.nullable):
                 if f.required:
                     self.fail(sub, None, f"required: {_describe(f)}")
-                values[f.attr] = f.default
+                values[f.attr] = copy.deepcopy(f.default)
             else:
                 values[f.attr] = self.read_value(f, node[f.yaml], sub)
         return values
 
     def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
         """The checked (converted) value, or the field default after recording an error."""
-        ok = _check_scalar(f, value)
         if f.type in ("integer", "number", "string", "boolean"):
-            if ok is not None:
-                self.fail(path, value, ok)
+            problem = _check_scalar(f, value)
+            if problem is not None:
+                self.fail(path, value, problem)
                 return f.default
             return float(value) if f.type == "number" else value
         if f.type == "object" and f.preserve_unknown:
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
                 self.fail(path, value, "a mapping with string keys (k8s ResourceRequirements)")
-                return f.default
-            return dict(value)
+                return copy.deepcopy(f.default)
+            return copy.deepcopy(dict(value))
         if f.type == "object":
             attrs = self.read_object(f.model, value, path)
-            return f.default if attrs is None else _build(f.model, attrs)
+            return f.default if attrs is None else f.model(**attrs)
         return self.read_array(f, value, path)
 
     def read_array(self, f: FieldSchema, value: Any, path: str) -> Any:
@@ -391,10 +390,6 @@ class _Reader:
         for i, item in enumerate(value):
             items.append(self.read_value(f.items, item, f"{path}[{i}]"))
         return tuple(items)
-
-
-def _build(cls: type, attrs: dict[str, Any]) -> Any:
-    return cls(**attrs)
 
 
 def _unknown(key: str, known: list[str]) -> str:
