@@ -18,6 +18,8 @@ Weight-grad delay (job.schedule.weightGradDelay):
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -113,6 +115,13 @@ class Plan:
             if (b.src, b.dst, b.tensor) == (src, dst, tensor):
                 return b
         raise KeyError(f"no boundary {src}->{dst} ({tensor}) in plan {self.job.name!r}")
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON. Every rank builds its own plan: comparing digests
+        catches ranks that disagree (e.g. a balancer that ran out of its time budget at a
+        different point) before any transfer can hang."""
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
         """The DESIGN.md contract (placement, boundaries, schedules) plus hosts, meshes, world

@@ -42,7 +42,7 @@ class ScheduleError(ValueError):
     """A schedule breaks a dependency; the message names the stage and the action."""
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Action:
     kind: str
     mb: int

@@ -107,6 +107,12 @@ def test_same_job_gives_the_same_json() -> None:
     assert first == second
 
 
+def test_digest_identifies_the_plan() -> None:
+    assert build_plan(make_job()).digest() == build_plan(make_job()).digest()
+    assert build_plan(make_job()).digest() != build_plan(make_job(), nic_bytes_per_s=1e6).digest()
+    assert build_plan(make_job()).digest() != build_plan(make_job(schedule={"kind": "1f1b"})).digest()
+
+
 def test_placement_json_lists_every_rank_once_stage_by_stage() -> None:
     doc = build_plan(make_job()).to_json()
     assert [(row["stage"], row["devices"]) for row in doc["placement"]] == [(0, [0, 1]), (1, [2]), (1, [3])]
