@@ -1,0 +1,256 @@
+"""Pure rendering of a TrainingJob's children, Node -> Host conversion, status rules (no server)."""
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import yaml
+
+from meshjob.errors import SpecError
+from meshjob.placement import Host
+from meshjob.plan import build_plan
+from meshjob.spec import parse_job
+
+from meshjob.operator import lifecycle, names, render
+from meshjob.operator.assign import host_pods, status_placement
+from meshjob.operator.nodes import describe_cluster, hosts_of, node_info, node_infos
+from meshjob.operator.quantity import parse_quantity, scale_quantity
+from meshjob.operator.reconcile import Draft, manifest, plan_json
+from meshjob.operator.status import PodView, progress, set_condition
+
+from operator_harness import job_body, node_body
+
+META = render.JobMeta(name="demo", namespace="team-a", uid="uid-123")
+NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
+
+
+def _rendered(hosts: int = 3, devices: int = 2, **overrides):
+    body = job_body("demo", "team-a", hosts=hosts, devices_per_host=devices, **overrides)
+    job = parse_job(manifest(body))
+    plan = build_plan(job, [Host(f"node-{i}", devices, rack="r0") for i in range(hosts)])
+    return body, job, plan, host_pods(plan.placement)
+
+
+def _env(pod: dict) -> dict[str, object]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_pod_per_host_runs_meshjob_worker_for_its_devices():
+    body, job, plan, pods = _rendered(hosts=3, devices=2)
+    assert [p.index for p in pods] == [0, 1, 2]
+    pod = render.pod(META, job, body["spec"], pods[2], pods)
+    assert pod["metadata"]["name"] == "demo-host-2"
+    assert pod["spec"]["containers"][0]["command"] == [
+        "meshjob", "worker", "--job", "/etc/meshjob/job.yaml", "--nproc", "2", "--node-rank", "2"]
+
+
+def test_pod_env_follows_torchrun_and_kubeflow_names():
+    body, job, plan, pods = _rendered(hosts=3, devices=2)
+    env = _env(render.pod(META, job, body["spec"], pods[1], pods))
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "demo-host-0.demo.team-a.svc"
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == "29500"
+    assert env["WORLD_SIZE"] == str(plan.placement.world_size) == "6"
+    assert env["NODE_RANK"] == env["PET_NODE_RANK"] == "1"
+    assert env["PET_NNODES"] == "3" and env["PET_NPROC_PER_NODE"] == "2"
+    assert env["MESHJOB_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["MESHJOB_CHECKPOINT_DIR"] == "/ckpt"
+
+
+def test_pod_is_pinned_to_its_host_by_required_node_affinity():
+    body, job, plan, pods = _rendered(hosts=2)
+    pod = render.pod(META, job, body["spec"], pods[1], pods)
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": [pods[1].host]}]}]
+
+
+def test_children_carry_job_labels_and_a_controller_owner_reference():
+    body, job, plan, pods = _rendered(hosts=2)
+    children = [render.pod(META, job, body["spec"], pods[0], pods), render.service(META, job),
+                render.configmap(META, body["spec"], plan_json(plan), pods)]
+    for child in children:
+        assert child["metadata"]["namespace"] == "team-a"
+        assert child["metadata"]["labels"][names.JOB_LABEL] == "demo"
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "name": "demo", "uid": "uid-123",
+            "controller": True, "blockOwnerDeletion": True}]
+    assert children[0]["metadata"]["labels"][names.HOST_INDEX_LABEL] == "0"
+
+
+def test_pod_security_context_is_restricted():
+    body, job, plan, pods = _rendered(hosts=2)
+    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    container = pod["spec"]["containers"][0]["securityContext"]
+    assert container["runAsNonRoot"] and container["readOnlyRootFilesystem"]
+    assert container["allowPrivilegeEscalation"] is False
+    assert container["capabilities"] == {"drop": ["ALL"]}
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["spec"]["securityContext"]["runAsUser"] != 0
+    mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert {"/tmp", "/etc/meshjob", "/ckpt"} <= mounts  # writable scratch despite the read-only root
+
+
+def test_resources_scale_per_device_and_request_the_device_resource():
+    body, job, plan, pods = _rendered(hosts=2, devices=2, resources={"requests": {"memory": "1Gi", "cpu": "500m"},
+                                                                      "limits": {"memory": "2Gi"}})
+    res = render.pod(META, job, body["spec"], pods[0], pods)["spec"]["containers"][0]["resources"]
+    assert res["requests"]["memory"] == "2Gi" and res["limits"]["memory"] == "4Gi"
+    assert res["requests"]["cpu"] == "2"  # the device resource (cpu) wins over the per-device cpu request
+
+
+def test_gpu_device_resource_sets_equal_requests_and_limits():
+    body, job, plan, pods = _rendered(hosts=2, devices=2)
+    job = parse_job(manifest({**body, "spec": {**body["spec"], "topology": {
+        "devicesPerHost": 2, "deviceResource": "nvidia.com/gpu"}}}))
+    res = render.resources(job, 2)
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_pod_declares_rendezvous_and_metrics_ports():
+    body, job, plan, pods = _rendered(hosts=2)
+    ports = {p["name"]: p["containerPort"] for p in render.pod(META, job, body["spec"], pods[0], pods)
+             ["spec"]["containers"][0]["ports"]}
+    assert ports == {"rendezvous": 29500, "metrics": job.metrics.port}
+
+
+def test_headless_service_publishes_not_ready_pods_for_rendezvous():
+    body, job, plan, pods = _rendered(hosts=2)
+    svc = render.service(META, job)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {names.JOB_LABEL: "demo"}
+    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    assert pod["spec"]["subdomain"] == svc["metadata"]["name"] and pod["spec"]["hostname"] == "demo-host-0"
+
+
+def test_configmap_holds_the_job_the_plan_and_the_hosts_in_node_rank_order():
+    body, job, plan, pods = _rendered(hosts=3)
+    cm = render.configmap(META, body["spec"], plan_json(plan), pods)
+    assert parse_job(yaml.safe_load(cm["data"]["job.yaml"])) == parse_job({**manifest(body),
+                                                                           "metadata": {"name": "demo", "namespace": "team-a"}})
+    assert json.loads(cm["data"]["plan.json"])["placement"] == plan.to_json()["placement"]
+    assert [h["name"] for h in yaml.safe_load(cm["data"]["hosts.yaml"])] == [p.host for p in pods]
+
+
+def test_gang_scheduling_adds_a_podgroup_and_the_scheduler():
+    body, job, plan, pods = _rendered(hosts=3)
+    scheduling = render.Scheduling.from_spec({"scheduling": {"gang": True, "queue": "research",
+                                                             "topologyLevel": "topology.kubernetes.io/zone"}})
+    pod = render.pod(META, job, body["spec"], pods[0], pods, scheduling)
+    assert pod["spec"]["schedulerName"] == render.DEFAULT_GANG_SCHEDULER
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
+    assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-required-topology"] == "topology.kubernetes.io/zone"
+    assert render.podgroup(META, pods)["spec"] == {"minMember": 3}
+
+
+def test_no_scheduling_fields_means_the_default_scheduler():
+    body, job, plan, pods = _rendered(hosts=2)
+    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    assert "schedulerName" not in pod["spec"]
+    assert not any(k.startswith(("kueue", "scheduling")) for k in pod["metadata"]["labels"])
+
+
+def test_bad_scheduling_fields_are_named_with_what_is_allowed():
+    with pytest.raises(SpecError) as err:
+        render.Scheduling.from_spec({"scheduling": {"gang": "yes", "queue": 3, "priority": 1}})
+    text = str(err.value)
+    assert "spec.scheduling.gang: 'yes' is invalid: true or false" in text
+    assert "spec.scheduling.queue: 3 is invalid: a string" in text
+    assert "spec.scheduling.priority" in text
+
+
+def test_ready_schedulable_labelled_nodes_become_hosts_with_whole_devices():
+    topology = parse_job(manifest(job_body("x"))).topology
+    node = node_body("n1", 3, rack="r1")
+    node["status"]["allocatable"]["cpu"] = "3500m"
+    info = node_info(node, topology)
+    assert (info.name, info.host, info.rack, info.devices, info.usable) == ("n1", "n1", "r1", 3, True)
+    assert hosts_of([info]) == (Host("n1", 3, "r1"),)
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(ready=False), "not Ready"),
+    (dict(unschedulable=True), "unschedulable (cordoned)"),
+    (dict(devices=0), "no allocatable cpu"),
+    (dict(host_label="other/label"), "no label kubernetes.io/hostname"),
+])
+def test_unusable_nodes_are_left_out_with_the_reason(change, problem):
+    topology = parse_job(manifest(job_body("x"))).topology
+    args = {"devices": 2, **change}
+    info = node_info(node_body("n1", args.pop("devices"), **args), topology)
+    assert not info.usable and problem in info.problem
+    assert hosts_of([info]) == ()
+    assert f"n1 ({info.problem})" in describe_cluster([info], topology)
+
+
+def test_node_order_does_not_change_the_hosts():
+    topology = parse_job(manifest(job_body("x"))).topology
+    nodes = [node_body(n, 2) for n in ("c", "a", "b")]
+    assert hosts_of(node_infos(nodes, topology)) == hosts_of(node_infos(list(reversed(nodes)), topology))
+
+
+def test_gpu_nodes_are_counted_by_the_device_resource():
+    spec = job_body("x")
+    spec["spec"]["topology"]["deviceResource"] = "nvidia.com/gpu"
+    topology = parse_job(manifest(spec)).topology
+    assert node_info(node_body("g1", 8, resource="nvidia.com/gpu"), topology).devices == 8
+    assert not node_info(node_body("c1", 8), topology).usable
+
+
+def test_status_placement_names_the_node_of_each_mesh_row():
+    body, job, plan, pods = _rendered(hosts=2)
+    rows = status_placement(plan.placement.to_json(), {"node-0": "kube-node-0", "node-1": "kube-node-1"})
+    assert {(r["stage"], r["node"]) for r in rows} == {(0, "kube-node-0"), (1, "kube-node-1")}
+    assert sorted(r for row in rows for r in row["devices"]) == list(range(plan.placement.world_size))
+
+
+@pytest.mark.parametrize("value, factor, expected", [("2Gi", 3, "6Gi"), ("500m", 2, "1000m"), ("1.5", 2, "3"),
+                                                     (4, 2, "8"), ("0.25", 2, "0.5")])
+def test_quantities_scale_keeping_their_unit(value, factor, expected):
+    assert scale_quantity(value, factor) == expected
+
+
+def test_bad_quantity_is_named_with_the_path():
+    with pytest.raises(ValueError, match=r"spec.resources.requests.memory: '2 gigs' is invalid"):
+        scale_quantity("2 gigs", 2, "spec.resources.requests.memory")
+    assert parse_quantity("1Ki") == 1024
+
+
+def test_condition_transition_time_moves_only_when_the_status_flips():
+    later = NOW + datetime.timedelta(minutes=5)
+    first = set_condition([], "Running", True, "AllPodsRunning", "a", NOW)
+    same = set_condition(first, "Running", True, "AllPodsRunning", "b", later)
+    flipped = set_condition(same, "Running", False, "Restarting", "c", later)
+    assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"] and same[0]["message"] == "b"
+    assert flipped[0]["lastTransitionTime"] != first[0]["lastTransitionTime"]
+    with pytest.raises(ValueError, match="one of Created"):
+        set_condition([], "Exploded", True, "x", "y", NOW)
+
+
+def _pod(index: int, phase: str, deleting: bool = False, step=None) -> PodView:
+    return PodView(name=f"demo-host-{index}", index=index, phase=phase, deleting=deleting, owner_uid="u", step=step)
+
+
+@pytest.mark.parametrize("policy, expected", [("All", [0, 1, 2]), ("Running", [1, 2]), ("None", [])])
+def test_clean_pod_policy_picks_pods_to_delete(policy, expected):
+    pods = [_pod(0, "Succeeded"), _pod(1, "Running"), _pod(2, "Pending"), _pod(3, "Running", deleting=True)]
+    assert [p.index for p in lifecycle.cleanup_targets(pods, policy)] == expected
+
+
+def test_gang_progress_is_the_slowest_pods_step():
+    assert progress([_pod(0, "Running", step=7), _pod(1, "Running", step=5), _pod(2, "Running")]) == (5, None)
+
+
+def test_success_needs_every_expected_pod():
+    assert lifecycle.all_succeeded([_pod(0, "Succeeded"), _pod(1, "Succeeded")], 2)
+    assert not lifecycle.all_succeeded([_pod(0, "Succeeded")], 2)
+    assert lifecycle.missing_indices([_pod(1, "Running")], 3) == [0, 2]
+
+
+def test_status_draft_patches_only_what_changed_and_deletes_cleared_fields():
+    draft = Draft({"phase": "Running", "restartPending": True, "step": 3, "kopf": {"x": 1}})
+    draft["phase"] = "Running"
+    draft["restartPending"] = None
+    draft["step"] = 4
+    assert draft.changes() == {"restartPending": None, "step": 4}
