@@ -427,11 +427,22 @@ class _Run:
         return out
 
     def _record(self) -> None:
-        if self.metrics is None or not self.is_dst:
+        """Receivers: bytes and time per scope, time over the plan's lower bound. Chosen senders:
+        one unit task each (so the sum over ranks counts every task once)."""
+        if self.metrics is None:
             return
-        for scope, nbytes in self.stats.bytes_received.items():
-            self.metrics.record_resharding(self.stats.strategy, scope, self.stats.boundary, nbytes,
-                                           self.stats.seconds)
+        b = self.route.boundary
+        if self.is_dst:
+            for scope, nbytes in self.stats.bytes_received.items():
+                self.metrics.record_resharding(self.stats.strategy, scope, self.stats.boundary, nbytes,
+                                               self.stats.seconds)
+            bound = getattr(b, "lower_bound_s", 0.0)
+            if bound and bound > 0:
+                self.metrics.record_resharding_ratio(self.stats.boundary, self.stats.seconds / bound)
+        elif hasattr(b, "balancer"):
+            first_hops = {s.task for s in self.route.steps if s.src == self.rank}
+            if first_hops:
+                self.metrics.record_unit_tasks(b.balancer, len(first_hops))
 
 
 class ReshardExecutor:
