@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3 or seconds == 0:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} µs"
 
 
 def _bytes(n: int) -> str:
