@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from meshjob.errors import SpecError
 from meshjob.mesh import Mesh
-from meshjob.sharding import ShardingSpec, Slice, check_spec, contains, slice_numel, slice_shape, tile
+from meshjob.sharding import ShardingSpec, Slice, check_spec, slice_numel, slice_shape, tile
 
 STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
 CROSS_HOST = "cross_host"
@@ -61,14 +61,25 @@ def decompose(shape: tuple[int, ...], src_mesh: Mesh, src_spec: ShardingSpec, ds
     for length, a, b in zip(shape, src_pieces, dst_pieces):
         points = sorted(_cuts(length, a) | _cuts(length, b))
         intervals.append(list(zip(points, points[1:])))
-    src_tiles = [(r, tile(src_spec, src_mesh.shape, shape, src_mesh.index_of(r))) for r in src_mesh.ranks]
-    dst_tiles = [(r, tile(dst_spec, dst_mesh.shape, shape, dst_mesh.index_of(r))) for r in dst_mesh.ranks]
+    holders = _holders_by_shard(shape, src_mesh, src_spec)
+    needers = _holders_by_shard(shape, dst_mesh, dst_spec)
     tasks = []
     for piece in itertools.product(*intervals):
-        senders = tuple(r for r, t in src_tiles if contains(t, piece))
-        receivers = tuple(r for r, t in dst_tiles if contains(t, piece))
-        tasks.append(UnitTask(piece, senders, receivers, slice_numel(piece) * itemsize))
+        # Cuts include every shard boundary, so each piece lies in exactly one shard per spec.
+        src_key = tuple(lo * k // n for (lo, _), k, n in zip(piece, src_pieces, shape))
+        dst_key = tuple(lo * k // n for (lo, _), k, n in zip(piece, dst_pieces, shape))
+        tasks.append(UnitTask(piece, holders[src_key], needers[dst_key], slice_numel(piece) * itemsize))
     return tasks
+
+
+def _holders_by_shard(shape: tuple[int, ...], mesh: Mesh, spec: ShardingSpec) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Per-dim shard index -> the ranks (row-major) whose tile is that shard."""
+    pieces = spec.shards(mesh.shape)
+    out: dict[tuple[int, ...], list[int]] = {}
+    for rank in mesh.ranks:
+        t = tile(spec, mesh.shape, shape, mesh.index_of(rank))
+        out.setdefault(tuple(lo * k // n for (lo, _), k, n in zip(t, pieces, shape)), []).append(rank)
+    return {key: tuple(ranks) for key, ranks in out.items()}
 
 
 def split(region: Slice, parts: int) -> list[Slice]:
