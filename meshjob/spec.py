@@ -133,6 +133,15 @@ class MetricsSpec:
 
 
 @dataclass(frozen=True)
+class SchedulingSpec:
+    """Read by the operator only (operator/render.py): gang scheduling, Kueue queue, topology."""
+    gang: bool = False  # one PodGroup for all host pods (scheduler-plugins coscheduling)
+    scheduler_name: str = ""  # YAML: schedulerName; "" = the operator's default gang scheduler
+    queue: str = ""  # Kueue LocalQueue
+    topology_level: str = ""  # YAML: topologyLevel; a node label (Kueue required topology)
+
+
+@dataclass(frozen=True)
 class TrainingJob:
     name: str
     namespace: str = "default"
@@ -147,6 +156,8 @@ class TrainingJob:
     run_policy: RunPolicy = field(default_factory=RunPolicy)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
     resources: Mapping[str, Any] = field(default_factory=dict)  # k8s ResourceRequirements per device
+    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)  # operator only
+    service_account_name: str | None = None  # YAML: serviceAccountName; operator only
 
     def activation_shape(self) -> tuple[int, int, int]:
         """(microbatch size, seq, hidden): the tensor every edge carries."""
@@ -249,6 +260,11 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("TrainingJob", "edges"): {"description": "optional layout overrides of the model's edges (the "
                                "stage chain plus utransformer skip edges)"},
     ("TrainingJob", "resources"): {"description": "k8s ResourceRequirements per device"},
+    ("TrainingJob", "scheduling"): {"description": "operator: gang scheduling (PodGroup), Kueue "
+                                    "queue and topology level"},
+    ("TrainingJob", "service_account_name"): {"min_length": 1,
+                                              "description": "operator: service account of the pods"},
+    ("SchedulingSpec", "topology_level"): {"description": "node label for Kueue's required topology"},
 }
 # TrainingJob fields that live in metadata, not in spec
 METADATA_ATTRS = ("name", "namespace")

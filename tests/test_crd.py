@@ -90,9 +90,18 @@ def test_schema_has_no_cel_rules_so_it_loads_on_kubernetes_1_20():
 def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert set(props) == {"image", "model", "training", "topology", "stages", "edges", "resharding",
-                          "schedule", "runPolicy", "metrics", "resources"}
+                          "schedule", "runPolicy", "metrics", "resources", "scheduling", "serviceAccountName"}
     assert set(props["model"]["properties"]) == {"kind", "layers", "hidden", "heads", "vocab", "seqLen"}
     assert set(props["edges"]["items"]["properties"]) == {"from", "to", "send", "recv", "tensor"}
+
+
+def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
+    # a structural schema prunes unknown fields: what operator/render.py reads must be declared
+    props = open_api_schema()["properties"]["spec"]["properties"]
+    assert props["scheduling"]["properties"] == {
+        "gang": {"type": "boolean"}, "schedulerName": {"type": "string"}, "queue": {"type": "string"},
+        "topologyLevel": {"type": "string", "description": "node label for Kueue's required topology"}}
+    assert props["serviceAccountName"]["type"] == "string"
 
 
 def test_enums_come_from_the_spec_constants():

@@ -89,6 +89,13 @@ def test_omitted_sections_take_the_dataclass_defaults():
     assert job.run_policy.active_deadline_seconds is None
 
 
+def test_operator_fields_scheduling_and_service_account_are_parsed():
+    doc = mutate(base(), "spec.scheduling", {"gang": True, "queue": "team-q", "topologyLevel": "rack"})
+    job = parse_job(mutate(doc, "spec.serviceAccountName", "trainer"))
+    assert job.scheduling.gang and job.scheduling.queue == "team-q" and job.scheduling.topology_level == "rack"
+    assert job.scheduling.scheduler_name == "" and job.service_account_name == "trainer"
+
+
 def test_namespace_comes_from_metadata():
     assert parse_job(mutate(base(), "metadata.namespace", "team-a")).namespace == "team-a"
 
@@ -221,6 +228,9 @@ BAD = [
      "an integer >= 0"),
     ("suspend-not-bool", [("spec.runPolicy.suspend", "yes")], "spec.runPolicy.suspend", "yes", "true or false"),
     ("port-range", [("spec.metrics.port", 70000)], "spec.metrics.port", 70000, "an integer in 1..65535"),
+    ("scheduling-gang-not-bool", [("spec.scheduling", {"gang": "yes"})], "spec.scheduling.gang", "yes",
+     "true or false"),
+    ("scheduling-typo", [("spec.scheduling", {"queu": "q"})], "spec.scheduling.queu", "q", "did you mean 'queue'"),
     ("resources-not-mapping", [("spec.resources", "4 cpus")], "spec.resources", "4 cpus", "a mapping"),
     ("edge-backwards", [("spec.edges", [{"from": 1, "to": 1}])], "spec.edges[0].to", 1,
      "a stage after from (1)"),
