@@ -1,0 +1,422 @@
+"""Real servers for monitoring and chart tests: Prometheus (Debian's `prometheus` binary) and a real
+kube-apiserver (../shared/envtest, with an audit log), both on 127.0.0.1, both stopped on exit.
+
+Also: the Grafana dashboard's queries with its template variables filled in, as Prometheus needs them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "charts" / "meshjob" / "dashboards" / "meshjob.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
+    """Poll `check` until it returns something truthy; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL: only the process (group) this harness started."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+    except ProcessLookupError:
+        pass
+
+
+# --- Prometheus -----------------------------------------------------------------------------
+
+@dataclass
+class Prometheus:
+    """A real Prometheus scraping `targets` (scrape job -> ["127.0.0.1:port"]) every second.
+
+    honor_labels is on, as in the chart's PodMonitor: trainer metrics carry their own `job` label
+    (the TrainingJob's name), which must not be renamed to exported_job."""
+
+    workdir: Path
+    targets: dict[str, list[str]]
+    rule_files: list[Path] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in self.rule_files],
+            "scrape_configs": [{"job_name": name, "honor_labels": True, "static_configs": [{"targets": hosts}]}
+                               for name, hosts in self.targets.items()],
+        }
+
+    def start(self, timeout_s: float = 30) -> "Prometheus":
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError("the `prometheus` binary is missing: apt-get install prometheus")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(self.config()))
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=open(self.workdir / "prometheus.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(self._ready, timeout_s, f"Prometheus on {self.url} (log: {self.workdir / 'prometheus.log'})")
+        return self
+
+    def _ready(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"prometheus exited: {(self.workdir / 'prometheus.log').read_text()[-2000:]}")
+        try:
+            return urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+    def __enter__(self) -> "Prometheus":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def api(self, path: str, **params: Any) -> Any:
+        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as err:
+            body = json.load(err)
+        if body.get("status") != "success":
+            raise ValueError(f"Prometheus rejected {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """Instant vector (or scalar, as a one-element list) of `expr` at time `at` (default: now)."""
+        data = self.api("query", query=expr, time=at)
+        if data["resultType"] == "vector":
+            return data["result"]
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        raise ValueError(f"{expr}: unexpected result type {data['resultType']}")
+
+    def wait_for(self, expr: str, timeout_s: float = 30) -> list[dict[str, Any]]:
+        return wait_until(lambda: self.query(expr), timeout_s, f"data for {expr!r}", interval_s=0.5)
+
+    def targets_health(self) -> dict[str, str]:
+        return {t["scrapeUrl"]: t["health"] for t in self.api("targets")["activeTargets"]}
+
+
+# --- the dashboard's queries ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PanelQuery:
+    panel: str
+    ref: str
+    expr: str
+
+
+def dashboard_queries(path: Path = DASHBOARD) -> list[PanelQuery]:
+    dashboard = json.loads(path.read_text())
+    found = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            found.append(PanelQuery(panel["title"], target["refId"], target["expr"]))
+    return found
+
+
+def instantiate(expr: str, variables: dict[str, str]) -> str:
+    """Fill in Grafana template variables ($job, $__rate_interval, ...) as Grafana would."""
+    for name in sorted(variables, key=len, reverse=True):  # $__rate_interval before $__rate
+        expr = expr.replace("${" + name + "}", variables[name]).replace("$" + name, variables[name])
+    if "$" in expr:
+        raise ValueError(f"unfilled template variable in {expr!r}")
+    return expr
+
+
+# --- a real kube-apiserver with an audit log -------------------------------------------------
+
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata"}]}
+
+
+def envtest_dir() -> Path | None:
+    """controller-runtime's convention: KUBEBUILDER_ASSETS names the folder with kube-apiserver."""
+    assets = os.environ.get("KUBEBUILDER_ASSETS")
+    if assets and (Path(assets) / "kube-apiserver").exists() and shutil.which("etcd"):
+        return Path(assets)
+    return None
+
+
+@dataclass
+class Envtest:
+    """etcd + kube-apiserver v1.20 (RBAC on) from ../shared/envtest's start.sh, every request audited."""
+
+    assets: Path
+    workdir: Path
+    kubeconfig: Path | None = None
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "KAS_DIR": str(self.workdir), "KAS_KCM": "0",
+                "ETCD_PORT": str(self.ports[0]), "ETCD_PEER_PORT": str(self.ports[1]),
+                "APISERVER_PORT": str(self.ports[2]), "APISERVER_BIN": str(self.workdir / "kube-apiserver-audited")}
+
+    def start(self) -> "Envtest":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ports = (free_port(), free_port(), free_port())
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+        wrapper = self.workdir / "kube-apiserver-audited"
+        # start.sh runs APISERVER_BIN with its own flags; this adds the audit log to them.
+        wrapper.write_text(f'#!/bin/sh\nexec "{self.assets / "kube-apiserver"}" "$@" '
+                           f'--audit-policy-file="{policy}" --audit-log-path="{self.audit_log}" '
+                           f'--audit-log-mode=blocking\n')
+        wrapper.chmod(0o755)
+        result = subprocess.run(["bash", str(self.assets / "start.sh")], env=self._env(), capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"envtest did not start:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        self.kubeconfig = self.workdir / "run" / "kubeconfig"
+        return self
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "audit.log"
+
+    def stop(self) -> None:
+        stop_script = self.assets / "stop.sh"
+        if stop_script.exists():
+            subprocess.run(["bash", str(stop_script)], env=self._env(), capture_output=True, timeout=60)
+
+    def __enter__(self) -> "Envtest":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig or self.kubeconfig}", *args], input=input,
+                                capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result
+
+    def apply(self, docs: list[dict[str, Any]]) -> None:
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+    def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
+        """A kubeconfig that authenticates as the ServiceAccount (TokenRequest API)."""
+        token = self.kubectl("-n", namespace, "create", "token", service_account, "--duration=1h").stdout.strip()
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        config["users"] = [{"name": "sa", "user": {"token": token}}]
+        config["contexts"] = [{"name": "sa", "context": {"cluster": config["clusters"][0]["name"], "user": "sa",
+                                                          "namespace": namespace}}]
+        config["current-context"] = "sa"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    def audited_requests(self, username: str) -> list[dict[str, Any]]:
+        """Completed requests of one user, from the audit log."""
+        events = []
+        if self.audit_log.exists():
+            for line in self.audit_log.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete":
+                    events.append(event)
+        return events
+
+
+# --- a real operator on the real API server, run with the chart's command line and RBAC -------
+
+CHART = ROOT / "charts" / "meshjob"
+OPERATOR_NAMESPACE = "meshjob-system"
+JOB_NAME = "scenario"
+SCENARIO_JOB = {
+    "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob",
+    "metadata": {"name": JOB_NAME, "namespace": "default"},
+    "spec": {
+        "image": "meshjob/trainer:test",
+        "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
+        "training": {"steps": 3, "globalBatch": 8, "microbatches": 2, "checkpoint": {"every": 1, "path": "/ckpt"}},
+        "topology": {"devicesPerHost": 2},
+        "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
+                   {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 0, "tensorParallelDim": 1}],
+        "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
+        "schedule": {"kind": "1f1b", "weightGradDelay": "off"},
+        "runPolicy": {"backoffLimit": 3, "cleanPodPolicy": "All"},
+    },
+}
+
+
+def node(name: str, devices: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+            "status": {"allocatable": {"cpu": str(devices), "pods": "110"},
+                       "capacity": {"cpu": str(devices), "pods": "110"},
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def chart_docs(values: dict[str, Any]) -> list[dict[str, Any]]:
+    from helm_python import Chart
+
+    with Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="meshjob", namespace=OPERATOR_NAMESPACE)
+    return [d for path, text in rendered.items() if not path.endswith(".txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
+@dataclass
+class OperatorScenario:
+    """Holds what a test inspects after the run: the API server's audit log and the operator's log."""
+
+    envtest: Envtest
+    service_account: str
+    log: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def username(self) -> str:
+        return f"system:serviceaccount:{OPERATOR_NAMESPACE}:{self.service_account}"
+
+    def operator_log(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def check(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"the operator exited ({self.process.returncode}):\n{self.operator_log()[-3000:]}")
+
+    def pods(self) -> list[dict[str, Any]]:
+        out = self.envtest.kubectl("get", "pods", "-n", "default", "-l", f"meshjob.io/job-name={JOB_NAME}",
+                                   "-o", "json").stdout
+        return json.loads(out)["items"]
+
+    def play_kubelet(self, phase: str | None = None, fail_one: bool = False) -> None:
+        """Finish deletions (no kubelet does) and report pod phases."""
+        for pod in self.pods():
+            name = pod["metadata"]["name"]
+            if pod["metadata"].get("deletionTimestamp"):
+                self.envtest.kubectl("delete", "pod", "-n", "default", name, "--grace-period=0", "--force",
+                                     "--wait=false", check=False)
+                continue
+            if phase is None:
+                continue
+            status: dict[str, Any] = {"phase": phase}
+            if fail_one:
+                status = {"phase": "Failed", "containerStatuses": [{
+                    "name": "trainer", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+                    "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
+            self.envtest.kubectl("patch", "pod", "-n", "default", name, "--subresource=status", "--type=merge",
+                                 "-p", json.dumps({"status": status}), check=False)
+            if fail_one:
+                return
+
+    def job_status(self) -> dict[str, Any]:
+        out = self.envtest.kubectl("get", "trainingjob", "-n", "default", JOB_NAME, "-o", "json", check=False)
+        return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}
+
+
+@contextlib.contextmanager
+def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterator[OperatorScenario]:
+    """envtest (audited) + the chart's CRD, ServiceAccount and RBAC + `meshjob operator` with the chart's
+    arguments, authenticated as that ServiceAccount. Then a job's life: created before any node fits
+    (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is deleted.
+    The context is entered once the restart happened; on exit the job is deleted and all is stopped."""
+    health_port = free_port()
+    docs = chart_docs({"operator": {"metricsPort": metrics_port, "healthPort": health_port}})
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    with Envtest(assets, workdir) as envtest:
+        scenario = OperatorScenario(envtest, service_account, workdir / "operator.log")
+        for crd in sorted((CHART / "crds").glob("*.yaml")):
+            envtest.kubectl("apply", "-f", str(crd))
+        envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+        envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
+        envtest.apply([d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")])
+        kubeconfig = envtest.token_kubeconfig(OPERATOR_NAMESPACE, service_account, workdir / "operator.kubeconfig")
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NAMESPACE,
+               "POD_NAME": "meshjob-operator-0"}
+        env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+        command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"]]
+        scenario.process = subprocess.Popen(command, env=env, stdout=open(scenario.log, "w"),
+                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        try:
+            probe = container["livenessProbe"]["httpGet"]["path"]
+
+            def alive() -> bool:
+                scenario.check()
+                try:
+                    return urllib.request.urlopen(f"http://127.0.0.1:{health_port}{probe}", timeout=2).status == 200
+                except (urllib.error.URLError, OSError):
+                    return False
+
+            wait_until(alive, 60, "the operator's liveness endpoint")
+            envtest.apply([SCENARIO_JOB])
+            time.sleep(2)  # reconciled while no node fits: Unschedulable
+            envtest.apply([node("host-0", 2), node("host-1", 2)])
+            for n in ("host-0", "host-1"):  # the status of a node is its own subresource
+                body = node(n, 2)
+                envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
+                                "-p", json.dumps({"status": body["status"]}))
+            wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
+            scenario.play_kubelet("Running")
+            wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,
+                       "phase Running")
+            scenario.play_kubelet(fail_one=True)
+
+            def restarted() -> bool:
+                scenario.check()
+                scenario.play_kubelet()
+                return int(scenario.job_status().get("restartCount") or scenario.job_status().get("restarts") or 0) >= 1
+
+            wait_until(restarted, 60, "a gang restart", interval_s=0.5)
+            yield scenario
+            envtest.kubectl("delete", "trainingjob", "-n", "default", JOB_NAME, "--wait=false")
+
+            def deleted() -> bool:
+                scenario.check()
+                scenario.play_kubelet()
+                return envtest.kubectl("get", "trainingjob", "-n", "default", JOB_NAME, check=False).returncode != 0
+
+            wait_until(deleted, 60, "the job's deletion", interval_s=0.5)
+        finally:
+            stop_process(scenario.process)

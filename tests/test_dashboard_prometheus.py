@@ -1,0 +1,179 @@
+"""The Grafana dashboard and the alerting rules against real Prometheus tooling.
+
+* promtool checks and unit-tests the alerting rules (rules/meshjob-alerts.test.yaml).
+* A real Prometheus scrapes a real `meshjob run --metrics-port` and a real `meshjob operator`
+  (started with the chart's own command line, against a real kube-apiserver with a TrainingJob
+  whose pod fails once), and every dashboard query, evaluated through Prometheus' HTTP API,
+  returns data.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from prometheus_harness import (DASHBOARD, ROOT, PanelQuery, Prometheus, dashboard_queries, envtest_dir, free_port,
+                                instantiate, operator_scenario)
+
+RULES = ROOT / "charts" / "meshjob" / "rules"
+# Grafana's $__rate_interval; here a window that covers a whole short run.
+VARIABLES = {"job": ".*", "__rate_interval": "2m", "datasource": "prometheus"}
+REQUIRED_PANELS = {
+    "Resharding bandwidth per link and strategy", "Resharding time / lower bound", "Step time", "Throughput",
+    "Bubble fraction per stage", "Communication/compute overlap per stage", "Loss", "Gang restarts",
+    "Jobs by phase",
+}
+
+
+# --- alerting rules -------------------------------------------------------------------------
+
+def test_alert_rules_pass_promtool_check():
+    result = subprocess.run(["promtool", "check", "rules", str(RULES / "meshjob-alerts.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 4 rules found" in result.stdout
+
+
+def test_alert_rules_pass_promtool_unit_tests():
+    result = subprocess.run(["promtool", "test", "rules", str(RULES / "meshjob-alerts.test.yaml")],
+                            capture_output=True, text=True, timeout=60, cwd=RULES)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alerts_cover_job_stuck_restart_storm_and_slow_resharding():
+    groups = yaml.safe_load((RULES / "meshjob-alerts.yaml").read_text())["groups"]
+    alerts = {r["alert"] for g in groups for r in g["rules"]}
+    assert {"MeshjobJobStuck", "MeshjobRestartStorm", "MeshjobReshardingBelowNicRate"} <= alerts
+    tested = yaml.safe_load((RULES / "meshjob-alerts.test.yaml").read_text())["tests"]
+    assert alerts == {t["alertname"] for test in tested for t in test["alert_rule_test"]}
+
+
+# --- dashboard structure --------------------------------------------------------------------
+
+def test_dashboard_has_the_required_panels_each_with_a_query():
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = {p["title"] for p in dashboard["panels"] if p["type"] != "row"}
+    assert REQUIRED_PANELS <= titles
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_dashboard_queries_use_only_metrics_that_exist():
+    """Every meshjob_* name in a query is exported by TrainerMetrics or OperatorMetrics."""
+    import re
+
+    from meshjob.trainer.metrics import TrainerMetrics
+    from meshjob.operator.metrics import OperatorMetrics
+
+    exported = set()
+    for registry in (TrainerMetrics("j", 0, "h", 0).registry, OperatorMetrics().registry):
+        for family in registry.collect():
+            exported |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_sum",
+                         family.name + "_count", family.name + "_info"}
+    for q in dashboard_queries():
+        for name in re.findall(r"\bmeshjob_\w+", q.expr):
+            assert name in exported, f"{q.panel}: {name} is exported by nobody"
+
+
+# --- every query against a real Prometheus ------------------------------------------------
+
+JOB_YAML = """\
+apiVersion: meshjob.io/v1alpha1
+kind: TrainingJob
+metadata: {name: dashboard-demo}
+spec:
+  model: {kind: gpt, layers: 2, hidden: 32, heads: 2, vocab: 64, seqLen: 16}
+  training: {steps: 12, globalBatch: 8, microbatches: 2, learningRate: 1.0e-3, seed: 0,
+             checkpoint: {every: 4, path: CKPT}}
+  topology: {devicesPerHost: 2}
+  stages:
+    - {layers: [0, 1], mesh: [1, 2], tensorParallelDim: 1}
+    - {layers: [1, 2], mesh: [2, 1], dataParallelDim: 0}
+  resharding: {strategy: broadcast, chunks: 2, balancer: greedy, budgetSeconds: 0.5}
+  schedule: {kind: eager-1f1b, weightGradDelay: "off"}
+  metrics: {port: 9400}
+"""
+
+
+@dataclass
+class Scraped:
+    prometheus: Prometheus
+    trainer_at: float  # a time at which the trainer exporter was up (its last sample)
+    operator_at: float | None  # same for the operator; None without a kube-apiserver
+
+
+def last_sample_time(prom: Prometheus, selector: str) -> float:
+    result = prom.query(f"max(last_over_time(timestamp({selector})[10m:1s]))")
+    assert result and result[0]["value"][1] != "NaN", f"no samples of {selector}"
+    return float(result[0]["value"][1])
+
+
+def run_trainer(tmp_path: Path, port: int) -> subprocess.CompletedProcess:
+    ckpt = tmp_path / "ckpt"
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB_YAML.replace("CKPT", str(ckpt)))
+    return subprocess.run([sys.executable, "-m", "meshjob.cli", "run", str(job), "--metrics-port", str(port),
+                           "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory) -> Iterator[Scraped]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    trainer_port, operator_port = free_port(), free_port()
+    prom = Prometheus(tmp / "prometheus", {"trainer": [f"127.0.0.1:{trainer_port}"],
+                                           "operator": [f"127.0.0.1:{operator_port}"]})
+    assets = envtest_dir()
+    with prom:
+        operator_at = None
+        if assets is not None:
+            with operator_scenario(assets, tmp / "envtest", operator_port) as scenario:
+                prom.wait_for('meshjob_operator_restarts_total > 0', timeout_s=30)
+                operator_at = last_sample_time(prom, 'meshjob_operator_restarts_total')
+                scenario.check()
+        result = run_trainer(tmp, trainer_port)
+        assert result.returncode == 0, f"meshjob run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        trainer_at = last_sample_time(prom, 'meshjob_step{job="dashboard-demo"}')
+        yield Scraped(prom, trainer_at, operator_at)
+
+
+def _evaluate(scraped: Scraped, query: PanelQuery) -> list[dict[str, Any]]:
+    expr = instantiate(query.expr, VARIABLES)
+    if "meshjob_operator_" in expr:
+        if scraped.operator_at is None:
+            pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
+        return scraped.prometheus.query(expr, at=scraped.operator_at)
+    return scraped.prometheus.query(expr, at=scraped.trainer_at)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("query", dashboard_queries(), ids=lambda q: f"{q.panel}-{q.ref}")
+def test_dashboard_query_returns_data(scraped, query):
+    result = _evaluate(scraped, query)
+    assert result, f"panel {query.panel!r} query {query.ref}: no data for {instantiate(query.expr, VARIABLES)}"
+    values = [float(r["value"][1]) for r in result]
+    assert any(math.isfinite(v) for v in values), f"panel {query.panel!r}: only NaN/Inf: {result}"
+
+
+@pytest.mark.slow
+def test_job_variable_lists_the_running_job(scraped):
+    data = scraped.prometheus.api("label/job/values", **{"match[]": "meshjob_info"},
+                                  start=scraped.trainer_at - 600, end=scraped.trainer_at)
+    assert "dashboard-demo" in data
+
+
+@pytest.mark.slow
+def test_operator_restart_shows_on_the_restarts_panel(scraped):
+    if scraped.operator_at is None:
+        pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
+    (restarts,) = [q for q in dashboard_queries() if q.panel == "Gang restarts"]
+    (value,) = _evaluate(scraped, restarts)
+    assert float(value["value"][1]) >= 1
