@@ -99,7 +99,9 @@ class Attention(nn.Module):
         self.tp, self.local_heads, self.head_dim = tp, heads // tp.size, hidden // heads
         zeros = torch.zeros(hidden)
         self.q = ColumnParallelLinear(init.normal(f"{prefix}.q.weight", (hidden, hidden)), zeros, tp)
-        self.k = ColumnParallelLinear(init.normal(f"{prefix}.k.weight", (hidden, hidden)), zeros, tp)
+        # no key bias: it shifts every score of a query row equally, so softmax cancels it and its
+        # gradient is exactly zero; Adam would turn the rounding noise of that zero into updates
+        self.k = ColumnParallelLinear(init.normal(f"{prefix}.k.weight", (hidden, hidden)), None, tp)
         self.v = ColumnParallelLinear(init.normal(f"{prefix}.v.weight", (hidden, hidden)), zeros, tp)
         self.proj = RowParallelLinear(init.normal(f"{prefix}.proj.weight", (hidden, hidden), True), zeros, tp)
 

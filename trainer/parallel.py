@@ -165,12 +165,11 @@ class ColumnParallelLinear(nn.Module):
     sharded. The caller applies copy_to_tp to the input once for all column-parallel linears
     that read it (q, k and v share one backward all-reduce)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: TPGroup):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
         super().__init__()
-        self.tp = tp
         info = ShardInfo(0, tp.rank, tp.size)
         self.weight = sharded(weight, info)
-        self.bias = sharded(bias, info)
+        self.bias = None if bias is None else sharded(bias, info)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -175,3 +175,26 @@ def train(ctx: Any) -> TrainResult:
         _save(ctx, rt, step + 1)
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
                        job.training.steps, rt.transport.comm_s)
+
+
+def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
+               timeout_s: float = 60.0) -> TrainResult:
+    """One rank of a local run without the worker's extras (no metrics, no checkpoints): join the
+    process group, build the plan (optionally with other action lists), train, leave.
+    For tests and benchmarks that launch ranks with launch.launch_local."""
+    import dataclasses
+
+    from meshjob.plan import build_plan
+    from meshjob.trainer.dist import WorkerContext, init_distributed, shutdown_distributed
+    from meshjob.trainer.reshard import ReshardExecutor
+
+    plan = build_plan(job)
+    if schedules is not None:
+        plan = dataclasses.replace(plan, schedules={s: tuple(a) for s, a in schedules.items()})
+    init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
+    try:
+        ctx = WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
+                            reshard=ReshardExecutor(plan, env.rank))
+        return train(ctx)
+    finally:
+        shutdown_distributed()
