@@ -84,7 +84,7 @@ def free_transfers(stages: int) -> dict:
     out = {}
     for i in range(stages - 1):
         out[f"{i}->{i + 1}:activation"] = (0.0, frozenset())
-        out[f"{i}->{i + 1}:grad:activation"] = (0.0, frozenset())
+        out[f"{i + 1}->{i}:grad:activation"] = (0.0, frozenset())
     return out
 
 
