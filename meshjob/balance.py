@@ -107,7 +107,7 @@ def balance(tasks: Sequence[HostTask], balancer: str, strategy: str, chunks: int
     elif balancer == "load_balance":
         moves, finished = _load_balance(problem), True
     elif balancer == "dfs":
-        moves, finished = _dfs(problem, budget_s)
+        moves, finished = _dfs(problem, budget_s, bound)
     else:
         moves, finished = _greedy(problem, budget_s, seed, bound), True
     return problem.schedule(moves, balancer, bound, finished)
@@ -156,14 +156,15 @@ def _load_balance(p: _Problem) -> list[Move]:
 
 
 # ------------------------------------------------------------------------------ dfs
-def _dfs(p: _Problem, budget_s: float) -> tuple[list[Move], bool]:
+def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     """Branch and bound over (next task, its sender), tasks taken in start-time order.
 
     Pruning: (1) a node's bound is max over hosts of (when the host is free + the work that must
     still run on it); branches whose bound cannot beat the best makespan are cut. (2) Identical
     tasks are interchangeable, so only one of each class is branched on. (3) Only tasks that could
     start before the earliest possible finish of any candidate are branched on (active schedules:
-    some optimal schedule has this form). Returns the best found and whether the search finished.
+    some optimal schedule has this form). The search ends early when a schedule meets the lower
+    bound (proved optimal). Returns the best found and whether the search finished.
     """
     deadline = time.monotonic() + budget_s
     classes: dict[tuple, list[int]] = {}
@@ -184,6 +185,8 @@ def _dfs(p: _Problem, budget_s: float) -> tuple[list[Move], bool]:
 
     best = _load_balance(p)
     best_makespan = p.schedule(best, "dfs", 0.0, True).makespan_s
+    if best_makespan <= bound * (1 + 1e-9):
+        return best, True
     free: dict[int, float] = {}
     path: list[tuple[int, int]] = []  # (class, sender)
     makespan = 0.0
@@ -231,11 +234,11 @@ def _dfs(p: _Problem, budget_s: float) -> tuple[list[Move], bool]:
         hosts = p.hosts[i][s]
         new_makespan = max(makespan, end)
         # Bound after the move: hosts get `end`, the class's forced work leaves `remaining`.
-        bound = new_makespan
+        node_bound = new_makespan
         for h, rest in remaining.items():
             start_h = end if h in hosts else free.get(h, 0.0)
-            bound = max(bound, start_h + rest - forced[c].get(h, 0.0))
-        if bound >= best_makespan - 1e-12:
+            node_bound = max(node_bound, start_h + rest - forced[c].get(h, 0.0))
+        if node_bound >= best_makespan - 1e-12:
             continue
         old_free = {h: free.get(h) for h in hosts}
         for h in hosts:
@@ -248,6 +251,8 @@ def _dfs(p: _Problem, budget_s: float) -> tuple[list[Move], bool]:
         if not any(count):
             best_makespan = makespan
             best = _expand(path, members)
+            if best_makespan <= bound * (1 + 1e-9):
+                break
         stack.append((children(), 0, (c, s, old_free, old_makespan)))
     return best, finished
 
