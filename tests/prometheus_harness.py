@@ -255,12 +255,13 @@ class Envtest:
         return path
 
     def audited_requests(self, username: str) -> list[dict[str, Any]]:
-        """Completed requests of one user, from the audit log."""
+        """Completed resource requests of one user, from the audit log."""
         events = []
         if self.audit_log.exists():
             for line in self.audit_log.read_text().splitlines():
                 event = json.loads(line)
-                if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete":
+                if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete" \
+                        and "objectRef" in event:  # not discovery (/api, /apis: open to everyone)
                     events.append(event)
         return events
 

@@ -294,3 +294,47 @@ def test_notes_say_how_to_apply_an_example_job_that_exists():
     assert "kubectl apply -f examples/" in notes
     for name in re.findall(r"examples/([\w.-]+\.yaml)", notes):
         assert (ROOT / "examples" / name).is_file(), name
+
+
+# --- least-privilege RBAC, checked against a real operator run ------------------------------
+
+def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    (role,) = by_kind(docs, "ClusterRole")
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    found = set()
+    for event in events:
+        ref = event["objectRef"]
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        found.add((ref.get("apiGroup", ""), resource, event["verb"]))
+    return found
+
+
+def test_rbac_rules_name_no_wildcards_and_no_secrets():
+    for group, resource, verb in granted(manifests(render(NON_DEFAULT))):
+        assert "*" not in (group, resource, verb)
+        assert resource != "secrets"
+
+
+@pytest.mark.slow
+def test_rbac_grants_exactly_the_calls_of_a_real_operator_run(tmp_path):
+    """The operator runs as the chart's ServiceAccount, bound by the chart's ClusterRole, against a real
+    kube-apiserver (RBAC on) through a job's whole life; the server's audit log then lists every
+    (group, resource, verb) it used. Nothing may be forbidden, and nothing granted may go unused."""
+    from prometheus_harness import envtest_dir, free_port, operator_scenario
+
+    assets = envtest_dir()
+    if assets is None:
+        pytest.skip("needs a real kube-apiserver: set KUBEBUILDER_ASSETS (tests/run.sh does)")
+    with operator_scenario(assets, tmp_path, free_port()) as scenario:
+        pass
+    events = scenario.envtest.audited_requests(scenario.username)
+    assert events, "the audit log holds no request of the operator"
+    forbidden = sorted({(e["verb"], e["requestURI"]) for e in events if e["responseStatus"]["code"] == 403})
+    assert not forbidden, f"the chart's RBAC forbids calls the operator makes: {forbidden}"
+    rules = granted(manifests(render()))
+    assert used(events) <= rules
+    assert rules - used(events) == set(), "granted but never used (drop them from templates/rbac.yaml)"
