@@ -200,7 +200,7 @@ def test_real_apiserver_establishes_the_crd_and_serves_the_examples(apiserver):
 
 
 @pytest.mark.slow
-def test_real_apiserver_rejects_what_the_schema_forbids_and_accepts_status_written_by_the_operator(apiserver):
+def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(apiserver):
     assert kubectl(apiserver, "apply", "-f", str(COMMITTED[0])).returncode == 0
     assert kubectl(apiserver, "wait", "--for=condition=Established", "--timeout=20s",
                    "crd/trainingjobs.meshjob.io").returncode == 0
@@ -211,6 +211,7 @@ def test_real_apiserver_rejects_what_the_schema_forbids_and_accepts_status_writt
     assert rejected.returncode != 0
     assert "spec.resharding.strategy" in rejected.stderr and "spec.metrics.port" in rejected.stderr
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    doc["spec"]["scheduling"] = {"gang": True, "queue": "team-q"}
     assert kubectl(apiserver, "create", "-f", "-", stdin=json.dumps(doc)).returncode == 0
     status = {"status": {"phase": "Running", "step": 2, "hosts": 2, "restarts": 0,
                          "placement": [{"stage": 0, "host": "h0", "node": "n0", "devices": [0, 1]}],
@@ -222,3 +223,4 @@ def test_real_apiserver_rejects_what_the_schema_forbids_and_accepts_status_writt
     assert row[:5] == ["tiny", "Running", "2", "2", "0"]
     stored = json.loads(kubectl(apiserver, "get", "tj", "tiny", "-o", "json").stdout)
     assert stored["status"]["kopf"] == {"progress": {}}  # preserved, not pruned
+    assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team-q"}  # operator fields kept
