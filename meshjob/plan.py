@@ -13,7 +13,7 @@ Weight-grad delay (job.schedule.weightGradDelay):
   auto  split; each stage delays ceil(comm / W) W's (seed 000 §4: the least delay that covers
         the communication), where comm = the summed balanced makespans of the gradient
         boundaries the stage sends and W = the weight-grad time of one microbatch from the
-        simulator's cost model (layer_forward_s x layers / (tp x dp) x backward_factor / 2),
+        simulator's cost model (layer_forward_s x layers x samples / (tp x dp) x backward_factor / 2),
         capped at M - 1.
 """
 from __future__ import annotations
@@ -234,7 +234,8 @@ def _boundaries(job: TrainingJob, placement: Placement, nic_bytes_per_s: float) 
 def weight_grad_seconds(job: TrainingJob, stage: int, cost: CostModel) -> float:
     """One microbatch's W on one stage: half of the backward, which is backward_factor forwards."""
     st = job.stages[stage]
-    forward = cost.forward_s(st.layers[1] - st.layers[0], st.tensor_parallel, st.data_parallel)
+    forward = cost.forward_s(st.layers[1] - st.layers[0], job.training.microbatch_size, st.tensor_parallel,
+                           st.data_parallel)
     return forward * cost.backward_factor / 2
 
 

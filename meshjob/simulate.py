@@ -27,12 +27,14 @@ class CostModel:
 
     nic_bytes_per_s: float = 1e9 / 8
     intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
-    layer_forward_s: float = 1e-3  # one layer, one microbatch, unsharded
+    layer_forward_s: float = 2.5e-4  # one layer, one sample, unsharded
     backward_factor: float = 2.0  # B = I + W, each about one forward
     itemsize: int = 4
 
-    def forward_s(self, layers: int, tp_degree: int, dp_degree: int) -> float:
-        return self.layer_forward_s * layers / max(1, tp_degree * dp_degree)
+    def forward_s(self, layers: int, samples: int, tp_degree: int, dp_degree: int) -> float:
+        """One microbatch of `samples` on one device of a stage: data parallel splits the samples,
+        tensor parallel splits each layer's work."""
+        return self.layer_forward_s * layers * samples / max(1, tp_degree * dp_degree)
 
     @staticmethod
     def from_run(report: Mapping, base: "CostModel | None" = None) -> "CostModel":
@@ -204,18 +206,12 @@ def simulate_pipeline(
     return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()})
 
 
-def _stage_degrees(stage_spec) -> tuple[int, int]:
-    tp = stage_spec.mesh[stage_spec.tensor_parallel_dim] if stage_spec.tensor_parallel_dim is not None else 1
-    dp = stage_spec.mesh[stage_spec.data_parallel_dim] if stage_spec.data_parallel_dim is not None else 1
-    return tp, dp
-
-
 def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
     """Per stage: F, B, I, W seconds for one microbatch from its layer count and parallel degrees."""
     out: dict[tuple[int, str], float] = {}
     for i, st in enumerate(plan.job.stages):
-        tp, dp = _stage_degrees(st)
-        f = cost.forward_s(st.layers[1] - st.layers[0], tp, dp)
+        f = cost.forward_s(st.layers[1] - st.layers[0], plan.job.training.microbatch_size, st.tensor_parallel,
+                           st.data_parallel)
         b = f * cost.backward_factor
         out[(i, "F")], out[(i, "B")], out[(i, "I")], out[(i, "W")] = f, b, b / 2, b / 2
     return out

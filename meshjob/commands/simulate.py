@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", metavar="RUN_JSON",
                    help="compute costs measured by `meshjob run --json` (its 'calibration' object)")
     p.add_argument("--layer-forward-ms", type=float, default=None,
-                   help="forward seconds of one layer for one microbatch, in ms (default: calibration or 1)")
+                   help="forward time of one layer for one sample, in ms (default: calibration or 0.25)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
