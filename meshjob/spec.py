@@ -5,6 +5,11 @@ table of constraints; the structural pass of `parse_job`, `job_to_dict` and the 
 (meshjob.crd) all read that one table, so the YAML names, types, enums and minimums cannot drift
 apart. Semantic rules that tie fields together (layer ranges, mesh vs topology, divisibility,
 edge layouts) run after the structural pass and skip any field that already failed it.
+
+Edges: the model fixes which tensors flow between stages (the chain of activations, plus the
+utransformer skip connections), so `spec.edges` may only choose the send/recv layouts of those
+edges; an entry naming an edge the model lacks is an error that lists the model's edges.
+TrainingJob.edges always holds every edge of the model, in default_edges() order.
 """
 from __future__ import annotations
 
