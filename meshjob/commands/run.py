@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class RunSetup:
+    job: Any  # meshjob.spec.TrainingJob
+    plan: Any  # meshjob.plan.Plan, built once here and inherited by the forked ranks
     job_path: str
     hosts_path: str
     checkpoint_dir: str
@@ -56,15 +58,16 @@ def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
     TrainerMetrics calls."""
     import torch
 
-    from meshjob.trainer import worker
     from meshjob.trainer.dist import WorkerEnv
+    from meshjob.trainer.worker import JobSetup, run_worker
 
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only contend
     os.environ.update({"MESHJOB_JOB": setup.job_path, "MESHJOB_HOSTS": setup.hosts_path,
                        "MESHJOB_CHECKPOINT_DIR": setup.checkpoint_dir,
+                       "MESHJOB_NIC_BYTES_PER_S": repr(setup.plan.nic_bytes_per_s),
                        "LOCAL_RANK": str(ctx.rank), "NODE_RANK": str(ctx.host.index)})
     hook_trainer_metrics(ctx.report)
-    worker.run_worker(WorkerEnv.from_env())
+    run_worker(WorkerEnv.from_env(), setup=JobSetup(setup.job, setup.plan))  # the plan the launcher placed
 
 
 def _validate_args(args: argparse.Namespace) -> None:
@@ -137,12 +140,13 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint_dir and args.max_restarts > 0:
         tmp_ckpt = tempfile.TemporaryDirectory(prefix="meshjob-ckpt-")
         checkpoint_dir = tmp_ckpt.name
-    setup = RunSetup(os.path.abspath(args.job), os.path.abspath(args.hosts) if args.hosts else "",
+    setup = RunSetup(job, plan, os.path.abspath(args.job), os.path.abspath(args.hosts) if args.hosts else "",
                      os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
                      [compact[h] for h in rank_hosts])
 
     console = Console(stderr=True)
     stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     cleanup_stale()
@@ -213,7 +217,7 @@ def _print_summary(console: Console, s: dict) -> None:
         ("final loss", _fmt(s["final_loss"], ".4f")),
         ("tokens/s (mean)", _fmt(s["tokens_per_s_mean"], ",.0f")),
         ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received, "
-                       f"{_fmt(s['resharding_gbytes_per_s'], '.3f')} GB/s per receiving rank"),
+                       f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s per receiving rank"),
         ("attempts", f"{s['attempts']} (restarts: {s['restarts']})"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
     ]

@@ -174,7 +174,7 @@ class ProgressView:
         s = self.stats
         self.progress.update(
             self.task, completed=s.step, loss="-" if math.isnan(s.loss) else f"{s.loss:.4f}",
-            tps=f"{s.tokens_per_s:,.0f}", gbps=f"{s.reshard_gbytes_per_s:.3f}")
+            tps=f"{s.tokens_per_s:,.0f}", gbps=f"{s.reshard_gbytes_per_s:.3g}")
         self.progress.refresh()
 
 

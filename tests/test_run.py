@@ -1,0 +1,188 @@
+"""`meshjob run`: a tiny job end to end on the emulated cluster and on loopback, cleanup after
+success, failure and Ctrl-C, gang restart from a checkpoint, metrics while it runs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshjob.emulate.netns import list_netns, netns_available
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "examples" / "tiny.yaml"
+HAVE_NETNS, WHY_NOT = netns_available()
+needs_netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
+pytestmark = pytest.mark.slow
+
+
+class Run:
+    """`meshjob run` in a subprocess, tagged so that every process it forks can be found."""
+
+    def __init__(self, tmp_path: Path, *args: str, job: Path = TINY):
+        self.tag = uuid.uuid4().hex
+        self.json_path = tmp_path / "summary.json"
+        env = {**os.environ, "MESHJOB_TEST_TAG": self.tag}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshjob.cli", "run", str(job), "--quiet", "--json", str(self.json_path), *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait(self, timeout: float = 50) -> int:
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+        finally:
+            self.proc.kill()
+        return self.proc.returncode
+
+    def summary(self) -> dict:
+        return json.loads(self.json_path.read_text())
+
+    def ranks(self) -> list[int]:
+        """Live rank processes (forked children of the run)."""
+        try:
+            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def leftovers(self) -> tuple[list[str], list[int]]:
+        """Namespaces and processes of this run that still exist."""
+        namespaces = [n for n in list_netns() if n.startswith(f"mj{self.proc.pid}_")]
+        pids = []
+        for env_file in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if f"MESHJOB_TEST_TAG={self.tag}".encode() in env_file.read_bytes():
+                    pids.append(int(env_file.parent.name))
+            except OSError:
+                pass
+        return namespaces, pids
+
+    def assert_clean(self) -> None:
+        deadline = time.monotonic() + 5  # reaped processes vanish from /proc asynchronously
+        while self.leftovers() != ([], []) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.leftovers() == ([], [])
+
+
+def job_file(tmp_path: Path, steps: int, every: int = 0) -> Path:
+    doc = yaml.safe_load(TINY.read_text())
+    doc["spec"]["training"]["steps"] = steps
+    if every:
+        doc["spec"]["training"]["checkpoint"] = {"every": every, "path": str(tmp_path / "ckpt")}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def complete_checkpoint(directory: Path, world_size: int) -> bool:
+    return any(len(list(d.glob("rank-*.done"))) == world_size for d in directory.glob("step-*"))
+
+
+@pytest.mark.netns
+@needs_netns
+def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path):
+    run = Run(tmp_path)
+    assert run.wait() == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["ok"] and s["emulated"] and s["nic_rate"] == "1gbit"
+    assert s["steps_completed"] == s["total_steps"] == 3
+    assert math.isfinite(s["final_loss"]) and s["tokens_per_s_mean"] > 0
+    assert s["resharding_bytes"] > 0 and s["resharding_gbytes_per_s"] > 0
+    assert "succeeded" in run.err  # the summary table
+    run.assert_clean()
+
+
+def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path):
+    run = Run(tmp_path, "--no-netns")
+    assert run.wait() == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["ok"] and not s["emulated"] and s["steps_completed"] == 3
+    assert "NIC rate 1gbit is NOT applied" in run.err
+    run.assert_clean()
+
+
+@pytest.mark.netns
+@needs_netns
+def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path):
+    run = Run(tmp_path, job=job_file(tmp_path, steps=200))
+    victim = wait_for(lambda: run.ranks()[-1:], 30, "the ranks to start")[0]
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait() == 1
+    s = run.summary()
+    assert not s["ok"] and "killed by SIGKILL" in s["failure"] and s["attempts"] == 1
+    run.assert_clean()
+
+
+@pytest.mark.netns
+@needs_netns
+def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path):
+    job = job_file(tmp_path, steps=12, every=2)
+    run = Run(tmp_path, "--max-restarts", "1", job=job)
+    wait_for(lambda: complete_checkpoint(tmp_path / "ckpt", 4), 40, "a complete checkpoint")
+    os.kill(run.ranks()[1], signal.SIGKILL)
+    assert run.wait(timeout=55) == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["ok"] and s["attempts"] == 2 and s["restarts"] == 1
+    assert s["resumed_from_steps"][0] >= 2  # not from scratch
+    assert s["steps_completed"] == 12
+    assert "restarting the gang from the last checkpoint" in run.err
+    run.assert_clean()
+
+
+@pytest.mark.netns
+@needs_netns
+def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path):
+    run = Run(tmp_path, job=job_file(tmp_path, steps=200))
+    wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
+    time.sleep(1.0)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130
+    run.assert_clean()
+
+
+def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path):
+    port = 19400 + os.getpid() % 500
+    run = Run(tmp_path, "--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=200))
+
+    def scrape() -> str:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return ""
+        steps = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("meshjob_step{")]
+        return text if steps and steps[0] >= 2 else ""
+
+    try:
+        text = wait_for(scrape, 40, "meshjob_step >= 2 on the metrics port")
+    finally:
+        run.proc.send_signal(signal.SIGINT)
+        run.wait()
+    assert 'meshjob_loss{job="tiny",stage="1"}' in text
+    assert "meshjob_tokens_total" in text
+    run.assert_clean()
+
+
+def test_bad_nic_rate_is_rejected_naming_the_option(tmp_path):
+    run = Run(tmp_path, "--nic-rate", "fast")
+    assert run.wait() == 2
+    assert "--nic-rate: 'fast' is invalid" in run.err
