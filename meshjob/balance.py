@@ -122,10 +122,26 @@ class _Problem:
 
     def __init__(self, tasks: Sequence[HostTask], seconds: Callable[[HostTask, int], float]):
         self.tasks = list(tasks)
-        self.senders = [tuple(dict.fromkeys(t.sender_hosts)) for t in tasks]
-        self.duration = [{s: seconds(t, s) for s in ss} for t, ss in zip(tasks, self.senders)]
-        self.hosts = [{s: tuple(dict.fromkeys((s,) + t.receiver_hosts)) for s in ss}
-                      for t, ss in zip(tasks, self.senders)]
+        self.senders: list[tuple[int, ...]] = []
+        self.duration: list[dict[int, float]] = []  # per task: sender host -> seconds
+        self.hosts: list[dict[int, tuple[int, ...]]] = []  # per task: sender host -> hosts occupied
+        seen: dict[HostTask, tuple] = {}  # identical tasks share their tables
+        for t in tasks:
+            if t not in seen:
+                ss = tuple(dict.fromkeys(t.sender_hosts))
+                seen[t] = (ss, {s: seconds(t, s) for s in ss},
+                           {s: tuple(dict.fromkeys((s,) + t.receiver_hosts)) for s in ss})
+            ss, duration, hosts = seen[t]
+            self.senders.append(ss)
+            self.duration.append(duration)
+            self.hosts.append(hosts)
+
+    def classes(self) -> list[list[int]]:
+        """Task indices grouped by (senders, receivers, bytes): interchangeable tasks."""
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(self.tasks):
+            groups.setdefault((self.senders[i], t.receiver_hosts, t.bytes), []).append(i)
+        return list(groups.values())
 
     def schedule(self, moves: list[Move], balancer: str, bound: float, finished: bool) -> Schedule:
         """List scheduling: each task starts once all of its hosts finished their earlier tasks."""
@@ -167,10 +183,7 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     bound (proved optimal). Returns the best found and whether the search finished.
     """
     deadline = time.monotonic() + budget_s
-    classes: dict[tuple, list[int]] = {}
-    for i, t in enumerate(p.tasks):
-        classes.setdefault((p.senders[i], t.receiver_hosts, t.bytes), []).append(i)
-    members = list(classes.values())
+    members = p.classes()
     count = [len(m) for m in members]
     rep = [m[0] for m in members]
     # Work every remaining instance of a class must do on a host, whichever sender it gets.
@@ -198,8 +211,9 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
         for c, n in enumerate(count):
             if n:
                 i = rep[c]
+                busy_until = max(free.get(h, 0.0) for h in p.tasks[i].receiver_hosts)
                 for s in p.senders[i]:
-                    est = max(free.get(h, 0.0) for h in p.hosts[i][s])
+                    est = max(busy_until, free.get(s, 0.0))
                     out.append((est + p.duration[i][s], est, c, s))
         if not out:
             return out
@@ -273,16 +287,19 @@ def _greedy(p: _Problem, budget_s: float, seed: int, bound: float, samples: int 
     """Seed 000's randomized greedy: build rounds of non-overlapping tasks; each round is the
     largest (most hosts busy, then most work) of `samples` random candidate sets, each made by
     walking the unscheduled tasks in random order and keeping those that fit (at most `scan`
-    looked at). A task takes the free sender host where it can start earliest. Tries repeat
-    with fresh randomness until the budget is spent, `max_tries` are done or a try reaches the
-    lower bound (at least one try); the best makespan wins."""
+    looked at). A task takes the free sender host where it can start earliest. Identical tasks
+    always conflict (same receivers), so the walk is over classes of identical tasks. Tries
+    repeat with fresh randomness until the budget is spent, `max_tries` are done or a try reaches
+    the lower bound (at least one try); the best makespan wins."""
     rng = random.Random(seed)
     deadline = time.monotonic() + budget_s
-    all_hosts = {h for hosts in p.hosts for hs in hosts.values() for h in hs}
+    members = p.classes()
+    host_count = len({h for hosts in p.hosts for hs in hosts.values() for h in hs})
+    min_hosts = min((len(hs) for hosts in p.hosts for hs in hosts.values()), default=1)
     best: list[Move] | None = None
     best_makespan = float("inf")
     for _ in range(max_tries):
-        moves = _greedy_try(p, rng, samples, scan, len(all_hosts))
+        moves = _greedy_try(p, members, rng, samples, scan, host_count, min_hosts)
         makespan = p.schedule(moves, "greedy", 0.0, True).makespan_s
         if makespan < best_makespan - 1e-12:
             best, best_makespan = moves, makespan
@@ -292,39 +309,40 @@ def _greedy(p: _Problem, budget_s: float, seed: int, bound: float, samples: int 
     return best
 
 
-def _greedy_try(p: _Problem, rng: random.Random, samples: int, scan: int, host_count: int) -> list[Move]:
-    pending = list(range(len(p.tasks)))
+def _greedy_try(p: _Problem, members: list[list[int]], rng: random.Random, samples: int, scan: int,
+                host_count: int, min_hosts: int) -> list[Move]:
+    taken = [0] * len(members)
+    pending = list(range(len(members)))  # classes with tasks left
     free: dict[int, float] = {}
     moves: list[Move] = []
     while pending:
-        best_set: list[tuple[int, int, int]] = []  # (position in pending, task, sender)
+        best_set: list[tuple[int, int, int]] = []  # (position in pending, class, sender)
         best_score = (-1, -1.0)
         for _ in range(samples):
             chosen, busy, work = [], set(), 0.0
-            n = len(pending)
-            order = list(range(n)) if n <= scan else rng.sample(range(n), scan)
-            if n <= scan:
-                rng.shuffle(order)
-            for pos in order:
-                i = pending[pos]
+            for pos in rng.sample(range(len(pending)), min(len(pending), scan)):
+                c = pending[pos]
+                i = members[c][0]
                 fits = [s for s in p.senders[i] if busy.isdisjoint(p.hosts[i][s])]
                 if not fits:
                     continue
-                s = min(fits, key=lambda s: (max(free.get(h, 0.0) for h in p.hosts[i][s]), p.duration[i][s]))
-                chosen.append((pos, i, s))
+                busy_until = max(free.get(h, 0.0) for h in p.tasks[i].receiver_hosts)
+                s = min(fits, key=lambda s: (max(busy_until, free.get(s, 0.0)), p.duration[i][s]))
+                chosen.append((pos, c, s))
                 busy.update(p.hosts[i][s])
                 work += p.duration[i][s]
-                if host_count - len(busy) < 2:
+                if host_count - len(busy) < min_hosts:  # no task fits in what is left
                     break
-            score = (len(busy), work)
-            if score > best_score:
-                best_set, best_score = chosen, score
-        for _, i, s in best_set:
+            if (len(busy), work) > best_score:
+                best_set, best_score = chosen, (len(busy), work)
+        for _, c, s in best_set:
+            i = members[c][taken[c]]
+            taken[c] += 1
             end = max(free.get(h, 0.0) for h in p.hosts[i][s]) + p.duration[i][s]
             for h in p.hosts[i][s]:
                 free[h] = end
             moves.append((i, s))
-        for pos in sorted((pos for pos, _, _ in best_set), reverse=True):
+        for pos in sorted((pos for pos, c, _ in best_set if taken[c] == len(members[c])), reverse=True):
             pending[pos] = pending[-1]
             pending.pop()
     return moves
