@@ -100,8 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="broadcast", choices=STRATEGIES,
                         help="unit-task strategy whose cost formula is balanced (default broadcast)")
     parser.add_argument("--chunks", type=int, default=16, help="broadcast K (default 16)")
-    parser.add_argument("--nic-gbit", type=float, default=1.0, help="NIC rate of every host in Gbit/s (default 1)")
-    parser.add_argument("--budget", type=float, default=1.0, help="dfs/greedy time budget in seconds (default 1)")
+    parser.add_argument("--nic-gbit", type=float, default=1.0,
+                        help="NIC rate of every host in Gbit/s (default 1)")
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="dfs/greedy time budget in seconds (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="greedy seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="skip the 10,000-task case")
     parser.add_argument("--out", default=os.path.join("bench", "results"), help="folder for planner.json")

@@ -72,7 +72,8 @@ def decompose(shape: tuple[int, ...], src_mesh: Mesh, src_spec: ShardingSpec, ds
     return tasks
 
 
-def _holders_by_shard(shape: tuple[int, ...], mesh: Mesh, spec: ShardingSpec) -> dict[tuple[int, ...], tuple[int, ...]]:
+def _holders_by_shard(shape: tuple[int, ...], mesh: Mesh,
+                      spec: ShardingSpec) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Per-dim shard index -> the ranks (row-major) whose tile is that shard."""
     pieces = spec.shards(mesh.shape)
     out: dict[tuple[int, ...], list[int]] = {}

@@ -43,7 +43,8 @@ class ShardingSpec:
                 raise SpecError([FieldError(path, text, "exactly one token between commas; " + _ALLOWED)])
             tokens.extend(found)
         if ndim is not None and len(tokens) != ndim:
-            raise SpecError([FieldError(path, text, f"{ndim} tokens, one per tensor dim (got {len(tokens)})")])
+            raise SpecError([FieldError(path, text,
+                                        f"{ndim} tokens, one per tensor dim (got {len(tokens)})")])
         return cls(tuple(() if t == "R" else tuple(int(c) for c in t[1:]) for t in tokens))
 
     def __str__(self) -> str:

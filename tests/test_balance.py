@@ -66,7 +66,8 @@ def assert_valid(tasks, sched: Schedule):
     end = [s + d for s, d in zip(sched.start_s, sched.seconds)]
     order = sched.order
     for x, i in enumerate(order):
-        earlier = [j for j in order[:x] if hosts_of(tasks[i], sched.sender_host[i]) & hosts_of(tasks[j], sched.sender_host[j])]
+        mine = hosts_of(tasks[i], sched.sender_host[i])
+        earlier = [j for j in order[:x] if mine & hosts_of(tasks[j], sched.sender_host[j])]
         for j in earlier:
             assert sched.start_s[i] >= end[j] - 1e-9, f"tasks {j} and {i} overlap on a shared host"
         assert sched.start_s[i] == pytest.approx(max((end[j] for j in earlier), default=0.0))

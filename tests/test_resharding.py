@@ -246,7 +246,9 @@ def test_signal_has_broadcast_shape_with_one_byte_steps():
     task, host_of = one_to_two_by_four()
     signal = lower(task, 0, 0, "signal", 16, host_of)
     shape = lower(task, 0, 0, "broadcast", 1, host_of)
-    assert [(s.src, s.dst, s.after, s.scope) for s in signal] == [(s.src, s.dst, s.after, s.scope) for s in shape]
+    def shape_of(steps):
+        return [(s.src, s.dst, s.after, s.scope) for s in steps]
+    assert shape_of(signal) == shape_of(shape)
     assert all(s.signal and s.nbytes() == 1 for s in signal)
     assert nic_bytes(signal, host_of) == {0: (1, 0), 1: (1, 1), 2: (0, 1)}
 
