@@ -284,22 +284,21 @@ def _expand(path: list[tuple[int, int]], members: list[list[int]]) -> list[Move]
 # ------------------------------------------------------------------------------ greedy
 def _greedy(p: _Problem, budget_s: float, seed: int, bound: float, samples: int = 4, scan: int = 256,
             max_tries: int = 200) -> list[Move]:
-    """Seed 000's randomized greedy: build rounds of non-overlapping tasks; each round is the
-    largest (most hosts busy, then most work) of `samples` random candidate sets, each made by
-    walking the unscheduled tasks in random order and keeping those that fit (at most `scan`
-    looked at). A task takes the free sender host where it can start earliest. Identical tasks
-    always conflict (same receivers), so the walk is over classes of identical tasks. Tries
-    repeat with fresh randomness until the budget is spent, `max_tries` are done or a try reaches
-    the lower bound (at least one try); the best makespan wins."""
+    """Seed 000's randomized greedy, run at every moment hosts become free: at time `now`, among
+    the tasks whose hosts are all free, pick a large non-overlapping set (the best, by hosts kept
+    busy then work, of `samples` random walks over the unscheduled tasks, each looking at most at
+    `scan` of them), start it, and move `now` to the next finish. With equal tasks this is the
+    paper's rounds; with unequal ones no host waits for a round to end. A task takes the free
+    sender host with the shortest duration. Identical tasks always conflict (same receivers), so
+    walks are over classes of identical tasks. Tries repeat with fresh randomness until the
+    budget is spent, `max_tries` are done or a try meets the lower bound (at least one try)."""
     rng = random.Random(seed)
     deadline = time.monotonic() + budget_s
     members = p.classes()
-    host_count = len({h for hosts in p.hosts for hs in hosts.values() for h in hs})
-    min_hosts = min((len(hs) for hosts in p.hosts for hs in hosts.values()), default=1)
     best: list[Move] | None = None
     best_makespan = float("inf")
     for _ in range(max_tries):
-        moves = _greedy_try(p, members, rng, samples, scan, host_count, min_hosts)
+        moves = _greedy_try(p, members, rng, samples, scan)
         makespan = p.schedule(moves, "greedy", 0.0, True).makespan_s
         if makespan < best_makespan - 1e-12:
             best, best_makespan = moves, makespan
@@ -309,40 +308,42 @@ def _greedy(p: _Problem, budget_s: float, seed: int, bound: float, samples: int 
     return best
 
 
-def _greedy_try(p: _Problem, members: list[list[int]], rng: random.Random, samples: int, scan: int,
-                host_count: int, min_hosts: int) -> list[Move]:
+def _greedy_try(p: _Problem, members: list[list[int]], rng: random.Random, samples: int,
+                scan: int) -> list[Move]:
     taken = [0] * len(members)
     pending = list(range(len(members)))  # classes with tasks left
-    free: dict[int, float] = {}
+    free: dict[int, float] = {}  # host -> when it finishes its last started task
     moves: list[Move] = []
+    now = 0.0
     while pending:
+        busy_now = {h for h, end in free.items() if end > now + 1e-12}
         best_set: list[tuple[int, int, int]] = []  # (position in pending, class, sender)
-        best_score = (-1, -1.0)
+        best_score = (0, -1.0)
         for _ in range(samples):
-            chosen, busy, work = [], set(), 0.0
+            chosen, busy, work = [], set(busy_now), 0.0
             for pos in rng.sample(range(len(pending)), min(len(pending), scan)):
                 c = pending[pos]
                 i = members[c][0]
                 fits = [s for s in p.senders[i] if busy.isdisjoint(p.hosts[i][s])]
-                if not fits:
-                    continue
-                busy_until = max(free.get(h, 0.0) for h in p.tasks[i].receiver_hosts)
-                s = min(fits, key=lambda s: (max(busy_until, free.get(s, 0.0)), p.duration[i][s]))
-                chosen.append((pos, c, s))
-                busy.update(p.hosts[i][s])
-                work += p.duration[i][s]
-                if host_count - len(busy) < min_hosts:  # no task fits in what is left
-                    break
-            if (len(busy), work) > best_score:
-                best_set, best_score = chosen, (len(busy), work)
+                if fits:
+                    s = min(fits, key=lambda s: (p.duration[i][s], s))
+                    chosen.append((pos, c, s))
+                    busy.update(p.hosts[i][s])
+                    work += p.duration[i][s]
+            if (len(chosen), work) > best_score:
+                best_set, best_score = chosen, (len(chosen), work)
         for _, c, s in best_set:
             i = members[c][taken[c]]
             taken[c] += 1
-            end = max(free.get(h, 0.0) for h in p.hosts[i][s]) + p.duration[i][s]
             for h in p.hosts[i][s]:
-                free[h] = end
+                free[h] = now + p.duration[i][s]
             moves.append((i, s))
         for pos in sorted((pos for pos, c, _ in best_set if taken[c] == len(members[c])), reverse=True):
             pending[pos] = pending[-1]
             pending.pop()
+        later = [end for end in free.values() if end > now + 1e-12]
+        if later:
+            now = min(later)
+        elif not best_set:
+            raise AssertionError("greedy: no task fits while every host is free")
     return moves
