@@ -212,7 +212,7 @@ class Reconciler:
             text = f"running longer than runPolicy.activeDeadlineSeconds={policy.active_deadline_seconds}"
             return await self._fail(meta, body, draft, job, pods, "DeadlineExceeded", text, now)
 
-        if not pods or lifecycle.missing_indices(pods, expected):
+        if not pods or not expected or lifecycle.missing_indices(pods, expected):
             created = await self._create_children(meta, body, draft, job, scheduling, pods, now)
             if not created:
                 return None

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -245,26 +246,67 @@ async def envtest_cluster(assets: Path) -> AsyncIterator[EnvtestCluster]:
         shutil.rmtree(kas_dir, ignore_errors=True)
 
 
-@contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster, *, webhook: bool = False) -> AsyncIterator[asyncio.Task]:
-    """kopf in this event loop (cluster-wide, standalone), with this package's handlers."""
-    import kopf
+class OperatorThread:
+    """kopf in its own thread and event loop, as in a real process: the test's loop stays its own."""
 
-    from meshjob.operator.handlers import STATE, OperatorConfig
+    def __init__(self, cluster: Cluster, *, webhook: bool = False):
+        self.cluster, self.webhook = cluster, webhook
+        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="kopf-operator", daemon=True)
 
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)  # kopf's login reads it
-    STATE.config = OperatorConfig(metrics_port=None, webhook=webhook, kubeconfig=str(cluster.kubeconfig))
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready))
-    try:
-        await asyncio.wait_for(ready.wait(), timeout=20)
-        yield task
-    finally:
-        stop.set()
+    def _main(self) -> None:
+        import kopf
+
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.task = self.loop.create_task(kopf.operator(clusterwide=True, standalone=True,
+                                                        stop_flag=self.stop_flag, ready_flag=self.ready_flag))
         try:
-            await asyncio.wait_for(task, timeout=15)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            task.cancel()
+            self.loop.run_until_complete(self.task)
+        except BaseException as err:  # noqa: BLE001 (kept for the test to see)
+            self.error = err
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    async def start(self) -> None:
+        from meshjob.operator.handlers import STATE, OperatorConfig
+
+        os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
+        STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook, kubeconfig=str(self.cluster.kubeconfig))
+        self.thread.start()
+        if not await asyncio.to_thread(self.ready_flag.wait, 20):
+            raise AssertionError(f"operator not ready in 20 s: {self.error!r}")
+
+    def kill(self) -> None:
+        """Abrupt death mid-whatever: cancel the operator's task, no graceful stop (callable from any thread)."""
+        assert self.loop is not None and self.task is not None
+        self.loop.call_soon_threadsafe(self.task.cancel)
+
+    async def stop(self) -> None:
+        self.stop_flag.set()
+        await asyncio.to_thread(self.thread.join, 20)
+        if self.thread.is_alive():
+            self.kill()
+            await asyncio.to_thread(self.thread.join, 10)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+
+@contextlib.asynccontextmanager
+async def running_operator(cluster: Cluster, *, webhook: bool = False) -> AsyncIterator[OperatorThread]:
+    """The operator (cluster-wide, standalone, this package's handlers) for the duration of the block."""
+    op = OperatorThread(cluster, webhook=webhook)
+    await op.start()
+    try:
+        yield op
+    finally:
+        await op.stop()
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.1,
@@ -281,3 +323,280 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 15
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: each runs on any Cluster. Every scenario uses its own namespace, node names and
+# device resource (example.com/<tag>), so scenarios can share one API server without interfering.
+
+def scenario_job(tag: str, *, hosts: int = 2, devices: int = 2, **kwargs: Any) -> dict[str, Any]:
+    body = job_body(tag, tag, hosts=hosts, devices_per_host=devices, **kwargs)
+    body["spec"]["topology"]["deviceResource"] = f"example.com/{tag}"
+    return body
+
+
+async def add_nodes(c: Cluster, tag: str, count: int, devices: int = 2, start: int = 0) -> list[str]:
+    names_ = [f"{tag}-n{i}" for i in range(start, start + count)]
+    for name in names_:
+        await c.add_node(name, devices, resource=f"example.com/{tag}")
+    return names_
+
+
+async def prepare_namespace(c: Cluster, tag: str) -> None:
+    if c.real:
+        await c.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": tag}})
+
+
+async def wait_pods(c: Cluster, tag: str, count: int, *, phase: str | None = None, timeout: float = 20) -> list[dict]:
+    async def check() -> list[dict] | None:
+        await c.finish_deletions(tag)
+        pods = [p for p in await c.pods(tag, tag) if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) == count and (phase is None or all((p.get("status") or {}).get("phase", "Pending") == phase
+                                                        for p in pods)):
+            return pods or [{}]
+        return None
+    found = await eventually(check, timeout=timeout, what=f"{count} pod(s) of job {tag}")
+    return [p for p in found if p]
+
+
+async def wait_status(c: Cluster, tag: str, predicate: Callable[[dict], bool], what: str,
+                      timeout: float = 20) -> dict[str, Any]:
+    async def check() -> dict | None:
+        await c.finish_deletions(tag)
+        job = await c.job(tag, tag)
+        status = (job or {}).get("status") or {}
+        return status if predicate(status) else None
+    return await eventually(check, timeout=timeout, what=f"job {tag}: {what}")
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+async def delete_and_wait(c: Cluster, tag: str) -> None:
+    await c.delete_job(tag, tag)
+    await eventually(lambda: _gone(c, tag), what=f"job {tag} deleted (finalizer released)")
+
+
+async def _gone(c: Cluster, tag: str) -> bool:
+    return await c.job(tag, tag) is None
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+
+async def scenario_create_children(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    nodes = await add_nodes(c, tag, 2)
+    job = await c.create_job(scenario_job(tag))
+    pods = await wait_pods(c, tag, 2)
+    uid = (await c.job(tag, tag))["metadata"]["uid"]
+    pinned = set()
+    for index, pod in enumerate(pods):
+        env = env_of(pod)
+        assert pod["metadata"]["name"] == f"{tag}-host-{index}"
+        assert env["NODE_RANK"] == str(index) and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
+        assert env["MASTER_ADDR"] == f"{tag}-host-0.{tag}.{tag}.svc"
+        assert pod["metadata"]["labels"][names.HOST_INDEX_LABEL] == str(index)
+        assert [o["uid"] for o in pod["metadata"]["ownerReferences"]] == [uid]
+        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        pinned.update(term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"])
+    assert pinned == set(nodes)  # one pod per node
+    svc = await c.get("services", tag, tag)
+    cm = await c.get("configmaps", f"{tag}-plan", tag)
+    assert svc["spec"]["clusterIP"] == "None" and "plan.json" in cm["data"]
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Created", "phase Created")
+    assert status["hosts"] == 2 and {p["node"] for p in status["placement"]} == set(nodes)
+    assert condition(status, "Created")["status"] == "True"
+    assert job["metadata"]["name"] == tag
+    await delete_and_wait(c, tag)
+
+
+async def scenario_runs_reports_progress_and_succeeds(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"}))
+    pods = await wait_pods(c, tag, 2)
+    for step, pod in zip((7, 5), pods):
+        await c.set_pod_phase(pod["metadata"]["name"], "Running", tag,
+                              annotations={names.STEP_ANNOTATION: str(step), names.CHECKPOINT_ANNOTATION: "4"})
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 5, "Running at step 5")
+    assert status["checkpointStep"] == 4 and condition(status, "Running")["status"] == "True"
+    assert set(status["pods"].values()) == {"Running"}
+    for pod in pods:
+        await c.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag)
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Succeeded", "Succeeded")
+    assert status["completionTime"] and condition(status, "Succeeded")["reason"] == "AllPodsSucceeded"
+    assert condition(status, "Running")["status"] == "False"
+    await wait_pods(c, tag, 0)  # cleanPodPolicy All
+    await eventually(lambda: _gone(c, tag), timeout=20, what="job deleted by ttlSecondsAfterFinished")
+
+
+async def scenario_gang_restart_then_failed(c: Cluster, tag: str, metrics: Any = None) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, run_policy={"backoffLimit": 1, "cleanPodPolicy": "All"}))
+    first = await wait_pods(c, tag, 2)
+    before = metrics.restarts._value.get() if metrics is not None else 0.0
+    await c.set_pod_phase(first[1]["metadata"]["name"], "Failed", tag)
+    status = await wait_status(c, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    assert condition(status, "Restarting")["status"] == "True"
+    assert f"pod {tag}-host-1 failed" in condition(status, "Restarting")["message"]
+    second = await wait_pods(c, tag, 2, phase="Pending")
+    if c.real:  # recreated, not kept: new uids
+        assert {p["metadata"]["uid"] for p in second}.isdisjoint({p["metadata"]["uid"] for p in first})
+    if metrics is not None:
+        assert metrics.restarts._value.get() == before + 1
+    await c.set_pod_phase(second[0]["metadata"]["name"], "Failed", tag)
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Failed", "Failed after backoffLimit")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit=1" in failed["message"]
+    assert status["restarts"] == 1
+    await wait_pods(c, tag, 0)
+    await delete_and_wait(c, tag)
+
+
+async def scenario_suspend_and_resume(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag))
+    await wait_pods(c, tag, 2)
+    await c.patch_job(tag, {"spec": {"runPolicy": {"suspend": True}}}, tag)
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Suspended", "Suspended")
+    assert condition(status, "Suspended")["status"] == "True"
+    await wait_pods(c, tag, 0)
+    await c.patch_job(tag, {"spec": {"runPolicy": {"suspend": False}}}, tag)
+    await wait_pods(c, tag, 2)
+    status = await wait_status(c, tag, lambda s: condition(s, "Suspended").get("status") == "False", "resumed")
+    assert condition(status, "Suspended")["reason"] == "Resumed" and status["phase"] != "Suspended"
+    await delete_and_wait(c, tag)
+
+
+async def scenario_invalid_spec(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    body = scenario_job(tag)
+    body["spec"]["stages"][1]["layers"] = [1, 3]  # past the model's 2 layers: the schema cannot tell
+    await c.create_job(body)
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Failed", "Failed")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "InvalidSpec" and "spec.stages[1].layers: [1, 3] is invalid" in failed["message"]
+
+    async def warning() -> list[dict] | None:
+        found = [e for e in await c.events(tag) if e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
+                 and e.get("involvedObject", {}).get("name") == tag]
+        return found or None
+    events = await eventually(warning, what="a Warning Event InvalidSpec")
+    assert "spec.stages[1].layers" in events[0]["message"]
+    assert await c.pods(tag, tag) == []
+    await delete_and_wait(c, tag)
+
+
+async def scenario_unschedulable_until_a_node_appears(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 1)
+    await c.create_job(scenario_job(tag))
+    status = await wait_status(c, tag, lambda s: condition(s, "Unschedulable").get("status") == "True", "Unschedulable")
+    message = condition(status, "Unschedulable")["message"]
+    assert "missing 1 host" in message and f"example.com/{tag}" in message
+    assert await c.pods(tag, tag) == []
+    await add_nodes(c, tag, 1, start=1)
+    await wait_pods(c, tag, 2)
+    status = await wait_status(c, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled")
+    assert condition(status, "Unschedulable")["reason"] == "Scheduled"
+    await delete_and_wait(c, tag)
+
+
+async def scenario_deletion_removes_children(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag))
+    pods = await wait_pods(c, tag, 2)
+    uid = (await c.job(tag, tag))["metadata"]["uid"]
+    await delete_and_wait(c, tag)
+    if c.real:  # kube-controller-manager's garbage collector follows the owner references
+        await wait_pods(c, tag, 0, timeout=30)
+        await eventually(lambda: _absent(c, "configmaps", f"{tag}-plan", tag), timeout=30, what="configmap gone")
+        await eventually(lambda: _absent(c, "services", tag, tag), timeout=30, what="service gone")
+    else:  # kmock has no garbage collector: the children are owned, so a real cluster removes them
+        for pod in pods:
+            owner = pod["metadata"]["ownerReferences"][0]
+            assert owner["uid"] == uid and owner["controller"] and owner["blockOwnerDeletion"]
+
+
+async def _absent(c: Cluster, plural: str, name: str, ns: str) -> bool:
+    return await c.get(plural, name, ns) is None
+
+
+async def scenario_activeDeadline_fails_the_job(c: Cluster, tag: str) -> None:
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, run_policy={"activeDeadlineSeconds": 2, "cleanPodPolicy": "Running"}))
+    await wait_pods(c, tag, 2)
+    status = await wait_status(c, tag, lambda s: s.get("phase") == "Failed", "Failed by deadline", timeout=30)
+    assert condition(status, "Failed")["reason"] == "DeadlineExceeded"
+    await wait_pods(c, tag, 0)
+    await delete_and_wait(c, tag)
+
+
+async def scenario_operator_killed_mid_creation(c: Cluster, tag: str) -> None:
+    """The operator dies after creating 2 of 4 pods; a new one creates the rest, once each."""
+    from meshjob.operator.handlers import STATE
+
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 4)
+    async with running_operator(c) as op:
+        kube = STATE.reconciler.kube
+        original = kube.create_if_absent
+        created: list[str] = []
+
+        async def dying(body: dict[str, Any], plural: str, path: str | None = None) -> bool:
+            result = await original(body, plural, path)
+            if plural == "pods":
+                created.append(body["metadata"]["name"])
+                if len(created) == 2:
+                    op.kill()  # killed: no graceful stop, no status written after this point
+                    await asyncio.sleep(3600)
+            return result
+
+        kube.create_if_absent = dying  # type: ignore[method-assign]
+        await c.create_job(scenario_job(tag, hosts=4))
+        await eventually(lambda: _dead(op), what="the first operator killed")
+    survivors = await c.pods(tag, tag)
+    assert 1 <= len(survivors) <= 4
+    async with running_operator(c):
+        pods = await wait_pods(c, tag, 4)
+        assert [p["metadata"]["name"] for p in pods] == [f"{tag}-host-{i}" for i in range(4)]
+        if c.real:  # the survivors were kept, not recreated
+            kept = {p["metadata"]["name"]: p["metadata"]["uid"] for p in survivors}
+            assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods if p["metadata"]["name"] in kept} == kept
+        status = await wait_status(c, tag, lambda s: s.get("hosts") == 4 and len(s.get("pods") or {}) == 4, "4 pods")
+        assert not status.get("restarts")
+        await asyncio.sleep(0.5)  # a later reconcile must not add anything
+        assert len(await c.pods(tag, tag)) == 4
+        await delete_and_wait(c, tag)
+
+
+async def _dead(op: OperatorThread) -> bool:
+    return not op.alive
+
+
+async def scenario_restart_counted_once_across_operator_restart(c: Cluster, tag: str) -> None:
+    """The operator died after recording a gang restart but before deleting pods: no second count."""
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    async with running_operator(c):
+        await c.create_job(scenario_job(tag, run_policy={"backoffLimit": 3}))
+        pods = await wait_pods(c, tag, 2)
+        await wait_status(c, tag, lambda s: s.get("hosts") == 2, "hosts recorded")
+    await c.set_pod_phase(pods[0]["metadata"]["name"], "Failed", tag)
+    await c.kube.patch_job_status(tag, tag, {"restarts": 1, "restartPending": True, "phase": "Restarting"})
+    async with running_operator(c):
+        status = await wait_status(c, tag, lambda s: not s.get("restartPending") and len(s.get("pods") or {}) == 2,
+                                   "restart finished")
+        new = await wait_pods(c, tag, 2, phase="Pending")
+        assert status["restarts"] == 1
+        if c.real:
+            assert {p["metadata"]["uid"] for p in new}.isdisjoint({p["metadata"]["uid"] for p in pods})
+        await delete_and_wait(c, tag)
