@@ -33,13 +33,14 @@ WEIGHT_ATOL = LR / 50
 
 
 def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, steps: int = STEPS,
-             global_batch: int = 8, microbatches: int = 4) -> TrainingJob:
+             global_batch: int = 8, microbatches: int = 4, checkpoint_every: int = 0) -> TrainingJob:
+    checkpoint = {"every": checkpoint_every, "path": "/unused/train_rank/takes/a/directory"}
     return parse_job({
         "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "equivalence"},
         "spec": {
             "model": {"kind": kind, "layers": 8, "hidden": 16, "heads": 2, "vocab": 32, "seqLen": 8},
             "training": {"steps": steps, "globalBatch": global_batch, "microbatches": microbatches,
-                         "learningRate": LR, "seed": 0},
+                         "learningRate": LR, "seed": 0, "checkpoint": checkpoint},
             "topology": {"devicesPerHost": 2},
             "stages": stages,
             "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
@@ -48,9 +49,10 @@ def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, st
     })
 
 
-def run_job(job: TrainingJob, schedules=None) -> list[TrainResult]:
+def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None) -> list[TrainResult]:
     world = build_plan(job).placement.world_size
-    result = launch_local(world, functools.partial(train_rank, job=job, schedules=schedules), timeout_s=55)
+    target = functools.partial(train_rank, job=job, schedules=schedules, checkpoint_dir=checkpoint_dir)
+    result = launch_local(world, target, timeout_s=55)
     return result.raise_on_failure().values
 
 
@@ -111,3 +113,18 @@ def test_tied_embedding_copies_stay_equal_on_first_and_last_stage():
     assert len(copies) == 4
     for copy in copies[1:]:
         torch.testing.assert_close(copy, copies[0], rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_resuming_from_a_checkpoint_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    whole = run_job(make_job("utransformer", "eager-1f1b", "on", steps=6))
+    first = make_job("utransformer", "eager-1f1b", "on", steps=3, checkpoint_every=3)
+    run_job(first, checkpoint_dir=str(tmp_path))
+    resumed = run_job(make_job("utransformer", "eager-1f1b", "on", steps=6, checkpoint_every=3),
+                      checkpoint_dir=str(tmp_path))
+
+    assert {r.start_step for r in resumed} == {3}
+    assert pipeline_losses(resumed)[0] == pytest.approx(pipeline_losses(whole)[0][3:], abs=1e-6)
+    after, expected = full_parameters([r.params for r in resumed]), full_parameters([r.params for r in whole])
+    for name, weight in expected.items():
+        torch.testing.assert_close(after[name], weight, rtol=0, atol=1e-6, msg=name)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from meshjob.trainer.data import BigramData
+from meshjob.trainer.data import Batch, BigramData
 from meshjob.trainer.model import ModelConfig, StageModule, local_shards
 from meshjob.trainer.parallel import ShardInfo, StageGroups, StageMesh, build_groups, reduce_gradients
 from meshjob.trainer.pipeline import Handle, PipelineExecutor, StageStats
@@ -92,7 +92,7 @@ class StageRuntime:
     transport: ReshardTransport
     data: BigramData
     microbatches: int
-    extra: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def build_runtime(ctx: Any) -> StageRuntime:
@@ -101,19 +101,21 @@ def build_runtime(ctx: Any) -> StageRuntime:
     groups = build_groups(stage_meshes(job, plan), ctx.rank)  # collective: all ranks, same order
     config = ModelConfig.from_spec(job.model)
     first, last = job.stages[stage].layers
-    module = StageModule(config, first, last, job.training.seed, groups.tp)
+    # weights are created on the CPU from the seed (identical everywhere), then moved
+    module = StageModule(config, first, last, job.training.seed, groups.tp).to(ctx.device)
     check_edges(module, stage, job.edges)
     optimizer = make_optimizer(module.parameters(), job.training.learning_rate)
     transport = ReshardTransport(ctx.reshard, plan.boundaries)
     tokens = job.training.global_batch * config.seq_len
     executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens)
     data = BigramData(config.vocab, config.seq_len, job.training.global_batch, job.training.seed)
-    return StageRuntime(stage, module, groups, optimizer, executor, transport, data, job.training.microbatches)
+    return StageRuntime(stage, module, groups, optimizer, executor, transport, data, job.training.microbatches,
+                        torch.device(ctx.device))
 
 
 def global_loss(rt: StageRuntime, local: float) -> float:
     """The last stage's data-parallel ranks each hold part of the global-batch mean: add them."""
-    value = torch.tensor([local], dtype=torch.float64)
+    value = torch.tensor([local], dtype=torch.float64, device=rt.device)
     if rt.groups.dp_group is not None:
         dist.all_reduce(value, group=rt.groups.dp_group)
     return float(value.item())
@@ -123,8 +125,9 @@ def train_step(rt: StageRuntime, step: int) -> tuple[float, StageStats]:
     rt.optimizer.zero_grad(set_to_none=True)
     dp = rt.groups
 
-    def local_batch(mb: int):
-        return rt.data.microbatch(step, mb, rt.microbatches, dp.dp_rank, dp.dp_size)
+    def local_batch(mb: int) -> Batch:
+        batch = rt.data.microbatch(step, mb, rt.microbatches, dp.dp_rank, dp.dp_size)
+        return Batch(batch.tokens.to(rt.device), batch.targets.to(rt.device))
 
     local, stats = rt.executor.run_step(local_batch)
     reduce_gradients(rt.module.parameters(), rt.groups, rt.module.tied_weight())
@@ -178,23 +181,28 @@ def train(ctx: Any) -> TrainResult:
 
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
-               timeout_s: float = 60.0) -> TrainResult:
-    """One rank of a local run without the worker's extras (no metrics, no checkpoints): join the
+               timeout_s: float = 60.0, checkpoint_dir: str | None = None) -> TrainResult:
+    """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave.
     For tests and benchmarks that launch ranks with launch.launch_local."""
     import dataclasses
 
     from meshjob.plan import build_plan
+    from meshjob.trainer.checkpoint import Checkpointer, spec_fingerprint
     from meshjob.trainer.dist import WorkerContext, init_distributed, shutdown_distributed
     from meshjob.trainer.reshard import ReshardExecutor
 
     plan = build_plan(job)
     if schedules is not None:
         plan = dataclasses.replace(plan, schedules={s: tuple(a) for s, a in schedules.items()})
-    init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
+    backend = init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     try:
+        checkpoints = None if checkpoint_dir is None else Checkpointer(
+            checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
         ctx = WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
-                            reshard=ReshardExecutor(plan, env.rank))
+                            reshard=ReshardExecutor(plan, env.rank, device=device), checkpoints=checkpoints,
+                            device=device)
         return train(ctx)
     finally:
         shutdown_distributed()
