@@ -3,7 +3,10 @@
 Cases (tensor float32; one host per index of mesh dim 0; meshes on disjoint hosts):
   - one device -> a (2, 4) mesh (seed 000 Fig. 5 shape): one unit task;
   - (2, 4) -> (2, 4) with the paper-like spec pairs of MANY_TO_MANY (seed 000 Fig. 8);
-  - (4, 4) -> (4, 4), S01R -> RS01: 256 tasks, beyond what dfs finishes;
+  - meshes of different shapes and host counts, whose cuts give slices of unequal size;
+  - (4, 4) -> (4, 4), S01R -> RS01: 256 tasks;
+  - 20 random tasks (seeded; 1-2 sender hosts of 4, 1-3 receiver hosts of 4, unequal sizes):
+    where dfs may run out of budget, as the paper reports beyond about 20 tasks;
   - a 10,000-task case: (10, 10) S1RR -> (10, 10, 10) RS0S12, every slice held by all 10 sender
     hosts (sender choice) and needed on one of 10 receiving hosts (ordering).
 The cost model is meshjob.balance's (NIC bytes / rate; intra-host time ignored); nothing runs on a
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -61,14 +65,27 @@ class Row:
 def cases() -> list[Case]:
     out = [Case("1 -> (2,4)", (1024, 1024), (1,), "RR", (2, 4), "RR")]
     out += [Case(f"(2,4) {s} -> {r}", (1024, 1024), (2, 4), s, (2, 4), r) for s, r in MANY_TO_MANY]
+    out += [Case("(4,2) S0S1 -> (3,4) S1S0", (1680, 1680), (4, 2), "S0S1", (3, 4), "S1S0"),
+            Case("(4,2) RS0 -> (3,4) S01R", (1680, 1024), (4, 2), "RS0", (3, 4), "S01R"),
+            Case("(2,4) RS01 -> (5,2) S01R", (1680, 1680), (2, 4), "RS01", (5, 2), "S01R")]
     out.append(Case("(4,4) S01R -> RS01", (1024, 1024), (4, 4), "S01R", (4, 4), "RS01"))
+    out.append(Case("random: 20 tasks, 4 + 4 hosts", (), (), "", (), ""))
     out.append(Case("10k: (10,10) S1RR -> (10,10,10) RS0S12", (1000, 100, 100), (10, 10), "S1RR",
                     (10, 10, 10), "RS0S12"))
     return out
 
 
+def random_tasks(seed: int, n: int = 20, hosts: int = 4) -> list[HostTask]:
+    rng = random.Random(seed)
+    return [HostTask(tuple(rng.sample(range(hosts), rng.randint(1, 2))),
+                     tuple(rng.sample(range(hosts, 2 * hosts), rng.randint(1, 3))),
+                     rng.choice([1, 2, 4]) * (1 << 20)) for _ in range(n)]
+
+
 def host_tasks(case: Case) -> tuple[list[HostTask], int]:
     """Decompose the case and lift its unit tasks to hosts; also the receiving devices per host."""
+    if case.name.startswith("random"):
+        return random_tasks(0), 1
     src = Mesh.grid(case.src_shape)
     dst = Mesh.grid(case.dst_shape, first_rank=src.size, first_host=case.src_shape[0])
     host = {**dict(zip(src.ranks, src.hosts)), **dict(zip(dst.ranks, dst.hosts))}

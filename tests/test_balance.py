@@ -156,11 +156,12 @@ def random_tasks(seed, n, hosts=4):
                      rng.choice([1000, 2000, 4000])) for _ in range(n)]
 
 
-def paper_like_tasks(send, recv):
-    """(2, 4) -> (2, 4) on a (64, 64) tensor, one host per mesh row."""
-    a, b = Mesh.grid((2, 4)), Mesh.grid((2, 4), first_rank=8, first_host=2)
+def paper_like_tasks(send, recv, src_shape=(2, 4), dst_shape=(2, 4), tensor=(96, 96)):
+    """Mesh -> mesh on disjoint hosts, one host per mesh row."""
+    a = Mesh.grid(src_shape)
+    b = Mesh.grid(dst_shape, first_rank=a.size, first_host=src_shape[0])
     host_of = {**{r: a.host_of(r) for r in a.ranks}, **{r: b.host_of(r) for r in b.ranks}}
-    units = decompose((64, 64), a, ShardingSpec.parse(send), b, ShardingSpec.parse(recv))
+    units = decompose(tensor, a, ShardingSpec.parse(send), b, ShardingSpec.parse(recv))
     return [HostTask(tuple(dict.fromkeys(host_of[r] for r in u.senders)),
                      tuple(dict.fromkeys(host_of[r] for r in u.receivers)), u.bytes) for u in units]
 
@@ -173,9 +174,14 @@ def test_greedy_is_within_10_percent_of_dfs_on_random_cases_up_to_20_tasks(seed)
     assert greedy.makespan_s <= 1.1 * dfs.makespan_s
 
 
-@pytest.mark.parametrize("send, recv", [("S01R", "S0R"), ("RS1", "S0R"), ("S0R", "S1R"), ("S0S1", "S1S0")])
-def test_greedy_is_within_10_percent_of_dfs_on_paper_cases(send, recv):
-    tasks = paper_like_tasks(send, recv)
+@pytest.mark.parametrize("send, recv, src_shape, dst_shape", [
+    ("S01R", "S0R", (2, 4), (2, 4)), ("RS1", "S0R", (2, 4), (2, 4)), ("S0R", "S1R", (2, 4), (2, 4)),
+    ("S0S1", "S1S0", (2, 4), (2, 4)),
+    ("S0S1", "S1S0", (4, 2), (3, 4)),  # unequal slices: cuts of 4 and 3 shards
+    ("S01R", "S0R", (2, 4), (3, 2)),
+])
+def test_greedy_is_within_10_percent_of_dfs_on_paper_cases(send, recv, src_shape, dst_shape):
+    tasks = paper_like_tasks(send, recv, src_shape, dst_shape)
     assert len(tasks) <= 20
     dfs = balance(tasks, "dfs", "broadcast", 16, BW, budget_s=0.5)
     greedy = balance(tasks, "greedy", "broadcast", 16, BW, budget_s=0.5)
