@@ -99,6 +99,10 @@ def balance(tasks: Sequence[HostTask], balancer: str, strategy: str, chunks: int
             raise ValueError(f"tasks[{i}]: {task} is invalid: at least one sender and one receiver host")
     if nic_bytes_per_s <= 0:
         raise ValueError(f"nic_bytes_per_s {nic_bytes_per_s!r} is invalid: a positive number")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks {chunks!r} is invalid: an integer >= 1")
+    if budget_s < 0:
+        raise ValueError(f"budget_s {budget_s!r} is invalid: a number >= 0")
     bound = lower_bound(tasks, nic_bytes_per_s)
     problem = _Problem(tasks, lambda t, s: task_seconds(t, s, strategy, chunks, receiver_devices_per_host,
                                                         nic_bytes_per_s))

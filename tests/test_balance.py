@@ -219,6 +219,8 @@ def test_no_tasks_gives_an_empty_schedule():
     ({"balancer": "best"}, "balancer 'best' is invalid: one of naive, load_balance, dfs, greedy"),
     ({"strategy": "ring"}, "strategy 'ring' is invalid: one of send_recv"),
     ({"nic_bytes_per_s": 0}, "nic_bytes_per_s 0 is invalid"),
+    ({"chunks": 0}, "chunks 0 is invalid: an integer >= 1"),
+    ({"budget_s": -1}, "budget_s -1 is invalid"),
 ])
 def test_bad_arguments_are_rejected_with_what_is_allowed(kwargs, message):
     args = {"tasks": [HostTask((0,), (1,), 8)], "balancer": "dfs", "strategy": "broadcast", "chunks": 4,
