@@ -20,3 +20,34 @@ def gang():
         return launch_local(world_size, target, timeout_s=timeout_s, **kwargs).raise_on_failure().values
 
     return launch
+
+
+ONE_HOST_JOB = {  # 2 stages x 2 ranks on one 4-device host: the smallest job a worker test runs
+    "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "onehost"},
+    "spec": {
+        "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
+        "training": {"steps": 4, "globalBatch": 8, "microbatches": 2, "learningRate": 1.0e-3, "seed": 0},
+        "topology": {"devicesPerHost": 4},
+        "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
+                   {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 1}],
+        "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy", "budgetSeconds": 0.5},
+        "schedule": {"kind": "1f1b", "weightGradDelay": "off"},
+    },
+}
+
+
+@pytest.fixture
+def one_host_job(tmp_path):
+    """write(name="job", **training_overrides) -> path of a YAML file of ONE_HOST_JOB."""
+    import copy
+
+    import yaml
+
+    def write(name: str = "job", **training):
+        doc = copy.deepcopy(ONE_HOST_JOB)
+        doc["spec"]["training"].update(training)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return str(path)
+
+    return write

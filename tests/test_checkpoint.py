@@ -124,3 +124,60 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(gang, tmp_path):
             shutdown_distributed()
 
     assert gang(2, target) == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_host_job, tmp_path):
+    """4 steps with checkpoints, then a fresh gang asked for 6 resumes at 4: same final weights
+    and losses as 6 steps in one go."""
+    from meshjob.trainer.launch import launch_local
+    from meshjob.trainer.worker import run_worker
+
+    def run(job_path: str):
+        return launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": job_path}, timeout_s=50).raise_on_failure().values
+
+    straight = run(one_host_job("straight", steps=6))
+    ckpt = str(tmp_path / "ckpt")
+    first = run(one_host_job("first", steps=4, checkpoint={"every": 2, "path": ckpt}))
+    resumed = run(one_host_job("resumed", steps=6, checkpoint={"every": 2, "path": ckpt}))
+    assert [r.start_step for r in first] == [0] * 4 and [r.start_step for r in resumed] == [4] * 4
+    last = [r.rank for r in straight if r.losses]
+    assert all(first[r].losses + resumed[r].losses == straight[r].losses for r in last)
+    for a, b in zip(straight, resumed):
+        assert a.params.keys() == b.params.keys()
+        assert all(torch.equal(a.params[k][0], b.params[k][0]) for k in a.params)
+
+
+@pytest.mark.slow
+def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_weights(one_host_job, tmp_path):
+    import os
+    import signal
+
+    from meshjob.trainer.launch import launch_local
+    from meshjob.trainer.metrics import TrainerMetrics
+    from meshjob.trainer.worker import run_worker
+
+    ckpt = str(tmp_path / "ckpt")
+    job = one_host_job("job", steps=6, checkpoint={"every": 2, "path": ckpt})
+    straight = launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": one_host_job("straight", steps=6)},
+                            timeout_s=50).raise_on_failure().values
+
+    def dies_in_step_3(env):
+        if env.rank == 1:  # kill -9 itself once step 3 is done: checkpoint 2 is complete, 4 never comes
+            record = TrainerMetrics.record_step
+
+            def record_then_die(self, seconds, tokens, loss, step=None):
+                record(self, seconds, tokens, loss, step)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            TrainerMetrics.record_step = record_then_die
+        return run_worker(env, 30)
+
+    crashed = launch_local(4, dies_in_step_3, env={"MESHJOB_JOB": job}, timeout_s=50, kill_grace_s=0.5)
+    assert {r.rank: r.exit_code for r in crashed.ranks}[1] == -signal.SIGKILL
+    resumed = launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": job},
+                           timeout_s=50).raise_on_failure().values
+    assert [r.start_step for r in resumed] == [2] * 4
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(a.params[k][0], b.params[k][0]) for k in a.params)
