@@ -47,12 +47,28 @@ class Run:
         return json.loads(self.json_path.read_text())
 
     def ranks(self) -> list[int]:
-        """Live rank processes (forked children of the run)."""
+        """Live rank processes: forked children running Python (not the `ip` commands it runs)."""
         try:
             text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
         except FileNotFoundError:
             return []
-        return [int(p) for p in text.split()]
+        ranks = []
+        for pid in map(int, text.split()):
+            try:
+                if os.readlink(f"/proc/{pid}/exe") == os.readlink(f"/proc/{self.proc.pid}/exe"):
+                    ranks.append(pid)
+            except OSError:
+                pass
+        return ranks
+
+    def stop(self) -> None:
+        """Teardown: SIGTERM lets the run remove its namespaces even when a test failed."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
     def leftovers(self) -> tuple[list[str], list[int]]:
         """Namespaces and processes of this run that still exist."""
@@ -71,6 +87,19 @@ class Run:
         while self.leftovers() != ([], []) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert self.leftovers() == ([], [])
+
+
+@pytest.fixture
+def start(tmp_path):
+    runs: list[Run] = []
+
+    def make(*args: str, job: Path = TINY) -> Run:
+        runs.append(Run(tmp_path, *args, job=job))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.stop()
 
 
 def job_file(tmp_path: Path, steps: int, every: int = 0) -> Path:
@@ -99,8 +128,8 @@ def complete_checkpoint(directory: Path, world_size: int) -> bool:
 
 @pytest.mark.netns
 @needs_netns
-def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path):
-    run = Run(tmp_path)
+def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path, start):
+    run = start()
     assert run.wait() == 0, run.err[-3000:]
     s = run.summary()
     assert s["ok"] and s["emulated"] and s["nic_rate"] == "1gbit"
@@ -111,8 +140,8 @@ def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path):
     run.assert_clean()
 
 
-def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path):
-    run = Run(tmp_path, "--no-netns")
+def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path, start):
+    run = start("--no-netns")
     assert run.wait() == 0, run.err[-3000:]
     s = run.summary()
     assert s["ok"] and not s["emulated"] and s["steps_completed"] == 3
@@ -122,9 +151,10 @@ def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path):
 
 @pytest.mark.netns
 @needs_netns
-def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path):
-    run = Run(tmp_path, job=job_file(tmp_path, steps=200))
-    victim = wait_for(lambda: run.ranks()[-1:], 30, "the ranks to start")[0]
+def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path, start):
+    run = start(job=job_file(tmp_path, steps=200))
+    wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
+    victim = run.ranks()[-1]
     time.sleep(1.0)
     os.kill(victim, signal.SIGKILL)
     assert run.wait() == 1
@@ -135,9 +165,9 @@ def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.netns
 @needs_netns
-def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path):
+def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path, start):
     job = job_file(tmp_path, steps=12, every=2)
-    run = Run(tmp_path, "--max-restarts", "1", job=job)
+    run = start("--max-restarts", "1", job=job)
     wait_for(lambda: complete_checkpoint(tmp_path / "ckpt", 4), 40, "a complete checkpoint")
     os.kill(run.ranks()[1], signal.SIGKILL)
     assert run.wait(timeout=55) == 0, run.err[-3000:]
@@ -151,8 +181,8 @@ def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path):
 
 @pytest.mark.netns
 @needs_netns
-def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path):
-    run = Run(tmp_path, job=job_file(tmp_path, steps=200))
+def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start):
+    run = start(job=job_file(tmp_path, steps=200))
     wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
     time.sleep(1.0)
     run.proc.send_signal(signal.SIGINT)
@@ -160,9 +190,9 @@ def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path):
     run.assert_clean()
 
 
-def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path):
+def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path, start):
     port = 19400 + os.getpid() % 500
-    run = Run(tmp_path, "--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=200))
+    run = start("--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=200))
 
     def scrape() -> str:
         try:
@@ -182,7 +212,7 @@ def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path
     run.assert_clean()
 
 
-def test_bad_nic_rate_is_rejected_naming_the_option(tmp_path):
-    run = Run(tmp_path, "--nic-rate", "fast")
+def test_bad_nic_rate_is_rejected_naming_the_option(tmp_path, start):
+    run = start("--nic-rate", "fast")
     assert run.wait() == 2
     assert "--nic-rate: 'fast' is invalid" in run.err
