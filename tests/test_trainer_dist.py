@@ -112,3 +112,103 @@ def test_a_gang_past_its_timeout_is_killed():
     result = launch_local(2, lambda env: time.sleep(60), timeout_s=0.5, kill_grace_s=0.5)
     assert result.timed_out and not result.ok
     assert all("timed out after 0.5 s" in r.error for r in result.ranks)
+
+
+# -- meshjob worker ----------------------------------------------------------------------------
+
+def worker_cli(monkeypatch, *argv: str, **env: str) -> int:
+    from meshjob.cli import main
+
+    for name in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "MESHJOB_JOB", "MESHJOB_HOSTS",
+                 "MESHJOB_CHECKPOINT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # restored after the test, whatever the worker sets
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return main(["worker", *argv])
+
+
+def test_worker_refuses_a_world_size_other_than_the_plans(monkeypatch, capsys, one_host_job):
+    assert worker_cli(monkeypatch, "--job", one_host_job(), RANK="0", WORLD_SIZE="3") == 1
+    assert "WORLD_SIZE=3 but the plan of job 'onehost' needs 4 ranks" in capsys.readouterr().err
+
+
+def test_worker_refuses_an_nproc_other_than_the_hosts_ranks(monkeypatch, capsys, one_host_job):
+    assert worker_cli(monkeypatch, "--job", one_host_job(), "--nproc", "3") == 1
+    assert "--nproc 3 is invalid: the plan puts 4 rank(s) [0, 1, 2, 3] on node rank 0" in capsys.readouterr().err
+
+
+def test_worker_refuses_a_node_rank_beyond_the_jobs_hosts(monkeypatch, capsys, one_host_job):
+    assert worker_cli(monkeypatch, "--job", one_host_job(), "--node-rank", "1") == 1
+    assert "--node-rank 1 is invalid: the job uses 1 host(s), node ranks 0..0" in capsys.readouterr().err
+
+
+def test_worker_reports_an_invalid_spec_field_and_exits_2(monkeypatch, capsys, one_host_job):
+    assert worker_cli(monkeypatch, "--job", one_host_job(microbatches=3)) == 2
+    assert "spec.training.microbatches: 3 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_worker_with_nproc_trains_the_hosts_ranks_and_checkpoints(monkeypatch, one_host_job, tmp_path):
+    job = one_host_job(steps=2, checkpoint={"every": 2, "path": str(tmp_path / "unused")})
+    assert worker_cli(monkeypatch, "--job", job, "--nproc", "4", "--checkpoint-dir", str(tmp_path / "ck"),
+                      "--timeout", "30") == 0
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == \
+        [f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("done", "pt")]
+
+
+# -- pod status annotations -----------------------------------------------------------------
+
+class RecordingPodApi:
+    """Stands in for kubernetes.client.CoreV1Api in unit tests of PodStatus."""
+
+    def __init__(self, fail: bool = False):
+        self.patches: list[tuple[str, str, dict]] = []
+        self.fail = fail
+
+    def patch_namespaced_pod(self, name, namespace, body, _request_timeout=None):
+        if self.fail:
+            raise ConnectionError("apiserver unreachable")
+        self.patches.append((name, namespace, body["metadata"]["annotations"]))
+
+
+def test_pod_status_is_off_outside_a_pod(tmp_path):
+    from meshjob.trainer.status import PodStatus
+
+    assert not PodStatus.from_env({"MESHJOB_POD_NAME": "p"}, service_account=str(tmp_path)).enabled
+    assert not PodStatus.from_env({}, service_account=str(tmp_path)).enabled
+    PodStatus.from_env({}).step(3)  # a no-op, no error
+
+
+def test_pod_status_rate_limits_steps_but_always_sends_checkpoints():
+    from meshjob.trainer.status import PodStatus
+
+    api = RecordingPodApi()
+    status = PodStatus("job-0", "ns", api, min_interval_s=3600)
+    status.step(1)
+    status.step(2)  # within the interval: not sent
+    status.checkpoint(2)
+    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "1"}),
+                           ("job-0", "ns", {"meshjob.io/checkpoint-step": "2", "meshjob.io/step": "2"})]
+
+
+def test_pod_status_never_raises_when_the_apiserver_fails(caplog):
+    from meshjob.trainer.status import PodStatus
+
+    status = PodStatus("job-0", "ns", RecordingPodApi(fail=True), min_interval_s=0)
+    for step in range(3):
+        status.step(step)
+    status.checkpoint(2)
+    assert sum("could not annotate pod ns/job-0" in r.message for r in caplog.records) == 1
+
+
+def test_reporting_metrics_passes_steps_to_metrics_and_pod():
+    from meshjob.trainer.metrics import TrainerMetrics
+    from meshjob.trainer.status import PodStatus, ReportingMetrics
+
+    api = RecordingPodApi()
+    metrics = TrainerMetrics(job="j", rank=0, host="h", stage=1)
+    reporting = ReportingMetrics(metrics, PodStatus("job-0", "ns", api, min_interval_s=0))
+    reporting.record_step(0.5, 128, 2.0, step=7)
+    assert metrics.registry.get_sample_value("meshjob_step", {"job": "j", "stage": "1"}) == 7
+    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "7"})]
