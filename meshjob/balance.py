@@ -7,13 +7,12 @@ sender per task plus an order; each task then starts at the earliest time all of
 free (list scheduling), which is what the trainer's per-host execution order produces.
 
 Balancers: `naive` (lowest-index sender host, given order), `load_balance` (longest first onto the
-least-loaded sender host), `dfs` (branch and bound over sender and order, time budget), `greedy`
+least-loaded sender host), `dfs` (branch and bound over sender and order, work budget), `greedy`
 (randomized rounds of non-overlapping tasks, seeded, best of many tries).
 """
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -84,6 +83,17 @@ def lower_bound(tasks: Sequence[HostTask], nic_bytes_per_s: float) -> float:
     if pool_hosts:
         most = max(most, pooled / len(pool_hosts))
     return most / nic_bytes_per_s
+
+
+# Budgets are work, not wall time: every rank builds its plan on its own and all must agree, so a
+# search may not stop at a different point on a busier machine. budget_s is converted with these
+# rates, measured on a 2-core development machine (about one second of work per budget second).
+DFS_NODES_PER_SECOND = 100_000
+GREEDY_TASK_TRIES_PER_SECOND = 10_000  # tries x tasks
+
+
+def work_budget(budget_s: float, per_second: float) -> int:
+    return max(1, int(budget_s * per_second))
 
 
 def balance(tasks: Sequence[HostTask], balancer: str, strategy: str, chunks: int,
@@ -186,7 +196,7 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     some optimal schedule has this form). The search ends early when a schedule meets the lower
     bound (proved optimal). Returns the best found and whether the search finished.
     """
-    deadline = time.monotonic() + budget_s
+    max_nodes = work_budget(budget_s, DFS_NODES_PER_SECOND)
     members = p.classes()
     count = [len(m) for m in members]
     rep = [m[0] for m in members]
@@ -244,7 +254,7 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
             continue
         stack[-1] = (kids, k + 1, undo)
         nodes += 1
-        if nodes % 256 == 0 and time.monotonic() > deadline:
+        if nodes >= max_nodes:
             finished = False
             break
         end, est, c, s = kids[k]
@@ -297,16 +307,16 @@ def _greedy(p: _Problem, budget_s: float, seed: int, bound: float, samples: int 
     walks are over classes of identical tasks. Tries repeat with fresh randomness until the
     budget is spent, `max_tries` are done or a try meets the lower bound (at least one try)."""
     rng = random.Random(seed)
-    deadline = time.monotonic() + budget_s
+    tries = min(max_tries, work_budget(budget_s, GREEDY_TASK_TRIES_PER_SECOND / max(1, len(p.tasks))))
     members = p.classes()
     best: list[Move] | None = None
     best_makespan = float("inf")
-    for _ in range(max_tries):
+    for _ in range(tries):
         moves = _greedy_try(p, members, rng, samples, scan)
         makespan = p.schedule(moves, "greedy", 0.0, True).makespan_s
         if makespan < best_makespan - 1e-12:
             best, best_makespan = moves, makespan
-        if best_makespan <= bound * (1 + 1e-9) or time.monotonic() > deadline:
+        if best_makespan <= bound * (1 + 1e-9):
             break
     assert best is not None
     return best
