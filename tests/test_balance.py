@@ -232,3 +232,15 @@ def test_bad_arguments_are_rejected_with_what_is_allowed(kwargs, message):
 def test_a_task_without_senders_is_rejected():
     with pytest.raises(ValueError, match=r"tasks\[0\]"):
         balance([HostTask((), (1,), 8)], "naive", "broadcast", 4, BW)
+
+
+def test_an_unfinished_search_stops_at_the_same_point_on_every_run():
+    """Ranks plan independently: a budget that runs out must not depend on machine load."""
+    from bench.planner import random_tasks
+
+    tasks = random_tasks(0)
+    runs = [balance(tasks, "dfs", "broadcast", 16, 1.25e8, budget_s=0.05) for _ in range(3)]
+    assert not runs[0].finished
+    assert all(r == runs[0] for r in runs)
+    greedy = [balance(tasks, "greedy", "broadcast", 16, 1.25e8, budget_s=0.05, seed=3) for _ in range(3)]
+    assert all(r == greedy[0] for r in greedy)
