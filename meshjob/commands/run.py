@@ -16,6 +16,7 @@ import time
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -114,7 +115,8 @@ class MetricsFeed:
             self._reported_step = s
 
     def restart(self, resume_step: int) -> None:
-        self._reported_step = min(self._reported_step, resume_step)
+        """The gang resumes after `resume_step`: report steps from there on."""
+        self._reported_step = resume_step
 
     def close(self) -> None:
         self.metrics.close()
@@ -145,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
                      [compact[h] for h in rank_hosts])
 
     console = Console(stderr=True)
-    stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps)
+    resume = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)
+    if resume:
+        console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
+                      f"(another folder via --checkpoint-dir starts afresh)")
+    stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps, resume_step=resume)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}")
             if args.metrics_port is not None:
                 feed = MetricsFeed(job, plan, args.metrics_port)
+                feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
                 console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
             with ProgressView(stats, console, enabled=not args.quiet) as view:
                 def on_event(event: dict) -> None:
@@ -205,6 +212,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _latest_checkpoint(directory: str, world_size: int) -> int:
+    """The newest complete checkpoint the ranks will resume from (0: none)."""
+    if not directory:
+        return 0
+    from meshjob.trainer.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(Path(directory), rank=0, world_size=world_size, fingerprint={})
+    return next((s for s in ckpt.steps() if ckpt.is_complete(s)), 0)
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -213,11 +230,12 @@ def _print_summary(console: Console, s: dict) -> None:
     rows = [
         ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
         ("cluster", f"{s['world_size']} ranks, {s['network']}"),
-        ("steps", f"{s['steps_completed']}/{s['total_steps']}"),
+        ("steps", f"{s['steps_completed']}/{s['total_steps']}"
+                  + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else "")),
         ("final loss", _fmt(s["final_loss"], ".4f")),
         ("tokens/s (mean)", _fmt(s["tokens_per_s_mean"], ",.0f")),
-        ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received, "
-                       f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s per receiving rank"),
+        ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received by all ranks, "
+                       f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s over the training time"),
         ("attempts", f"{s['attempts']} (restarts: {s['restarts']})"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
     ]

@@ -11,6 +11,7 @@ needs no second reporting path.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,13 +60,16 @@ class RunStats:
 
     world_size: int
     total_steps: int
+    resume_step: int = 0  # steps a checkpoint already holds when the run starts
     last_step: dict[int, int] = field(default_factory=dict)  # rank -> last step reported
     step_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # max over ranks
     step_tokens: dict[int, int] = field(default_factory=dict)
     loss: float = math.nan
     losses: list[tuple[int, float]] = field(default_factory=list)
     reshard_bytes: int = 0
-    reshard_seconds: float = 0.0
+    reshard_seconds: float = 0.0  # summed over receivers: includes waiting for the peer stage
+    first_event_s: float | None = None  # monotonic time of the first and latest rank event
+    last_event_s: float | None = None
     reshard_by_boundary: dict[str, list[float]] = field(default_factory=dict)  # [bytes, seconds, n]
     checkpoint_step: int | None = None
     pipeline: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -75,6 +79,9 @@ class RunStats:
 
     def add(self, event: dict) -> None:
         kind, rank = event.get("kind"), int(event.get("rank", -1))
+        now = time.monotonic()
+        self.first_event_s = now if self.first_event_s is None else self.first_event_s
+        self.last_event_s = now
         if kind == "step":
             step = event.get("step")
             step = self.last_step.get(rank, 0) + 1 if step is None else int(step)
@@ -108,10 +115,10 @@ class RunStats:
 
     @property
     def step(self) -> int:
-        """Steps completed by every rank."""
+        """Steps completed by every rank (counting those a resumed checkpoint holds)."""
         if len(self.last_step) < self.world_size:
-            return 0
-        return min(self.last_step.values())
+            return self.resume_step
+        return max(self.resume_step, min(self.last_step.values()))
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,14 +130,18 @@ class RunStats:
 
     @property
     def mean_tokens_per_s(self) -> float:
-        done = [s for s in range(1, self.step + 1) if self.step_seconds.get(s, 0) > 0]
+        done = [s for s in range(self.resume_step + 1, self.step + 1) if self.step_seconds.get(s, 0) > 0]
         secs = sum(self.step_seconds[s] for s in done)
         return sum(self.step_tokens[s] for s in done) / secs if secs > 0 else 0.0
 
     @property
     def reshard_gbytes_per_s(self) -> float:
-        """Mean receive rate of a receiving rank while resharding (bytes / its resharding time)."""
-        return self.reshard_bytes / self.reshard_seconds / 1e9 if self.reshard_seconds > 0 else 0.0
+        """Bytes received by resharding, all ranks together, over the time ranks have been
+        reporting. (A receiver's own resharding time includes waiting for the sending stage to
+        compute, so bytes over that time would not be a transfer rate.)"""
+        if self.first_event_s is None or self.last_event_s is None or self.last_event_s <= self.first_event_s:
+            return 0.0
+        return self.reshard_bytes / (self.last_event_s - self.first_event_s) / 1e9
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,7 +154,7 @@ class RunStats:
             "resharding": {b: {"bytes": v[0], "seconds": v[1], "count": int(v[2])}
                            for b, v in sorted(self.reshard_by_boundary.items())},
             "pipeline": {str(s): {"bubble": b, "overlap": o} for s, (b, o) in sorted(self.pipeline.items())},
-            "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
+            "resume_step": self.resume_step, "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
             "resumed_from_steps": self.resumed_from,
         }
 
