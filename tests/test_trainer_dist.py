@@ -212,3 +212,49 @@ def test_reporting_metrics_passes_steps_to_metrics_and_pod():
     reporting.record_step(0.5, 128, 2.0, step=7)
     assert metrics.registry.get_sample_value("meshjob_step", {"job": "j", "stage": "1"}) == 7
     assert api.patches == [("job-0", "ns", {"meshjob.io/step": "7"})]
+
+
+async def _annotations_round_trip(cluster) -> dict:
+    """A trainer's PodStatus, through the kubernetes client over HTTP, annotates a pod the server holds."""
+    import asyncio
+
+    from kubernetes import client, config
+
+    from meshjob.trainer.status import PodStatus
+
+    await cluster.create("/api/v1/namespaces/default/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "job-0", "namespace": "default"},
+        "spec": {"containers": [{"name": "trainer", "image": "meshjob/trainer:test"}]}})
+    api = client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
+    status = PodStatus("job-0", "default", api, min_interval_s=0)
+
+    def report() -> None:
+        status.step(3)
+        status.checkpoint(2)
+        api.api_client.close()
+
+    await asyncio.to_thread(report)
+    pod = await cluster.get("pods", "job-0")
+    return pod["metadata"]["annotations"]
+
+
+@pytest.mark.slow
+async def test_pod_status_annotates_its_pod_on_kmock_over_http():
+    from operator_harness import kmock_cluster
+
+    async with kmock_cluster() as cluster:
+        annotations = await _annotations_round_trip(cluster)
+    assert annotations["meshjob.io/step"] == "3" and annotations["meshjob.io/checkpoint-step"] == "2"
+
+
+@pytest.mark.slow
+async def test_pod_status_annotates_its_pod_on_a_real_apiserver():
+    from operator_harness import envtest_assets, envtest_cluster
+
+    assets = envtest_assets()
+    if assets is None:
+        pytest.skip("KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (tests/run.sh sets it)")
+    async with envtest_cluster(assets) as cluster:
+        annotations = await _annotations_round_trip(cluster)
+    assert annotations["meshjob.io/step"] == "3" and annotations["meshjob.io/checkpoint-step"] == "2"
