@@ -8,6 +8,7 @@ boundaries reshard between differently shaped and differently sharded meshes.
 from __future__ import annotations
 
 import functools
+import zlib
 
 import pytest
 import torch
@@ -128,3 +129,79 @@ def test_resuming_from_a_checkpoint_continues_exactly_like_an_uninterrupted_run(
     after, expected = full_parameters([r.params for r in resumed]), full_parameters([r.params for r in whole])
     for name, weight in expected.items():
         torch.testing.assert_close(after[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+# --- the executor alone, in one process: a recording transport stands in for resharding ------
+
+class RecordingTransport:
+    """Receives return fixed random tensors; sends are recorded (test double for this unit test)."""
+
+    def __init__(self, shape):
+        self.shape, self.sent = shape, {}
+
+    def start(self, tensor, src, dst, mb, grad, local):
+        if local is not None:
+            self.sent[(tensor, mb, grad)] = local.clone()
+            return _Done(None)
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{tensor}:{mb}:{grad}".encode()))
+        return _Done(torch.randn(self.shape, generator=gen))
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+def run_middle_stage(actions: str):
+    """Layers [2, 4) of an 8-layer U-Transformer: input 'activation', outputs 'activation',
+    'skip2' and 'skip3' (a skip output is also used inside the stage)."""
+    from meshjob.schedule import Action
+    from meshjob.trainer.pipeline import PipelineExecutor
+
+    config = ModelConfig("utransformer", 8, 16, 2, 32, 8)
+    module = StageModule(config, 2, 4, seed=0)
+    transport = RecordingTransport((2, 8, 16))
+    executor = PipelineExecutor(1, module, [Action.parse(a) for a in actions.split()], transport, 1.0)
+    _, stats = executor.run_step(lambda mb: None)
+    return {n: p.grad for n, p in module.named_parameters()}, transport.sent, stats
+
+
+RECV_BACK = "RECV_B{m}@2 RECV_B{m}@2:skip2 RECV_B{m}@2:skip3"
+
+
+def test_split_backward_gives_the_same_gradients_as_the_full_backward():
+    full = " ".join(f"RECV_F{m}@0 F{m} {RECV_BACK.format(m=m)} B{m} SEND_B{m}@0" for m in range(2))
+    split = ("RECV_F0@0 F0 RECV_F1@0 F1 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 "
+             + RECV_BACK.format(m=1) + " I1 SEND_B1@0 W0 W1")
+    grads_b, sent_b, _ = run_middle_stage(full)
+    grads_iw, sent_iw, stats = run_middle_stage(split)
+    assert stats.peak_stashed == 2
+    assert set(sent_b) == set(sent_iw) == {("activation", 0, True), ("activation", 1, True)}
+    for key in sent_b:
+        torch.testing.assert_close(sent_iw[key], sent_b[key], rtol=1e-6, atol=1e-7)
+    for name, grad in grads_b.items():
+        torch.testing.assert_close(grads_iw[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_backward_before_its_forward_is_refused_naming_stage_and_action():
+    from meshjob.trainer.pipeline import PipelineError
+
+    with pytest.raises(PipelineError, match="stage 1: action B0: microbatch 0 has no stashed forward"):
+        run_middle_stage(RECV_BACK.format(m=0) + " B0")
+
+
+def test_a_forward_without_its_receive_is_refused():
+    from meshjob.trainer.pipeline import PipelineError
+
+    with pytest.raises(PipelineError, match="stage 1: action F0: input 'activation' of microbatch 0 was never received"):
+        run_middle_stage("F0")
+
+
+def test_an_action_list_that_leaves_a_microbatch_unfinished_is_refused():
+    from meshjob.trainer.pipeline import PipelineError
+
+    with pytest.raises(PipelineError, match=r"stage 1: the action list ended with microbatches \[0\] forwarded"):
+        run_middle_stage("RECV_F0@0 F0")

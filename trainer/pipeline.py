@@ -7,8 +7,11 @@
   SEND_F/RECV_F, SEND_B/RECV_B   start a transfer through the transport; a RECV's handle is waited
                by the compute that needs it, a SEND's at the end of the step
 
-W re-walks the retained graph from the stage outputs to the parameters, so I + W costs about one
-backward more than B; what it buys is the freedom to run W later (weight-grad delaying).
+I/W split as in zero-bubble pipelining (torch.distributed.pipelining._backward, pinned torch):
+I computes the input gradients and keeps the gradients arriving at the graph nodes where the
+weights join; W resumes from those nodes, so I + W costs what B costs and no collective of the
+backward (tensor-parallel all-reduces) runs twice. A stage without differentiable inputs (stage
+0) has nothing to do in I; its W is then the whole backward.
 
 Per stage we record compute seconds, waiting seconds (blocked on a transfer) and the peak number
 of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split).
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshjob.schedule import Action
 from meshjob.trainer.data import Batch
@@ -60,7 +64,9 @@ class StageStats:
 class _Stash:
     inputs: dict[str, torch.Tensor]  # the stage inputs that need a gradient (leaves)
     outputs: dict[str, torch.Tensor]
-    roots: list[torch.Tensor] = field(default_factory=list)  # set by I for W
+    split_done: bool = False  # I has run
+    param_groups: list[dict] | None = None  # what I kept for W (None: W runs the whole backward)
+    roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor | None] = field(default_factory=list)
 
 
@@ -72,6 +78,7 @@ class PipelineExecutor:
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.split = any(a.kind == "I" for a in self.actions)
 
     def run_step(self, local_batch: Callable[[int], Batch]) -> tuple[float, StageStats]:
         """Execute the action list once. Returns (the sum of this rank's scaled microbatch losses
@@ -152,6 +159,10 @@ class _StepRun:
         if module.is_last:
             inputs["targets"] = batch.targets
         outputs = module(inputs)
+        if self.ex.split and not module.is_last:
+            # I detaches the stage outputs in place to free their graph; a skip output is also
+            # saved by the layers after it, so I gets its own copy to detach
+            outputs = {name: t.clone() for name, t in outputs.items()}
         if module.is_last:
             outputs["loss"] = outputs["loss"] * self.ex.loss_scale
             self.loss += outputs["loss"].item()
@@ -197,16 +208,23 @@ class _StepRun:
         stash = self._stash_for(action)
         roots, grads = self._roots(action, stash)
         leaves = list(stash.inputs.values())
-        in_grads = (torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
-                    if leaves else [])
+        stash.split_done = True
+        if not leaves:  # nothing to differentiate for: W does it all
+            self._keep_input_grads(action.mb, stash, [])
+            stash.roots, stash.root_grads = roots, grads
+            return
+        out_grads = None if self.ex.module.is_last else grads
+        in_grads, stash.param_groups = stage_backward_input(roots, out_grads, leaves, iter(self.ex.params))
         self._keep_input_grads(action.mb, stash, in_grads)
-        stash.roots, stash.root_grads = roots, grads
 
     def _W(self, action: Action) -> None:
         stash = self._stash_for(action)
-        if not stash.roots:
+        if not stash.split_done:
             raise self.fail(action, f"W before I for microbatch {action.mb}")
-        torch.autograd.backward(stash.roots, stash.root_grads, inputs=self.ex.params)
+        if stash.param_groups is not None:
+            stage_backward_weight(iter(self.ex.params), stash.param_groups)
+        else:
+            torch.autograd.backward(stash.roots, stash.root_grads, inputs=self.ex.params)
         del self.stash[action.mb]  # frees the retained graph
 
     def finish(self) -> None:
