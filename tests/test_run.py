@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from meshjob.emulate.netns import list_netns, netns_available
+from meshjob.emulate.progress import RunStats
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "tiny.yaml"
 HAVE_NETNS, WHY_NOT = netns_available()
 needs_netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
-pytestmark = pytest.mark.slow
 
 
 class Run:
@@ -126,6 +126,7 @@ def complete_checkpoint(directory: Path, world_size: int) -> bool:
     return any(len(list(d.glob("rank-*.done"))) == world_size for d in directory.glob("step-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @needs_netns
 def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path, start):
@@ -140,6 +141,7 @@ def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path, start):
     run.assert_clean()
 
 
+@pytest.mark.slow
 def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path, start):
     run = start("--no-netns")
     assert run.wait() == 0, run.err[-3000:]
@@ -149,6 +151,7 @@ def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path, start):
     run.assert_clean()
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @needs_netns
 def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path, start):
@@ -163,6 +166,7 @@ def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path, start
     run.assert_clean()
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @needs_netns
 def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path, start):
@@ -179,6 +183,7 @@ def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path, st
     run.assert_clean()
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @needs_netns
 def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start):
@@ -190,6 +195,7 @@ def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start):
     run.assert_clean()
 
 
+@pytest.mark.slow
 def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path, start):
     port = 19400 + os.getpid() % 500
     run = start("--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=200))
@@ -212,7 +218,35 @@ def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path
     run.assert_clean()
 
 
+@pytest.mark.slow
 def test_bad_nic_rate_is_rejected_naming_the_option(tmp_path, start):
     run = start("--nic-rate", "fast")
     assert run.wait() == 2
     assert "--nic-rate: 'fast' is invalid" in run.err
+
+
+def step_event(rank: int, step: int, seconds: float, loss: float = math.nan, tokens: int = 1000) -> dict:
+    return dict(kind="step", rank=rank, stage=rank, step=step, seconds=seconds, tokens=tokens, loss=loss)
+
+
+def test_a_step_counts_once_every_rank_reported_it_timed_by_the_slowest_rank():
+    stats = RunStats(world_size=2, total_steps=10)
+    stats.add(step_event(0, 1, 0.5))
+    assert stats.step == 0
+    stats.add(step_event(1, 1, 0.25, loss=3.5))
+    assert stats.step == 1 and stats.loss == 3.5
+    assert stats.tokens_per_s == pytest.approx(1000 / 0.5)
+
+
+def test_a_restarted_gang_records_the_step_it_resumed_from():
+    stats = RunStats(world_size=1, total_steps=10)
+    for step in (1, 2, 3):
+        stats.add(step_event(0, step, 0.1, loss=2.0))
+    stats.restart()
+    stats.add(step_event(0, 3, 0.1, loss=1.9))  # the checkpoint held 2 steps
+    assert stats.restarts == 1 and stats.resumed_from == [2] and stats.step == 3
+
+
+def test_steps_a_checkpoint_holds_count_as_completed():
+    stats = RunStats(world_size=2, total_steps=20, resume_step=20)
+    assert stats.step == 20 and stats.mean_tokens_per_s == 0.0
