@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -338,7 +339,7 @@ class OperatorScenario:
                 self.envtest.kubectl("delete", "pod", "-n", "default", name, "--grace-period=0", "--force",
                                      "--wait=false", check=False)
                 continue
-            if phase is None:
+            if phase is None and not fail_one:
                 continue
             status: dict[str, Any] = {"phase": phase}
             if fail_one:
@@ -346,7 +347,7 @@ class OperatorScenario:
                     "name": "trainer", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
                     "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
             self.envtest.kubectl("patch", "pod", "-n", "default", name, "--subresource=status", "--type=merge",
-                                 "-p", json.dumps({"status": status}), check=False)
+                                 "-p", json.dumps({"status": status}))
             if fail_one:
                 return
 
