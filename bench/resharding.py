@@ -29,7 +29,7 @@ from meshjob.emulate.launcher import RankContext, run_gang
 from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, parse_rate
 from meshjob.mesh import Mesh
 from meshjob.resharding import UnitTask, decompose, lower
-from meshjob.sharding import ShardingSpec, slice_numel
+from meshjob.sharding import ShardingSpec
 
 DEVICES_PER_HOST = 4
 ITEMSIZE = 4  # float32
@@ -288,7 +288,8 @@ def print_table(rows: list[Row], title: str) -> None:
                 continue
             table.add_row("" if r.case == last else r.case, r.label, f"{r.seconds:.3f}", f"{r.over_limit:.2f}",
                           f"{r.speedup_vs_global_allgather:.2f}", f"{r.speedup_vs_send_recv:.2f}",
-                          f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}" if r.planned_lower_bound_s else "-",
+                          f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
+                          if r.planned_lower_bound_s and r.strategy != "signal" else "-",
                           "yes" if r.correct else "[red]WRONG[/]", end_section=False)
             last = r.case
         if table.row_count:
