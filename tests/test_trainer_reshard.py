@@ -201,6 +201,34 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
         assert sum(r[scope] for r in recorded) == expected > 0
 
 
+@pytest.mark.slow
+def test_bytes_sent_per_host_pair_add_up_to_the_plans_nic_bytes(gang):
+    from meshjob.resharding import nic_bytes
+
+    case = CASES[4]  # 2 source hosts, a chain over 3 destination hosts
+    boundary = make_boundary(case, "broadcast", chunks=4)
+    hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
+
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            ex = executor(case, [boundary], env.rank)
+            local = natural_tile(case, global_tensor(case, 3), env.rank) if env.rank in case.src.ranks else None
+            handle = ex.start(boundary, local, ex.tag_base(boundary, 0))
+            handle.wait(timeout_s=30)
+            return handle.stats.host_pair_bytes
+        finally:
+            shutdown_distributed()
+
+    seen: dict[int, list[int]] = {}
+    for pairs in gang(case.world_size, target):
+        for (src_host, dst_host), nbytes in pairs.items():
+            if src_host != dst_host:
+                seen.setdefault(src_host, [0, 0])[0] += nbytes
+                seen.setdefault(dst_host, [0, 0])[1] += nbytes
+    assert {h: tuple(v) for h, v in seen.items()} == nic_bytes(boundary.steps, hosts.__getitem__)
+
+
 def test_a_forward_before_its_data_arrived_is_rejected():
     case = CASES[4]
     good = make_boundary(case, "broadcast", chunks=1)

@@ -18,6 +18,11 @@ busy computing: with progress-on-wait the whole chain would stall behind that co
 Sends are walked in the plan's order, which is a topological order of the steps (each `after`
 names an earlier step); every rank following it cannot deadlock: the earliest unposted send
 always has its inputs posted.
+
+Backends: tested on gloo (CPU), where point-to-point ops from several threads are safe and
+matched by (peer, tag). NCCL is not exercised here (no multi-GPU machine): NCCL requires every
+rank to issue the operations of one communicator in the same order, which concurrent handle
+threads do not guarantee; an NCCL run would need one ordered communication thread per rank.
 """
 from __future__ import annotations
 
