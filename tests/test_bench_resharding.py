@@ -108,3 +108,10 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert all(r["seconds"] > 0 and r["limit_s"] > 0 for r in rows)
     for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig8_balancers.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_meshjob_bench_finds_the_bench_folder_from_any_working_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--help"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nic-rate" in proc.stdout and "--quick" in proc.stdout

@@ -30,6 +30,9 @@ def _bench_module(name: str) -> ModuleType:
         if not os.path.isdir(os.path.join(root, "bench")):
             raise SystemExit(f"meshjob bench {name}: bench/ not found beside the meshjob package "
                              f"({root}); run from a source checkout") from err
+        if not os.path.exists(os.path.join(root, "bench", f"{name}.py")):
+            raise SystemExit(f"meshjob bench {name}: {os.path.join(root, 'bench', name + '.py')} "
+                             f"does not exist in this checkout") from err
         sys.path.insert(0, root)
         sys.modules.pop("bench", None)
         return importlib.import_module(f"bench.{name}")
@@ -44,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name == wanted or wanted is None:
             try:
                 _bench_module(name).add_arguments(p)
-            except (ImportError, AttributeError):
+            except (ImportError, AttributeError, SystemExit):  # a benchmark not written yet
                 if name == wanted:
                     raise
 
