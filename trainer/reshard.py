@@ -105,11 +105,16 @@ class Route:
     dst_mesh: Mesh
     src_natural: ShardingSpec
     dst_natural: ShardingSpec
-    steps: tuple[StepLike, ...] = field(init=False)
-    gather: tuple[LocalStep, ...] = field(init=False)
+    send: ShardingSpec = field(init=False)
+    recv: ShardingSpec = field(init=False)
+    steps: tuple[StepLike, ...] = field(init=False)  # the plan's steps, topologically ordered
+    gather: tuple[LocalStep, ...] = field(init=False)  # recv tiles -> natural tiles in the destination
+    src_ranks: frozenset[int] = field(init=False)
+    dst_ranks: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         b = self.boundary
+        self.src_ranks, self.dst_ranks = frozenset(self.src_mesh.ranks), frozenset(self.dst_mesh.ranks)
         self.send = _spec(b.send, len(b.shape))
         self.recv = _spec(b.recv, len(b.shape))
         self.steps = _topological(b.steps, boundary_name(b))
@@ -128,7 +133,7 @@ class Route:
         return len(self.steps) + len(self.gather)
 
     def host_of(self, rank: int) -> int:
-        mesh = self.src_mesh if rank in self.src_mesh._position else self.dst_mesh
+        mesh = self.src_mesh if rank in self.src_ranks else self.dst_mesh
         return mesh.host_of(rank)
 
     def tile_of(self, rank: int, spec: ShardingSpec, mesh: Mesh) -> Slice:
@@ -136,7 +141,7 @@ class Route:
 
     def holding(self, rank: int) -> Slice:
         """Where `rank` reads regions it sends: its send tile (source) or its recv tile (destination)."""
-        if rank in self.src_mesh._position:
+        if rank in self.src_ranks:
             return self.tile_of(rank, self.send, self.src_mesh)
         return self.tile_of(rank, self.recv, self.dst_mesh)
 
@@ -148,7 +153,7 @@ class Route:
                 raise ReshardError(f"boundary {self.name}: send layout {self.send} must shard at least as much "
                                    f"as the source's natural layout {self.src_natural} (rank {r})")
         for s in self.steps:
-            if s.src not in ranks or s.dst not in self.dst_mesh._position:
+            if s.src not in ranks or s.dst not in self.dst_ranks:
                 raise ReshardError(f"boundary {self.name}: step {s.id} sends {s.src} -> {s.dst}, but the "
                                    f"destination must be in the destination mesh {self.dst_mesh.ranks} and the "
                                    f"source in either mesh")
@@ -163,7 +168,7 @@ class Route:
         """A rank may only pass on what its `after` steps brought it: else it would send zeros."""
         by_id = {s.id: s for s in self.steps}
         for s in self.steps:
-            if s.src in self.src_mesh._position:
+            if s.src in self.src_ranks:
                 continue
             deps = [by_id[d] for d in s.after if by_id[d].dst == s.src]
             if any(contains(d.region, s.region) for d in deps):
@@ -179,7 +184,7 @@ class Route:
 
     def check_coverage(self, rank: int) -> None:
         """Signal-free plans must deliver every element of a receiver's recv tile."""
-        if rank not in self.dst_mesh._position or any(s.signal for s in self.steps):
+        if rank not in self.dst_ranks or any(s.signal for s in self.steps):
             return
         own = self.holding(rank)
         mask = torch.zeros(slice_shape(own), dtype=torch.bool)
@@ -311,13 +316,13 @@ class _Run:
         self.route, self.rank, self.tag_base, self.metrics = route, rank, tag_base, metrics
         b = route.boundary
         self.signal = b.strategy == "signal" or any(s.signal for s in route.steps)
-        self.is_dst = rank in route.dst_mesh._position
+        self.is_dst = rank in route.dst_ranks
         self.dtype, self.device = dtype, device
         self.itemsize = torch.tensor([], dtype=dtype).element_size()
         self.stats = ReshardStats(strategy=b.strategy, boundary=boundary_name(b))
         self.natural_local = natural_local
         self.natural_tile: Slice | None = None
-        if rank in route.src_mesh._position:
+        if rank in route.src_ranks:
             self.natural_tile = route.tile_of(rank, route.src_natural, route.src_mesh)
             want = slice_shape(self.natural_tile)
             if natural_local is None or tuple(natural_local.shape) != want:
@@ -484,9 +489,9 @@ class ReshardExecutor:
         """Begin resharding `boundary` for one microbatch; returns at once (a background thread runs it).
         Sources pass their natural-layout tile; destinations pass None (or anything: it is ignored)."""
         route = self.route(boundary)
-        if self.rank not in route.src_mesh._position and self.rank not in route.dst_mesh._position:
+        if self.rank not in route.src_ranks and self.rank not in route.dst_ranks:
             return Handle(None)
-        if self.rank in route.dst_mesh._position:
+        if self.rank in route.dst_ranks:
             natural_local = None
         return Handle(_Run(route, self.rank, natural_local, tag_base, self.dtype, self.device, self.metrics))
 
