@@ -186,12 +186,13 @@ def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path, st
 @pytest.mark.slow
 @pytest.mark.netns
 @needs_netns
-def test_ctrl_c_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start):
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start, signum, status):
     run = start(job=job_file(tmp_path, steps=200))
     wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
     time.sleep(1.0)
-    run.proc.send_signal(signal.SIGINT)
-    assert run.wait() == 130
+    run.proc.send_signal(signum)
+    assert run.wait() == status
     run.assert_clean()
 
 
