@@ -15,10 +15,9 @@ import torch
 
 from meshjob.plan import build_plan
 from meshjob.spec import TrainingJob, parse_job
-from meshjob.trainer.data import BigramData
 from meshjob.trainer.launch import launch_local
 from meshjob.trainer.model import ModelConfig, StageModule, full_parameters
-from meshjob.trainer.reference import ReferenceResult, train_reference
+from meshjob.trainer.reference import ReferenceResult, reference_for_job
 from meshjob.trainer.train import TrainResult, train_rank
 
 STEPS, LR = 10, 1e-2
@@ -34,8 +33,10 @@ WEIGHT_ATOL = LR / 50
 
 
 def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, steps: int = STEPS,
-             global_batch: int = 8, microbatches: int = 4, checkpoint_every: int = 0) -> TrainingJob:
+             global_batch: int = 8, microbatches: int = 4, checkpoint_every: int = 0,
+             edges: list | None = None) -> TrainingJob:
     checkpoint = {"every": checkpoint_every, "path": "/unused/train_rank/takes/a/directory"}
+    extra = {} if edges is None else {"edges": edges}
     return parse_job({
         "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "equivalence"},
         "spec": {
@@ -46,6 +47,7 @@ def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, st
             "stages": stages,
             "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
             "schedule": {"kind": schedule, "weightGradDelay": weight_grad_delay},
+            **extra,
         },
     })
 
@@ -59,10 +61,7 @@ def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None)
 
 @functools.lru_cache(maxsize=None)
 def reference(kind: str) -> ReferenceResult:
-    job = make_job(kind, "gpipe", "off")
-    data = BigramData(job.model.vocab, job.model.seq_len, job.training.global_batch, job.training.seed)
-    return train_reference(ModelConfig.from_spec(job.model), data, job.training.steps,
-                           job.training.microbatches, LR, job.training.seed)
+    return reference_for_job(make_job(kind, "gpipe", "off"))
 
 
 def pipeline_losses(results: list[TrainResult]) -> list[list[float]]:
@@ -90,6 +89,22 @@ def test_pipelined_training_matches_the_single_process_reference(kind, schedule,
 
     weights = full_parameters([r.params for r in results])
     assert set(weights) == set(ref.weights)
+    for name, expected in ref.weights.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.slow
+def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
+    """0 -> 1 sends sequence-sharded slices of its replicated activation; 2 -> 3 delivers them
+    sequence-sharded to a tensor-parallel stage, which all-gathers inside its mesh."""
+    stages = STAGES[:3] + [{"layers": [6, 8], "mesh": [1, 2], "tensorParallelDim": 1}]
+    edges = [{"from": 0, "to": 1, "send": "RS1R", "recv": "S0RR"},
+             {"from": 2, "to": 3, "send": "RRR", "recv": "RS1R"}]
+    results = run_job(make_job("gpt", "1f1b", "off", stages=stages, edges=edges))
+    ref = reference("gpt")
+    for reported in pipeline_losses(results):
+        assert reported == pytest.approx(ref.losses, abs=1e-5)
+    weights = full_parameters([r.params for r in results])
     for name, expected in ref.weights.items():
         torch.testing.assert_close(weights[name], expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 

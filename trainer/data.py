@@ -7,6 +7,7 @@ permutation, so the loss falls from ln(vocab) toward the chain's entropy. A batc
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,9 @@ class BigramData:
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randperm(self.vocab, generator=gen)
 
+    @functools.lru_cache(maxsize=2)  # every microbatch of a step slices the same batch
     def batch(self, step: int) -> Batch:
-        """The global batch of training step `step` (0-based)."""
+        """The global batch of training step `step` (0-based); callers must not modify it."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
         succ = self.successor()
         seq = torch.empty(self.global_batch, self.seq_len + 1, dtype=torch.long)

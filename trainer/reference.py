@@ -39,3 +39,11 @@ def train_reference(config: ModelConfig, data: BigramData, steps: int, microbatc
         losses.append(total)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return ReferenceResult(losses, weights)
+
+
+def reference_for_job(job) -> ReferenceResult:
+    """The reference of a TrainingJob (meshjob.spec): its model, data, steps and optimizer."""
+    t = job.training
+    config = ModelConfig.from_spec(job.model)
+    data = BigramData(config.vocab, config.seq_len, t.global_batch, t.seed)
+    return train_reference(config, data, t.steps, t.microbatches, t.learning_rate, t.seed)
