@@ -251,3 +251,22 @@ def test_a_restarted_gang_records_the_step_it_resumed_from():
 def test_steps_a_checkpoint_holds_count_as_completed():
     stats = RunStats(world_size=2, total_steps=20, resume_step=20)
     assert stats.step == 20 and stats.mean_tokens_per_s == 0.0
+
+
+def test_hosts_that_cannot_hold_the_job_are_rejected_before_anything_starts(tmp_path, start):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump([{"name": "only", "devices": 1}]))
+    run = start("--hosts", str(hosts))
+    assert run.wait() == 2
+    assert "invalid input" in run.err
+    run.assert_clean()
+
+
+@pytest.mark.slow
+def test_a_hosts_file_places_the_job_and_only_used_hosts_are_emulated(tmp_path, start):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump([{"name": f"n{i}", "devices": 2} for i in range(5)]))
+    run = start("--no-netns", "--hosts", str(hosts))
+    assert run.wait() == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["ok"] and s["hosts"] == 3 and s["world_size"] == 4
