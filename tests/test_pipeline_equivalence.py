@@ -220,3 +220,14 @@ def test_an_action_list_that_leaves_a_microbatch_unfinished_is_refused():
 
     with pytest.raises(PipelineError, match=r"stage 1: the action list ended with microbatches \[0\] forwarded"):
         run_middle_stage("RECV_F0@0 F0")
+
+
+def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage():
+    from meshjob.spec import EdgeSpec
+    from meshjob.trainer.train import check_edges
+
+    module = StageModule(ModelConfig("utransformer", 8, 16, 2, 32, 8), 6, 8, seed=0)
+    edges = [EdgeSpec(2, 3, "RRR", "RRR"), EdgeSpec(0, 3, "RRR", "RRR", tensor="skip0")]
+    with pytest.raises(ValueError, match=r"spec.edges: stage 3 receives \['activation', 'skip0'\].*"
+                                         r"need inputs \['activation', 'skip0', 'skip1'\]"):
+        check_edges(module, 3, edges)
