@@ -175,6 +175,38 @@ def test_microbatches_in_flight_together_do_not_mix(gang):
 
 
 @pytest.mark.slow
+def test_a_forwarding_rank_passes_chunks_on_before_it_calls_wait(gang, tmp_path):
+    """The middle host of a broadcast chain does not call wait() until the last host has its
+    data: forwarding must progress on the handle's own thread (as while the stage computes)."""
+    import time
+
+    case = CASES[4]  # destination hosts 2, 3, 4; ranks 2-3, 4-5, 6-7
+    boundary = make_boundary(case, "broadcast", chunks=4)
+    middle, last = (4, 5), (6, 7)
+    assert {s.src for s in boundary.steps if s.dst in last and s.src not in last} <= set(middle)  # chain via it
+
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            ex = executor(case, [boundary], env.rank)
+            mine = natural_tile(case, global_tensor(case, 5), env.rank)
+            handle = ex.start(boundary, mine if env.rank in case.src.ranks else None, ex.tag_base(boundary, 0))
+            if env.rank in middle:
+                deadline = time.monotonic() + 20
+                while not all((tmp_path / f"done-{r}").exists() for r in last):
+                    assert time.monotonic() < deadline, "the last host never got its data"
+                    time.sleep(0.02)
+            got = handle.wait(timeout_s=30)
+            if env.rank in last:
+                (tmp_path / f"done-{env.rank}").write_text("ok")
+            return got is None or torch.equal(got, mine)
+        finally:
+            shutdown_distributed()
+
+    assert all(gang(case.world_size, target))
+
+
+@pytest.mark.slow
 def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
     case = CASES[6]  # one destination host shared with the source, one not
     boundary = make_boundary(case, "send_recv")
