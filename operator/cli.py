@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--webhook-port", type=int, default=9443, help="webhook listen port")
     parser.add_argument("--webhook-host", default=None,
                         help="host name the API server uses to reach the webhook (its certificate's name)")
+    parser.add_argument("--webhook-cert", default=None, help="webhook serving certificate (PEM)")
+    parser.add_argument("--webhook-key", default=None, help="webhook serving key (PEM)")
+    parser.add_argument("--webhook-ca", default=None, help="CA bundle the API server trusts the webhook by (PEM)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -52,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     STATE.config = OperatorConfig(metrics_port=args.metrics_port or None, webhook=args.webhook,
                                   webhook_addr=args.webhook_addr, webhook_port=args.webhook_port,
-                                  webhook_host=args.webhook_host, kubeconfig=args.kubeconfig)
+                                  webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
+                                  webhook_key=args.webhook_key, webhook_ca=args.webhook_ca,
+                                  kubeconfig=args.kubeconfig,
+                                  peering=args.peering)
     kopf.configure(verbose=args.verbose)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,

@@ -6,11 +6,12 @@ condition, Warning Event, no retries) and, when enabled, in an admission webhook
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import kopf
 
@@ -34,7 +35,13 @@ class OperatorConfig:
     webhook_addr: str = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_ADDR", "0.0.0.0"))
     webhook_port: int = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_WEBHOOK_PORT", 9443) or 9443)
     webhook_host: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_HOST"))
+    # serving certificate, key and the CA the API server should trust (e.g. from cert-manager);
+    # without them kopf makes a self-signed one (needs the `certbuilder` package)
+    webhook_cert: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CERT"))
+    webhook_key: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_KEY"))
+    webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
+    peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -51,7 +58,6 @@ class State:
     wakeups: Wakeups = field(default_factory=Wakeups)
     reconciler: Reconciler | None = None
     metrics_served: bool = False
-    webhook_registered: bool = False
 
 
 STATE = State()
@@ -71,13 +77,15 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
         prefix="meshjob.io", key="last-handled-configuration")
     settings.networking.error_backoffs = [1, 2, 5, 10, 20]
     settings.watching.server_timeout = 300
-    if cfg.webhook:  # registered only when served: kopf refuses admission handlers without a server
-        if not STATE.webhook_registered:
-            kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"])(admit)
-            STATE.webhook_registered = True
+    if cfg.peering:
+        settings.peering.mandatory = True
+    if cfg.webhook:  # kopf registers a ValidatingWebhookConfiguration pointing at this server
         settings.admission.server = kopf.WebhookServer(addr=cfg.webhook_addr, port=cfg.webhook_port,
-                                                       host=cfg.webhook_host)
+                                                       host=cfg.webhook_host, certfile=cfg.webhook_cert,
+                                                       pkeyfile=cfg.webhook_key, cafile=cfg.webhook_ca)
         settings.admission.managed = f"{names.PLURAL}.{names.GROUP}"
+    else:
+        settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
     STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit)
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
@@ -107,12 +115,21 @@ def check_spec(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str, **
     STATE.wakeups.wake((namespace, name))
 
 
+class NoWebhookServer:
+    """Admission switched off: serves nothing (kopf insists on a server once a handler exists)."""
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        await asyncio.Event().wait()
+        yield  # pragma: no cover  (never reached: an async generator that only waits)
+
+
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
     """The operator's kubeconfig (--kubeconfig, $KUBECONFIG) or in-cluster account, read at login time."""
     return kopf_connection(STATE.config.kubeconfig)
 
 
+@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"])
 def admit(body: kopf.Body, **_: Any) -> None:
     """The admission webhook: `kubectl apply` itself shows what is wrong with the spec."""
     try:

@@ -249,8 +249,8 @@ async def envtest_cluster(assets: Path) -> AsyncIterator[EnvtestCluster]:
 class OperatorThread:
     """kopf in its own thread and event loop, as in a real process: the test's loop stays its own."""
 
-    def __init__(self, cluster: Cluster, *, webhook: bool = False):
-        self.cluster, self.webhook = cluster, webhook
+    def __init__(self, cluster: Cluster, *, webhook: dict[str, Any] | None = None):
+        self.cluster, self.webhook = cluster, webhook  # webhook: OperatorConfig fields, None = off
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task | None = None
@@ -276,7 +276,8 @@ class OperatorThread:
         from meshjob.operator.handlers import STATE, OperatorConfig
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
-        STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook, kubeconfig=str(self.cluster.kubeconfig))
+        STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook is not None,
+                                      kubeconfig=str(self.cluster.kubeconfig), **(self.webhook or {}))
         self.thread.start()
         if not await asyncio.to_thread(self.ready_flag.wait, 20):
             raise AssertionError(f"operator not ready in 20 s: {self.error!r}")
@@ -299,7 +300,7 @@ class OperatorThread:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster, *, webhook: bool = False) -> AsyncIterator[OperatorThread]:
+async def running_operator(cluster: Cluster, *, webhook: dict[str, Any] | None = None) -> AsyncIterator[OperatorThread]:
     """The operator (cluster-wide, standalone, this package's handlers) for the duration of the block."""
     op = OperatorThread(cluster, webhook=webhook)
     await op.start()

@@ -73,3 +73,113 @@ async def test_operator_killed_mid_creation_converges_without_duplicates(cluster
 
 async def test_restart_is_counted_once_across_operator_restart(cluster):
     await h.scenario_restart_counted_once_across_operator_restart(cluster, "once")
+
+
+def _metric(port: int, name: str) -> float | None:
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster, tmp_path):
+    """Two `meshjob operator --peering` processes: only the higher priority reconciles; on its exit
+    the other one resumes. Their metrics endpoints tell who reconciled."""
+    import asyncio
+    import subprocess
+    import sys
+
+    await asyncio.to_thread(h.kubectl, cluster.kubeconfig, "apply", "-f", str(h.PEERING_CRDS))
+    await asyncio.to_thread(h.kubectl, cluster.kubeconfig, "wait", "--for=condition=Established",
+                            "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s")
+    await cluster.create("/apis/kopf.dev/v1/clusterkopfpeerings",
+                         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "meshjob-test"}})
+    replicas = {}
+    try:
+        for name, priority in (("active", 10), ("standby", 5)):
+            port, live = h.free_port(), h.free_port()
+            log = open(tmp_path / f"{name}.log", "w")
+            proc = subprocess.Popen([sys.executable, "-m", "meshjob.cli", "operator", "--peering", "meshjob-test",
+                                     "--priority", str(priority), "--no-webhook", "--metrics-port", str(port),
+                                     "--liveness", f"http://127.0.0.1:{live}/healthz",
+                                     "--kubeconfig", str(cluster.kubeconfig)], stdout=log, stderr=subprocess.STDOUT)
+            replicas[name] = (proc, port, tmp_path / f"{name}.log")
+
+            async def metrics_up(port=port) -> bool:
+                return await asyncio.to_thread(_metric, port, "meshjob_operator_reconcile_duration_seconds_count") is not None
+            await h.eventually(metrics_up, timeout=40, what=f"the {name} replica's metrics endpoint")
+
+        async def both_peered() -> bool:
+            peering = await cluster.kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/meshjob-test")
+            return sorted(p["priority"] for p in (peering.get("status") or {}).values()) == [5, 10]
+        await h.eventually(both_peered, timeout=30, what="both replicas in the peering object")
+
+        tag = "peering"
+        await h.prepare_namespace(cluster, tag)
+        await h.add_nodes(cluster, tag, 2)
+        await cluster.create_job(h.scenario_job(tag))
+        await h.wait_pods(cluster, tag, 2, timeout=30)
+        reconciles = lambda name: _metric(replicas[name][1], "meshjob_operator_reconcile_duration_seconds_count")
+        assert (await asyncio.to_thread(reconciles, "active")) > 0
+        assert (await asyncio.to_thread(reconciles, "standby")) == 0
+        assert await asyncio.to_thread(_metric, replicas["active"][1], 'meshjob_operator_jobs{phase="Created"}') == 1
+
+        replicas["active"][0].terminate()
+        await asyncio.to_thread(replicas["active"][0].wait, 30)
+        await cluster.patch_job(tag, {"spec": {"runPolicy": {"suspend": True}}}, tag)
+        await h.wait_pods(cluster, tag, 0, timeout=40)
+        assert (await asyncio.to_thread(reconciles, "standby")) > 0
+        await h.delete_and_wait(cluster, tag)
+    finally:
+        for name, (proc, _, log_path) in replicas.items():
+            print(f"--- {name} replica log (tail) ---\n" + "\n".join(log_path.read_text().splitlines()[-25:]))
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+async def test_admission_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluster, tmp_path):
+    """kubectl apply itself shows the plan layer's message (kept last: it registers a webhook)."""
+    import asyncio
+    import subprocess
+
+    import yaml
+
+    pki = cluster.kubeconfig.parent / "pki"  # start.sh's serving cert has 127.0.0.1 as a SAN
+    webhook = {"webhook_addr": "127.0.0.1", "webhook_port": h.free_port(), "webhook_host": "127.0.0.1",
+               "webhook_cert": str(pki / "apiserver.crt"), "webhook_key": str(pki / "apiserver.key"),
+               "webhook_ca": str(pki / "ca.crt")}
+    tag = "webhook"
+    await h.prepare_namespace(cluster, tag)
+    bad, good = h.scenario_job(tag), h.scenario_job(tag)
+    bad["spec"]["stages"][1]["layers"] = [1, 3]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
+    config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
+    try:
+        async with h.running_operator(cluster, webhook=webhook):
+            await h.eventually(lambda: cluster.kube.request("GET", config_path), timeout=30,
+                               what="kopf's ValidatingWebhookConfiguration")
+
+            def apply(name: str) -> subprocess.CompletedProcess:
+                return subprocess.run(["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f",
+                                       str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+            rejected = await asyncio.to_thread(apply, "bad.yaml")
+            assert rejected.returncode != 0
+            assert "denied the request" in rejected.stderr
+            assert "spec.stages[1].layers: [1, 3] is invalid" in rejected.stderr
+            assert await cluster.job(tag, tag) is None
+            accepted = await asyncio.to_thread(apply, "good.yaml")
+            assert accepted.returncode == 0, accepted.stderr
+            await h.delete_and_wait(cluster, tag)
+    finally:
+        await cluster.kube.delete(config_path)
