@@ -92,8 +92,8 @@ kind: TrainingJob
 metadata: {name: dashboard-demo}
 spec:
   model: {kind: gpt, layers: 2, hidden: 32, heads: 2, vocab: 64, seqLen: 16}
-  training: {steps: 12, globalBatch: 8, microbatches: 2, learningRate: 1.0e-3, seed: 0,
-             checkpoint: {every: 4, path: CKPT}}
+  training: {steps: 120, globalBatch: 8, microbatches: 2, learningRate: 1.0e-3, seed: 0,
+             checkpoint: {every: 30, path: CKPT}}
   topology: {devicesPerHost: 2}
   stages:
     - {layers: [0, 1], mesh: [1, 2], tensorParallelDim: 1}

@@ -254,3 +254,17 @@ def test_status_draft_patches_only_what_changed_and_deletes_cleared_fields():
     draft["restartPending"] = None
     draft["step"] = 4
     assert draft.changes() == {"restartPending": None, "step": 4}
+
+
+@pytest.mark.parametrize("status, temporary", [(409, True), (429, True), (500, True), (503, True), (504, True),
+                                               (400, False), (403, False), (404, False), (422, False)])
+def test_api_errors_map_to_kopf_retry_or_no_retry(status, temporary):
+    import kopf
+
+    from meshjob.operator.kube import ApiError, as_kopf_error
+
+    err = as_kopf_error(ApiError(status, "POST", "/api/v1/namespaces/x/pods", "boom"), delay=4.0)
+    assert isinstance(err, kopf.TemporaryError if temporary else kopf.PermanentError)
+    assert f"HTTP {status}" in str(err)
+    if temporary:
+        assert err.delay == 4.0

@@ -39,8 +39,10 @@ class Run:
     def wait(self, timeout: float = 50) -> int:
         try:
             self.out, self.err = self.proc.communicate(timeout=timeout)
-        finally:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # SIGTERM: the run still removes its namespaces
+            self.out, self.err = self.proc.communicate(timeout=20)
+            raise AssertionError(f"meshjob run still running after {timeout:g} s; stderr:\n{self.err[-3000:]}")
         return self.proc.returncode
 
     def summary(self) -> dict:
