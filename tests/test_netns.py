@@ -177,3 +177,23 @@ def test_gang_restarts_after_a_killed_rank_and_reports_each_attempt():
     assert [r.ok for r in results] == [False, True]
     assert results[0].first_failure.describe() == "rank 0 killed by SIGKILL"
     assert {e["rank"] for e in events if e["attempt"] == 1} == {0, 1}
+
+
+def test_namespaces_that_cannot_be_made_fall_back_to_loopback_naming_the_reason(monkeypatch):
+    import meshjob.emulate.netns as netns_module
+
+    made: list[tuple[str, ...]] = []
+
+    def refuse(*args: str) -> None:
+        made.append(args)
+        if len(made) > 1:  # the switch namespace exists, then the next command is refused
+            raise netns_module.EmulationError("`ip link add` failed: Operation not permitted")
+
+    monkeypatch.setattr(netns_module, "netns_available", lambda: (True, ""))
+    monkeypatch.setattr(netns_module, "_ip", refuse)
+    deleted: list[list[str]] = []
+    monkeypatch.setattr(netns_module.subprocess, "run", lambda cmd, **kw: deleted.append(cmd))
+    with pytest.warns(RuntimeWarning, match="Operation not permitted"):
+        with EmulatedCluster(2, prefix="mjt6_") as c:
+            assert not c.emulated and c.hosts[1].address == "127.0.0.1"
+    assert ["ip", "netns", "del", "mjt6_sw"] in deleted  # what was made is removed

@@ -178,10 +178,16 @@ class EmulatedCluster:
         if self.use_netns:
             try:
                 self._create()
+            except EmulationError as err:  # e.g. root without CAP_SYS_ADMIN in a container
+                self.close()
+                self._install_sigterm()
+                self.hosts = []
+                self.use_netns = False
+                self.fallback_reason = f"namespaces could not be made: {err}"
             except BaseException:
                 self.close()
                 raise
-        else:
+        if not self.use_netns:
             warnings.warn(f"emulated cluster: no network namespaces ({self.fallback_reason}); "
                           f"all {self.num_hosts} hosts share loopback, NIC rate "
                           f"{self.nic_rate} is NOT applied", RuntimeWarning, stacklevel=2)
