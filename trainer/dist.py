@@ -114,29 +114,51 @@ def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -
 
 
 def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
-    """Every rank sets its key on rank 0's TCPStore, then waits for all keys (polling gently),
-    so that on timeout it can say which ranks are missing."""
+    """Every rank sets its key on rank 0's TCPStore, then waits for all keys (polling gently).
+
+    Rank 0 decides a timeout: it lists the missing ranks, publishes that verdict on the store and
+    gives the waiting ranks a moment to read it, so every rank that came reports the same
+    missing ranks (instead of a bare "connection closed" when rank 0 exits)."""
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout_s
+    where = f"{env.master_addr}:{env.master_port}"
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as err:  # noqa: BLE001 - torch raises several types for "cannot connect"
         who = "this rank (0) could not host it" if env.rank == 0 else "rank 0 never came or is unreachable"
-        raise DistError(
-            f"rank {env.rank}: rendezvous store at {env.master_addr}:{env.master_port} not reachable within "
-            f"{timeout_s:g} s: {who} ({type(err).__name__}: {err})") from err
-    store.set(f"{RENDEZVOUS_PREFIX}/{env.rank}", "1")
+        raise DistError(f"rank {env.rank}: rendezvous store at {where} not reachable within {timeout_s:g} s: "
+                        f"{who} ({type(err).__name__}: {err})") from err
     keys = [f"{RENDEZVOUS_PREFIX}/{r}" for r in range(env.world_size)]
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise DistError(
-                f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} timed out after "
-                f"{timeout_s:g} s: rank(s) {', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} "
-                f"never joined")
-        time.sleep(0.05)
+    verdict, acks = f"{RENDEZVOUS_PREFIX}/failed", f"{RENDEZVOUS_PREFIX}/acks"
+    try:
+        store.set(keys[env.rank], "1")
+        while not store.check(keys):
+            if env.rank == 0 and time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                message = (f"rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                           f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+                store.set(verdict, message)
+                came = env.world_size - len(missing)
+                grace = time.monotonic() + 2.0
+                while int(store.add(acks, 0)) < came - 1 and time.monotonic() < grace:
+                    time.sleep(0.02)
+                raise DistError(f"rank 0: {message}")
+            if env.rank != 0 and store.check([verdict]):
+                message = store.get(verdict).decode()
+                store.add(acks, 1)
+                raise DistError(f"rank {env.rank}: {message}")
+            if env.rank != 0 and time.monotonic() > deadline + 5.0:  # rank 0 is there but gave no verdict
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise DistError(f"rank {env.rank}: rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                                f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+            time.sleep(0.05)
+    except DistError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the store's connection broke: rank 0 went away
+        raise DistError(f"rank {env.rank}: the rendezvous store at {where} (hosted by rank 0) went away while "
+                        f"waiting for peers ({type(err).__name__}: {err})") from err
     return store
 
 
