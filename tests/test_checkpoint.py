@@ -130,11 +130,10 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(gang, tmp_path):
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_host_job, tmp_path):
     """4 steps with checkpoints, then a fresh gang asked for 6 resumes at 4: same final weights
     and losses as 6 steps in one go."""
-    from meshjob.trainer.launch import launch_local
-    from meshjob.trainer.worker import run_worker
+    from meshjob.trainer.launch import launch_job
 
     def run(job_path: str):
-        return launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": job_path}, timeout_s=50).raise_on_failure().values
+        return launch_job(job_path, timeout_s=50, rank_timeout_s=30).raise_on_failure().values
 
     straight = run(one_host_job("straight", steps=6))
     ckpt = str(tmp_path / "ckpt")

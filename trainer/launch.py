@@ -194,3 +194,19 @@ def launch_local(world_size: int, target: Callable[[WorkerEnv], Any], *, ranks: 
                 else:
                     res.error = payload
     return LaunchResult(ranks=[results[r] for r in ranks], timed_out=timed_out)
+
+
+def launch_job(job_path: str, *, hosts_path: str = "", env: Mapping[str, str] | None = None,
+               pre_exec: Callable[[int], None] | None = None, timeout_s: float | None = None,
+               rank_timeout_s: float = 300.0, **kwargs: Any) -> LaunchResult:
+    """Every rank of a TrainingJob on this machine; each returns its TrainResult.
+    The plan is built once here (and checked again by every rank against its own)."""
+    from meshjob.trainer.worker import load_setup, run_worker
+
+    child_env = dict(env or {})
+    child_env["MESHJOB_JOB"] = os.path.abspath(job_path)
+    if hosts_path:
+        child_env["MESHJOB_HOSTS"] = os.path.abspath(hosts_path)
+    setup = load_setup(child_env["MESHJOB_JOB"], hosts_path, child_env)
+    return launch_local(setup.plan.placement.world_size, lambda e: run_worker(e, rank_timeout_s, setup),
+                        env=child_env, pre_exec=pre_exec, timeout_s=timeout_s, **kwargs)
