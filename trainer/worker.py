@@ -98,7 +98,14 @@ def make_context(env: WorkerEnv, setup: JobSetup, device: str = "cpu") -> Worker
                      ",".join("x".join(map(str, s.mesh)) for s in job.stages))
     port = env.extra.get("MESHJOB_METRICS_PORT", "")
     if port:  # ranks sharing a pod (or a machine) take consecutive ports
-        metrics.serve(int(port) + env.local_rank)
+        if not port.isdigit() or not 0 < int(port) + env.local_rank < 65536:
+            raise DistError(f"environment MESHJOB_METRICS_PORT={port!r} is invalid: must be a port in [1, 65535] "
+                            f"(rank with LOCAL_RANK={env.local_rank} serves on it + {env.local_rank})")
+        try:
+            metrics.serve(int(port) + env.local_rank)
+        except OSError as err:
+            raise DistError(f"rank {env.rank}: cannot serve metrics on port {int(port) + env.local_rank} "
+                            f"(MESHJOB_METRICS_PORT={port} + LOCAL_RANK={env.local_rank}): {err}") from err
     status = PodStatus.from_env() if env.local_rank == 0 else PodStatus()  # one reporter per pod
     reported = ReportingMetrics(metrics, status) if status.enabled else metrics
     directory = env.checkpoint_dir or job.training.checkpoint.path
