@@ -320,7 +320,7 @@ class _Run:
         self.dtype, self.device = dtype, device
         self.itemsize = torch.tensor([], dtype=dtype).element_size()
         self.stats = ReshardStats(strategy=b.strategy, boundary=boundary_name(b))
-        self.natural_local = natural_local
+        self.natural_local = None if natural_local is None else natural_local.detach()  # data only
         self.natural_tile: Slice | None = None
         if rank in route.src_ranks:
             self.natural_tile = route.tile_of(rank, route.src_natural, route.src_mesh)
