@@ -288,6 +288,12 @@ def test_a_source_tile_of_the_wrong_shape_is_a_clear_error():
         ex.start(boundary, torch.zeros(8, 6), ex.tag_base(boundary, 0))
 
 
+def test_two_boundaries_with_the_same_endpoints_and_tensor_are_rejected():
+    case = CASES[1]
+    with pytest.raises(ReshardError, match=r"two boundaries 0->1 \(activation\) share \(from, to, tensor\)"):
+        executor(case, [make_boundary(case, "broadcast"), make_boundary(case, "send_recv")], 0)
+
+
 def test_tag_ranges_of_boundaries_and_microbatches_do_not_overlap():
     case = CASES[1]
     a, b = make_boundary(case, "broadcast"), make_boundary(case, "send_recv", tensor="skip0")

@@ -467,7 +467,11 @@ class ReshardExecutor:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
             routes = routes_from_plan(plan)
-        self.routes: dict[tuple[int, int, str], Route] = {_key(r.boundary): r for r in routes}
+        self.routes: dict[tuple[int, int, str], Route] = {}
+        for r in routes:
+            if _key(r.boundary) in self.routes:  # start() finds a boundary by this key
+                raise ReshardError(f"two boundaries {r.name} share (from, to, tensor); give each its own tensor name")
+            self.routes[_key(r.boundary)] = r
         self.max_tag_span = max((r.tag_span for r in self.routes.values()), default=0)
         self._order = {k: i for i, k in enumerate(self.routes)}
         for r in self.routes.values():
