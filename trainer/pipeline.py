@@ -84,8 +84,17 @@ class PipelineExecutor:
         """Execute the action list once. Returns (the sum of this rank's scaled microbatch losses
         (0 except on the last stage), the step's stats)."""
         run = _StepRun(self, local_batch)
-        for action in self.actions:
+        # Post every receive of the step up front. gloo moves data only once the receiver has posted,
+        # so a receive posted at its action (right before the compute that needs it) would expose the
+        # whole transfer; posted early, it overlaps the computation of other microbatches, which is
+        # what eager-1F1B's earlier forwards are for. Cost: one receive buffer per microbatch and
+        # incoming edge (not counted as stashed activations: they hold no autograd graph).
+        receives = [a for a in self.actions if a.kind in ("RECV_F", "RECV_B")]
+        for action in receives:
             run.do(action)
+        for action in self.actions:
+            if action.kind not in ("RECV_F", "RECV_B"):
+                run.do(action)
         run.finish()
         return run.loss, run.stats
 
