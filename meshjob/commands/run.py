@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
                      [compact[h] for h in rank_hosts])
 
     console = Console(stderr=True)
+    if args.max_restarts > 0 and job.training.checkpoint.every <= 0:
+        console.print("[yellow]warning:[/] spec.training.checkpoint.every is 0: no checkpoints are "
+                      "written, so a restarted gang starts again from step 0")
     resume = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)
     if resume:
         console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
