@@ -52,12 +52,15 @@ class StageStats:
     wait_s: float = 0.0  # blocked on transfers (RECV handles, and SEND handles at step end)
     peak_stashed: int = 0  # most microbatches forwarded and not yet fully backwarded
     steps: int = 0
+    # (action or "wait", start, end) in seconds from the step's start; merged stats keep the last step's
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
     def merge_step(self, other: "StageStats") -> None:
         self.compute_s += other.compute_s
         self.wait_s += other.wait_s
         self.peak_stashed = max(self.peak_stashed, other.peak_stashed)
         self.steps += other.steps
+        self.timeline = other.timeline
 
 
 @dataclass
@@ -111,6 +114,7 @@ class _StepRun:
         self.recv_b: dict[tuple[str, int], list[Handle]] = {}
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.sends: list[Handle] = []
+        self.t0 = time.perf_counter()
 
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
@@ -118,7 +122,9 @@ class _StepRun:
     def wait(self, handle: Handle) -> torch.Tensor | None:
         start = time.perf_counter()
         value = handle.wait()
-        self.stats.wait_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.stats.wait_s += end - start
+        self.stats.timeline.append(("wait", start - self.t0, end - self.t0))
         return value
 
     def do(self, action: Action) -> None:
@@ -126,7 +132,9 @@ class _StepRun:
         if kind in ("F", "B", "I", "W"):
             start = time.perf_counter()
             getattr(self, f"_{kind}")(action)
-            self.stats.compute_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.stats.compute_s += end - start
+            self.stats.timeline.append((str(action), start - self.t0, end - self.t0))
         elif kind == "RECV_F":
             self.recv_f[(action.tensor, action.mb)] = self.ex.transport.start(
                 action.tensor, action.peer, self.ex.stage, action.mb, False, None)

@@ -32,6 +32,7 @@ class TrainResult:
     start_step: int = 0  # first step this process ran (> 0 after a resume)
     steps: int = 0  # the job's total steps
     comm_s: float = 0.0  # summed wall time of the transfers this rank took part in
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step run here
 
 
 class ReshardTransport:
@@ -160,12 +161,14 @@ def train(ctx: Any) -> TrainResult:
     start_step = _restore(ctx, rt)
     total = StageStats(rt.stage)
     losses: list[float] = []
+    step_seconds: list[float] = []
     tokens = job.training.global_batch * job.model.seq_len
     for step in range(start_step, job.training.steps):
         t0 = time.perf_counter()
         local, stats = train_step(rt, step)
         loss = global_loss(rt, local) if rt.module.is_last else math.nan
         seconds = time.perf_counter() - t0
+        step_seconds.append(seconds)
         comm = rt.transport.collect_seconds()
         total.merge_step(stats)
         if rt.module.is_last:
@@ -177,7 +180,7 @@ def train(ctx: Any) -> TrainResult:
             ctx.metrics.record_pipeline(rt.stage, bubble, overlap)
         _save(ctx, rt, step + 1)
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
-                       job.training.steps, rt.transport.comm_s)
+                       job.training.steps, rt.transport.comm_s, step_seconds)
 
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
