@@ -272,6 +272,40 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
     return rows
 
 
+def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """Per section and strategy (main balancer, broadcast at each K): geometric means over the
+    cases of time / L and of the speed-ups, the one-line answer to "how much faster"."""
+    def gmean(xs: list[float]) -> float:
+        xs = [x for x in xs if x > 0 and math.isfinite(x)]
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
+
+    out: dict[str, dict[str, float]] = {}
+    for section in ("one_to_many", "many_to_many"):
+        sec = [r for r in rows if r.section == section and r.balancer == MAIN_BALANCER]
+        for label in dict.fromkeys(r.label for r in sec):
+            rs = [r for r in sec if r.label == label]
+            out.setdefault(section, {})[label] = {
+                "over_limit": gmean([r.over_limit for r in rs]),
+                "speedup_vs_global_allgather": gmean([r.speedup_vs_global_allgather for r in rs]),
+                "speedup_vs_send_recv": gmean([r.speedup_vs_send_recv for r in rs])}
+    return out
+
+
+def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 150)
+    table = Table(title=f"{title} — geometric means over cases", title_justify="left")
+    for col in ("section", "variant", "time / L", "x vs global_allgather", "x vs send_recv"):
+        table.add_column(col, justify="left" if col in ("section", "variant") else "right")
+    for section, by_label in summary.items():
+        for i, (label, m) in enumerate(by_label.items()):
+            table.add_row(section if i == 0 else "", label, f"{m['over_limit']:.2f}",
+                          f"{m['speedup_vs_global_allgather']:.2f}", f"{m['speedup_vs_send_recv']:.2f}")
+    console.print(table)
+
+
 def print_table(rows: list[Row], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -404,13 +438,16 @@ def main(args: argparse.Namespace) -> int:
         return 1
     rows = collect(cases, events)
     subtitle = f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
-    print_table(rows, f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}")
+    title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
+    print_table(rows, title)
+    summary = summarize(rows)
+    print_summary(summary, title)
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
-           "rows": [asdict(r) for r in rows], "plots": pngs}
+           "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs}
     path = os.path.join(args.out, "resharding.json")
     with open(path, "w") as f:
         json.dump(_finite(doc), f, indent=2)

@@ -12,7 +12,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
 
-from bench.resharding import ITEMSIZE, Case, Layout, Variant, collect, physical_limit  # noqa: E402
+from bench.resharding import ITEMSIZE, Case, Layout, Row, Variant, collect, physical_limit, summarize  # noqa: E402
 from meshjob.emulate.netns import netns_available
 from meshjob.resharding import decompose
 from meshjob.sharding import ShardingSpec
@@ -80,6 +80,19 @@ def test_collect_marks_a_variant_whose_receiver_got_wrong_data():
     assert collect([case], events)[0].correct is False
 
 
+def row(case: str, strategy: str, over_limit: float, vs_ga: float) -> Row:
+    return Row("one_to_many", case, strategy, 1, "greedy", strategy, over_limit, [over_limit], 1.0, over_limit,
+               vs_ga, 1.0, 1.0, 1.0, True)
+
+
+def test_summary_is_the_geometric_mean_over_cases_per_variant():
+    rows = [row("a", "broadcast", 1.0, 2.0), row("b", "broadcast", 4.0, 8.0), row("a", "send_recv", 3.0, 0.5)]
+    summary = summarize(rows)["one_to_many"]
+    assert summary["broadcast"]["over_limit"] == pytest.approx(2.0)
+    assert summary["broadcast"]["speedup_vs_global_allgather"] == pytest.approx(4.0)
+    assert summary["send_recv"]["over_limit"] == pytest.approx(3.0)
+
+
 def test_bad_chunks_are_rejected_naming_the_option():
     proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
                            "--chunks", "4,zero", "--out", "/nonexistent"],
@@ -100,6 +113,7 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     doc = json.loads((tmp_path / "resharding.json").read_text())
     assert doc["emulated"] is True and doc["nic_rate"] == "500mbit"
     rows = doc["rows"]
+    assert set(doc["summary"]) == {"one_to_many", "many_to_many"}
     assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",
                                              "broadcast", "signal"}
     assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {
