@@ -184,11 +184,12 @@ def run(args: argparse.Namespace) -> int:
 
                 def on_restart(failed: GangResult) -> None:
                     assert failed.first_failure is not None
+                    step = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)  # complete ones only
                     console.print(f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
-                                  f"the last checkpoint (step {stats.checkpoint_step or 0})[/]")
+                                  f"the last checkpoint (step {step})[/]")
                     stats.restart()
                     if feed is not None:
-                        feed.restart(stats.checkpoint_step or 0)
+                        feed.restart(step)
 
                 results = run_with_restarts(cluster, setup.rank_hosts, lambda ctx: _rank_main(setup, ctx),
                                             args.max_restarts, on_event, on_restart)
