@@ -23,6 +23,7 @@ from meshjob.operator.metrics import OperatorMetrics
 from meshjob.operator.reconcile import Reconciler, invalid_status, validate
 from meshjob.operator.wakeups import Wakeups, wait_any
 
+NODES_KEY = "nodes"
 RESYNC_S = 60.0  # a periodic re-check even without events (missed watch events, clock-based policies)
 MAX_BACKOFF_S = 30.0
 
@@ -58,6 +59,10 @@ class State:
     wakeups: Wakeups = field(default_factory=Wakeups)
     reconciler: Reconciler | None = None
     metrics_served: bool = False
+    node_index: Any = None  # kopf's index of Nodes (filled before any job handler runs)
+
+    def cached_nodes(self) -> list[dict[str, Any]]:
+        return list(self.node_index.get(NODES_KEY, [])) if self.node_index is not None else []
 
 
 STATE = State()
@@ -87,7 +92,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
-    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit)
+    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes)
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
         STATE.metrics.serve(cfg.metrics_port)
         STATE.metrics_served = True
@@ -140,8 +145,9 @@ def admit(body: kopf.Body, **_: Any) -> None:
 
 @kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)
 async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, retry: int,
-                  logger: logging.Logger, **_: Any) -> None:
+                  logger: logging.Logger, node_index: kopf.Index, **_: Any) -> None:
     """The job's reconcile loop; API errors go to kopf: 409/5xx retried with backoff, others not."""
+    STATE.node_index = node_index
     key = (namespace, name)
     wakeup = STATE.wakeups.register(key)
     reconciler = STATE.reconciler
@@ -188,6 +194,20 @@ def pod_event(body: kopf.Body, namespace: str, **_: Any) -> None:
     STATE.wakeups.wake((namespace, body["metadata"]["labels"][names.JOB_LABEL]))
 
 
+@kopf.index("", "v1", "nodes")
+def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    """A watch-fed cache of what placement reads from Nodes (kopf fills it before job handlers start)."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return {NODES_KEY: {
+        "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+        "status": {"allocatable": dict(status.get("allocatable") or {}),
+                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                                  for c in status.get("conditions") or []]},
+    }}
+
+
 @kopf.on.event("", "v1", "nodes")
-def node_event(**_: Any) -> None:
+def node_event(node_index: kopf.Index, **_: Any) -> None:
+    STATE.node_index = node_index
     STATE.wakeups.wake_waiting_for_nodes()

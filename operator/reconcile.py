@@ -123,6 +123,8 @@ class Reconciler:
     emit: EmitFn = lambda body, type_, reason, message: None
     clock: Callable[[], datetime.datetime] = utcnow
     unschedulable: set[tuple[str, str]] = field(default_factory=set)  # jobs to re-check when Nodes change
+    # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
+    nodes: Callable[[], list[Mapping[str, Any]]] | None = None
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
@@ -152,6 +154,7 @@ class Reconciler:
         draft["observedGeneration"] = body.get("metadata", {}).get("generation")
 
         pods = await self._own_pods(meta, draft)
+        recorded = set(draft["pods"] or {})  # pods this job had at the last status write
         draft["pods"] = {p.name: p.phase for p in pods}
         policy = job.run_policy
 
@@ -164,6 +167,7 @@ class Reconciler:
                 self.emit(body, "Normal", "Suspended", "runPolicy.suspend is true: pods deleted")
             draft.clear("Running", "Suspended", "the job is suspended", now)
             draft["phase"], draft["startTime"], draft["restartPending"] = SUSPENDED, None, None
+            draft["pods"] = {}  # deleted on purpose: not "disappeared" on resume
             await self._write(meta, body, draft)
             return None
         if is_true(draft.conditions, "Suspended"):
@@ -177,10 +181,15 @@ class Reconciler:
                 await self._write(meta, body, draft)
                 return RESTART_RECHECK_S
             draft["restartPending"] = None
+            recorded = set()  # the old gang is gone on purpose
 
         failed = lifecycle.first_failure(pods)
-        if failed is not None:
-            message = f"pod {failed.name} failed" + (f": {failed.message}" if failed.message else "")
+        vanished = sorted(recorded - {p.name for p in pods})  # deleted or evicted by someone else
+        if failed is not None or vanished:
+            if failed is not None:
+                message = f"pod {failed.name} failed" + (f": {failed.message}" if failed.message else "")
+            else:
+                message = f"pod {vanished[0]} disappeared (deleted or evicted)"
             restarts = int(draft["restarts"] or 0)
             if restarts >= policy.backoff_limit:
                 reason_text = f"{message}; {restarts} restart(s) reached runPolicy.backoffLimit={policy.backoff_limit}"
@@ -284,7 +293,8 @@ class Reconciler:
 
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                                scheduling: render.Scheduling, pods: list[PodView], now: datetime.datetime) -> bool:
-        infos = node_infos(await self.kube.list_nodes(), job.topology)
+        nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
+        infos = node_infos(nodes, job.topology)
         node_of_host = {i.host: i.name for i in infos if i.host}
         # surviving pods keep their placement; a fresh (re)start places on the nodes there are now
         hosts = await self._hosts_in_use(meta) if pods else None

@@ -601,3 +601,19 @@ async def scenario_restart_counted_once_across_operator_restart(c: Cluster, tag:
         if c.real:
             assert {p["metadata"]["uid"] for p in new}.isdisjoint({p["metadata"]["uid"] for p in pods})
         await delete_and_wait(c, tag)
+
+
+async def scenario_deleted_pod_restarts_the_gang(c: Cluster, tag: str) -> None:
+    """A host pod deleted by someone else (eviction, drain) breaks the gang: restart all of it."""
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, run_policy={"backoffLimit": 3}))
+    pods = await wait_pods(c, tag, 2)
+    await wait_status(c, tag, lambda s: len(s.get("pods") or {}) == 2, "pods recorded")
+    await c.kube.delete_pod(tag, pods[1]["metadata"]["name"])
+    status = await wait_status(c, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    assert f"pod {tag}-host-1 disappeared" in condition(status, "Restarting")["message"]
+    await wait_pods(c, tag, 2)
+    await asyncio.sleep(0.5)
+    assert (await c.job(tag, tag))["status"]["restarts"] == 1  # the planned deletions are not counted again
+    await delete_and_wait(c, tag)

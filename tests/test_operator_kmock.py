@@ -56,6 +56,10 @@ async def test_deletion_leaves_only_owned_children(cluster, operator):
     await h.scenario_deletion_removes_children(cluster, "delete")
 
 
+async def test_a_deleted_pod_restarts_the_gang(cluster, operator):
+    await h.scenario_deleted_pod_restarts_the_gang(cluster, "evicted")
+
+
 async def test_active_deadline_fails_the_job(cluster, operator):
     await h.scenario_activeDeadline_fails_the_job(cluster, "deadline")
 
