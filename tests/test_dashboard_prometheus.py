@@ -112,9 +112,11 @@ class Scraped:
 
 
 def last_sample_time(prom: Prometheus, selector: str) -> float:
-    result = prom.query(f"max(last_over_time(timestamp({selector})[10m:1s]))")
-    assert result and result[0]["value"][1] != "NaN", f"no samples of {selector}"
-    return float(result[0]["value"][1])
+    """Timestamp of the newest sample of `selector` (a raw range selector: no step alignment)."""
+    data = prom.api("query", query=f"{selector}[10m]")
+    stamps = [float(t) for series in data["result"] for t, _ in series["values"]]
+    assert stamps, f"no samples of {selector}"
+    return max(stamps)
 
 
 def run_trainer(tmp_path: Path, port: int) -> subprocess.CompletedProcess:
@@ -154,8 +156,27 @@ def _evaluate(scraped: Scraped, query: PanelQuery) -> list[dict[str, Any]]:
     return scraped.prometheus.query(expr, at=scraped.trainer_at)
 
 
+# Metrics TrainerMetrics exports but that no producer records yet: the trainer's ReshardExecutor
+# records only record_resharding, and `meshjob run` forwards only steps, resharding, pipeline and
+# checkpoints. strict: once a producer records them, these pass and the marker must go.
+NOT_YET_PRODUCED = {
+    "meshjob_nic_bandwidth_bytes_per_second": "record_nic is called by no producer (trainer/reshard.py, meshjob run)",
+    "meshjob_resharding_lower_bound_ratio": "record_resharding_ratio is called by no producer",
+    "meshjob_unit_tasks_total": "record_unit_tasks is called by no producer",
+}
+
+
+def _query_params() -> list:
+    params = []
+    for q in dashboard_queries():
+        missing = [why for metric, why in NOT_YET_PRODUCED.items() if metric in q.expr]
+        marks = [pytest.mark.xfail(strict=True, reason=missing[0])] if missing else []
+        params.append(pytest.param(q, marks=marks, id=f"{q.panel}-{q.ref}"))
+    return params
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("query", dashboard_queries(), ids=lambda q: f"{q.panel}-{q.ref}")
+@pytest.mark.parametrize("query", _query_params())
 def test_dashboard_query_returns_data(scraped, query):
     result = _evaluate(scraped, query)
     assert result, f"panel {query.panel!r} query {query.ref}: no data for {instantiate(query.expr, VARIABLES)}"
