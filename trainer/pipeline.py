@@ -54,13 +54,14 @@ class StageStats:
     steps: int = 0
     # (action or "wait", start, end) in seconds from the step's start; merged stats keep the last step's
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
+    timeline_origin: float = 0.0  # time.perf_counter() at the step's start (one clock for all processes)
 
     def merge_step(self, other: "StageStats") -> None:
         self.compute_s += other.compute_s
         self.wait_s += other.wait_s
         self.peak_stashed = max(self.peak_stashed, other.peak_stashed)
         self.steps += other.steps
-        self.timeline = other.timeline
+        self.timeline, self.timeline_origin = other.timeline, other.timeline_origin
 
 
 @dataclass
@@ -114,7 +115,7 @@ class _StepRun:
         self.recv_b: dict[tuple[str, int], list[Handle]] = {}
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.sends: list[Handle] = []
-        self.t0 = time.perf_counter()
+        self.t0 = self.stats.timeline_origin = time.perf_counter()
 
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
