@@ -92,6 +92,18 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
+def _status_code(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(url, timeout=5).status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0
+
+
 async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster, tmp_path):
     """Two `meshjob operator --peering` processes: only the higher priority reconciles; on its exit
     the other one resumes. Their metrics endpoints tell who reconciled."""
@@ -105,6 +117,7 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
     await cluster.create("/apis/kopf.dev/v1/clusterkopfpeerings",
                          {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "meshjob-test"}})
     replicas = {}
+    probes: dict[str, int] = {}  # replica -> liveness port
     try:
         for name, priority in (("active", 10), ("standby", 5)):
             port, live = h.free_port(), h.free_port()
@@ -114,6 +127,7 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
                                      "--liveness", f"http://127.0.0.1:{live}/healthz",
                                      "--kubeconfig", str(cluster.kubeconfig)], stdout=log, stderr=subprocess.STDOUT)
             replicas[name] = (proc, port, tmp_path / f"{name}.log")
+            probes[name] = live
 
             async def metrics_up(port=port) -> bool:
                 return await asyncio.to_thread(_metric, port, "meshjob_operator_reconcile_duration_seconds_count") is not None
@@ -123,6 +137,10 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
             peering = await cluster.kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/meshjob-test")
             return sorted(p["priority"] for p in (peering.get("status") or {}).values()) == [5, 10]
         await h.eventually(both_peered, timeout=30, what="both replicas in the peering object")
+        for live in probes.values():  # --liveness serves kopf's health probe
+            async def healthy(live=live) -> bool:
+                return await asyncio.to_thread(_status_code, f"http://127.0.0.1:{live}/healthz") == 200
+            await h.eventually(healthy, timeout=20, what="the liveness probe answering 200")
 
         tag = "peering"
         await h.prepare_namespace(cluster, tag)
