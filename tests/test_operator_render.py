@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 
 import pytest
 import yaml
@@ -268,3 +269,29 @@ def test_api_errors_map_to_kopf_retry_or_no_retry(status, temporary):
     assert f"HTTP {status}" in str(err)
     if temporary:
         assert err.delay == 4.0
+
+
+def _operator_args(*argv: str):
+    import argparse
+
+    from meshjob.operator import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli, parser.parse_args(list(argv))
+
+
+def test_operator_cli_defaults_watch_the_whole_cluster_with_metrics_and_webhook():
+    _, args = _operator_args()
+    assert args.namespace == [] and args.metrics_port == 9401 and args.webhook and args.peering is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--metrics-port", "70000"), "--metrics-port=70000 is invalid: a TCP port 1-65535 (or 0 for off)"),
+    (("--webhook-port", "0"), "--webhook-port=0 is invalid: a TCP port 1-65535"),
+    (("--peering", "p", "--standalone"), "--peering and --standalone exclude each other"),
+])
+def test_operator_cli_rejects_bad_flags_naming_them(argv, message):
+    cli, args = _operator_args(*argv)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.run(args)
