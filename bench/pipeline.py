@@ -4,7 +4,8 @@ For a GPT and a U-Transformer (skip edges that cross stages), the same job runs 
   1f1b                 the synchronous baseline (no I/W split)
   eager-1f1b           more warm-up forwards (2(S-i)-1), so communication overlaps later compute
   eager-1f1b+wdelay    plus backward weight delaying (I first, W postponed by the cost model)
-  signal               eager-1f1b+wdelay with 1-byte transfers: the communication-free upper bound
+  signal               eager-1f1b with 1-byte transfers: the communication-free upper bound (no I/W
+                       split: on CPU the split backward costs extra compute, which is not communication)
 side by side in one run, each as a real training job (torch.distributed ranks in network namespaces,
 tbf NICs at --nic-rate). Reported: throughput as a ratio to `signal` and to 1f1b, bubble and
 communication-overlap fractions per stage, peak stashed activations per stage vs 1f1b, the
@@ -32,7 +33,7 @@ VARIANTS: dict[str, dict[str, str]] = {  # name -> schedule kind, weight-grad de
     "1f1b": {"kind": "1f1b", "delay": "off", "strategy": "broadcast"},
     "eager-1f1b": {"kind": "eager-1f1b", "delay": "off", "strategy": "broadcast"},
     "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": "on", "strategy": "broadcast"},
-    "signal": {"kind": "eager-1f1b", "delay": "on", "strategy": "signal"},
+    "signal": {"kind": "eager-1f1b", "delay": "off", "strategy": "signal"},
 }
 MODELS = ("gpt", "utransformer")
 
