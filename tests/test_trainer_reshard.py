@@ -14,7 +14,7 @@ import torch
 
 from meshjob.mesh import Mesh
 from meshjob.resharding import Step, decompose, lower
-from meshjob.sharding import ShardingSpec, relative, tile, to_index
+from meshjob.sharding import ShardingSpec, tile, to_index
 from meshjob.trainer.dist import init_distributed, shutdown_distributed
 from meshjob.trainer.reshard import ReshardError, ReshardExecutor, make_routes
 
