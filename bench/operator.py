@@ -152,6 +152,28 @@ def print_table(result: dict[str, Any]) -> None:
           f"{t['ratio_to_sequential']:.2f} x the time of one job after another")
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Create->all-pods time and ms per pod against the host count (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hosts = [r["hosts"] for r in result["latency"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(hosts, [r["seconds"] for r in result["latency"]], marker="o", label="create -> all pods (s)")
+    ax.plot(hosts, [r["ms_per_pod"] / 1000 for r in result["latency"]], marker="s", label="per pod (s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("hosts (pods) in the job")
+    ax.set_ylabel("seconds")
+    t = result["throughput"]
+    ax.set_title(f"operator on {result['server']}\n{t['jobs']} concurrent jobs: {t['jobs_per_second']} jobs/s", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.repeats < 1:
         raise SystemExit(f"--jobs={args.jobs} / --repeats={args.repeats} are invalid: both must be >= 1")
@@ -160,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written: {out}")
+    plot(result, out.with_suffix(".png"))
+    print(f"written: {out} and {out.with_suffix('.png')}")
     return 0
 
 
