@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from meshjob.emulate.launcher import RankContext, run_gang
 from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, parse_rate
 from meshjob.mesh import Mesh
-from meshjob.resharding import UnitTask, decompose, lower
+from meshjob.resharding import UnitTask, decompose
 from meshjob.sharding import ShardingSpec
 
 DEVICES_PER_HOST = 4
@@ -78,6 +78,7 @@ class BenchBoundary:
     steps: tuple[Any, ...]
     makespan_s: float
     lower_bound_s: float
+    simulated_s: float = 0.0  # meshjob.simulate's prediction of these steps over the emulated NICs
 
 
 @dataclass
@@ -132,20 +133,17 @@ def plan_boundary(case: Case, variant: Variant, tasks: list[UnitTask], host_of: 
                   nic_bytes_per_s: float, tensor: str) -> BenchBoundary:
     """Senders and order from meshjob.balance, steps from meshjob.resharding.lower."""
     from meshjob.balance import HostTask, balance
+    from meshjob.plan import lower_in_start_order
+    from meshjob.simulate import CostModel, simulate_transfer
 
     host_tasks = [HostTask(tuple(dict.fromkeys(host_of(r) for r in t.senders)),
                            tuple(dict.fromkeys(host_of(r) for r in t.receivers)), t.bytes) for t in tasks]
     sched = balance(host_tasks, variant.balancer, variant.strategy, variant.chunks, nic_bytes_per_s,
                     budget_s=0.5, seed=0, receiver_devices_per_host=case.dst_mesh.shape[-1])
-    load: dict[int, int] = {}  # rank -> bytes it sends: spread a host's tasks over its devices
-    steps: list[Any] = []
-    for i in sorted(range(len(tasks)), key=lambda i: (sched.start_s[i], i)):
-        holders = [r for r in tasks[i].senders if host_of(r) == sched.sender_host[i]]
-        sender = min(holders, key=lambda r: (load.get(r, 0), r))  # the rule meshjob.plan uses
-        load[sender] = load.get(sender, 0) + tasks[i].bytes
-        steps += lower(tasks[i], i, sender, variant.strategy, variant.chunks, host_of, first_step_id=len(steps))
-    return BenchBoundary(0, 1, tensor, case.shape, case.send, case.recv, variant.strategy, tuple(steps),
-                         sched.makespan_s, sched.lower_bound_s)
+    _, steps = lower_in_start_order(tasks, sched, host_of, variant.strategy, variant.chunks)
+    simulated = simulate_transfer(steps, host_of, CostModel(nic_bytes_per_s=nic_bytes_per_s)).makespan_s
+    return BenchBoundary(0, 1, tensor, case.shape, case.send, case.recv, variant.strategy, steps,
+                         sched.makespan_s, sched.lower_bound_s, simulated)
 
 
 def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_per_s: float,
@@ -242,6 +240,8 @@ class Row:
     planned_makespan_s: float
     planned_lower_bound_s: float
     correct: bool
+    simulated_s: float = math.nan  # the simulator's prediction for the same steps
+    simulator_error: float = math.nan  # simulated / measured - 1
 
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
@@ -268,7 +268,8 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
                             times[vi], case.limit_s, med[vi] / case.limit_s if case.limit_s else math.nan,
                             base.get("global_allgather", math.nan) / med[vi],
                             base.get("send_recv", math.nan) / med[vi],
-                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong))
+                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong, b.simulated_s,
+                            b.simulated_s / med[vi] - 1.0 if med[vi] > 0 else math.nan))
     return rows
 
 
@@ -314,7 +315,7 @@ def print_table(rows: list[Row], title: str) -> None:
     for section in ("one_to_many", "many_to_many"):
         table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
         for col in ("case", "variant", "time s", "time / L", "x vs global_allgather", "x vs send_recv",
-                    "planned / LB", "ok"):
+                    "planned / LB", "sim error", "ok"):
             table.add_column(col, justify="left" if col in ("case", "variant") else "right")
         last = None
         for r in rows:
@@ -324,6 +325,7 @@ def print_table(rows: list[Row], title: str) -> None:
                           f"{r.speedup_vs_global_allgather:.2f}", f"{r.speedup_vs_send_recv:.2f}",
                           f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
                           if r.planned_lower_bound_s and r.strategy != "signal" else "-",
+                          f"{r.simulator_error:+.0%}" if math.isfinite(r.simulator_error) else "-",
                           "yes" if r.correct else "[red]WRONG[/]", end_section=False)
             last = r.case
         if table.row_count:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from meshjob import balance as bal
 from meshjob.mesh import Mesh
@@ -169,20 +169,24 @@ def _receivers_per_host(tasks: Sequence[UnitTask], placement: Placement) -> int:
     return most
 
 
-def _choose_senders(tasks: Sequence[UnitTask], schedule: bal.Schedule, placement: Placement) -> tuple[int, ...]:
-    """On the balancer's sender host, the holder with the fewest bytes to send so far: spreads a
-    host's sends over its devices. Decided in start order, so it is deterministic."""
+def lower_in_start_order(tasks: Sequence[UnitTask], schedule: bal.Schedule, host_of: Callable[[int], int],
+                         strategy: str, chunks: int) -> tuple[tuple[int, ...], tuple[Step, ...]]:
+    """(sender rank per task, the lowered steps in task-start order). On the balancer's sender host the
+    holder with the fewest bytes to send so far sends: spreads a host's sends over its devices.
+    Decided in start order, so it is deterministic."""
     load: dict[int, int] = {}
     chosen: dict[int, int] = {}
+    steps: list[Step] = []
     for i in sorted(range(len(tasks)), key=lambda i: (schedule.start_s[i], i)):
         host = schedule.sender_host[i]
-        holders = [r for r in tasks[i].senders if placement.host_of(r) == host]
+        holders = [r for r in tasks[i].senders if host_of(r) == host]
         if not holders:
             raise ValueError(f"balancer chose host {host} for task {i}, which holds none of its senders")
         rank = min(holders, key=lambda r: (load.get(r, 0), r))
         load[rank] = load.get(rank, 0) + tasks[i].bytes
         chosen[i] = rank
-    return tuple(chosen[i] for i in range(len(tasks)))
+        steps += lower(tasks[i], i, rank, strategy, chunks, host_of, len(steps))
+    return tuple(chosen[i] for i in range(len(tasks))), tuple(steps)
 
 
 def build_boundary(
@@ -210,14 +214,11 @@ def build_boundary(
         seed=job.training.seed,
         receiver_devices_per_host=_receivers_per_host(tasks, placement),
     )
-    senders = _choose_senders(tasks, schedule, placement)
-    steps: list[Step] = []
-    for i in sorted(range(len(tasks)), key=lambda i: (schedule.start_s[i], i)):
-        steps += lower(tasks[i], i, senders[i], spec.strategy, spec.chunks, placement.host_of, len(steps))
+    senders, steps = lower_in_start_order(tasks, schedule, placement.host_of, spec.strategy, spec.chunks)
     return Boundary(
         src=src, dst=dst, tensor=tensor, shape=shape, send=send_spec, recv=recv_spec,
         strategy=spec.strategy, balancer=spec.balancer, chunks=spec.chunks, tasks=tasks,
-        schedule=schedule, senders=senders, steps=tuple(steps),
+        schedule=schedule, senders=senders, steps=steps,
     )
 
 
