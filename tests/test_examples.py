@@ -59,7 +59,7 @@ def test_gpt_demo_has_four_stages_with_tensor_and_data_parallelism():
     assert job.model.kind == "gpt" and len(job.stages) == 4
     assert sum(s.tensor_parallel == 2 for s in job.stages) == 2
     assert any(s.data_parallel > 1 for s in job.stages)
-    assert job.training.steps <= 30
+    assert job.training.steps <= 200  # the README main job: about a minute on 2 cores
 
 
 def test_utransformer_demo_has_skip_edges_that_cross_stages():
