@@ -18,6 +18,7 @@ import kopf
 from meshjob.errors import SpecError
 
 from meshjob.operator import names
+from meshjob.operator.certs import webhook_server
 from meshjob.operator.kube import ApiError, Connection, Kube, as_kopf_error, kopf_connection
 from meshjob.operator.metrics import OperatorMetrics
 from meshjob.operator.reconcile import Reconciler, invalid_status, validate
@@ -37,12 +38,15 @@ class OperatorConfig:
     webhook_port: int = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_WEBHOOK_PORT", 9443) or 9443)
     webhook_host: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_HOST"))
     # serving certificate, key and the CA the API server should trust (e.g. from cert-manager);
-    # without them kopf makes a self-signed one (needs the `certbuilder` package)
+    # without them the operator makes a self-signed one at start-up (operator/certs.py)
     webhook_cert: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CERT"))
     webhook_key: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_KEY"))
     webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
+    # trainer pods without spec.serviceAccountName run as this one (None: the namespace's default)
+    trainer_service_account: str | None = field(
+        default_factory=lambda: os.environ.get("MESHJOB_TRAINER_SERVICE_ACCOUNT") or None)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -84,15 +88,18 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     settings.watching.server_timeout = 300
     if cfg.peering:
         settings.peering.mandatory = True
-    if cfg.webhook:  # kopf registers a ValidatingWebhookConfiguration pointing at this server
-        settings.admission.server = kopf.WebhookServer(addr=cfg.webhook_addr, port=cfg.webhook_port,
-                                                       host=cfg.webhook_host, certfile=cfg.webhook_cert,
-                                                       pkeyfile=cfg.webhook_key, cafile=cfg.webhook_ca)
+    server = None
+    if cfg.webhook:  # no certificate to serve with: a warning and no webhook, never a crash loop
+        server = webhook_server(addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
+                                cert=cfg.webhook_cert, key=cfg.webhook_key, ca=cfg.webhook_ca, logger=logger)
+    if server is not None:  # kopf registers a ValidatingWebhookConfiguration pointing at this server
+        settings.admission.server = server
         settings.admission.managed = f"{names.PLURAL}.{names.GROUP}"
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
-    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes)
+    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes,
+                                  trainer_service_account=cfg.trainer_service_account)
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
         STATE.metrics.serve(cfg.metrics_port)
         STATE.metrics_served = True
@@ -134,9 +141,16 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     return kopf_connection(STATE.config.kubeconfig)
 
 
-@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"])
-def admit(body: kopf.Body, **_: Any) -> None:
-    """The admission webhook: `kubectl apply` itself shows what is wrong with the spec."""
+# failurePolicy Ignore: an operator that is down (or uninstalled, its webhook configuration left
+# behind) must not block creating, finishing or deleting TrainingJobs; it validates them anyway.
+@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
+def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> None:
+    """The admission webhook: `kubectl apply` itself shows what is wrong with the spec.
+
+    Updates that leave the spec alone (finalizers, annotations) always pass: a job that is invalid
+    already must still be deletable."""
+    if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
+        return
     try:
         validate(body)
     except SpecError as err:

@@ -42,24 +42,18 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-OPERATOR_SPEC_FIELDS = ("scheduling", "serviceAccountName")  # read by the operator, not by the plan layer
-
-
 def manifest(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's document without server-side metadata, status and operator-only fields (for parse_job)."""
+    """The user's document without server-side metadata and status (for parse_job)."""
     meta = body.get("metadata", {})
-    spec = body.get("spec")
-    if isinstance(spec, Mapping):
-        spec = {k: v for k, v in spec.items() if k not in OPERATOR_SPEC_FIELDS}
     return {"apiVersion": body.get("apiVersion", names.API_VERSION), "kind": body.get("kind", names.KIND),
             "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace") or "default"},
-            "spec": spec}
+            "spec": body.get("spec")}
 
 
-def validate(body: Mapping[str, Any]) -> tuple[TrainingJob, render.Scheduling]:
-    """parse_job plus the operator's own spec fields; raises SpecError naming every bad field."""
-    job = parse_job(manifest(body))
-    return job, render.Scheduling.from_spec(body.get("spec") or {})
+def validate(body: Mapping[str, Any]) -> TrainingJob:
+    """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
+    SpecError naming every bad field."""
+    return parse_job(manifest(body))
 
 
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
@@ -125,6 +119,8 @@ class Reconciler:
     unschedulable: set[tuple[str, str]] = field(default_factory=set)  # jobs to re-check when Nodes change
     # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
     nodes: Callable[[], list[Mapping[str, Any]]] | None = None
+    # ServiceAccount for trainer pods without spec.serviceAccountName (allowed to annotate their pod)
+    trainer_service_account: str | None = None
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
@@ -143,7 +139,7 @@ class Reconciler:
         meta = render.JobMeta.of(body)
         draft = Draft(body.get("status") or {})
         try:
-            job, scheduling = validate(body)
+            job = validate(body)
         except SpecError as err:  # the spec handler reports it; nothing to run until the spec changes
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             return None
@@ -222,7 +218,7 @@ class Reconciler:
             return await self._fail(meta, body, draft, job, pods, "DeadlineExceeded", text, now)
 
         if not pods or not expected or lifecycle.missing_indices(pods, expected):
-            created = await self._create_children(meta, body, draft, job, scheduling, pods, now)
+            created = await self._create_children(meta, body, draft, job, pods, now)
             if not created:
                 return None
 
@@ -292,7 +288,7 @@ class Reconciler:
         return tuple(Host(name=h["name"], devices=int(h["devices"]), rack=h.get("rack", "")) for h in yaml.safe_load(text))
 
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                               scheduling: render.Scheduling, pods: list[PodView], now: datetime.datetime) -> bool:
+                               pods: list[PodView], now: datetime.datetime) -> bool:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
         infos = node_infos(nodes, job.topology)
         node_of_host = {i.host: i.name for i in infos if i.host}
@@ -321,13 +317,14 @@ class Reconciler:
         if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
             await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
         await self.kube.create_if_absent(render.service(meta, job), "services")
-        if scheduling.gang:
+        if job.scheduling.gang:
             pg = render.podgroup(meta, wanted)
             await self.kube.create_if_absent(
                 pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups")
 
         have = {p.index for p in pods}
-        await asyncio.gather(*(self._create_pod(render.pod(meta, job, body.get("spec") or {}, hp, wanted, scheduling))
+        await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted,
+                                                           default_service_account=self.trainer_service_account))
                                for hp in wanted if hp.index not in have))
         draft["hosts"] = len(wanted)
         draft["placement"] = status_placement(plan.placement.to_json(), node_of_host)

@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import yaml
 
-from meshjob.errors import FieldError, SpecError
 from meshjob.spec import TrainingJob
 
 from meshjob.operator import names
@@ -33,38 +32,6 @@ class JobMeta:
     def of(cls, body: Mapping[str, Any]) -> "JobMeta":
         meta = body.get("metadata", {})
         return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
-
-
-@dataclass(frozen=True)
-class Scheduling:
-    """spec.scheduling (optional): gang scheduling with a PodGroup, Kueue queue and topology."""
-    gang: bool = False
-    scheduler_name: str = DEFAULT_GANG_SCHEDULER
-    queue: str = ""
-    topology_level: str = ""  # a node label; Kueue's podset-required-topology annotation
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "Scheduling":
-        raw = spec.get("scheduling") or {}
-        errors = []
-        if not isinstance(raw, Mapping):
-            raise SpecError([FieldError("spec.scheduling", raw, "an object {gang, schedulerName, queue, topologyLevel}")])
-        gang = raw.get("gang", False)
-        if not isinstance(gang, bool):
-            errors.append(FieldError("spec.scheduling.gang", gang, "true or false"))
-        texts = {}
-        for key in ("schedulerName", "queue", "topologyLevel"):
-            value = raw.get(key, "")
-            if not isinstance(value, str):
-                errors.append(FieldError(f"spec.scheduling.{key}", value, "a string"))
-            texts[key] = value if isinstance(value, str) else ""
-        unknown = sorted(set(raw) - {"gang", "schedulerName", "queue", "topologyLevel"})
-        for key in unknown:
-            errors.append(FieldError(f"spec.scheduling.{key}", raw[key], "one of gang, schedulerName, queue, topologyLevel"))
-        if errors:
-            raise SpecError(errors)
-        return cls(gang=bool(gang), scheduler_name=texts["schedulerName"] or DEFAULT_GANG_SCHEDULER,
-                   queue=texts["queue"], topology_level=texts["topologyLevel"])
 
 
 def labels(meta: JobMeta, index: int | None = None) -> dict[str, str]:
@@ -169,9 +136,20 @@ def _checkpoint_volume(meta: JobMeta) -> dict[str, Any]:
                                                 "type": "DirectoryOrCreate"}}
 
 
-def pod(meta: JobMeta, job: TrainingJob, spec: Mapping[str, Any], host_pod: HostPod,
-        pods: tuple[HostPod, ...], scheduling: Scheduling = Scheduling()) -> dict[str, Any]:
-    """One trainer pod: `meshjob worker` for the devices the plan uses on its host."""
+def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
+    """One port per local rank: rank r of the pod serves on spec.metrics.port + r (trainer/worker).
+
+    Named metrics, metrics-1, metrics-2, ... so a PodMonitor can keep them by name pattern."""
+    return [{"name": "metrics" if rank == 0 else f"metrics-{rank}", "containerPort": job.metrics.port + rank,
+             "protocol": "TCP"} for rank in range(devices)]
+
+
+def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...], *,
+        default_service_account: str | None = None) -> dict[str, Any]:
+    """One trainer pod: `meshjob worker` for the devices the plan uses on its host.
+
+    The pod runs as spec.serviceAccountName, else as `default_service_account` (the operator's
+    --trainer-service-account: allowed to annotate its own pod), else the namespace's default."""
     name = names.pod_name(meta.name, host_pod.index)
     metadata = _metadata(meta, name, host_pod.index)
     metadata["annotations"] = {"meshjob.io/devices": str(host_pod.devices),
@@ -194,7 +172,7 @@ def pod(meta: JobMeta, job: TrainingJob, spec: Mapping[str, Any], host_pod: Host
                     "--nproc", str(host_pod.devices), "--node-rank", str(host_pod.index)],
         "env": environment(meta, job, host_pod, pods),
         "ports": [{"name": "rendezvous", "containerPort": names.MASTER_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": job.metrics.port, "protocol": "TCP"}],
+                  *metrics_ports(job, host_pod.devices)],
         "resources": resources(job, host_pod.devices),
         "volumeMounts": mounts,
         "securityContext": {
@@ -214,10 +192,12 @@ def pod(meta: JobMeta, job: TrainingJob, spec: Mapping[str, Any], host_pod: Host
         "containers": [container],
         "volumes": volumes,
     }
-    if isinstance(spec.get("serviceAccountName"), str):
-        pod_spec["serviceAccountName"] = spec["serviceAccountName"]
+    service_account = job.service_account_name or default_service_account
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    scheduling = job.scheduling
     if scheduling.gang:
-        pod_spec["schedulerName"] = scheduling.scheduler_name
+        pod_spec["schedulerName"] = scheduling.scheduler_name or DEFAULT_GANG_SCHEDULER
         metadata["labels"]["scheduling.x-k8s.io/pod-group"] = names.podgroup_name(meta.name)
     if scheduling.queue:
         metadata["labels"]["kueue.x-k8s.io/queue-name"] = scheduling.queue

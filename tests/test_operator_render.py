@@ -17,7 +17,7 @@ from meshjob.operator import lifecycle, names, render
 from meshjob.operator.assign import host_pods, status_placement
 from meshjob.operator.nodes import describe_cluster, hosts_of, node_info, node_infos
 from meshjob.operator.quantity import parse_quantity, scale_quantity
-from meshjob.operator.reconcile import Draft, manifest, plan_json
+from meshjob.operator.reconcile import Draft, manifest, plan_json, validate
 from meshjob.operator.status import PodView, progress, set_condition
 
 from operator_harness import job_body, node_body
@@ -40,7 +40,7 @@ def _env(pod: dict) -> dict[str, object]:
 def test_one_pod_per_host_runs_meshjob_worker_for_its_devices():
     body, job, plan, pods = _rendered(hosts=3, devices=2)
     assert [p.index for p in pods] == [0, 1, 2]
-    pod = render.pod(META, job, body["spec"], pods[2], pods)
+    pod = render.pod(META, job, pods[2], pods)
     assert pod["metadata"]["name"] == "demo-host-2"
     assert pod["spec"]["containers"][0]["command"] == [
         "meshjob", "worker", "--job", "/etc/meshjob/job.yaml", "--nproc", "2", "--node-rank", "2"]
@@ -48,7 +48,7 @@ def test_one_pod_per_host_runs_meshjob_worker_for_its_devices():
 
 def test_pod_env_follows_torchrun_and_kubeflow_names():
     body, job, plan, pods = _rendered(hosts=3, devices=2)
-    env = _env(render.pod(META, job, body["spec"], pods[1], pods))
+    env = _env(render.pod(META, job, pods[1], pods))
     assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "demo-host-0.demo.team-a.svc"
     assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == "29500"
     assert env["WORLD_SIZE"] == str(plan.placement.world_size) == "6"
@@ -60,7 +60,7 @@ def test_pod_env_follows_torchrun_and_kubeflow_names():
 
 def test_pod_is_pinned_to_its_host_by_required_node_affinity():
     body, job, plan, pods = _rendered(hosts=2)
-    pod = render.pod(META, job, body["spec"], pods[1], pods)
+    pod = render.pod(META, job, pods[1], pods)
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [pods[1].host]}]}]
@@ -68,7 +68,7 @@ def test_pod_is_pinned_to_its_host_by_required_node_affinity():
 
 def test_children_carry_job_labels_and_a_controller_owner_reference():
     body, job, plan, pods = _rendered(hosts=2)
-    children = [render.pod(META, job, body["spec"], pods[0], pods), render.service(META, job),
+    children = [render.pod(META, job, pods[0], pods), render.service(META, job),
                 render.configmap(META, body["spec"], plan_json(plan), pods)]
     for child in children:
         assert child["metadata"]["namespace"] == "team-a"
@@ -81,7 +81,7 @@ def test_children_carry_job_labels_and_a_controller_owner_reference():
 
 def test_pod_security_context_is_restricted():
     body, job, plan, pods = _rendered(hosts=2)
-    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    pod = render.pod(META, job, pods[0], pods)
     container = pod["spec"]["containers"][0]["securityContext"]
     assert container["runAsNonRoot"] and container["readOnlyRootFilesystem"]
     assert container["allowPrivilegeEscalation"] is False
@@ -95,7 +95,7 @@ def test_pod_security_context_is_restricted():
 def test_resources_scale_per_device_and_request_the_device_resource():
     body, job, plan, pods = _rendered(hosts=2, devices=2, resources={"requests": {"memory": "1Gi", "cpu": "500m"},
                                                                       "limits": {"memory": "2Gi"}})
-    res = render.pod(META, job, body["spec"], pods[0], pods)["spec"]["containers"][0]["resources"]
+    res = render.pod(META, job, pods[0], pods)["spec"]["containers"][0]["resources"]
     assert res["requests"]["memory"] == "2Gi" and res["limits"]["memory"] == "4Gi"
     assert res["requests"]["cpu"] == "2"  # the device resource (cpu) wins over the per-device cpu request
 
@@ -108,11 +108,39 @@ def test_gpu_device_resource_sets_equal_requests_and_limits():
     assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "2"
 
 
-def test_pod_declares_rendezvous_and_metrics_ports():
-    body, job, plan, pods = _rendered(hosts=2)
-    ports = {p["name"]: p["containerPort"] for p in render.pod(META, job, body["spec"], pods[0], pods)
+def test_pod_declares_rendezvous_and_one_metrics_port_per_local_rank():
+    model = {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seqLen": 16}
+    body, job, plan, pods = _rendered(hosts=2, devices=4, model=model)
+    ports = {p["name"]: p["containerPort"] for p in render.pod(META, job, pods[1], pods)
              ["spec"]["containers"][0]["ports"]}
-    assert ports == {"rendezvous": 29500, "metrics": job.metrics.port}
+    base = job.metrics.port
+    assert pods[1].devices == 4
+    assert ports == {"rendezvous": 29500, "metrics": base, "metrics-1": base + 1, "metrics-2": base + 2,
+                     "metrics-3": base + 3}
+
+
+def test_metrics_port_names_fit_the_15_character_limit_for_16_local_ranks():
+    body, job, plan, pods = _rendered(hosts=2)
+    names_ = [p["name"] for p in render.metrics_ports(job, 16)]
+    assert names_[0] == "metrics" and names_[-1] == "metrics-15" and len(set(names_)) == 16
+    assert all(len(n) <= 15 for n in names_)
+
+
+def test_pod_without_a_service_account_in_the_spec_runs_as_the_operators_trainer_account():
+    body, job, plan, pods = _rendered(hosts=2)
+    pod = render.pod(META, job, pods[0], pods, default_service_account="meshjob-trainer")
+    assert pod["spec"]["serviceAccountName"] == "meshjob-trainer"
+
+
+def test_spec_service_account_name_wins_over_the_operators_trainer_account():
+    body, job, plan, pods = _rendered(hosts=2, serviceAccountName="team-sa")
+    pod = render.pod(META, job, pods[0], pods, default_service_account="meshjob-trainer")
+    assert job.service_account_name == "team-sa" and pod["spec"]["serviceAccountName"] == "team-sa"
+
+
+def test_no_service_account_anywhere_leaves_the_namespace_default():
+    body, job, plan, pods = _rendered(hosts=2)
+    assert "serviceAccountName" not in render.pod(META, job, pods[0], pods)["spec"]
 
 
 def test_headless_service_publishes_not_ready_pods_for_rendezvous():
@@ -120,7 +148,7 @@ def test_headless_service_publishes_not_ready_pods_for_rendezvous():
     svc = render.service(META, job)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {names.JOB_LABEL: "demo"}
-    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    pod = render.pod(META, job, pods[0], pods)
     assert pod["spec"]["subdomain"] == svc["metadata"]["name"] and pod["spec"]["hostname"] == "demo-host-0"
 
 
@@ -134,10 +162,9 @@ def test_configmap_holds_the_job_the_plan_and_the_hosts_in_node_rank_order():
 
 
 def test_gang_scheduling_adds_a_podgroup_and_the_scheduler():
-    body, job, plan, pods = _rendered(hosts=3)
-    scheduling = render.Scheduling.from_spec({"scheduling": {"gang": True, "queue": "research",
-                                                             "topologyLevel": "topology.kubernetes.io/zone"}})
-    pod = render.pod(META, job, body["spec"], pods[0], pods, scheduling)
+    body, job, plan, pods = _rendered(hosts=3, scheduling={"gang": True, "queue": "research",
+                                                            "topologyLevel": "topology.kubernetes.io/zone"})
+    pod = render.pod(META, job, pods[0], pods)
     assert pod["spec"]["schedulerName"] == render.DEFAULT_GANG_SCHEDULER
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
@@ -145,20 +172,30 @@ def test_gang_scheduling_adds_a_podgroup_and_the_scheduler():
     assert render.podgroup(META, pods)["spec"] == {"minMember": 3}
 
 
+def test_gang_scheduling_uses_the_scheduler_the_spec_names():
+    body, job, plan, pods = _rendered(hosts=2, scheduling={"gang": True, "schedulerName": "volcano"})
+    assert render.pod(META, job, pods[0], pods)["spec"]["schedulerName"] == "volcano"
+
+
 def test_no_scheduling_fields_means_the_default_scheduler():
     body, job, plan, pods = _rendered(hosts=2)
-    pod = render.pod(META, job, body["spec"], pods[0], pods)
+    pod = render.pod(META, job, pods[0], pods)
     assert "schedulerName" not in pod["spec"]
     assert not any(k.startswith(("kueue", "scheduling")) for k in pod["metadata"]["labels"])
 
 
 def test_bad_scheduling_fields_are_named_with_what_is_allowed():
     with pytest.raises(SpecError) as err:
-        render.Scheduling.from_spec({"scheduling": {"gang": "yes", "queue": 3, "priority": 1}})
+        validate(job_body("demo", scheduling={"gang": "yes", "queue": 3, "priority": 1}))
     text = str(err.value)
     assert "spec.scheduling.gang: 'yes' is invalid: true or false" in text
     assert "spec.scheduling.queue: 3 is invalid: a string" in text
     assert "spec.scheduling.priority" in text
+
+
+def test_the_operator_reads_scheduling_and_service_account_from_the_parsed_job():
+    job = validate(job_body("demo", scheduling={"gang": True}, serviceAccountName="team-sa"))
+    assert job.scheduling.gang and job.service_account_name == "team-sa"
 
 
 def test_ready_schedulable_labelled_nodes_become_hosts_with_whole_devices():
@@ -290,8 +327,32 @@ def test_operator_cli_defaults_watch_the_whole_cluster_with_metrics_and_webhook(
     (("--metrics-port", "70000"), "--metrics-port=70000 is invalid: a TCP port 1-65535 (or 0 for off)"),
     (("--webhook-port", "0"), "--webhook-port=0 is invalid: a TCP port 1-65535"),
     (("--peering", "p", "--standalone"), "--peering and --standalone exclude each other"),
+    (("--webhook-cert", "c.pem"), "--webhook-cert needs its partner: give both --webhook-cert and --webhook-key"),
+    (("--webhook-key", "k.pem"), "--webhook-key needs its partner"),
+    (("--trainer-service-account", "Trainer_SA"), "--trainer-service-account='Trainer_SA' is invalid: a ServiceAccount"),
 ])
 def test_operator_cli_rejects_bad_flags_naming_them(argv, message):
     cli, args = _operator_args(*argv)
     with pytest.raises(SystemExit, match=re.escape(message)):
         cli.run(args)
+
+
+def test_self_signed_webhook_certificate_names_the_host_and_addresses_and_is_its_own_ca():
+    from cryptography import x509
+
+    from meshjob.operator.certs import self_signed_certificate
+
+    cert_pem, key_pem = self_signed_certificate(["meshjob-webhook.ops.svc", "0.0.0.0", "127.0.0.1"])
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["meshjob-webhook.ops.svc"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]  # 0.0.0.0 left out
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert cert.subject == cert.issuer and b"PRIVATE KEY" in key_pem
+
+
+def test_self_signed_certificate_without_any_usable_name_is_refused():
+    from meshjob.operator.certs import self_signed_certificate
+
+    with pytest.raises(ValueError, match="no usable host name or address"):
+        self_signed_certificate(["0.0.0.0"])
