@@ -23,7 +23,8 @@ from meshjob.schedule import Action
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per unit of work; calibrate `layer_forward_s` from a measured run (`from_run`)."""
+    """Seconds per unit of work; `meshjob simulate --calibrate` measures layer_forward_s and backward_factor
+    with a short forward/backward of the model on this machine (meshjob.trainer.calibrate)."""
 
     nic_bytes_per_s: float = 1e9 / 8
     intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
@@ -36,15 +37,6 @@ class CostModel:
         tensor parallel splits each layer's work."""
         return self.layer_forward_s * layers * samples / max(1, tp_degree * dp_degree)
 
-    @staticmethod
-    def from_run(report: Mapping, base: "CostModel | None" = None) -> "CostModel":
-        """Calibrate from a measured run: report["calibration"] = {"layer_forward_s": ...}."""
-        base = base or CostModel()
-        cal = report.get("calibration", {})
-        return replace(base, **{k: float(v) for k, v in cal.items() if k in _CALIBRATABLE})
-
-
-_CALIBRATABLE = ("layer_forward_s", "backward_factor", "nic_bytes_per_s", "intra_host_bytes_per_s")
 
 
 @dataclass(frozen=True)

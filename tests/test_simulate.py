@@ -116,3 +116,41 @@ def test_a_schedule_whose_recv_never_gets_a_send_is_reported_as_deadlock():
     compute = {(s, "F"): 1.0 for s in range(2)}
     with pytest.raises(ValueError, match="deadlock"):
         simulate_pipeline(schedules, compute, {"0->1:activation": (0.0, frozenset())})
+
+
+@pytest.mark.slow
+def test_calibration_measures_positive_costs_and_the_cli_uses_them():
+    import json
+    import subprocess
+    import sys
+
+    from meshjob.spec import load_job
+    from meshjob.trainer.calibrate import measure_costs
+
+    costs = measure_costs(load_job("examples/tiny.yaml"), repeats=1)
+    assert costs["layer_forward_s"] > 0 and costs["backward_factor"] > 0
+    out = subprocess.run([sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--calibrate",
+                          "--json"], capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(out.stdout)
+    assert report["cost_model"]["layer_forward_s"] != CostModel().layer_forward_s
+    assert report["step_s"] > 0
+
+
+def test_a_job_spread_over_more_hosts_keeps_its_stages_and_grows_data_parallel():
+    from meshjob.plan import build_plan
+    from meshjob.simulate import scale_job
+    from meshjob.spec import load_job
+
+    job = scale_job(load_job("examples/gpt-demo.yaml"), 64)
+    assert len(job.stages) == 4 and all(s.mesh[0] == 16 and s.data_parallel == 16 for s in job.stages)
+    assert job.training.microbatch_size % 16 == 0
+    assert build_plan(job).placement.world_size == 16 * (2 + 1 + 2 + 1)
+
+
+def test_cli_rejects_a_bad_nic_rate_with_exit_2():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--nic-rate",
+                          "fast"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--nic-rate" in out.stderr and "gbit" in out.stderr

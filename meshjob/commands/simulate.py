@@ -13,15 +13,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=None,
                    help="spread the job over this many hosts (each stage's mesh dim 0 grows; data parallel)")
     p.add_argument("--nic-rate", default="1gbit", help="NIC rate per host, tc style (default 1gbit)")
-    p.add_argument("--calibrate", metavar="RUN_JSON",
-                   help="compute costs measured by `meshjob run --json` (its 'calibration' object)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure compute costs with a short forward/backward of the model on this machine (torch)")
     p.add_argument("--layer-forward-ms", type=float, default=None,
                    help="forward time of one layer for one sample, in ms (default: calibration or 0.25)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from rich.console import Console
     from rich.table import Table
@@ -39,12 +39,13 @@ def run(args: argparse.Namespace) -> int:
     if args.hosts is not None and args.hosts < 1:
         raise UsageError(f"--hosts: {args.hosts} is invalid: use a positive number of hosts")
     job = load_job(args.job)
+    cost = CostModel(nic_bytes_per_s=nic)
+    if args.calibrate:  # on the job as written: per-sample costs do not change with scale
+        from meshjob.trainer.calibrate import measure_costs
+
+        cost = replace(cost, **measure_costs(job))
     if args.hosts:
         job = scale_job(job, args.hosts)
-    cost = CostModel(nic_bytes_per_s=nic)
-    if args.calibrate:
-        with open(args.calibrate) as f:
-            cost = CostModel.from_run(json.load(f), cost)
     if args.layer_forward_ms is not None:
         cost = replace(cost, layer_forward_s=args.layer_forward_ms / 1e3)
     t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     t_sim = time.perf_counter() - t0 - t_plan
     out = {"job": job.name, "world_size": plan.placement.world_size, "hosts": len(plan.placement.hosts_used()),
            "nic_rate": args.nic_rate, "schedule": job.schedule.kind, "plan_seconds": t_plan,
-           "simulate_seconds": t_sim, **result.to_json(), "boundaries": summarize(plan, result)}
+           "simulate_seconds": t_sim, "cost_model": asdict(cost), **result.to_json(), "boundaries": summarize(plan, result)}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
