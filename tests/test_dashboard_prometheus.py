@@ -156,32 +156,31 @@ def _evaluate(scraped: Scraped, query: PanelQuery) -> list[dict[str, Any]]:
     return scraped.prometheus.query(expr, at=scraped.trainer_at)
 
 
-# Metrics TrainerMetrics exports but that no producer records yet: the trainer's ReshardExecutor
-# records only record_resharding, and `meshjob run` forwards only steps, resharding, pipeline and
-# checkpoints. strict: once a producer records them, these pass and the marker must go.
-NOT_YET_PRODUCED = {
-    "meshjob_nic_bandwidth_bytes_per_second": "record_nic is called by no producer (trainer/reshard.py, meshjob run)",
-    "meshjob_resharding_lower_bound_ratio": "record_resharding_ratio is called by no producer",
-    "meshjob_unit_tasks_total": "record_unit_tasks is called by no producer",
-}
-
-
-def _query_params() -> list:
-    params = []
-    for q in dashboard_queries():
-        missing = [why for metric, why in NOT_YET_PRODUCED.items() if metric in q.expr]
-        marks = [pytest.mark.xfail(strict=True, reason=missing[0])] if missing else []
-        params.append(pytest.param(q, marks=marks, id=f"{q.panel}-{q.ref}"))
-    return params
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("query", _query_params())
+@pytest.mark.parametrize("query", dashboard_queries(), ids=lambda q: f"{q.panel}-{q.ref}")
 def test_dashboard_query_returns_data(scraped, query):
     result = _evaluate(scraped, query)
     assert result, f"panel {query.panel!r} query {query.ref}: no data for {instantiate(query.expr, VARIABLES)}"
     values = [float(r["value"][1]) for r in result]
     assert any(math.isfinite(v) for v in values), f"panel {query.panel!r}: only NaN/Inf: {result}"
+
+
+@pytest.mark.slow
+def test_nic_bandwidth_is_labelled_with_the_plans_host_names(scraped, tmp_path):
+    """Every host with a rank that receives across hosts shows up under its own name."""
+    from meshjob.plan import build_plan
+    from meshjob.spec import load_job
+
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(JOB_YAML.replace("CKPT", str(tmp_path / "ckpt")))
+    plan = build_plan(load_job(str(job_path)))
+    placement = plan.placement
+    receivers = {s.dst for b in plan.boundaries for s in b.steps if s.scope == "cross_host"}
+    expected = {placement.hosts[placement.host_of(r)].name for r in receivers}
+    result = scraped.prometheus.query('meshjob_nic_bandwidth_bytes_per_second{job="dashboard-demo"}',
+                                      at=scraped.trainer_at)
+    assert {r["metric"]["host"] for r in result} == expected
+    assert all(float(r["value"][1]) > 0 for r in result)
 
 
 @pytest.mark.slow

@@ -154,3 +154,33 @@ def test_serve_exposes_the_metrics_over_http_and_close_frees_the_port(metrics):
     assert families["meshjob_resharding_bytes"].samples[0].value == 1000
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_a_forked_child_does_not_keep_the_metrics_port(metrics):
+    """Ranks forked by a serving launcher close their copy of its listening socket: once the
+    launcher closes, the port is free although the child still runs, and close() in the child
+    returns at once (the serving thread was not forked with it)."""
+    import os
+    import signal
+    import socket
+
+    port = metrics.serve(0, addr="127.0.0.1")
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: close() must not wait for a serving thread it does not have
+        signal.alarm(10)
+        metrics.close()
+        os.read(go_r, 1)  # live on until the parent has checked the port
+        os._exit(0)
+    try:
+        metrics.close()
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))  # EADDRINUSE if the child still listened on it
+            probe.listen()
+    finally:
+        os.write(go_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        os.close(go_r)
+        os.close(go_w)
+    assert os.waitstatus_to_exitcode(status) == 0

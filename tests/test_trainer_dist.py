@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from meshjob.trainer.dist import DistError, WorkerEnv, check_world_size, init_distributed, shutdown_distributed
+from meshjob.trainer.dist import (DistError, WorkerEnv, backend_for_device, check_world_size, device_for_backend,
+                                  init_distributed, shutdown_distributed, uses_cuda)
 from meshjob.trainer.launch import launch_local
 
 
@@ -64,6 +65,34 @@ def _join_and_sum(env: WorkerEnv):
 
 
 @pytest.mark.slow
+def test_with_cuda_the_backend_is_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors():
+    """Never plain NCCL: resharding's CPU payloads from several threads must go through gloo."""
+    assert backend_for_device(cuda_available=True) == "cpu:gloo,cuda:nccl"
+
+
+def test_without_cuda_the_backend_is_gloo():
+    assert backend_for_device(cuda_available=False) == "gloo"
+
+
+def test_the_backend_chooser_asks_torch_when_not_told(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert backend_for_device() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backend_for_device() == "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("backend,cuda", [("gloo", False), ("cpu:gloo", False), ("nccl", True),
+                                          ("cpu:gloo,cuda:nccl", True)])
+def test_a_backend_carries_cuda_tensors_only_with_nccl(backend, cuda):
+    assert uses_cuda(backend) is cuda
+
+
+def test_ranks_train_on_the_cpu_under_gloo():
+    assert device_for_backend("gloo") == "cpu"
+
+
 def test_ranks_form_a_gloo_group_and_all_reduce(gang):
     assert gang(4, _join_and_sum) == [10.0] * 4
 

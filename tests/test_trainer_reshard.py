@@ -340,3 +340,143 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
             shutdown_distributed()
 
     assert gang(plan.placement.world_size, target) == [[]] * plan.placement.world_size
+
+
+# --- staging through the CPU (NCCL safety: every payload goes through gloo) -----------------
+
+class RecordingDist:
+    """Stands in for torch.distributed in one process: completes every op at once and records the
+    device of each tensor handed to isend/irecv."""
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def __init__(self) -> None:
+        self.sent: list[torch.device] = []
+        self.received: list[torch.device] = []
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> "RecordingDist.Done":
+        self.sent.append(tensor.device)
+        return self.Done()
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> "RecordingDist.Done":
+        self.received.append(tensor.device)
+        tensor.fill_(1)
+        return self.Done()
+
+
+STAGING_CASES = [(CASES[4], "broadcast"), (CASES[5], "broadcast"), (CASES[0], "global_allgather")]
+
+
+@pytest.mark.parametrize("case,strategy", STAGING_CASES, ids=[f"{c.name} {s}" for c, s in STAGING_CASES])
+def test_every_payload_is_a_cpu_tensor_whatever_the_context_device(monkeypatch, case: Case, strategy: str):
+    """Sources, forwarding receivers and intra-mesh gathers alike hand gloo CPU tensors only, even
+    when the context's device is not the CPU ("meta" stands in for CUDA on this machine)."""
+    boundary = make_boundary(case, strategy)
+    fake = RecordingDist()
+    monkeypatch.setattr("meshjob.trainer.reshard.dist", fake)
+    full = global_tensor(case, 0)
+    for rank in (*case.src.ranks, *case.dst.ranks):
+        routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+        ex = ReshardExecutor(None, rank, routes=routes, device="meta")
+        local = natural_tile(case, full, rank) if rank in case.src.ranks else None
+        ex.start(boundary, local, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+    assert fake.sent and fake.received
+    assert {d.type for d in fake.sent} == {"cpu"}
+    assert {d.type for d in fake.received} == {"cpu"}
+
+
+@pytest.mark.parametrize("case,strategy", STAGING_CASES, ids=[f"{c.name} {s}" for c, s in STAGING_CASES])
+def test_a_receiver_gets_its_tile_on_the_context_device(monkeypatch, case: Case, strategy: str):
+    boundary = make_boundary(case, strategy)
+    monkeypatch.setattr("meshjob.trainer.reshard.dist", RecordingDist())
+    routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+    for rank in case.dst.ranks:
+        ex = ReshardExecutor(None, rank, routes=routes, device="meta")
+        got = ex.start(boundary, None, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+        want = natural_tile(case, global_tensor(case, 0), rank)
+        assert got.device.type == "meta" and got.shape == want.shape and got.dtype == torch.float32
+
+
+def test_a_source_sends_slices_of_one_cpu_copy_of_its_tile(monkeypatch):
+    """What a source sends comes from its tile's values (staged once), region by region."""
+    case = CASES[0]
+    boundary = make_boundary(case, "send_recv")
+    sent: list[torch.Tensor] = []
+
+    class Capture(RecordingDist):
+        def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RecordingDist.Done:
+            sent.append(tensor.clone())
+            return super().isend(tensor, dst, tag)
+
+    monkeypatch.setattr("meshjob.trainer.reshard.dist", Capture())
+    full = global_tensor(case, 4)
+    ex = executor(case, [boundary], 0)
+    mine = natural_tile(case, full, 0)
+    ex.start(boundary, mine, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+    mine_steps = [s for s in boundary.steps if s.src == 0]
+    assert len(sent) == len(mine_steps) > 0
+    for s, payload in zip(mine_steps, sent):
+        assert torch.equal(payload, full[to_index(s.region)])
+
+
+# --- what the executor records for the dashboard --------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedBoundary(Boundary):  # plus what meshjob.plan.Boundary adds for the metrics
+    balancer: str = "greedy"
+    lower_bound_s: float = 1e-3
+
+
+def recorded_metrics(gang, case: Case, boundary: PlannedBoundary):
+    """Runs `boundary` once; each rank returns (rank, host name, its metrics' samples)."""
+    hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
+
+    def target(env):
+        from meshjob.trainer.metrics import TrainerMetrics
+
+        init_distributed(env, timeout_s=20)
+        try:
+            host = f"host-{hosts[env.rank]}"
+            metrics = TrainerMetrics(job="t", rank=env.rank, host=host, stage=0)
+            ex = executor(case, [boundary], env.rank, metrics)
+            local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
+            ex.start(boundary, local, ex.tag_base(boundary, 0)).wait(timeout_s=30)
+            get = metrics.registry.get_sample_value
+            return (env.rank, host, get("meshjob_nic_bandwidth_bytes_per_second", {"job": "t", "host": host}),
+                    get("meshjob_resharding_lower_bound_ratio", {"job": "t", "boundary": "0->1"}),
+                    get("meshjob_unit_tasks_total", {"job": "t", "balancer": "greedy"}))
+        finally:
+            shutdown_distributed()
+
+    return gang(case.world_size, target)
+
+
+def planned(case: Case, strategy: str) -> PlannedBoundary:
+    b = make_boundary(case, strategy)
+    return PlannedBoundary(b.src, b.dst, b.tensor, b.shape, b.send, b.recv, b.strategy, b.steps)
+
+
+@pytest.mark.slow
+def test_receivers_across_hosts_record_their_hosts_nic_bandwidth(gang):
+    case = CASES[6]  # destination ranks 2, 3 share host 0 with the sources; 4, 5 are on host 1
+    boundary = planned(case, "send_recv")
+    cross = {s.dst for s in boundary.steps if s.scope == "cross_host"}
+    assert cross == {4, 5}
+    for rank, host, nic, _ratio, _tasks in recorded_metrics(gang, case, boundary):
+        if rank in cross:
+            assert nic is not None and nic > 0, f"rank {rank} on {host} recorded no NIC bandwidth"
+        else:
+            assert nic is None, f"rank {rank} moved nothing across hosts but recorded {nic} B/s"
+
+
+@pytest.mark.slow
+def test_receivers_record_time_over_the_lower_bound_and_senders_count_unit_tasks(gang):
+    case = CASES[0]
+    boundary = planned(case, "broadcast")
+    results = recorded_metrics(gang, case, boundary)
+    ratios = {rank: ratio for rank, _host, _nic, ratio, _tasks in results}
+    assert all(ratios[r] is not None and ratios[r] > 0 for r in case.dst.ranks)
+    assert all(ratios[r] is None for r in case.src.ranks)
+    assert sum(tasks or 0 for *_rest, tasks in results) == len({s.task for s in boundary.steps})

@@ -162,15 +162,45 @@ def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
     return store
 
 
-def backend_for_device() -> str:
+GLOO = "gloo"
+# torch's combined backend: CPU tensors go through gloo, CUDA tensors through NCCL, in one group.
+GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
+
+
+def backend_for_device(cuda_available: bool | None = None) -> str:
+    """gloo on CPU; with CUDA the combined "cpu:gloo,cuda:nccl", never plain NCCL.
+
+    Why combined: the resharding executor runs one thread per in-flight handle, and NCCL needs
+    every rank to issue a communicator's operations in one order, which concurrent threads do not
+    give; gloo matches point-to-point ops by (peer, tag) from any thread, but has no CUDA
+    point-to-point. So resharding stages its payloads through CPU tensors (gloo) while the
+    stage-internal collectives (TP all-reduce, DP gradient reduce), issued in program order by the
+    training thread, keep their CUDA tensors on NCCL."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    return GLOO_AND_NCCL if cuda_available else GLOO
+
+
+def uses_cuda(backend: str) -> bool:
+    """Whether a backend string (plain or combined, e.g. "cpu:gloo,cuda:nccl") puts CUDA tensors on NCCL."""
+    return "nccl" in backend.lower()
+
+
+def device_for_backend(backend: str) -> str:
+    """The torch device a rank trains on: the GPU init_distributed selected when the backend carries
+    CUDA tensors, else the CPU."""
+    if not uses_cuda(backend):
+        return "cpu"
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
                      expected_world_size: int | None = None) -> str:
-    """Join the default process group (gloo on CPU, NCCL when CUDA is present); returns the backend."""
+    """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""
     import torch
     import torch.distributed as dist
 
@@ -178,7 +208,7 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
         check_world_size(env, expected_world_size)
     backend = backend or backend_for_device()
     store = _rendezvous(env, timeout_s)
-    if backend == "nccl":
+    if uses_cuda(backend):
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))

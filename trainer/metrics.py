@@ -12,7 +12,10 @@ NaN on a dashboard.
 from __future__ import annotations
 
 import math
+import os
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
@@ -38,6 +41,18 @@ def _fraction(name: str, value: float) -> float:
     if value > 1.0:
         raise ValueError(f"{name}={value!r}: must be a fraction in [0, 1]")
     return value
+
+
+def _forget_server_in_child(metrics: "TrainerMetrics") -> "Callable[[], None]":
+    """An at-fork hook that holds `metrics` weakly, so registering it keeps nothing alive."""
+    ref = weakref.ref(metrics)
+
+    def hook() -> None:
+        m = ref()
+        if m is not None:
+            m.forget_server()
+
+    return hook
 
 
 def _boundary(value: str) -> str:
@@ -111,7 +126,17 @@ class TrainerMetrics:
         if self._server is not None:
             raise RuntimeError(f"metrics already served on port {self._server.server_port}")
         self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        os.register_at_fork(after_in_child=_forget_server_in_child(self))
         return int(self._server.server_port)
+
+    def forget_server(self) -> None:
+        """In a forked child: close the inherited copy of the listening socket and forget the server.
+
+        A child must not keep the parent's port bound (it would outlive the parent's close()), and
+        must not call shutdown(): the serving thread was not forked, so shutdown() would wait forever."""
+        if self._server is not None:
+            self._server.socket.close()
+            self._server = None
 
     def close(self) -> None:
         """Stop the HTTP server started by serve() (no-op when none runs)."""

@@ -19,10 +19,14 @@ Sends are walked in the plan's order, which is a topological order of the steps 
 names an earlier step); every rank following it cannot deadlock: the earliest unposted send
 always has its inputs posted.
 
-Backends: tested on gloo (CPU), where point-to-point ops from several threads are safe and
-matched by (peer, tag). NCCL is not exercised here (no multi-GPU machine): NCCL requires every
-rank to issue the operations of one communicator in the same order, which concurrent handle
-threads do not guarantee; an NCCL run would need one ordered communication thread per rank.
+Backends: every payload is a CPU tensor, so resharding always runs on gloo. On CUDA the default
+group is torch's combined "cpu:gloo,cuda:nccl" (meshjob.trainer.dist.backend_for_device): gloo
+matches point-to-point ops by (peer, tag) from any thread, so concurrent handle threads are safe,
+whereas NCCL requires every rank to issue a communicator's operations in one order, which those
+threads do not guarantee; and gloo has no CUDA point-to-point. Hence a source copies its tile to
+the CPU once, receives land in CPU buffers, forwards read from them, and only the assembled tile
+moves to the context's device. The stage-internal collectives (TP all-reduce, DP gradient reduce)
+keep CUDA tensors on NCCL: the training thread issues them in program order on every rank.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from meshjob.mesh import Mesh
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
 
 SIGNAL_BYTES = 1
+STAGING = torch.device("cpu")  # where every payload lives: gloo carries it (see the module docstring)
 
 
 class StepLike(Protocol):
@@ -317,10 +322,11 @@ class _Run:
         b = route.boundary
         self.signal = b.strategy == "signal" or any(s.signal for s in route.steps)
         self.is_dst = rank in route.dst_ranks
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, device  # device: where the assembled result goes
         self.itemsize = torch.tensor([], dtype=dtype).element_size()
         self.stats = ReshardStats(strategy=b.strategy, boundary=boundary_name(b))
-        self.natural_local = None if natural_local is None else natural_local.detach()  # data only
+        self.source: torch.Tensor | None = None  # the natural tile, detached; staged to CPU in execute()
+        self.natural_local: torch.Tensor | None = None  # its CPU copy, which sends slice from
         self.natural_tile: Slice | None = None
         if rank in route.src_ranks:
             self.natural_tile = route.tile_of(rank, route.src_natural, route.src_mesh)
@@ -329,17 +335,18 @@ class _Run:
                 got = None if natural_local is None else tuple(natural_local.shape)
                 raise ReshardError(f"boundary {route.name}: rank {rank} must pass its natural-layout "
                                    f"({route.src_natural}) tile of shape {want}, got {got}")
-            self.dtype, self.device = natural_local.dtype, natural_local.device
+            self.source = natural_local.detach()  # data only
+            self.dtype = natural_local.dtype
             self.itemsize = natural_local.element_size()
         self.recv_tile = route.holding(rank) if self.is_dst else None
-        self.buffer: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None  # the recv tile, on the CPU: forwards send from it
         if self.recv_tile is not None:
-            self.buffer = torch.zeros(slice_shape(self.recv_tile), dtype=self.dtype, device=self.device)
+            self.buffer = torch.zeros(slice_shape(self.recv_tile), dtype=self.dtype, device=STAGING)
 
     # -- data in and out -------------------------------------------------------------------
     def _payload(self, region: Slice, signal: bool) -> torch.Tensor:
         if signal:
-            return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
+            return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=STAGING)
         if self.natural_tile is not None:
             assert self.natural_local is not None
             return self.natural_local[to_index(relative(region, self.natural_tile))].contiguous()
@@ -348,8 +355,8 @@ class _Run:
 
     def _empty(self, region: Slice, signal: bool) -> torch.Tensor:
         if signal:
-            return torch.empty(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
-        return torch.empty(slice_shape(region), dtype=self.dtype, device=self.device)
+            return torch.empty(SIGNAL_BYTES, dtype=torch.uint8, device=STAGING)
+        return torch.empty(slice_shape(region), dtype=self.dtype, device=STAGING)
 
     def _nbytes(self, region: Slice, signal: bool) -> int:
         return SIGNAL_BYTES if signal else slice_numel(region) * self.itemsize
@@ -358,6 +365,8 @@ class _Run:
     def execute(self) -> torch.Tensor | None:
         t0 = time.perf_counter()
         route, rank = self.route, self.rank
+        if self.source is not None:  # one device-to-host copy of the whole tile, on this thread
+            self.natural_local = self.source.to(STAGING)
         steps = list(route.steps)
         n = len(steps)
         recvs: dict[int, tuple[Any, torch.Tensor, StepLike]] = {}  # step id -> (work, tensor, step)
@@ -424,7 +433,7 @@ class _Run:
         if natural_tile == self.recv_tile:
             out = self.buffer
         else:
-            out = torch.zeros(slice_shape(natural_tile), dtype=self.dtype, device=self.device)
+            out = torch.zeros(slice_shape(natural_tile), dtype=self.dtype, device=STAGING)
             out[to_index(relative(self.recv_tile, natural_tile))] = self.buffer
         for work, buf, g in gather_recvs:
             work.wait()
@@ -434,10 +443,11 @@ class _Run:
             self.stats.bytes_received[g.scope] = self.stats.bytes_received.get(g.scope, 0) + nbytes
         for work in sends:
             work.wait()
-        return out
+        return out.to(self.device)
 
     def _record(self) -> None:
-        """Receivers: bytes and time per scope, time over the plan's lower bound. Chosen senders:
+        """Receivers: bytes and time per scope, time over the plan's lower bound, and the achieved
+        NIC rate of their host (cross-host bytes over the resharding's wall time). Chosen senders:
         one unit task each (so the sum over ranks counts every task once)."""
         if self.metrics is None:
             return
@@ -446,6 +456,9 @@ class _Run:
             for scope, nbytes in self.stats.bytes_received.items():
                 self.metrics.record_resharding(self.stats.strategy, scope, self.stats.boundary, nbytes,
                                                self.stats.seconds)
+            cross = self.stats.bytes_received.get("cross_host", 0)
+            if cross and self.stats.seconds > 0 and not self.signal:  # signal bytes say nothing of the NIC
+                self.metrics.record_nic(self.metrics.host, cross / self.stats.seconds)
             bound = getattr(b, "lower_bound_s", 0.0)
             if bound and bound > 0:
                 self.metrics.record_resharding_ratio(self.stats.boundary, self.stats.seconds / bound)

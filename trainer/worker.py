@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from meshjob.trainer.dist import (DEFAULT_TIMEOUT_S, DistError, WorkerContext, WorkerEnv, check_world_size,
-                                  init_distributed, shutdown_distributed)
+                                  device_for_backend, init_distributed, shutdown_distributed)
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,7 @@ def run_worker(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, setup: JobS
     ctx = None
     try:
         agree_on_plan(setup.plan, env.rank)
-        device = "cpu"
-        if backend == "nccl":
-            import torch
-
-            device = f"cuda:{torch.cuda.current_device()}"
-        ctx = make_context(env, setup, device)
+        ctx = make_context(env, setup, device_for_backend(backend))
         from meshjob.trainer.train import train
 
         result = train(ctx)

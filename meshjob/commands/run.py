@@ -88,13 +88,19 @@ def _validate_args(args: argparse.Namespace) -> None:
 
 
 class MetricsFeed:
-    """The launcher's own TrainerMetrics: one series per figure, fed with aggregated values."""
+    """The launcher's own TrainerMetrics: one series per figure, fed with aggregated values.
+
+    Per-host series (achieved NIC bandwidth) carry the host names of the plan that the ranks
+    report, so the launcher's endpoint shows the same hosts a pod's would. Ranks forked while it
+    serves close their copy of its listening socket (TrainerMetrics.serve registers that)."""
 
     def __init__(self, job: Any, plan: Any, port: int):
         from meshjob.trainer.metrics import TrainerMetrics
 
         last = len(job.stages) - 1
-        self.metrics = TrainerMetrics(job=job.name, rank=0, host="launcher", stage=last)
+        placement = plan.placement
+        hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
+        self.metrics = TrainerMetrics(job=job.name, rank=0, host=hosts, stage=last)
         self.metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
                               ",".join("x".join(map(str, s.mesh)) for s in job.stages))
         self.port = self.metrics.serve(port)
@@ -105,6 +111,12 @@ class MetricsFeed:
         if kind == "reshard":
             self.metrics.record_resharding(event["strategy"], event["scope"], event["boundary"],
                                            int(event["bytes"]), float(event["seconds"]))
+        elif kind == "nic":
+            self.metrics.record_nic(str(event["host"]), float(event["bytes_per_second"]))
+        elif kind == "ratio":
+            self.metrics.record_resharding_ratio(event["boundary"], float(event["value"]))
+        elif kind == "unit_tasks":
+            self.metrics.record_unit_tasks(str(event["balancer"]), int(event["count"]))
         elif kind == "pipeline":
             self.metrics.record_pipeline(int(event["stage"]), float(event["bubble"]), float(event["overlap"]))
         elif kind == "checkpoint":

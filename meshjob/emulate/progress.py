@@ -5,6 +5,9 @@ Ranks send JSON events through the launcher's pipe (RankContext.report). Schema 
   reshard:    boundary "a->b", strategy, scope, bytes (received by this rank), seconds
   checkpoint: step, seconds
   pipeline:   stage, bubble, overlap (fractions)
+  nic:        host (the rank's host name in the plan), bytes_per_second (achieved while resharding)
+  ratio:      boundary "a->b", value (resharding time over its lower bound)
+  unit_tasks: balancer, count
 `hook_trainer_metrics` produces them from the trainer's own TrainerMetrics calls, so the trainer
 needs no second reporting path.
 """
@@ -29,6 +32,9 @@ def hook_trainer_metrics(report: Callable[..., None]) -> None:
     orig_reshard = TrainerMetrics.record_resharding
     orig_ckpt = TrainerMetrics.record_checkpoint
     orig_pipe = TrainerMetrics.record_pipeline
+    orig_nic = TrainerMetrics.record_nic
+    orig_ratio = TrainerMetrics.record_resharding_ratio
+    orig_tasks = TrainerMetrics.record_unit_tasks
 
     def record_step(self: Any, seconds: float, tokens: int, loss: float, step: int | None = None) -> None:
         orig_step(self, seconds, tokens, loss, step)
@@ -48,10 +54,25 @@ def hook_trainer_metrics(report: Callable[..., None]) -> None:
         orig_pipe(self, stage, bubble_fraction, overlap_fraction)
         report(kind="pipeline", stage=stage, bubble=bubble_fraction, overlap=overlap_fraction)
 
+    def record_nic(self: Any, host: str, bytes_per_second: float) -> None:
+        orig_nic(self, host, bytes_per_second)
+        report(kind="nic", host=host, bytes_per_second=bytes_per_second)
+
+    def record_resharding_ratio(self: Any, boundary: str, seconds_over_lower_bound: float) -> None:
+        orig_ratio(self, boundary, seconds_over_lower_bound)
+        report(kind="ratio", boundary=boundary, value=seconds_over_lower_bound)
+
+    def record_unit_tasks(self: Any, balancer: str, count: int) -> None:
+        orig_tasks(self, balancer, count)
+        report(kind="unit_tasks", balancer=balancer, count=count)
+
     TrainerMetrics.record_step = record_step  # type: ignore[method-assign]
     TrainerMetrics.record_resharding = record_resharding  # type: ignore[method-assign]
     TrainerMetrics.record_checkpoint = record_checkpoint  # type: ignore[method-assign]
     TrainerMetrics.record_pipeline = record_pipeline  # type: ignore[method-assign]
+    TrainerMetrics.record_nic = record_nic  # type: ignore[method-assign]
+    TrainerMetrics.record_resharding_ratio = record_resharding_ratio  # type: ignore[method-assign]
+    TrainerMetrics.record_unit_tasks = record_unit_tasks  # type: ignore[method-assign]
 
 
 @dataclass
@@ -73,6 +94,9 @@ class RunStats:
     reshard_by_boundary: dict[str, list[float]] = field(default_factory=dict)  # [bytes, seconds, n]
     checkpoint_step: int | None = None
     pipeline: dict[int, tuple[float, float]] = field(default_factory=dict)
+    nic_bytes_per_s: dict[str, float] = field(default_factory=dict)  # host -> highest achieved rate
+    lower_bound_ratio: dict[str, float] = field(default_factory=dict)  # boundary -> latest ratio
+    unit_tasks: dict[str, int] = field(default_factory=dict)  # balancer -> tasks sent
     restarts: int = 0
     resumed_from: list[int] = field(default_factory=list)  # per restart: steps already done
     _awaiting_resume: bool = False
@@ -106,6 +130,14 @@ class RunStats:
             self.checkpoint_step = int(event["step"])
         elif kind == "pipeline":
             self.pipeline[int(event["stage"])] = (float(event["bubble"]), float(event["overlap"]))
+        elif kind == "nic":
+            host = str(event["host"])
+            self.nic_bytes_per_s[host] = max(self.nic_bytes_per_s.get(host, 0.0), float(event["bytes_per_second"]))
+        elif kind == "ratio":
+            self.lower_bound_ratio[str(event["boundary"])] = float(event["value"])
+        elif kind == "unit_tasks":
+            balancer = str(event["balancer"])
+            self.unit_tasks[balancer] = self.unit_tasks.get(balancer, 0) + int(event["count"])
 
     def restart(self) -> None:
         """A new gang resumes from the checkpoint: steps after it will be reported again."""
@@ -154,6 +186,9 @@ class RunStats:
             "resharding": {b: {"bytes": v[0], "seconds": v[1], "count": int(v[2])}
                            for b, v in sorted(self.reshard_by_boundary.items())},
             "pipeline": {str(s): {"bubble": b, "overlap": o} for s, (b, o) in sorted(self.pipeline.items())},
+            "nic_bytes_per_s_max": dict(sorted(self.nic_bytes_per_s.items())),
+            "resharding_lower_bound_ratio": dict(sorted(self.lower_bound_ratio.items())),
+            "unit_tasks": dict(sorted(self.unit_tasks.items())),
             "resume_step": self.resume_step, "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
             "resumed_from_steps": self.resumed_from,
         }
