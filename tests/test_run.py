@@ -218,6 +218,9 @@ def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path
         run.wait()
     assert 'meshjob_loss{job="tiny",stage="1"}' in text
     assert "meshjob_tokens_total" in text
+    nic_hosts = {line.split('host="')[1].split('"')[0] for line in text.splitlines()
+                 if line.startswith("meshjob_nic_bandwidth_bytes_per_second{")}
+    assert nic_hosts and all(h.startswith("host-") for h in nic_hosts), nic_hosts  # the plan's names
     run.assert_clean()
 
 
@@ -272,3 +275,70 @@ def test_a_hosts_file_places_the_job_and_only_used_hosts_are_emulated(tmp_path, 
     assert run.wait() == 0, run.err[-3000:]
     s = run.summary()
     assert s["ok"] and s["hosts"] == 3 and s["world_size"] == 4
+
+
+def test_nic_ratio_and_unit_task_events_are_summarised_per_host_boundary_and_balancer():
+    stats = RunStats(world_size=2, total_steps=1)
+    stats.add(dict(kind="nic", rank=0, host="host-1", bytes_per_second=2e6))
+    stats.add(dict(kind="nic", rank=1, host="host-1", bytes_per_second=5e6))
+    stats.add(dict(kind="ratio", rank=1, boundary="0->1", value=3.0))
+    stats.add(dict(kind="ratio", rank=1, boundary="0->1", value=1.5))
+    stats.add(dict(kind="unit_tasks", rank=0, balancer="greedy", count=2))
+    stats.add(dict(kind="unit_tasks", rank=1, balancer="greedy", count=3))
+    summary = stats.to_json()
+    assert summary["nic_bytes_per_s_max"] == {"host-1": 5e6}
+    assert summary["resharding_lower_bound_ratio"] == {"0->1": 1.5}
+    assert summary["unit_tasks"] == {"greedy": 5}
+
+
+@pytest.fixture
+def feed():
+    from meshjob.commands.run import MetricsFeed
+    from meshjob.placement import default_hosts
+    from meshjob.plan import build_plan
+    from meshjob.spec import load_job
+
+    job = load_job(str(TINY))
+    plan = build_plan(job, default_hosts(job))
+    feed = MetricsFeed(job, plan, 0)
+    yield feed
+    feed.close()
+
+
+def test_metrics_feed_labels_nic_bandwidth_with_the_ranks_host_names(feed):
+    stats = RunStats(world_size=2, total_steps=1)
+    for host, rate in (("host-0", 1e6), ("host-1", 3e6)):
+        feed.on_event(dict(kind="nic", rank=0, host=host, bytes_per_second=rate), stats)
+    get = feed.metrics.registry.get_sample_value
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "host-0"}) == 1e6
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "host-1"}) == 3e6
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "launcher"}) is None
+
+
+def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
+    stats = RunStats(world_size=2, total_steps=1)
+    feed.on_event(dict(kind="ratio", rank=1, boundary="0->1", value=1.25), stats)
+    feed.on_event(dict(kind="unit_tasks", rank=0, balancer="greedy", count=4), stats)
+    feed.on_event(dict(kind="unit_tasks", rank=1, balancer="greedy", count=2), stats)
+    get = feed.metrics.registry.get_sample_value
+    assert get("meshjob_resharding_lower_bound_ratio", {"job": "tiny", "boundary": "0->1"}) == 1.25
+    assert get("meshjob_unit_tasks_total", {"job": "tiny", "balancer": "greedy"}) == 6
+
+
+def test_trainer_metrics_calls_in_a_rank_become_progress_events(monkeypatch):
+    from meshjob.emulate.progress import hook_trainer_metrics
+    from meshjob.trainer.metrics import TrainerMetrics
+
+    for name in ("record_step", "record_resharding", "record_checkpoint", "record_pipeline", "record_nic",
+                 "record_resharding_ratio", "record_unit_tasks"):
+        monkeypatch.setattr(TrainerMetrics, name, getattr(TrainerMetrics, name))  # undone after the test
+    events: list[dict] = []
+    hook_trainer_metrics(lambda **event: events.append(event))
+    m = TrainerMetrics(job="j", rank=1, host="host-1", stage=1)
+    m.record_nic(m.host, 4e6)
+    m.record_resharding_ratio("0->1", 2.0)
+    m.record_unit_tasks("greedy", 3)
+    assert events == [dict(kind="nic", host="host-1", bytes_per_second=4e6),
+                      dict(kind="ratio", boundary="0->1", value=2.0),
+                      dict(kind="unit_tasks", balancer="greedy", count=3)]
+    assert m.registry.get_sample_value("meshjob_unit_tasks_total", {"job": "j", "balancer": "greedy"}) == 3
