@@ -34,6 +34,8 @@ NON_DEFAULT = {
                  "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
     "serviceAccount": {"name": "meshjob-op", "annotations": {"example.com/role": "x"}},
+    "trainer": {"serviceAccount": {"name": "mj-trainer-sa", "annotations": {"example.com/role": "t"}},
+                "namespaces": ["team-a", "team-c"]},
 }
 
 
@@ -75,7 +77,11 @@ MONITORING_SHAPES = {
     "PodMonitor": {"type": "object", "required": ["spec"], "properties": {"spec": {
         "type": "object", "required": ["selector", "podMetricsEndpoints", "namespaceSelector"], "properties": {
             "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["port", "interval", "honorLabels"]}}}}}},
+                "type": "object", "required": ["interval", "honorLabels"],
+                "properties": {"relabelings": {"type": "array", "items": {
+                    "type": "object", "required": ["sourceLabels"], "properties": {
+                        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+                        "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]}}}}}}}}}}},
     "PrometheusRule": {"type": "object", "required": ["spec"], "properties": {"spec": {
         "type": "object", "required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["name", "rules"]}}}}}},
@@ -122,7 +128,8 @@ def test_every_rendered_manifest_validates(values):
 
 def test_default_render_has_exactly_the_core_objects():
     kinds = sorted(d["kind"] for d in manifests(render()))
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
+                     "ServiceAccount", "ServiceAccount"]
 
 
 def test_optional_objects_appear_only_behind_their_flags():
@@ -169,6 +176,9 @@ def test_default_values_satisfy_the_schema():
     ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "interval"),
     ({"service": {"type": "Ingress"}}, "type"),
     ({"grafana": {"dashboard": {"enabled": True, "labelValue": 1}}}, "labelValue"),
+    ({"trainer": {"serviceAccount": {"create": True, "name": "Trainer_SA"}}}, "name"),
+    ({"trainer": {"namespaces": ["Team A"]}}, "namespaces"),
+    ({"operator": {"webhook": {"enabled": True, "certSecret": 7}}}, "certSecret"),
 ])
 def test_schema_rejects_bad_values_naming_the_field(values, path):
     with pytest.raises(HelmError) as err:
@@ -252,12 +262,43 @@ def test_monitors_and_rule_carry_the_configured_release_label():
         assert doc["metadata"]["labels"]["release"] == "kube-prom", kind
 
 
-def test_pod_monitor_selects_trainer_pods_by_the_operators_job_label_and_metrics_port():
+def test_pod_monitor_selects_trainer_pods_by_the_operators_job_label():
     from meshjob.operator import names
     (pm,) = by_kind(manifests(render(EVERYTHING_ON)), "PodMonitor")
     assert pm["spec"]["selector"]["matchExpressions"] == [{"key": names.JOB_LABEL, "operator": "Exists"}]
-    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert pm["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+
+
+def _kept_port_names(pod_monitor: dict[str, Any], port_names: list[str]) -> list[str]:
+    """Prometheus' `keep` relabeling (the regex is anchored) applied to container port names."""
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert "port" not in endpoint  # no port: every declared container port is a candidate target
+    (keep,) = [r for r in endpoint["relabelings"] if r.get("action") == "keep"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    return [n for n in port_names if re.fullmatch(keep["regex"], n)]
+
+
+def test_pod_monitor_scrapes_the_metrics_port_of_every_local_rank_and_no_other_port():
+    """The port names the operator declares for a 16-device host: all 16 metrics ports are kept,
+    the rendezvous port is not."""
+    from meshjob.operator import render as operator_render
+    from meshjob.spec import parse_job
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from operator_harness import job_body
+
+    job = parse_job(job_body("demo"))
+    ports = [{"name": "rendezvous"}, *operator_render.metrics_ports(job, 16)]
+    (pm,) = by_kind(manifests(render(EVERYTHING_ON)), "PodMonitor")
+    kept = _kept_port_names(pm, [p["name"] for p in ports])
+    assert kept == ["metrics"] + [f"metrics-{r}" for r in range(1, 16)]
+
+
+def test_pod_monitor_port_name_value_moves_the_pattern():
+    values = json.loads(json.dumps(EVERYTHING_ON))
+    values["monitoring"]["podMonitor"]["portName"] = "prom"
+    (pm,) = by_kind(manifests(render(values)), "PodMonitor")
+    assert _kept_port_names(pm, ["metrics", "prom", "prom-3", "prom-x", "rendezvous"]) == ["prom", "prom-3"]
 
 
 def test_service_monitor_selects_the_operator_service_port():
@@ -413,10 +454,13 @@ def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     return found
 
 
-WEBHOOK_ON = {**NON_DEFAULT, "operator": {**NON_DEFAULT["operator"], "webhook": {"enabled": True}}}
+WEBHOOK_ON = {**NON_DEFAULT, "operator": {**NON_DEFAULT["operator"],
+                                          "webhook": {"enabled": True, "certSecret": "mj-webhook-tls"}}}
+WEBHOOK_ONE_REPLICA = {"operator": {"webhook": {"enabled": True}}}
 
 
-@pytest.mark.parametrize("values", [{}, NON_DEFAULT, WEBHOOK_ON], ids=["default", "non-default", "webhook"])
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT, WEBHOOK_ON, WEBHOOK_ONE_REPLICA],
+                         ids=["default", "non-default", "webhook", "webhook-self-signed"])
 def test_rbac_grants_exactly_what_the_operator_source_calls(values):
     needed = needed_by_operator_source() | needed_by_kopf(values)
     rules = granted(manifests(render(values)))
@@ -438,6 +482,146 @@ def test_webhook_values_add_its_service_port_arguments_and_rules():
     assert "--webhook-host=mj-webhook.meshjob-system.svc" in container["args"]
     assert "--no-webhook" not in container["args"]
     assert "--no-webhook" in deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_webhook_patch_permission_names_only_its_own_configuration():
+    (role,) = by_kind(manifests(render(WEBHOOK_ON)), "ClusterRole")
+    rules = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
+    assert {tuple(r["verbs"]): r.get("resourceNames") for r in rules} == {
+        ("create",): None, ("patch",): ["trainingjobs.meshjob.io"]}
+
+
+def test_webhook_with_one_replica_serves_a_self_signed_certificate():
+    (container,) = deployment(WEBHOOK_ONE_REPLICA)["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith(("--webhook-cert", "--webhook-key", "--webhook-ca")) for a in container["args"])
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}  # where the certificate is written
+
+
+def test_webhook_cert_secret_is_mounted_and_passed_as_cert_key_and_ca():
+    spec = deployment(WEBHOOK_ON)["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    tls = "/etc/meshjob/webhook-tls"
+    assert {f"--webhook-cert={tls}/tls.crt", f"--webhook-key={tls}/tls.key", f"--webhook-ca={tls}/ca.crt"} \
+        <= set(container["args"])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == tls]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "mj-webhook-tls" and mount["readOnly"] is True
+
+
+def test_webhook_with_several_replicas_needs_a_cert_secret():
+    values = {"operator": {"replicas": 2, "peering": {"enabled": True}, "webhook": {"enabled": True}}}
+    with pytest.raises(HelmError) as err:
+        render(values)
+    assert "operator.webhook.certSecret is required" in str(err.value)
+
+
+# --- the trainer's ServiceAccount: annotate its own pod, nothing more ---------------------
+
+# trainer/status.py's client calls -> the verb on pods each needs
+TRAINER_POD_CALLS = {"patch_namespaced_pod": "patch", "read_namespaced_pod": "get"}
+
+
+def needed_by_trainer_source() -> set[tuple[str, str, str]]:
+    needed = set()
+    tree = ast.parse((ROOT / "trainer" / "status.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and ast.unparse(node.func.value) == "self.api":
+            assert node.func.attr in TRAINER_POD_CALLS, \
+                f"status.py:{node.lineno}: api.{node.func.attr} is new: add its verb and review trainer-rbac.yaml"
+            needed.add(("", "pods", TRAINER_POD_CALLS[node.func.attr]))
+    return needed
+
+
+def trainer_objects(docs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """namespace -> kind -> the trainer ServiceAccount / Role / RoleBinding there."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    operator_sa = deployment_of(docs)["spec"]["template"]["spec"]["serviceAccountName"]
+    for doc in docs:
+        if doc["kind"] in ("Role", "RoleBinding") or (doc["kind"] == "ServiceAccount"
+                                                      and doc["metadata"]["name"] != operator_sa):
+            out.setdefault(doc["metadata"]["namespace"], {})[doc["kind"]] = doc
+    return out
+
+
+def deployment_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (dep,) = by_kind(docs, "Deployment")
+    return dep
+
+
+@pytest.mark.parametrize("values, namespaces", [({}, ["meshjob-system"]), (NON_DEFAULT, ["team-a", "team-c"]),
+                                                ({"operator": {"namespaces": ["x", "y"]}}, ["x", "y"])],
+                         ids=["default", "listed", "operator-namespaces"])
+def test_trainer_service_account_and_role_exist_in_every_job_namespace(values, namespaces):
+    docs = manifests(render(values))
+    objects = trainer_objects(docs)
+    assert sorted(objects) == namespaces
+    (container,) = deployment_of(docs)["spec"]["template"]["spec"]["containers"]
+    (flag,) = [a for a in container["args"] if a.startswith("--trainer-service-account=")]
+    name = flag.split("=", 1)[1]
+    for namespace, kinds in objects.items():
+        assert sorted(kinds) == ["Role", "RoleBinding", "ServiceAccount"], namespace
+        assert kinds["ServiceAccount"]["metadata"]["name"] == name
+        binding = kinds["RoleBinding"]
+        assert binding["roleRef"]["name"] == kinds["Role"]["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+
+
+def test_trainer_role_grants_exactly_what_the_trainer_source_calls():
+    needed = needed_by_trainer_source()
+    assert needed, "trainer/status.py patches its pod's annotations"
+    for namespace, kinds in trainer_objects(manifests(render(NON_DEFAULT))).items():
+        rules = kinds["Role"]["rules"]
+        granted_ = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+                    for v in rule["verbs"]}
+        assert granted_ == needed, namespace
+
+
+def test_trainer_service_account_can_be_left_to_the_namespace_default():
+    docs = manifests(render({"trainer": {"serviceAccount": {"create": False}}}))
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    (container,) = deployment_of(docs)["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith("--trainer-service-account") for a in container["args"])
+    existing = render({"trainer": {"serviceAccount": {"create": False, "name": "team-trainer"}}})
+    (container,) = deployment_of(manifests(existing))["spec"]["template"]["spec"]["containers"]
+    assert "--trainer-service-account=team-trainer" in container["args"]
+
+
+@pytest.mark.slow
+def test_the_trainer_service_account_may_annotate_its_pod_on_a_real_kube_apiserver(tmp_path):
+    """The chart's trainer ServiceAccount/Role/RoleBinding on a real kube-apiserver (RBAC on): the trainer's
+    own reporting code (trainer/status.py) patches its pod's checkpoint annotation as that account;
+    listing pods is forbidden."""
+    import kubernetes
+
+    from meshjob.trainer.status import PodStatus
+    from prometheus_harness import Envtest, envtest_dir
+
+    assets = envtest_dir()
+    if assets is None:
+        pytest.skip("needs a real kube-apiserver: set KUBEBUILDER_ASSETS (tests/run.sh does)")
+    docs = manifests(render({}, namespace="jobs"))
+    objects = trainer_objects(docs)["jobs"]
+    name = objects["ServiceAccount"]["metadata"]["name"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-host-0", "namespace": "jobs"},
+           "spec": {"serviceAccountName": name, "containers": [{"name": "trainer", "image": "x"}]}}
+    with Envtest(assets, tmp_path) as envtest:
+        envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "jobs"}}])
+        envtest.apply([objects["ServiceAccount"], objects["Role"], objects["RoleBinding"], pod])
+        kubeconfig = envtest.token_kubeconfig("jobs", name, tmp_path / "trainer.kubeconfig")
+        client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        try:
+            api = kubernetes.client.CoreV1Api(client)
+            status = PodStatus(pod_name="demo-host-0", namespace="jobs", api=api)
+            status.checkpoint(7)
+            assert not status._failed, "the trainer's patch was refused"
+            annotations = json.loads(envtest.kubectl("-n", "jobs", "get", "pod", "demo-host-0", "-o", "json").stdout)
+            assert annotations["metadata"]["annotations"]["meshjob.io/checkpoint-step"] == "7"
+            with pytest.raises(kubernetes.client.ApiException) as denied:
+                api.list_namespaced_pod("jobs")
+            assert denied.value.status == 403
+        finally:
+            client.close()
 
 
 @pytest.mark.slow
@@ -473,14 +657,13 @@ def test_rendered_chart_is_accepted_by_a_real_kube_apiserver(tmp_path):
     assets = envtest_dir()
     if assets is None:
         pytest.skip("needs a real kube-apiserver: set KUBEBUILDER_ASSETS (tests/run.sh does)")
-    values = {**NON_DEFAULT, "operator": {**NON_DEFAULT["operator"], "webhook": {"enabled": True}}}
-    docs = [d for d in manifests(render(values)) if d["kind"] not in MONITORING_SHAPES]
+    docs = [d for d in manifests(render(WEBHOOK_ON)) if d["kind"] not in MONITORING_SHAPES]
     with Envtest(assets, tmp_path) as envtest:
         for path in sorted((CHART / "crds").glob("*.yaml")):
             envtest.kubectl("apply", "-f", str(path))
         crds = by_kind(docs, "CustomResourceDefinition")
         envtest.apply(crds + [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-                              for ns in ("meshjob-system", "team-a", "team-b")])
+                              for ns in ("meshjob-system", "team-a", "team-b", "team-c")])
         envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
         rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
         result = envtest.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(rest), check=False)
