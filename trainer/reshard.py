@@ -365,7 +365,8 @@ class _Run:
     def execute(self) -> torch.Tensor | None:
         t0 = time.perf_counter()
         route, rank = self.route, self.rank
-        if self.source is not None:  # one device-to-host copy of the whole tile, on this thread
+        if self.source is not None:  # one device-to-host copy of the whole tile, on this thread (the
+            # default stream orders it after the kernels that produced the tile)
             self.natural_local = self.source.to(STAGING)
         steps = list(route.steps)
         n = len(steps)
