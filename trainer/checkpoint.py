@@ -189,7 +189,7 @@ class Checkpointer:
         step = propose(None)
         if not (dist.is_available() and dist.is_initialized()):
             return step
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = "cpu"  # a CPU tensor goes through gloo under both "gloo" and "cpu:gloo,cuda:nccl"
         while True:
             mine = -1 if step is None else step
             t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)

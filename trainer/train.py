@@ -192,14 +192,14 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
 
     from meshjob.plan import build_plan
     from meshjob.trainer.checkpoint import Checkpointer, spec_fingerprint
-    from meshjob.trainer.dist import WorkerContext, init_distributed, shutdown_distributed
+    from meshjob.trainer.dist import WorkerContext, device_for_backend, init_distributed, shutdown_distributed
     from meshjob.trainer.reshard import ReshardExecutor
 
     plan = build_plan(job)
     if schedules is not None:
         plan = dataclasses.replace(plan, schedules={s: tuple(a) for s, a in schedules.items()})
     backend = init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
-    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    device = device_for_backend(backend)
     try:
         checkpoints = None if checkpoint_dir is None else Checkpointer(
             checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
