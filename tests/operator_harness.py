@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -170,6 +171,8 @@ async def kmock_cluster() -> AsyncIterator[KmockCluster]:
             ("events.k8s.io/v1/events", "Event", True, ()),
             (f"{names.GROUP}/{names.VERSION}/{names.PLURAL}", names.KIND, True, ("status",)),
             ("scheduling.x-k8s.io/v1alpha1/podgroups", "PodGroup", True, ()),
+            ("admissionregistration.k8s.io/v1/validatingwebhookconfigurations", "ValidatingWebhookConfiguration",
+             False, ()),
         ]:
             emulator.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced,
                                                          subresources=set(subresources),
@@ -249,8 +252,10 @@ async def envtest_cluster(assets: Path) -> AsyncIterator[EnvtestCluster]:
 class OperatorThread:
     """kopf in its own thread and event loop, as in a real process: the test's loop stays its own."""
 
-    def __init__(self, cluster: Cluster, *, webhook: dict[str, Any] | None = None):
+    def __init__(self, cluster: Cluster, *, webhook: dict[str, Any] | None = None,
+                 config: dict[str, Any] | None = None):
         self.cluster, self.webhook = cluster, webhook  # webhook: OperatorConfig fields, None = off
+        self.config = config or {}  # other OperatorConfig fields
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task | None = None
@@ -277,7 +282,8 @@ class OperatorThread:
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
         STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook is not None,
-                                      kubeconfig=str(self.cluster.kubeconfig), **(self.webhook or {}))
+                                      kubeconfig=str(self.cluster.kubeconfig), **(self.webhook or {}),
+                                      **self.config)
         self.thread.start()
         if not await asyncio.to_thread(self.ready_flag.wait, 20):
             raise AssertionError(f"operator not ready in 20 s: {self.error!r}")
@@ -300,9 +306,10 @@ class OperatorThread:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster, *, webhook: dict[str, Any] | None = None) -> AsyncIterator[OperatorThread]:
+async def running_operator(cluster: Cluster, *, webhook: dict[str, Any] | None = None,
+                           config: dict[str, Any] | None = None) -> AsyncIterator[OperatorThread]:
     """The operator (cluster-wide, standalone, this package's handlers) for the duration of the block."""
-    op = OperatorThread(cluster, webhook=webhook)
+    op = OperatorThread(cluster, webhook=webhook, config=config)
     await op.start()
     try:
         yield op
@@ -617,3 +624,57 @@ async def scenario_deleted_pod_restarts_the_gang(c: Cluster, tag: str) -> None:
     await asyncio.sleep(0.5)
     assert (await c.job(tag, tag))["status"]["restarts"] == 1  # the planned deletions are not counted again
     await delete_and_wait(c, tag)
+
+
+# scheduler-plugins' PodGroup, reduced to what the operator writes (a real API server needs the CRD)
+PODGROUP_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podgroups.scheduling.x-k8s.io"},
+    "spec": {"group": "scheduling.x-k8s.io", "scope": "Namespaced",
+             "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup", "shortNames": ["pg"]},
+             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                 "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                     "minMember": {"type": "integer", "format": "int32"}}}}}}}]},
+}
+
+
+async def install_podgroup_crd(c: Cluster) -> None:
+    if c.real:
+        await c.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json.loads(json.dumps(PODGROUP_CRD)))
+        await asyncio.to_thread(kubectl, c.kubeconfig, "wait", "--for=condition=Established",
+                                "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s")
+
+
+async def scenario_gang_scheduling(c: Cluster, tag: str) -> None:
+    """spec.scheduling (part of the CRD: a real API server keeps it) gives a PodGroup, the gang scheduler,
+    Kueue labels; the operator's trainer ServiceAccount goes on pods whose spec names none."""
+    await prepare_namespace(c, tag)
+    await install_podgroup_crd(c)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, scheduling={"gang": True, "queue": "team"}))
+    stored = await c.job(tag, tag)
+    assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team"}  # not pruned
+    pods = await wait_pods(c, tag, 2)
+    group = await c.kube.request("GET", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{tag}/podgroups/{tag}")
+    assert group["spec"]["minMember"] == 2
+    assert [o["uid"] for o in group["metadata"]["ownerReferences"]] == [stored["metadata"]["uid"]]
+    for pod in pods:
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == tag
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+        assert pod["spec"]["serviceAccountName"] == TRAINER_SERVICE_ACCOUNT
+    await delete_and_wait(c, tag)
+
+
+async def scenario_spec_service_account(c: Cluster, tag: str) -> None:
+    """spec.serviceAccountName (kept by a real API server) wins over the operator's trainer account."""
+    await prepare_namespace(c, tag)
+    await add_nodes(c, tag, 2)
+    await c.create_job(scenario_job(tag, serviceAccountName="team-trainer"))
+    assert (await c.job(tag, tag))["spec"]["serviceAccountName"] == "team-trainer"
+    pods = await wait_pods(c, tag, 2)
+    assert {p["spec"]["serviceAccountName"] for p in pods} == {"team-trainer"}
+    await delete_and_wait(c, tag)
+
+
+TRAINER_SERVICE_ACCOUNT = "meshjob-trainer"

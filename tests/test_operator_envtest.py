@@ -79,6 +79,16 @@ async def test_restart_is_counted_once_across_operator_restart(cluster):
     await h.scenario_restart_counted_once_across_operator_restart(cluster, "once")
 
 
+async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster):
+    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
+        await h.scenario_gang_scheduling(cluster, "gang")
+
+
+async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
+    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
+        await h.scenario_spec_service_account(cluster, "ownsa")
+
+
 def _metric(port: int, name: str) -> float | None:
     import urllib.request
 

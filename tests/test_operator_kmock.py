@@ -131,16 +131,14 @@ async def test_a_permanent_api_error_is_not_retried(cluster, operator):
     assert await cluster.pods("denied", "denied") == []
 
 
-async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster, operator):
-    await h.add_nodes(cluster, "gang", 2)
-    await cluster.create_job(h.scenario_job("gang", scheduling={"gang": True, "queue": "team"}))
-    pods = await h.wait_pods(cluster, "gang", 2)
-    group = await cluster.kube.request("GET", "/apis/scheduling.x-k8s.io/v1alpha1/namespaces/gang/podgroups/gang")
-    assert group["spec"]["minMember"] == 2
-    for pod in pods:
-        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
-        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "gang"
-        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster):
+    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
+        await h.scenario_gang_scheduling(cluster, "gang")
+
+
+async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
+    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
+        await h.scenario_spec_service_account(cluster, "ownsa")
 
 
 async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
@@ -163,3 +161,81 @@ async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         print((tmp_path / "kopf.log").read_text()[-3000:])
+
+
+def _admission_review(job: dict, operation: str = "CREATE", old: dict | None = None) -> dict:
+    from meshjob.operator import names
+
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "review-1", "operation": operation, "userInfo": {"username": "tester"},
+        "kind": {"group": names.GROUP, "version": names.VERSION, "kind": names.KIND},
+        "resource": {"group": names.GROUP, "version": names.VERSION, "resource": names.PLURAL},
+        "namespace": job["metadata"]["namespace"], "name": job["metadata"]["name"],
+        "object": job, "oldObject": old}}
+
+
+async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cluster, tmp_path):
+    """`meshjob operator` with its webhook defaults (on, 0.0.0.0:9443, no certificate given) starts,
+    answers its liveness probe, registers the webhook with its own certificate as the CA bundle, and
+    that webhook, reached over TLS verified by that bundle, rejects a bad spec and admits a good one."""
+    import base64
+    import json
+    import os
+    import ssl
+    import sys
+    import urllib.parse
+    import urllib.request
+
+    live = h.free_port()
+    log_path = tmp_path / "operator.log"
+    proc = subprocess.Popen([sys.executable, "-m", "meshjob.cli", "operator", "--kubeconfig", str(cluster.kubeconfig),
+                             "--liveness", f"http://127.0.0.1:{live}/healthz", "--metrics-port", str(h.free_port())],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
+    config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
+    try:
+        def probe() -> int:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{live}/healthz", timeout=2).status
+            except OSError:
+                return 0
+
+        async def healthy() -> bool:
+            assert proc.poll() is None, f"the operator exited:\n{log_path.read_text()[-3000:]}"
+            return await asyncio.to_thread(probe) == 200
+        await h.eventually(healthy, timeout=40, what="the liveness probe answering 200")
+        config = await h.eventually(lambda: cluster.kube.request("GET", config_path), timeout=20,
+                                    what="kopf's ValidatingWebhookConfiguration")
+        (webhook,) = config["webhooks"]
+        assert webhook["failurePolicy"] == "Ignore"
+        client_config = webhook["clientConfig"]
+        url = urllib.parse.urlsplit(client_config["url"])
+        assert url.scheme == "https" and url.port == 9443 and url.hostname in ("localhost", "127.0.0.1")
+        context = ssl.create_default_context(cadata=base64.b64decode(client_config["caBundle"]).decode())
+
+        def review(job: dict, operation: str = "CREATE", old: dict | None = None) -> dict:
+            body = json.dumps(_admission_review(job, operation, old)).encode()
+            request = urllib.request.Request(client_config["url"], data=body,
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            return json.loads(urllib.request.urlopen(request, context=context, timeout=10).read())["response"]
+
+        bad = h.scenario_job("selfsigned")
+        bad["spec"]["stages"][1]["layers"] = [1, 3]
+        denied = await asyncio.to_thread(review, bad)
+        assert denied["allowed"] is False
+        assert "spec.stages[1].layers: [1, 3] is invalid" in denied["status"]["message"]
+        assert (await asyncio.to_thread(review, h.scenario_job("selfsigned")))["allowed"] is True
+        # an invalid job that exists already stays deletable: updates that keep the spec pass
+        finalized = json.loads(json.dumps(bad))
+        finalized["metadata"]["finalizers"] = []
+        assert (await asyncio.to_thread(review, finalized, "UPDATE", bad))["allowed"] is True
+        assert "certbuilder" not in log_path.read_text()
+        # a stopped operator leaves no webhook behind (kmock runs in this loop: wait in a thread)
+        proc.terminate()
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        assert (await cluster.kube.request("GET", config_path))["webhooks"] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        print(log_path.read_text()[-3000:])

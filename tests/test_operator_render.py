@@ -356,3 +356,29 @@ def test_self_signed_certificate_without_any_usable_name_is_refused():
 
     with pytest.raises(ValueError, match="no usable host name or address"):
         self_signed_certificate(["0.0.0.0"])
+
+
+def test_webhook_without_a_certificate_that_can_be_made_is_off_with_a_warning(monkeypatch, caplog):
+    import logging
+
+    from meshjob.operator import certs
+
+    def no_cryptography(*_args, **_kwargs):
+        raise ImportError("No module named 'cryptography'")
+    monkeypatch.setattr(certs, "self_signed_certificate", no_cryptography)
+    logger = logging.getLogger("test-webhook")
+    with caplog.at_level(logging.WARNING, logger="test-webhook"):
+        server = certs.webhook_server(addr="0.0.0.0", port=9443, host=None, cert=None, key=None, ca=None,
+                                      logger=logger)
+    assert server is None
+    assert "admission webhook off" in caplog.text and "cryptography" in caplog.text
+
+
+def test_webhook_with_given_files_uses_them_and_needs_no_self_signed_certificate(monkeypatch):
+    from meshjob.operator import certs
+
+    monkeypatch.setattr(certs, "self_signed_certificate", lambda *a, **k: pytest.fail("must not self-sign"))
+    server = certs.webhook_server(addr="0.0.0.0", port=9443, host="wh.ops.svc", cert="/tls/tls.crt",
+                                  key="/tls/tls.key", ca="/tls/ca.crt", logger=None)  # type: ignore[arg-type]
+    assert (server.certfile, server.pkeyfile, server.cafile, server.host) == (
+        "/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt", "wh.ops.svc")
