@@ -146,6 +146,31 @@ def test_pip_extras_used_by_the_dockerfile_exist_in_pyproject(dockerfile):
         assert stage in extras
 
 
+def _pinned(stages, target: str) -> dict[str, str]:
+    """Distribution name -> pinned version, for what the target's pip installs name."""
+    pins = {}
+    for run in stages[target].all("RUN"):
+        for requirement in pip_requirements(run):
+            name, _, version = requirement.strip('"').partition("==")
+            pins[re.sub(r"\[.*\]", "", name).lower()] = version
+    return pins
+
+
+def test_operator_image_pins_every_dependency_of_the_operator_extra(dockerfile):
+    """An unpinned dependency would float; a missing one (cryptography) turns a feature off."""
+    _, stages = dockerfile
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]
+    wanted = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in extra}
+    assert "cryptography" in wanted  # the webhook's self-signed certificate (operator/certs.py)
+    assert wanted <= set(_pinned(stages, "operator")), wanted - set(_pinned(stages, "operator"))
+
+
+def test_trainer_image_has_the_client_the_trainer_reports_its_step_with(dockerfile):
+    _, stages = dockerfile
+    assert re.search(r"^\s*from kubernetes import", (ROOT / "trainer" / "status.py").read_text(), re.M)
+    assert _pinned(stages, "trainer").get("kubernetes")
+
+
 def test_operator_image_installs_no_torch(dockerfile):
     _, stages = dockerfile
     for stage in chain(stages, "operator"):
