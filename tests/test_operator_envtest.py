@@ -215,3 +215,36 @@ async def test_admission_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluste
             await h.delete_and_wait(cluster, tag)
     finally:
         await cluster.kube.delete(config_path)
+
+
+async def test_self_signed_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluster, tmp_path):
+    """No certificate given (the default): the operator makes its own and the real API server, trusting
+    it through the caBundle kopf registers, calls the webhook over TLS: kubectl apply shows the error."""
+    import asyncio
+    import subprocess
+
+    import yaml
+
+    webhook = {"webhook_addr": "127.0.0.1", "webhook_port": h.free_port(), "webhook_host": "127.0.0.1"}
+    tag = "selfsigned"
+    await h.prepare_namespace(cluster, tag)
+    bad = h.scenario_job(tag)
+    bad["spec"]["stages"][1]["layers"] = [1, 3]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
+    try:
+        async with h.running_operator(cluster, webhook=webhook):
+            async def registered():
+                config = await cluster.kube.request("GET", config_path)
+                hooks = config.get("webhooks") or []
+                return hooks and f":{webhook['webhook_port']}/" in hooks[0]["clientConfig"]["url"]
+            await h.eventually(registered, timeout=30, what="kopf's ValidatingWebhookConfiguration for this server")
+            rejected = await asyncio.to_thread(
+                subprocess.run, ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f",
+                                 str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60)
+            assert rejected.returncode != 0
+            assert "denied the request" in rejected.stderr
+            assert "spec.stages[1].layers: [1, 3] is invalid" in rejected.stderr
+            assert await cluster.job(tag, tag) is None
+    finally:
+        await cluster.kube.delete(config_path)
