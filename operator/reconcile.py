@@ -7,8 +7,10 @@ restarted in the middle neither duplicates pods nor counts a restart twice.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -50,10 +52,17 @@ def manifest(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec")}
 
 
+TRAINER_IMAGE_ENV = "MESHJOB_TRAINER_IMAGE"  # the chart's trainer image, for jobs that name none
+
+
 def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
-    SpecError naming every bad field."""
-    return parse_job(manifest(body))
+    SpecError naming every bad field. A job without spec.image runs the operator's trainer image."""
+    job = parse_job(manifest(body))
+    default_image = os.environ.get(TRAINER_IMAGE_ENV)
+    if default_image and not (body.get("spec") or {}).get("image"):
+        job = dataclasses.replace(job, image=default_image)
+    return job
 
 
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:

@@ -382,3 +382,14 @@ def test_webhook_with_given_files_uses_them_and_needs_no_self_signed_certificate
                                   key="/tls/tls.key", ca="/tls/ca.crt", logger=None)  # type: ignore[arg-type]
     assert (server.certfile, server.pkeyfile, server.cafile, server.host) == (
         "/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt", "wh.ops.svc")
+
+
+def test_a_job_without_an_image_runs_the_operators_trainer_image(monkeypatch):
+    from meshjob.operator.reconcile import TRAINER_IMAGE_ENV, validate
+
+    doc = yaml.safe_load(open("examples/tiny.yaml"))
+    doc["spec"].pop("image", None)
+    monkeypatch.setenv(TRAINER_IMAGE_ENV, "registry.example/meshjob/trainer:9.9")
+    assert validate(doc).image == "registry.example/meshjob/trainer:9.9"
+    doc["spec"]["image"] = "mine:1"
+    assert validate(doc).image == "mine:1"
