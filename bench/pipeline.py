@@ -39,10 +39,10 @@ MODELS = ("gpt", "utransformer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nic-rate", default="200mbit",
-                        help="emulated NIC of every host; slow enough that communication matters (default 200mbit)")
+    parser.add_argument("--nic-rate", default="100mbit",
+                        help="emulated NIC of every host; slow enough that communication matters (default 100mbit)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 timed steps, one model")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per variant (default 6, quick 3); "
+    parser.add_argument("--steps", type=int, default=None, help="training steps per variant (default 11, quick 3); "
                         "the first is warm-up and not timed")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma separated, 1f1b and signal always included (default {','.join(VARIANTS)})")
@@ -139,13 +139,16 @@ def measure(job: TrainingJob, records: list[dict]) -> Measured:
     return Measured("", "", step_s, tokens / step_s, stages, timelines, losses[-1] if losses else float("nan"))
 
 
-def simulate_measured(job: TrainingJob, m: Measured, nic_rate: str) -> float:
+TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's default tbf burst "128kb" (tc counts k as 1024)
+
+
+def simulate_measured(job: TrainingJob, m: Measured, nic_rate: str, emulated: bool) -> float:
     """The simulator's step time for the same plan, its compute cost calibrated from this run's
-    measured per-stage compute (the network from the NIC rate alone)."""
+    measured per-stage compute, its NICs the emulated ones (rate and tbf burst)."""
     from meshjob.plan import build_plan
     from meshjob.simulate import CostModel, simulate_plan
 
-    cost = CostModel(nic_bytes_per_s=parse_rate(nic_rate))
+    cost = CostModel(nic_bytes_per_s=parse_rate(nic_rate), burst_bytes=TBF_BURST_BYTES if emulated else 0.0)
     per_layer = []
     for i, st in enumerate(job.stages):
         work = (st.layers[1] - st.layers[0]) * job.training.microbatch_size / (st.tensor_parallel * st.data_parallel)
@@ -212,7 +215,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="meshjob bench pipeline", description=__doc__.splitlines()[0])
         add_arguments(parser)
         args = parser.parse_args(args)
-    steps = args.steps or (3 if args.quick else 6)
+    steps = args.steps or (3 if args.quick else 11)
     if steps < 2:
         raise SystemExit(f"--steps: {steps} is invalid: at least 2 (the first step is not timed)")
     parse_rate(args.nic_rate)
@@ -241,7 +244,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             m.model, m.variant = model, variant
             per_variant[variant] = m
             measured.append(m)
-            sim = simulate_measured(job, m, args.nic_rate)
+            sim = simulate_measured(job, m, args.nic_rate, "namespaces" in network)
             rows.append({"model": model, "variant": variant, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
                          "simulated_step_s": sim, "simulator_error": sim / m.step_s - 1.0,
                          "final_loss": m.final_loss, "stages": m.stages})

@@ -6,10 +6,12 @@ Two levels, both deterministic and pure:
   out-link and its destination host's in-link for nbytes / bandwidth, starting when its dependencies are done
   and both links are free. Intra-host steps use a per-host fast link. This reproduces the strategies' cost
   formulas (e.g. broadcast: t + (A-1)t/K) and the contention between tasks that share a host.
+  With `burst_bytes` > 0 each link is a token bucket like `tc tbf` (the emulated cluster's NICs): bytes
+  within the bucket leave at line rate, the rest at the NIC rate. Real NICs: burst 0.
 - `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
   the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
-  through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other);
-  a RECV waits for it. From the timeline: step time, bubble fraction and communication overlap per stage.
+  through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other;
+  a token bucket shortens the busiest link's share); a RECV waits for it. From the timeline: step time, bubble fraction and communication overlap per stage.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class CostModel:
     layer_forward_s: float = 2.5e-4  # one layer, one sample, unsharded
     backward_factor: float = 2.0  # B = I + W, each about one forward
     itemsize: int = 4
+    burst_bytes: float = 0.0  # token bucket per NIC direction (tc tbf's burst); 0 = a plain link
+    line_bytes_per_s: float = 10e9 / 8  # how fast a burst leaves (the veth / wire under the shaper)
 
     def forward_s(self, layers: int, samples: int, tp_degree: int, dp_degree: int) -> float:
         """One microbatch of `samples` on one device of a stage: data parallel splits the samples,
@@ -39,11 +43,46 @@ class CostModel:
 
 
 
+Link = tuple[int, str]  # (host, "out" | "in" | "local")
+
+
+class Links:
+    """FIFO links, each optionally a token bucket: `send` books `nbytes` on all of `links` together."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.free: dict[Link, float] = {}  # when the link's last booking ends
+        self.tokens: dict[Link, tuple[float, float]] = {}  # link -> (tokens, at time)
+
+    def _seconds(self, link: Link, nbytes: float, start: float) -> float:
+        c = self.cost
+        if link[1] == "local":
+            return nbytes / c.intra_host_bytes_per_s
+        if c.burst_bytes <= 0:
+            return nbytes / c.nic_bytes_per_s
+        tokens, at = self.tokens.get(link, (c.burst_bytes, 0.0))
+        tokens = min(c.burst_bytes, tokens + (start - at) * c.nic_bytes_per_s)
+        return max(nbytes / c.line_bytes_per_s, (nbytes - tokens) / c.nic_bytes_per_s)
+
+    def book(self, links: Sequence[Link], nbytes: Sequence[float], ready: float) -> tuple[float, float]:
+        """(start, end) of a transfer of nbytes[i] over links[i], all starting together."""
+        start = max([ready] + [self.free.get(link, 0.0) for link in links])
+        end = start + max((self._seconds(link, n, start) for link, n in zip(links, nbytes)), default=0.0)
+        for link, n in zip(links, nbytes):
+            self.free[link] = end
+            if self.cost.burst_bytes > 0 and link[1] != "local":
+                tokens, at = self.tokens.get(link, (self.cost.burst_bytes, 0.0))
+                tokens = min(self.cost.burst_bytes, tokens + (start - at) * self.cost.nic_bytes_per_s) - n
+                self.tokens[link] = (tokens, start)  # negative: still owed, refilled at the NIC rate
+        return start, end
+
+
 @dataclass(frozen=True)
 class TransferResult:
     makespan_s: float
     finish_s: Mapping[int, float]  # step id -> finish time
-    nic_busy_s: Mapping[tuple[int, str], float]  # (host, "out"|"in") -> busy seconds
+    nic_busy_s: Mapping[Link, float]  # (host, "out"|"in") -> busy seconds
+    nic_bytes: Mapping[Link, int]  # (host, "out"|"in") -> bytes through that NIC direction
 
 
 def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost: CostModel) -> TransferResult:
@@ -57,25 +96,20 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost
     order = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
     ready: list[tuple[float, int, int]] = [(0.0, order[s.id], s.id) for s in steps if not s.after]
     heapq.heapify(ready)
-    link_free: dict[tuple[int, str], float] = {}
-    busy: dict[tuple[int, str], float] = {}
+    links = Links(cost)
+    busy: dict[Link, float] = {}
+    moved: dict[Link, int] = {}
     finish: dict[int, float] = {}
     while ready:
         t_ready, _, sid = heapq.heappop(ready)
         step = by_id[sid]
         src_h, dst_h = host_of(step.src), host_of(step.dst)
         nbytes = 1 if step.signal else step.nbytes(cost.itemsize)
-        if src_h == dst_h:
-            links = [(src_h, "local")]
-            duration = nbytes / cost.intra_host_bytes_per_s
-        else:
-            links = [(src_h, "out"), (dst_h, "in")]
-            duration = nbytes / cost.nic_bytes_per_s
-        start = max([t_ready] + [link_free.get(link, 0.0) for link in links])
-        end = start + duration
-        for link in links:
-            link_free[link] = end
-            busy[link] = busy.get(link, 0.0) + duration
+        used = [(src_h, "local")] if src_h == dst_h else [(src_h, "out"), (dst_h, "in")]
+        start, end = links.book(used, [nbytes] * len(used), t_ready)
+        for link in used:
+            busy[link] = busy.get(link, 0.0) + end - start
+            moved[link] = moved.get(link, 0) + nbytes
         finish[sid] = end
         for nxt in dependents.get(sid, ()):
             waiting[nxt] -= 1
@@ -86,7 +120,8 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost
         missing = sorted(set(by_id) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
     makespan = max(finish.values(), default=0.0)
-    return TransferResult(makespan, finish, {k: v for k, v in busy.items() if k[1] != "local"})
+    nic = {k for k in busy if k[1] != "local"}
+    return TransferResult(makespan, finish, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
 
 
 @dataclass
@@ -147,15 +182,17 @@ def _boundary_for(action: Action, stage: int, boundaries: Mapping[str, object]) 
 def simulate_pipeline(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[str, tuple[float, frozenset[tuple[int, str]]]],
+    transfers: Mapping[str, tuple[float, Mapping[Link, float]]],
+    cost: CostModel | None = None,
 ) -> PipelineResult:
     """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
-    microbatch's transfer, the NIC links (host, "out"|"in") it holds). Deterministic list scheduling: the
-    stage whose next action can start earliest goes first."""
+    microbatch's transfer on plain links, the bytes it moves through each NIC link (host, "out"|"in")).
+    Deterministic list scheduling: the stage whose next action can start earliest goes first."""
+    cost = cost or CostModel()
     stats = {s: StageStats() for s in schedules}
     pos = {s: 0 for s in schedules}
     sent: dict[tuple[str, int], float] = {}  # (boundary, mb) -> arrival time
-    link_free: dict[tuple[int, str], float] = {}
+    links = Links(cost)
     remaining = sum(len(v) for v in schedules.values())
     while remaining:
         progressed = False
@@ -173,12 +210,16 @@ def simulate_pipeline(
                 st.busy_until_s = now + dur
             elif a.kind in ("SEND_F", "SEND_B"):
                 key = _boundary_for(a, stage, transfers)
-                seconds, links = transfers[key]
-                start = max([now] + [link_free.get(link, 0.0) for link in links])
-                for link in links:
-                    link_free[link] = start + seconds
-                sent[(key, a.mb)] = start + seconds
-                st.comm_s += start + seconds - now
+                seconds, per_link = transfers[key]
+                # the busiest link's share goes through the (token-bucket) links; the rest of the
+                # transfer's makespan (chain fill, intra-host hops) is added as it is
+                bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
+                start, end = links.book(list(per_link), list(per_link.values()), now)
+                end += max(0.0, seconds - bottleneck)
+                for link in per_link:
+                    links.free[link] = end
+                sent[(key, a.mb)] = end
+                st.comm_s += end - now
             else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
                 key = _boundary_for(a, stage, transfers)
                 if (key, a.mb) not in sent:
@@ -209,18 +250,20 @@ def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
     return out
 
 
-def transfer_costs(plan, cost: CostModel) -> dict[str, tuple[float, frozenset[tuple[int, str]]]]:
-    """Simulate every boundary of the plan once; its makespan and the NIC links it uses."""
+def transfer_costs(plan, cost: CostModel) -> dict[str, tuple[float, Mapping[Link, float]]]:
+    """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
+    (token buckets act across transfers, in the pipeline simulation)."""
+    plain = replace(cost, burst_bytes=0.0)
     out = {}
     for b in plan.boundaries:
-        res = simulate_transfer(b.steps, plan.placement.host_of, cost)
-        out[boundary_key(b.src, b.dst, b.tensor)] = (res.makespan_s, frozenset(res.nic_busy_s))
+        res = simulate_transfer(b.steps, plan.placement.host_of, plain)
+        out[boundary_key(b.src, b.dst, b.tensor)] = (res.makespan_s, dict(res.nic_bytes))
     return out
 
 
 def simulate_plan(plan, cost: CostModel | None = None) -> PipelineResult:
     cost = cost or CostModel(nic_bytes_per_s=plan.nic_bytes_per_s)
-    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost))
+    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
 
 
 def bubble_1f1b(stages: int, microbatches: int) -> float:

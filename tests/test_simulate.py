@@ -83,8 +83,8 @@ def chain_edges(stages: int) -> list[tuple[int, int, str]]:
 def free_transfers(stages: int) -> dict:
     out = {}
     for i in range(stages - 1):
-        out[f"{i}->{i + 1}:activation"] = (0.0, frozenset())
-        out[f"{i + 1}->{i}:grad:activation"] = (0.0, frozenset())
+        out[f"{i}->{i + 1}:activation"] = (0.0, {})
+        out[f"{i + 1}->{i}:grad:activation"] = (0.0, {})
     return out
 
 
@@ -103,7 +103,7 @@ def test_bubble_fraction_without_communication_is_s_minus_1_over_m_plus_s_minus_
 def test_eager_1f1b_hides_communication_that_1f1b_exposes():
     stages, microbatches = 4, 8
     compute = {(s, k): v for s in range(stages) for k, v in (("F", 1.0), ("B", 2.0), ("I", 1.0), ("W", 1.0))}
-    transfers = {k: (1.0, frozenset({(i, "out")})) for i, k in enumerate(free_transfers(stages))}
+    transfers = {k: (1.0, {(i, "out"): 0.0}) for i, k in enumerate(free_transfers(stages))}
     one = simulate_pipeline(generate("1f1b", stages, microbatches, chain_edges(stages)), compute, transfers)
     eager = simulate_pipeline(generate("eager-1f1b", stages, microbatches, chain_edges(stages)), compute, transfers)
     assert eager.step_s < one.step_s
@@ -115,7 +115,7 @@ def test_a_schedule_whose_recv_never_gets_a_send_is_reported_as_deadlock():
     schedules = {0: [Action("F", 0, None)], 1: [Action("RECV_F", 0, 0), Action("F", 0, None)]}
     compute = {(s, "F"): 1.0 for s in range(2)}
     with pytest.raises(ValueError, match="deadlock"):
-        simulate_pipeline(schedules, compute, {"0->1:activation": (0.0, frozenset())})
+        simulate_pipeline(schedules, compute, {"0->1:activation": (0.0, {})})
 
 
 @pytest.mark.slow
@@ -154,3 +154,19 @@ def test_cli_rejects_a_bad_nic_rate_with_exit_2():
     out = subprocess.run([sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--nic-rate",
                           "fast"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--nic-rate" in out.stderr and "gbit" in out.stderr
+
+
+def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_rate():
+    cost = CostModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9)
+    steps = [Step(id=i, task=i, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)
+             for i in range(2)]  # 80 kB each
+    result = simulate_transfer(steps, host_of_rank, cost)
+    assert result.finish_s[0] == pytest.approx(80e3 / 1e9)  # within the bucket: line rate
+    # the second finds 20 kB of tokens (+ a little refill) and waits for the other 60 kB at the NIC rate
+    refill = 80e3 / 1e9 * 1e6  # tokens regained while the first left
+    assert result.finish_s[1] == pytest.approx(80e3 / 1e9 + (80e3 - 20e3 - refill) / 1e6, rel=1e-6)
+
+
+def test_without_a_bucket_the_nic_rate_applies_from_the_first_byte():
+    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)]
+    assert simulate_transfer(steps, host_of_rank, CostModel(nic_bytes_per_s=1e6)).makespan_s == pytest.approx(0.08)
