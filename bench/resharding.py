@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from meshjob.emulate.launcher import RankContext, run_gang
-from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, parse_rate
+from meshjob.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.units import parse_rate
 from meshjob.mesh import Mesh
 from meshjob.resharding import UnitTask, decompose
 from meshjob.sharding import ShardingSpec
@@ -404,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
     chunk_text = args.chunks or ("16" if quick else "4,16,64")
     errors = []
     try:
-        rate_bps = parse_rate(args.nic_rate, "--nic-rate")
+        nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
         errors.append(FieldError("--nic-rate", args.nic_rate, str(err).split("is invalid: ", 1)[-1]))
     try:
@@ -422,7 +423,7 @@ def main(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     layout = Layout()
-    cases = build_cases(quick, int(size_mib * 2**20), chunks, rate_bps / 8, layout)
+    cases = build_cases(quick, int(size_mib * 2**20), chunks, nic_bytes_per_s, layout)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 

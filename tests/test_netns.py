@@ -11,8 +11,8 @@ import time
 import pytest
 
 from meshjob.emulate.launcher import RankContext, run_gang, run_with_restarts
-from meshjob.emulate.netns import (EmulatedCluster, cleanup_stale, list_netns, netns_available,
-                                   parse_rate)
+from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
+from meshjob.units import parse_rate
 
 HAVE_NETNS, WHY_NOT = netns_available()
 netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
@@ -23,14 +23,14 @@ def ours(prefix: str) -> list[str]:
 
 
 def test_parse_rate_reads_tc_units():
-    assert parse_rate("1gbit") == 1e9
-    assert parse_rate("500mbit") == 5e8
-    assert parse_rate("125mbps") == 1e9
+    assert parse_rate("1gbit") == 1e9 / 8  # bytes per second
+    assert parse_rate("500mbit") == 5e8 / 8
+    assert parse_rate("125mbps") == 1.25e8  # tc's "bps" units are bytes
 
 
 def test_parse_rate_error_names_field_value_and_allowed_units():
     with pytest.raises(ValueError, match=r"nic_rate: '1 gigabit' is invalid: a positive tc rate"):
-        parse_rate("1 gigabit")
+        parse_rate("1 gigabit", "nic_rate")
 
 
 @pytest.mark.netns

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from meshjob.units import parse_rate
 
     try:
-        nic_bytes_per_s = parse_rate(args.nic_rate)
+        nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
-        raise UsageError(f"--nic-rate: {err}") from None
+        raise UsageError(str(err)) from None
     job = load_job(args.job)
     hosts = load_hosts(args.hosts) if args.hosts else None
     plan = build_plan(job, hosts, nic_bytes_per_s=nic_bytes_per_s)

@@ -22,7 +22,8 @@ from typing import Any
 from rich.console import Console
 
 from meshjob.emulate.launcher import GangResult, RankContext, run_with_restarts
-from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, parse_rate
+from meshjob.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.units import parse_rate
 from meshjob.emulate.progress import ProgressView, RunStats, hook_trainer_metrics, summary_table
 
 HELP = "run a TrainingJob on this machine on an emulated cluster"
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     _validate_args(args)
     job = load_job(args.job)
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
-    nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate") / 8
+    nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
     plan = build_plan(job, hosts, nic_bytes_per_s=nic_bytes_per_s)
     placement = plan.placement
     rank_hosts = [placement.host_of(r) for r in range(placement.world_size)]

@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from meshjob.units import parse_rate
 
     try:
-        nic = parse_rate(args.nic_rate)
+        nic = parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
-        raise UsageError(f"--nic-rate: {err}") from None
+        raise UsageError(str(err)) from None
     if args.hosts is not None and args.hosts < 1:
         raise UsageError(f"--hosts: {args.hosts} is invalid: use a positive number of hosts")
     job = load_job(args.job)

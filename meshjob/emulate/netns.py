@@ -24,27 +24,17 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Callable
 
+from meshjob.units import parse_rate
+
 NETNS_DIR = "/var/run/netns"
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.77"
 IFNAME = "eth0"
 _NAME_RE = re.compile(r"^mj(\d+)_(h\d+|sw)$")
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 
 
 class EmulationError(RuntimeError):
     """A namespace, link or qdisc could not be set up; the message has the failing command."""
-
-
-def parse_rate(rate: str, path: str = "nic_rate") -> float:
-    """tc rate text ("1gbit", "500mbit", "125mbps") -> bits per second."""
-    m = _RATE_RE.match(rate.strip().lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{path}: {rate!r} is invalid: a positive tc rate such as "
-                         f"'1gbit', '500mbit' or '125mbps' (units: {', '.join(_RATE_UNITS)})")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
 
 
 def netns_available() -> tuple[bool, str]:
@@ -139,7 +129,7 @@ class EmulatedCluster:
                  latency: str = "10ms", use_netns: bool = True, prefix: str | None = None):
         if num_hosts < 1 or num_hosts > 250:
             raise ValueError(f"num_hosts: {num_hosts!r} is invalid: between 1 and 250")
-        self.rate_bps = parse_rate(nic_rate)
+        self.rate_bytes_per_s = parse_rate(nic_rate, "nic_rate")
         self.num_hosts = num_hosts
         self.nic_rate = nic_rate
         self.burst = burst
@@ -165,7 +155,7 @@ class EmulatedCluster:
 
     @property
     def nic_bytes_per_s(self) -> float:
-        return self.rate_bps / 8
+        return self.rate_bytes_per_s
 
     def __enter__(self) -> EmulatedCluster:
         self._install_sigterm()
