@@ -22,7 +22,6 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any
 
 from meshjob.emulate.launcher import RankContext, run_gang
 from meshjob.emulate.netns import EmulatedCluster, cleanup_stale

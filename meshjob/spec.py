@@ -14,19 +14,15 @@ TrainingJob.edges always holds every edge of the model, in default_edges() order
 from __future__ import annotations
 
 import bisect
-import collections.abc
-import copy
 import dataclasses
-import difflib
 import functools
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from meshjob.errors import FieldError, SpecError
+from meshjob.fields import FieldReader, FieldSchema, build_table, unknown_field
 
 API_VERSION = "meshjob.io/v1alpha1"
 KIND = "TrainingJob"
@@ -186,28 +182,6 @@ class TrainingJob:
 # dataclasses; RULES adds what the Python types cannot say.
 
 
-@dataclass(frozen=True)
-class FieldSchema:
-    attr: str  # dataclass attribute (snake_case)
-    yaml: str  # manifest name (camelCase)
-    type: str  # JSON type: integer | number | string | boolean | object | array
-    required: bool = False
-    nullable: bool = False
-    default: Any = None  # dataclass default (None when required)
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    enum: tuple[str, ...] | None = None
-    pattern: str | None = None
-    min_length: int | None = None
-    min_items: int | None = None
-    max_items: int | None = None
-    items: FieldSchema | None = None  # element schema of an array
-    model: type | None = None  # nested dataclass of an object (or of array elements)
-    preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
-    description: str = ""
-
-
 RENAMES = {"src": "from", "dst": "to"}
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 NAT_INT = {"minimum": 0}
@@ -275,211 +249,14 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
 METADATA_ATTRS = ("name", "namespace")
 
 
-def camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
-def _schema_for_type(attr: str, hint: Any, owner: str) -> FieldSchema:
-    """Map a Python type hint to its JSON schema (before RULES are applied)."""
-    yaml_name = RENAMES.get(attr, camel(attr))
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        return dataclasses.replace(_schema_for_type(attr, inner, owner), nullable=True)
-    if hint is bool:
-        return FieldSchema(attr, yaml_name, "boolean")
-    if hint is int:
-        return FieldSchema(attr, yaml_name, "integer")
-    if hint is float:
-        return FieldSchema(attr, yaml_name, "number")
-    if hint is str:
-        return FieldSchema(attr, yaml_name, "string")
-    if dataclasses.is_dataclass(hint):
-        return FieldSchema(attr, yaml_name, "object", model=hint)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
-            item = _schema_for_type(attr, args[0], owner)
-            return FieldSchema(attr, yaml_name, "array", items=item, model=item.model)
-        item = _schema_for_type(attr, args[0], owner)  # tuple[X, X]: fixed length
-        return FieldSchema(attr, yaml_name, "array", items=item, min_items=len(args),
-                           max_items=len(args))
-    if origin in (collections.abc.Mapping, dict):
-        return FieldSchema(attr, yaml_name, "object", preserve_unknown=True)
-    raise TypeError(f"{owner}.{attr}: no schema for type {hint!r}")
-
-
 @functools.cache
 def schema_of(cls: type) -> tuple[FieldSchema, ...]:
-    """The field table of one dataclass: types from its hints, constraints from RULES."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if cls is TrainingJob and f.name in METADATA_ATTRS:
-            continue
-        schema = _schema_for_type(f.name, hints[f.name], cls.__name__)
-        rules = dict(RULES.get((cls.__name__, f.name), {}))
-        if "item_minimum" in rules:
-            schema = dataclasses.replace(schema, items=dataclasses.replace(
-                schema.items, minimum=rules.pop("item_minimum")))
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()  # a template: copied before use (the table is cached)
-        else:
-            default = None
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append(dataclasses.replace(schema, **({"required": required, "default": default} | rules)))
-    return tuple(out)
+    """The field table of one dataclass of the model (metadata fields of TrainingJob excluded)."""
+    return build_table(cls, RULES, RENAMES, METADATA_ATTRS if cls is TrainingJob else ())
 
 
-# ---------------------------------------------------------------------------------------------
-# Structural pass: types, enums, bounds, unknown and missing fields, driven by the table.
-
-
-class _Reader:
-    """Collects FieldErrors; remembers which paths failed so semantic rules can skip them."""
-
-    def __init__(self) -> None:
-        self.errors: list[FieldError] = []
-        self.bad: set[str] = set()
-
-    def fail(self, path: str, value: Any, allowed: str) -> None:
-        self.errors.append(FieldError(path, value, allowed))
-        self.bad.add(path)
-
-    def clean(self, *paths: str) -> bool:
-        """True when no error touched these paths, their parents or their children."""
-        for path in paths:
-            for bad in self.bad:
-                if bad == path or bad.startswith((path + ".", path + "[")) \
-                        or path.startswith((bad + ".", bad + "[")):
-                    return False
-        return True
-
-    def read_object(self, cls: type, node: Any, path: str) -> dict[str, Any] | None:
-        """attr -> value of one dataclass from a mapping, or None when the node is no mapping."""
-        table = schema_of(cls)
-        if not isinstance(node, Mapping):
-            self.fail(path, node, f"a mapping with fields {', '.join(f.yaml for f in table)}")
-            return None
-        by_yaml = {f.yaml: f for f in table}
-        for key in node:
-            if not isinstance(key, str):
-                self.fail(f"{path}[{key!r}]", key, "field names are strings")
-            elif key not in by_yaml:
-                self.fail(f"{path}.{key}", node[key], _unknown(key, list(by_yaml)))
-        values: dict[str, Any] = {}
-        for f in table:
-            sub = f"{path}.{f.yaml}"
-            if f.yaml not in node or (node[f.yaml] is None and f.nullable):
-                if f.required:
-                    self.fail(sub, None, f"required: {_describe(f)}")
-                values[f.attr] = copy.deepcopy(f.default)
-            else:
-                values[f.attr] = self.read_value(f, node[f.yaml], sub)
-        return values
-
-    def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
-        """The checked (converted) value, or the field default after recording an error."""
-        if f.type in ("integer", "number", "string", "boolean"):
-            problem = _check_scalar(f, value)
-            if problem is not None:
-                self.fail(path, value, problem)
-                return f.default
-            return float(value) if f.type == "number" else value
-        if f.type == "object" and f.preserve_unknown:
-            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-                self.fail(path, value, "a mapping with string keys (k8s ResourceRequirements)")
-                return copy.deepcopy(f.default)
-            return copy.deepcopy(dict(value))
-        if f.type == "object":
-            attrs = self.read_object(f.model, value, path)
-            return f.default if attrs is None else f.model(**attrs)
-        return self.read_array(f, value, path)
-
-    def read_array(self, f: FieldSchema, value: Any, path: str) -> Any:
-        if not isinstance(value, (list, tuple)):
-            self.fail(path, value, f"a list: {_describe(f)}")
-            return f.default
-        if f.min_items is not None and len(value) < f.min_items or \
-                f.max_items is not None and len(value) > f.max_items:
-            self.fail(path, value, _describe(f))
-            return f.default
-        items = []
-        for i, item in enumerate(value):
-            items.append(self.read_value(f.items, item, f"{path}[{i}]"))
-        return tuple(items)
-
-
-def _unknown(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown field{hint}; known fields: {', '.join(known)}"
-
-
-def _describe(f: FieldSchema) -> str:
-    """What a field accepts, in words (used in every structural error)."""
-    if f.type == "array":
-        if f.min_items is not None and f.min_items == f.max_items:
-            count = f"exactly {f.min_items}"
-        elif f.max_items is not None:
-            count = f"{f.min_items or 0} to {f.max_items}"
-        else:
-            count = f"at least {f.min_items or 0}"
-        return f"a list of {count} items, each {_describe(f.items)}"
-    if f.type == "object":
-        return "a mapping"
-    if f.enum is not None:
-        return "one of " + ", ".join(f.enum)
-    words = {"integer": "an integer", "number": "a number", "string": "a string",
-             "boolean": "true or false"}[f.type]
-    if f.minimum is not None and f.maximum is not None:
-        words += f" in {_num(f.minimum)}..{_num(f.maximum)}"
-    elif f.minimum is not None:
-        words += f" {'>' if f.exclusive_minimum else '>='} {_num(f.minimum)}"
-    if f.pattern is not None:
-        words += f" matching {f.pattern}"
-    if f.min_length:
-        words = f"a string of at least {f.min_length} character(s)"
-    return words
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _check_scalar(f: FieldSchema, value: Any) -> str | None:
-    """None when a scalar value fits its schema, else what is allowed (in words)."""
-    if f.type == "integer":
-        if not isinstance(value, int) or isinstance(value, bool):
-            return _describe(f)
-    elif f.type == "number":
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            return _describe(f)
-    elif f.type == "string":
-        if isinstance(value, bool) and f.enum is not None and set(f.enum) & {"on", "off"}:
-            # YAML 1.1 reads unquoted on/off as booleans
-            return _describe(f) + " (quote on/off in YAML: unquoted they are booleans)"
-        if not isinstance(value, str):
-            return _describe(f)
-        if f.enum is not None and value not in f.enum:
-            return _describe(f)
-        if f.pattern is not None and not re.match(f.pattern, value):
-            return _describe(f)
-        if f.min_length is not None and len(value) < f.min_length:
-            return _describe(f)
-        return None
-    elif f.type == "boolean":
-        return None if isinstance(value, bool) else _describe(f)
-    else:
-        return None
-    if f.minimum is not None and (value < f.minimum or (f.exclusive_minimum and value == f.minimum)):
-        return _describe(f)
-    if f.maximum is not None and value > f.maximum:
-        return _describe(f)
-    return None
+def _reader() -> FieldReader:
+    return FieldReader(schema_of)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,12 +287,12 @@ def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[Edge
     return tuple(edges)
 
 
-def _check_model(r: _Reader, m: ModelSpec) -> None:
+def _check_model(r: FieldReader, m: ModelSpec) -> None:
     if r.clean("spec.model.heads", "spec.model.hidden") and m.hidden % m.heads:
         r.fail("spec.model.heads", m.heads, f"a divisor of spec.model.hidden ({m.hidden})")
 
 
-def _check_training(r: _Reader, t: TrainingSpec) -> None:
+def _check_training(r: FieldReader, t: TrainingSpec) -> None:
     if r.clean("spec.training.microbatches", "spec.training.globalBatch") \
             and t.global_batch % t.microbatches:
         r.fail("spec.training.microbatches", t.microbatches,
@@ -525,7 +302,7 @@ def _check_training(r: _Reader, t: TrainingSpec) -> None:
                "a non-empty path when spec.training.checkpoint.every > 0")
 
 
-def _check_stages(r: _Reader, job: TrainingJob) -> None:
+def _check_stages(r: FieldReader, job: TrainingJob) -> None:
     """Layer ranges, meshes vs topology, parallel dims vs model and batch."""
     m, t = job.model, job.training
     expect = 0  # where the next stage's layer range must begin
@@ -582,7 +359,7 @@ def _check_stages(r: _Reader, job: TrainingJob) -> None:
                f"a range ending at spec.model.layers ({m.layers}): stages cover every layer")
 
 
-def _resolve_edges(r: _Reader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
+def _resolve_edges(r: FieldReader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
     """The model's edges (defaults) with the user's layout overrides applied and checked."""
     defaults = default_edges(job.model, job.stages)
     if raw is None:
@@ -625,7 +402,7 @@ def _resolve_edges(r: _Reader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ..
     return tuple(edges)
 
 
-def _check_layout(r: _Reader, path: str, text: str | None, natural: str, stage: StageSpec,
+def _check_layout(r: FieldReader, path: str, text: str | None, natural: str, stage: StageSpec,
                   index: int, shape: tuple[int, int, int], role: str) -> str:
     """Canonical form of a user layout, checked against the stage's mesh and natural layout."""
     if text is None:
@@ -672,14 +449,14 @@ TOP_LEVEL = ("apiVersion", "kind", "metadata", "spec", "status")
 
 def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     """Validate a whole TrainingJob document; raise SpecError with every problem at once."""
-    r = _Reader()
+    r = _reader()
     if not isinstance(doc, Mapping):
         raise SpecError([FieldError("document", doc, "a TrainingJob mapping with apiVersion, kind, "
                                     "metadata and spec")])
     for key in doc:
         if key not in TOP_LEVEL:
             r.fail(str(key) if isinstance(key, str) else f"[{key!r}]", doc[key],
-                   _unknown(str(key), list(TOP_LEVEL)))
+                   unknown_field(str(key), list(TOP_LEVEL)))
     if doc.get("apiVersion") != API_VERSION:
         r.fail("apiVersion", doc.get("apiVersion"), API_VERSION)
     if doc.get("kind") != KIND:
@@ -701,7 +478,7 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     return job
 
 
-def _read_metadata(r: _Reader, meta: Any) -> tuple[str, str]:
+def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:
     """name (required) and namespace (default "default"); other k8s metadata is ignored."""
     allowed = "a DNS-1123 label: at most 63 lowercase letters, digits and '-', starting and " \
               "ending with a letter or digit"

@@ -23,7 +23,7 @@ from meshjob.plan import build_plan
 from meshjob.spec import TrainingJob, parse_job
 
 from meshjob.operator import lifecycle, names, render
-from meshjob.operator.assign import HostPod, host_pods, status_placement
+from meshjob.operator.assign import host_pods, status_placement
 from meshjob.operator.kube import Kube
 from meshjob.operator.metrics import OperatorMetrics
 from meshjob.operator.nodes import describe_cluster, hosts_of, node_infos
