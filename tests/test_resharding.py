@@ -165,6 +165,7 @@ def test_lowered_steps_deliver_exactly_each_receivers_tile(strategy, case, chunk
     steps = lower_all(decompose(tensor, mesh_a, spec_a, mesh_b, spec_b), strategy, chunks, host_of, rng)
     initial = {r: tile(spec_a, mesh_a.shape, tensor, mesh_a.index_of(r)) for r in mesh_a.ranks}
     initial.update({r: None for r in mesh_b.ranks})
+    by_id = {s.id: s for s in steps}
     assert len(by_id) == len(steps)
     assert all(direct_dependencies_cover(s, by_id, initial) for s in steps)
     data, state = simulate(tensor, initial, steps, rng)
@@ -218,6 +219,7 @@ def test_global_allgather_ring_moves_almost_a_second_copy_through_each_host():
 def test_broadcast_chain_hops_depend_only_on_receipt_of_the_same_chunk():
     task, host_of = one_to_two_by_four()
     steps = lower(task, 0, 0, "broadcast", 4, host_of)
+    by_id = {s.id: s for s in steps}
     chunks = split(task.slice, 4)
     assert len({s.region for s in steps}) == 4
     for s in steps:
