@@ -72,3 +72,13 @@ def test_utransformer_demo_has_skip_edges_that_cross_stages():
 def test_tiny_is_two_stages_on_two_to_four_ranks():
     job = example("tiny")
     assert len(job.stages) == 2 and 2 <= job.world_size <= 4
+
+
+def test_the_readme_manifest_is_a_valid_training_job():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## A manifest\n\n```yaml\n(.*?)```", readme, re.S)
+    assert block is not None, "README.md lost its '## A manifest' YAML block"
+    assert parse_job(yaml.safe_load(block.group(1))).name == "gpt-demo"
