@@ -46,12 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma separated, 1f1b and signal always included (default {','.join(VARIANTS)})")
     parser.add_argument("--models", default=",".join(MODELS), help="comma separated (default gpt,utransformer)")
+    parser.add_argument("--stages", type=int, default=4, choices=(2, 4, 8),
+                        help="pipeline stages, one device and one emulated host each (default 4)")
     parser.add_argument("--out", default="bench/results", help="folder for pipeline.json and PNGs")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
 
 
-def bench_job(model: str, variant: str, steps: int, quick: bool) -> TrainingJob:
-    """4 stages on 4 hosts of one device each: every boundary crosses a NIC."""
+def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4) -> TrainingJob:
+    """`stages` stages on as many hosts of one device each: every boundary crosses a NIC."""
     v = VARIANTS[variant]
     hidden, seq = (32, 16) if quick else (128, 64)
     doc = {
@@ -61,7 +63,7 @@ def bench_job(model: str, variant: str, steps: int, quick: bool) -> TrainingJob:
             "model": {"kind": model, "layers": 8, "hidden": hidden, "heads": 4, "vocab": 256, "seqLen": seq},
             "training": {"steps": steps, "globalBatch": 16, "microbatches": 8, "learningRate": 1e-3, "seed": 0},
             "topology": {"devicesPerHost": 1},
-            "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(4)],
+            "stages": [{"layers": [8 * i // stages, 8 * (i + 1) // stages], "mesh": [1, 1]} for i in range(stages)],
             "resharding": {"strategy": v["strategy"], "chunks": 4, "balancer": "greedy"},
             "schedule": {"kind": v["kind"], "weightGradDelay": v["delay"]},
         },
@@ -238,7 +240,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     for model in models:
         per_variant: dict[str, Measured] = {}
         for variant in variants:
-            job = bench_job(model, variant, steps, args.quick)
+            job = bench_job(model, variant, steps, args.quick, args.stages)
             m, network = run_variant(job, args.nic_rate, not args.no_netns)
             m.model, m.variant = model, variant
             per_variant[variant] = m
@@ -258,7 +260,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             r["overlap"] = statistics.mean(s["overlap"] for s in st.values())
             r["peak_stashed_vs_1f1b"] = [st[i]["peak_stashed"] / base.stages[i]["peak_stashed"] for i in sorted(st)]
     emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
-    subtitle = f"NIC {args.nic_rate} ({emulated}), 4 stages x 1 device, M=8, broadcast K=4"
+    subtitle = f"NIC {args.nic_rate} ({emulated}), {args.stages} stages x 1 device, M=8, broadcast K=4"
     print_table(rows, f"meshjob bench pipeline — {subtitle}")
     pngs = plot(measured, args.out, subtitle)
     out = {"nic_rate": args.nic_rate, "network": network, "emulated": emulated, "steps": steps, "timed_steps": steps - 1,
