@@ -393,3 +393,18 @@ def test_a_job_without_an_image_runs_the_operators_trainer_image(monkeypatch):
     assert validate(doc).image == "registry.example/meshjob/trainer:9.9"
     doc["spec"]["image"] = "mine:1"
     assert validate(doc).image == "mine:1"
+
+
+def test_the_operator_folder_never_shadows_the_standard_library_operator():
+    """From a checkout, `python -m pip` or `python -m pytest` puts the repository root on sys.path before
+    the interpreter imports `operator` (no site packages here, as in a fresh virtualenv)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-S", "-c", "import collections, operator; "
+                          "print(operator.itemgetter(1)([0, 42]), collections.OrderedDict.__name__)"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["42", "OrderedDict"]
