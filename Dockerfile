@@ -16,7 +16,7 @@ RUN groupadd --gid 10001 meshjob \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin meshjob
 WORKDIR /app
 
-# ---- build: the meshjob wheel (one distribution: meshjob, meshjob.operator, meshjob.trainer) ----
+# ---- build: the meshjob wheel (one distribution: meshjob, meshjob_operator, meshjob_trainer) ----
 FROM base AS build
 RUN pip install setuptools==84.2.1 wheel==0.45.1
 COPY pyproject.toml README.md ./
@@ -26,11 +26,12 @@ COPY trainer/ trainer/
 RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---- operator: `meshjob operator` (kopf), no torch ----
-# cryptography: the admission webhook's self-signed serving certificate (operator/certs.py)
+# cryptography: the admission webhook's self-signed serving certificate (meshjob_operator/certs.py)
 FROM base AS operator
 COPY --from=build /wheels /wheels
-RUN pip install --find-links /wheels "meshjob[operator]==0.1.0" \
-      kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 cryptography==48.0.0 pyyaml==6.0.3 rich==15.0.0 \
+RUN pip install --find-links /wheels meshjob==0.1.0 meshjob-operator==0.1.0 \
+      kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 cryptography==48.0.0 aiohttp==3.14.5 \
+      pyyaml==6.0.3 rich==15.0.0 \
  && rm -rf /wheels
 USER 10001:10001
 EXPOSE 9401 8080
@@ -38,14 +39,14 @@ ENTRYPOINT ["meshjob"]
 CMD ["operator"]
 
 # ---- trainer: `meshjob worker`, one process per device (torch CPU wheel) ----
-# kubernetes: the trainer annotates its own pod with its step (trainer/status.py); without the
+# kubernetes: the trainer annotates its own pod with its step (meshjob_trainer/status.py); without the
 # client library that report is silently off.
 FROM base AS trainer
 # The CPU-only wheel index: torch from the default index pulls the multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
- && pip install --find-links /wheels "meshjob[trainer]==0.1.0" \
+ && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
       torch==2.13.0 prometheus-client==0.26.0 kubernetes==37.0.2 pyyaml==6.0.3 rich==15.0.0 \
  && rm -rf /wheels
 USER 10001:10001

@@ -16,8 +16,9 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from meshjob.resharding import STRATEGIES
+
 BALANCERS = ("naive", "load_balance", "dfs", "greedy")
-STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 from meshjob.errors import PlacementError, SpecError, UsageError
 
-# subcommand -> module in meshjob.commands (the module may live in an executor package)
-COMMANDS: dict[str, str] = {
-    "plan": "meshjob.commands.plan",
-    "crd": "meshjob.commands.crd",
-    "run": "meshjob.commands.run",
-    "bench": "meshjob.commands.bench",
-    "simulate": "meshjob.commands.simulate",
-    "worker": "meshjob.trainer.cli",
-    "operator": "meshjob.operator.cli",
+# subcommand -> (module, the distribution that ships it). The plan layer's own commands live in
+# meshjob.commands; the others come with the executor they run, installed separately.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("meshjob.commands.plan", "meshjob"),
+    "crd": ("meshjob.commands.crd", "meshjob"),
+    "simulate": ("meshjob.commands.simulate", "meshjob"),
+    "run": ("meshjob_trainer.commands.run", "meshjob-trainer"),
+    "worker": ("meshjob_trainer.commands.worker", "meshjob-trainer"),
+    "bench": ("meshjob_bench.cli", "meshjob-bench"),
+    "operator": ("meshjob_operator.cli", "meshjob-operator"),
 }
 HELPS: dict[str, str] = {
     "plan": "show the plan for a TrainingJob: placement, resharding tasks, schedules",
@@ -33,6 +35,18 @@ HELPS: dict[str, str] = {
 }
 
 
+def command_module(name: str) -> ModuleType:
+    """The module of subcommand `name`; a missing distribution is a usage error that says what to install."""
+    module, distribution = COMMANDS[name]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or module.split(".")[0] != err.name.split(".")[0]:
+            raise  # a dependency of an installed command is missing: its own traceback says which
+        raise SystemExit(f"meshjob {name}: needs the {distribution} distribution, which is not installed "
+                         f"(from a checkout: pip install ./{distribution.removeprefix('meshjob-')})") from err
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshjob", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -40,14 +54,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, help_text in HELPS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module that will run
-            importlib.import_module(COMMANDS[name]).add_arguments(p)
+            command_module(name).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command])
+    module = command_module(args.command)
     try:
         return int(module.run(args) or 0)
     except (SpecError, PlacementError, UsageError) as err:

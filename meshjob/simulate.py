@@ -26,7 +26,7 @@ from meshjob.schedule import Action
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of work; `meshjob simulate --calibrate` measures layer_forward_s and backward_factor
-    with a short forward/backward of the model on this machine (meshjob.trainer.calibrate)."""
+    with a short forward/backward of the model on this machine (meshjob_trainer.calibrate)."""
 
     nic_bytes_per_s: float = 1e9 / 8
     intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC

@@ -21,15 +21,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from meshjob.api import API_VERSION, KIND, TRAINER_METRICS_PORT
+from meshjob.balance import BALANCERS
 from meshjob.errors import FieldError, SpecError
 from meshjob.fields import FieldReader, FieldSchema, build_table, unknown_field
+from meshjob.resharding import STRATEGIES
+from meshjob.schedule import SCHEDULE_KINDS
 
-API_VERSION = "meshjob.io/v1alpha1"
-KIND = "TrainingJob"
 MODEL_KINDS = ("gpt", "utransformer")
-STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
-BALANCERS = ("naive", "load_balance", "dfs", "greedy")
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 WEIGHT_GRAD_DELAY = ("off", "on", "auto")
 CLEAN_POD_POLICIES = ("All", "Running", "None")
 MAX_MESH_DIMS = 3
@@ -130,12 +129,12 @@ class RunPolicy:
 
 @dataclass(frozen=True)
 class MetricsSpec:
-    port: int = 9400
+    port: int = TRAINER_METRICS_PORT
 
 
 @dataclass(frozen=True)
 class SchedulingSpec:
-    """Read by the operator only (operator/render.py): gang scheduling, Kueue queue, topology."""
+    """Read by the operator only (meshjob_operator/render.py): gang scheduling, Kueue queue, topology."""
     gang: bool = False  # one PodGroup for all host pods (scheduler-plugins coscheduling)
     scheduler_name: str = ""  # YAML: schedulerName; "" = the operator's default gang scheduler
     queue: str = ""  # Kueue LocalQueue
@@ -226,7 +225,7 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("ReshardingSpec", "balancer"): {"enum": BALANCERS},
     ("ReshardingSpec", "budget_seconds"): {"minimum": 0, "exclusive_minimum": True,
                                            "description": "planning time budget of dfs"},
-    ("ScheduleSpec", "kind"): {"enum": SCHEDULES},
+    ("ScheduleSpec", "kind"): {"enum": SCHEDULE_KINDS},
     ("ScheduleSpec", "weight_grad_delay"): {"enum": WEIGHT_GRAD_DELAY},
     ("RunPolicy", "backoff_limit"): NAT_INT,
     ("RunPolicy", "active_deadline_seconds"): NAT_INT,

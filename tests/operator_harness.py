@@ -25,8 +25,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import yaml
 
-from meshjob.operator import names
-from meshjob.operator.kube import MERGE_PATCH, ApiError, Connection, Kube
+from meshjob_operator import names
+from meshjob_operator.kube import MERGE_PATCH, ApiError, Connection, Kube
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_PATH = REPO / "crds" / "trainingjob.yaml"
@@ -278,7 +278,7 @@ class OperatorThread:
             self.loop.close()
 
     async def start(self) -> None:
-        from meshjob.operator.handlers import STATE, OperatorConfig
+        from meshjob_operator.handlers import STATE, OperatorConfig
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
         STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook is not None,
@@ -550,7 +550,7 @@ async def scenario_activeDeadline_fails_the_job(c: Cluster, tag: str) -> None:
 
 async def scenario_operator_killed_mid_creation(c: Cluster, tag: str) -> None:
     """The operator dies after creating 2 of 4 pods; a new one creates the rest, once each."""
-    from meshjob.operator.handlers import STATE
+    from meshjob_operator.handlers import STATE
 
     await prepare_namespace(c, tag)
     await add_nodes(c, tag, 4)

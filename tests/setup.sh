@@ -14,4 +14,4 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   (systemctl stop prometheus || service prometheus stop || pkill -x prometheus) >/dev/null 2>&1 || true
 fi
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[dev]'
+python -m pip install -q -e '.[dev]' -e ./operator -e ./trainer -e ./bench

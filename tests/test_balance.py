@@ -236,7 +236,7 @@ def test_a_task_without_senders_is_rejected():
 
 def test_an_unfinished_search_stops_at_the_same_point_on_every_run():
     """Ranks plan independently: a budget that runs out must not depend on machine load."""
-    from bench.planner import random_tasks
+    from meshjob_bench.planner import random_tasks
 
     tasks = random_tasks(0)
     runs = [balance(tasks, "dfs", "broadcast", 16, 1.25e8, budget_s=0.05) for _ in range(3)]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.pipeline import bench_job, main
+from meshjob_bench.pipeline import bench_job, main
 
 pytestmark = pytest.mark.slow
 

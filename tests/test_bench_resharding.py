@@ -12,8 +12,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
 
-from bench.resharding import ITEMSIZE, Case, Layout, Row, Variant, collect, physical_limit, summarize  # noqa: E402
-from meshjob.emulate.netns import netns_available
+from meshjob_bench.resharding import ITEMSIZE, Case, Layout, Row, Variant, collect, physical_limit, summarize  # noqa: E402
+from meshjob_trainer.emulate.netns import netns_available
 from meshjob.resharding import decompose
 from meshjob.sharding import ShardingSpec
 
@@ -75,7 +75,7 @@ def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_
 
 
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
-    from bench.resharding import Layout, build_cases
+    from meshjob_bench.resharding import Layout, build_cases
 
     cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=Layout())
     for case in cases:

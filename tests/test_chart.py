@@ -263,7 +263,7 @@ def test_monitors_and_rule_carry_the_configured_release_label():
 
 
 def test_pod_monitor_selects_trainer_pods_by_the_operators_job_label():
-    from meshjob.operator import names
+    from meshjob_operator import names
     (pm,) = by_kind(manifests(render(EVERYTHING_ON)), "PodMonitor")
     assert pm["spec"]["selector"]["matchExpressions"] == [{"key": names.JOB_LABEL, "operator": "Exists"}]
     assert pm["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
@@ -281,7 +281,7 @@ def _kept_port_names(pod_monitor: dict[str, Any], port_names: list[str]) -> list
 def test_pod_monitor_scrapes_the_metrics_port_of_every_local_rank_and_no_other_port():
     """The port names the operator declares for a 16-device host: all 16 metrics ports are kept,
     the rendezvous port is not."""
-    from meshjob.operator import render as operator_render
+    from meshjob_operator import render as operator_render
     from meshjob.spec import parse_job
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -340,7 +340,7 @@ def test_notes_say_how_to_apply_an_example_job_that_exists():
 
 # --- least-privilege RBAC: rules == what the operator's source calls, confirmed by a real run ------
 
-# The operator's Kube client (operator/kube.py): method -> the (group, resource, verb) it sends.
+# The operator's Kube client (meshjob_operator/kube.py): method -> the (group, resource, verb) it sends.
 # A new method fails the test until it is added here, so every new API call gets an RBAC review.
 KUBE_METHODS: dict[str, list[tuple[str, str, str]]] = {
     "get_job": [("meshjob.io", "trainingjobs", "get")],
@@ -362,7 +362,7 @@ def _literal_strings(node: ast.AST) -> list[str]:
 
 
 def _constant(module_names: dict[str, str], node: ast.AST) -> str | None:
-    """A string literal, or names.X of operator/names.py."""
+    """A string literal, or names.X of meshjob_operator/names.py."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "names":
@@ -372,11 +372,11 @@ def _constant(module_names: dict[str, str], node: ast.AST) -> str | None:
 
 def needed_by_operator_source() -> set[tuple[str, str, str]]:
     """(group, resource, verb) the operator calls: its Kube client calls and its kopf handlers."""
-    from meshjob.operator import names as names_module
+    from meshjob_operator import names as names_module
 
     consts = {k: v for k, v in vars(names_module).items() if isinstance(v, str)}
     needed: set[tuple[str, str, str]] = set()
-    for path in sorted((ROOT / "operator").glob("*.py")):
+    for path in sorted((ROOT / "operator" / "meshjob_operator").glob("*.py")):
         if path.name == "kube.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -517,13 +517,13 @@ def test_webhook_with_several_replicas_needs_a_cert_secret():
 
 # --- the trainer's ServiceAccount: annotate its own pod, nothing more ---------------------
 
-# trainer/status.py's client calls -> the verb on pods each needs
+# meshjob_trainer/status.py's client calls -> the verb on pods each needs
 TRAINER_POD_CALLS = {"patch_namespaced_pod": "patch", "read_namespaced_pod": "get"}
 
 
 def needed_by_trainer_source() -> set[tuple[str, str, str]]:
     needed = set()
-    tree = ast.parse((ROOT / "trainer" / "status.py").read_text())
+    tree = ast.parse((ROOT / "trainer" / "meshjob_trainer" / "status.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and ast.unparse(node.func.value) == "self.api":
@@ -569,7 +569,7 @@ def test_trainer_service_account_and_role_exist_in_every_job_namespace(values, n
 
 def test_trainer_role_grants_exactly_what_the_trainer_source_calls():
     needed = needed_by_trainer_source()
-    assert needed, "trainer/status.py patches its pod's annotations"
+    assert needed, "meshjob_trainer/status.py patches its pod's annotations"
     for namespace, kinds in trainer_objects(manifests(render(NON_DEFAULT))).items():
         rules = kinds["Role"]["rules"]
         granted_ = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
@@ -590,11 +590,11 @@ def test_trainer_service_account_can_be_left_to_the_namespace_default():
 @pytest.mark.slow
 def test_the_trainer_service_account_may_annotate_its_pod_on_a_real_kube_apiserver(tmp_path):
     """The chart's trainer ServiceAccount/Role/RoleBinding on a real kube-apiserver (RBAC on): the trainer's
-    own reporting code (trainer/status.py) patches its pod's checkpoint annotation as that account;
+    own reporting code (meshjob_trainer/status.py) patches its pod's checkpoint annotation as that account;
     listing pods is forbidden."""
     import kubernetes
 
-    from meshjob.trainer.status import PodStatus
+    from meshjob_trainer.status import PodStatus
     from prometheus_harness import Envtest, envtest_dir
 
     assets = envtest_dir()

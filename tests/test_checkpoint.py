@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshjob.spec import load_job
-from meshjob.trainer.checkpoint import Checkpointer, CheckpointMismatch, atomic_write, spec_fingerprint
-from meshjob.trainer.dist import init_distributed, shutdown_distributed
+from meshjob_trainer.checkpoint import Checkpointer, CheckpointMismatch, atomic_write, spec_fingerprint
+from meshjob_trainer.dist import init_distributed, shutdown_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
 
@@ -130,7 +130,7 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(gang, tmp_path):
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_host_job, tmp_path):
     """4 steps with checkpoints, then a fresh gang asked for 6 resumes at 4: same final weights
     and losses as 6 steps in one go."""
-    from meshjob.trainer.launch import launch_job
+    from meshjob_trainer.launch import launch_job
 
     def run(job_path: str):
         return launch_job(job_path, timeout_s=50, rank_timeout_s=30).raise_on_failure().values
@@ -152,9 +152,9 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
     import os
     import signal
 
-    from meshjob.trainer.launch import launch_local
-    from meshjob.trainer.metrics import TrainerMetrics
-    from meshjob.trainer.worker import run_worker
+    from meshjob_trainer.launch import launch_local
+    from meshjob_trainer.metrics import TrainerMetrics
+    from meshjob_trainer.worker import run_worker
 
     ckpt = str(tmp_path / "ckpt")
     job = one_host_job("job", steps=6, checkpoint={"every": 2, "path": ckpt})

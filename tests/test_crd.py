@@ -96,7 +96,7 @@ def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
 
 
 def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
-    # a structural schema prunes unknown fields: what operator/render.py reads must be declared
+    # a structural schema prunes unknown fields: what meshjob_operator/render.py reads must be declared
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["scheduling"]["properties"] == {
         "gang": {"type": "boolean"}, "schedulerName": {"type": "string"}, "queue": {"type": "string"},
@@ -104,12 +104,16 @@ def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
     assert props["serviceAccountName"]["type"] == "string"
 
 
-def test_enums_come_from_the_spec_constants():
+def test_enums_come_from_the_plan_layers_single_definitions():
+    from meshjob.balance import BALANCERS
+    from meshjob.resharding import STRATEGIES
+    from meshjob.schedule import SCHEDULE_KINDS
+
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["model"]["properties"]["kind"]["enum"] == list(spec.MODEL_KINDS)
-    assert props["resharding"]["properties"]["strategy"]["enum"] == list(spec.STRATEGIES)
-    assert props["resharding"]["properties"]["balancer"]["enum"] == list(spec.BALANCERS)
-    assert props["schedule"]["properties"]["kind"]["enum"] == list(spec.SCHEDULES)
+    assert props["resharding"]["properties"]["strategy"]["enum"] == list(STRATEGIES)
+    assert props["resharding"]["properties"]["balancer"]["enum"] == list(BALANCERS)
+    assert props["schedule"]["properties"]["kind"]["enum"] == list(SCHEDULE_KINDS)
     assert props["schedule"]["properties"]["weightGradDelay"]["enum"] == list(spec.WEIGHT_GRAD_DELAY)
     assert props["runPolicy"]["properties"]["cleanPodPolicy"]["enum"] == list(spec.CLEAN_POD_POLICIES)
 

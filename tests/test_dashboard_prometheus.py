@@ -71,8 +71,8 @@ def test_dashboard_queries_use_only_metrics_that_exist():
     """Every meshjob_* name in a query is exported by TrainerMetrics or OperatorMetrics."""
     import re
 
-    from meshjob.trainer.metrics import TrainerMetrics
-    from meshjob.operator.metrics import OperatorMetrics
+    from meshjob_trainer.metrics import TrainerMetrics
+    from meshjob_operator.metrics import OperatorMetrics
 
     exported = set()
     for registry in (TrainerMetrics("j", 0, "h", 0).registry, OperatorMetrics().registry):

@@ -131,19 +131,28 @@ def test_every_pip_install_pins_exact_versions(dockerfile):
 
 def test_pinned_meshjob_version_is_the_project_version(dockerfile):
     _, stages = dockerfile
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = project()["version"]
+    assert all(project(d)["version"] == version for d in ("operator", "trainer", "bench"))
     pins = [r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run) if r.startswith("meshjob")]
     assert pins and all(r.endswith(f"=={version}") for r in pins), pins
 
 
-def test_pip_extras_used_by_the_dockerfile_exist_in_pyproject(dockerfile):
+def project(folder: str = "") -> dict:
+    """The [project] table of a distribution's pyproject.toml ("" is the root: meshjob)."""
+    return tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+
+
+def dependency_names(folder: str) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in project(folder)["dependencies"]}
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_each_image_installs_its_own_distribution(dockerfile, target):
     _, stages = dockerfile
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for stage in ("operator", "trainer"):
-        used = {m for run in stages[stage].all("RUN") for r in pip_requirements(run)
-                for m in re.findall(r"meshjob\[([\w,]+)\]", r)}
-        assert used == {stage}, f"target {stage} installs extras {used}, expected [{stage}]"
-        assert stage in extras
+    installed = {r.split("==")[0] for run in stages[target].all("RUN") for r in pip_requirements(run)}
+    assert {"meshjob", project(target)["name"]} <= installed
+    others = {"operator", "trainer"} - {target}
+    assert not {project(o)["name"] for o in others} & installed, f"target {target} installs another executor"
 
 
 def _pinned(stages, target: str) -> dict[str, str]:
@@ -156,18 +165,22 @@ def _pinned(stages, target: str) -> dict[str, str]:
     return pins
 
 
-def test_operator_image_pins_every_dependency_of_the_operator_extra(dockerfile):
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_image_pins_every_dependency_of_its_distribution(dockerfile, target):
     """An unpinned dependency would float; a missing one (cryptography) turns a feature off."""
     _, stages = dockerfile
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]
-    wanted = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in extra}
-    assert "cryptography" in wanted  # the webhook's self-signed certificate (operator/certs.py)
-    assert wanted <= set(_pinned(stages, "operator")), wanted - set(_pinned(stages, "operator"))
+    wanted = dependency_names(target) | dependency_names("")
+    assert wanted <= set(_pinned(stages, target)), wanted - set(_pinned(stages, target))
+
+
+def test_operator_distribution_declares_what_it_imports():
+    assert {"cryptography", "aiohttp", "kopf"} <= dependency_names("operator")
 
 
 def test_trainer_image_has_the_client_the_trainer_reports_its_step_with(dockerfile):
     _, stages = dockerfile
-    assert re.search(r"^\s*from kubernetes import", (ROOT / "trainer" / "status.py").read_text(), re.M)
+    assert re.search(r"^\s*from kubernetes import", (ROOT / "trainer" / "meshjob_trainer" / "status.py").read_text(),
+                     re.M)
     assert _pinned(stages, "trainer").get("kubernetes")
 
 
@@ -176,8 +189,7 @@ def test_operator_image_installs_no_torch(dockerfile):
     for stage in chain(stages, "operator"):
         for run in stage.all("RUN"):
             assert "torch" not in run, f"stage {stage.name} of the operator image installs torch"
-    assert "torch" not in " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                                   ["project"]["optional-dependencies"]["operator"])
+    assert "torch" not in dependency_names("operator") | dependency_names("")
 
 
 def test_trainer_image_installs_torch_2_13_0_cpu(dockerfile):
@@ -202,7 +214,7 @@ def test_entrypoint_is_the_projects_real_command(dockerfile, target, subcommand)
     _, stages = dockerfile
     command = exec_form(stages[target].all("ENTRYPOINT")[-1]) + exec_form(stages[target].all("CMD")[-1])
     assert command == ["meshjob", subcommand]
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = project()["scripts"]
     assert scripts["meshjob"] == "meshjob.cli:main"
     result = subprocess.run([sys.executable, "-m", "meshjob.cli", *command[1:], "--help"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -252,8 +264,8 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
 
 
 @pytest.mark.slow
-def test_wheel_built_from_the_context_has_both_executor_packages(tmp_path):
-    """What the build stage does: a wheel from only the files the context holds."""
+def test_wheels_built_from_the_context_hold_each_distributions_package(tmp_path):
+    """What the build stage does: three wheels from only the files the context holds."""
     context = tmp_path / "context"
     for path in _context_files():
         target = context / path
@@ -261,12 +273,18 @@ def test_wheel_built_from_the_context_has_both_executor_packages(tmp_path):
         target.write_bytes((ROOT / path).read_bytes())
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "--wheel-dir", str(wheels), str(context)], check=True, timeout=120,
-                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    (wheel,) = wheels.glob("meshjob-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("meshjob/cli.py", "meshjob/operator/__init__.py", "meshjob/trainer/__init__.py",
-                   "meshjob/trainer/metrics.py"):
-        assert module in names, f"{module} missing from the image's wheel"
+                    "--wheel-dir", str(wheels), str(context), str(context / "operator"), str(context / "trainer")],
+                   check=True, timeout=180, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    expected = {"meshjob-": ("meshjob/cli.py", "meshjob/plan.py"),
+                "meshjob_operator-": ("meshjob_operator/handlers.py",),
+                "meshjob_trainer-": ("meshjob_trainer/metrics.py", "meshjob_trainer/commands/worker.py")}
+    for prefix, modules in expected.items():
+        (wheel,) = wheels.glob(f"{prefix}[0-9]*.whl")
+        names = set(zipfile.ZipFile(wheel).namelist())
+        for module in modules:
+            assert module in names, f"{module} missing from {wheel.name}"
+        assert not any(n.startswith("operator/") or n == "operator.py" for n in names), "shadows the stdlib"
+    (core,) = wheels.glob("meshjob-[0-9]*.whl")
+    names = zipfile.ZipFile(core).namelist()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "meshjob = meshjob.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "meshjob = meshjob.cli:main" in zipfile.ZipFile(core).read(entry_points).decode()

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshjob.trainer.metrics import TrainerMetrics
+from meshjob_trainer.metrics import TrainerMetrics
 
 ALLOWED_LABELS = {"job", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from meshjob.spec import ModelSpec, StageSpec, default_edges
-from meshjob.trainer.data import BigramData
-from meshjob.trainer.model import ModelConfig, StageModule, full_parameters, skip_pairs
-from meshjob.trainer.reference import train_reference
+from meshjob_trainer.data import BigramData
+from meshjob_trainer.model import ModelConfig, StageModule, full_parameters, skip_pairs
+from meshjob_trainer.reference import train_reference
 
 TINY = dict(layers=6, hidden=16, heads=2, vocab=32, seq_len=8)
 
@@ -109,7 +109,7 @@ def test_reference_loss_goes_down(kind):
 
 
 def test_full_parameters_reassembles_shards_along_their_dim():
-    from meshjob.trainer.parallel import ShardInfo
+    from meshjob_trainer.parallel import ShardInfo
 
     full = torch.arange(12.0).reshape(3, 4)
     parts = [{"w": (full[:, 2:], ShardInfo(1, 1, 2))}, {"w": (full[:, :2], ShardInfo(1, 0, 2))}]
@@ -122,8 +122,8 @@ def _tp_worker(env):
     """Two ranks, one TP group: forward loss and reassembled gradients of a sharded stage."""
     import torch.distributed as dist
 
-    from meshjob.trainer.dist import init_distributed
-    from meshjob.trainer.parallel import StageMesh, build_groups, shard_info
+    from meshjob_trainer.dist import init_distributed
+    from meshjob_trainer.parallel import StageMesh, build_groups, shard_info
 
     init_distributed(env, timeout_s=30)
     groups = build_groups([StageMesh((1, 2), (0, 1), dp_dim=None, tp_dim=1)], env.rank)
@@ -139,7 +139,7 @@ def _tp_worker(env):
 
 @pytest.mark.slow
 def test_tensor_parallel_stage_matches_the_single_process_model():
-    from meshjob.trainer.launch import launch_local
+    from meshjob_trainer.launch import launch_local
 
     result = launch_local(2, _tp_worker, timeout_s=50).raise_on_failure()
     config = ModelConfig("gpt", **TINY)

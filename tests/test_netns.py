@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from meshjob.emulate.launcher import RankContext, run_gang, run_with_restarts
-from meshjob.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
+from meshjob_trainer.emulate.launcher import RankContext, run_gang, run_with_restarts
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
 from meshjob.units import parse_rate
 
 HAVE_NETNS, WHY_NOT = netns_available()
@@ -68,7 +68,7 @@ def test_cleanup_after_an_exception():
 def test_cleanup_after_sigterm_of_the_process(tmp_path):
     script = textwrap.dedent("""
         import sys, time
-        from meshjob.emulate.netns import EmulatedCluster
+        from meshjob_trainer.emulate.netns import EmulatedCluster
         with EmulatedCluster(2, prefix="mjt4_"):
             print("up", flush=True)
             time.sleep(60)
@@ -180,7 +180,7 @@ def test_gang_restarts_after_a_killed_rank_and_reports_each_attempt():
 
 
 def test_namespaces_that_cannot_be_made_fall_back_to_loopback_naming_the_reason(monkeypatch):
-    import meshjob.emulate.netns as netns_module
+    import meshjob_trainer.emulate.netns as netns_module
 
     made: list[tuple[str, ...]] = []
 

@@ -42,7 +42,7 @@ async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_delet
 
 
 async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(cluster, operator):
-    from meshjob.operator.handlers import STATE
+    from meshjob_operator.handlers import STATE
 
     await h.scenario_gang_restart_then_failed(cluster, "restart", metrics=STATE.metrics)
 

@@ -35,7 +35,7 @@ async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_delet
 
 
 async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(cluster, operator):
-    from meshjob.operator.handlers import STATE
+    from meshjob_operator.handlers import STATE
 
     await h.scenario_gang_restart_then_failed(cluster, "restart", metrics=STATE.metrics)
 
@@ -148,7 +148,7 @@ async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "MESHJOB_OPERATOR_METRICS_PORT": "0",
            "MESHJOB_OPERATOR_WEBHOOK": "0"}
     log = open(tmp_path / "kopf.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "-m", "meshjob.operator", "--standalone", "-A"],
+    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "-m", "meshjob_operator.handlers", "--standalone", "-A"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         await h.add_nodes(cluster, "kopfrun", 2)
@@ -164,7 +164,7 @@ async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
 
 
 def _admission_review(job: dict, operation: str = "CREATE", old: dict | None = None) -> dict:
-    from meshjob.operator import names
+    from meshjob_operator import names
 
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
         "uid": "review-1", "operation": operation, "userInfo": {"username": "tester"},

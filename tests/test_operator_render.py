@@ -13,12 +13,12 @@ from meshjob.placement import Host
 from meshjob.plan import build_plan
 from meshjob.spec import parse_job
 
-from meshjob.operator import lifecycle, names, render
-from meshjob.operator.assign import host_pods, status_placement
-from meshjob.operator.nodes import describe_cluster, hosts_of, node_info, node_infos
-from meshjob.operator.quantity import parse_quantity, scale_quantity
-from meshjob.operator.reconcile import Draft, manifest, plan_json, validate
-from meshjob.operator.status import PodView, progress, set_condition
+from meshjob_operator import lifecycle, names, render
+from meshjob_operator.assign import host_pods, status_placement
+from meshjob_operator.nodes import describe_cluster, hosts_of, node_info, node_infos
+from meshjob_operator.quantity import parse_quantity, scale_quantity
+from meshjob_operator.reconcile import Draft, manifest, plan_json, validate
+from meshjob_operator.status import PodView, progress, set_condition
 
 from operator_harness import job_body, node_body
 
@@ -299,7 +299,7 @@ def test_status_draft_patches_only_what_changed_and_deletes_cleared_fields():
 def test_api_errors_map_to_kopf_retry_or_no_retry(status, temporary):
     import kopf
 
-    from meshjob.operator.kube import ApiError, as_kopf_error
+    from meshjob_operator.kube import ApiError, as_kopf_error
 
     err = as_kopf_error(ApiError(status, "POST", "/api/v1/namespaces/x/pods", "boom"), delay=4.0)
     assert isinstance(err, kopf.TemporaryError if temporary else kopf.PermanentError)
@@ -311,7 +311,7 @@ def test_api_errors_map_to_kopf_retry_or_no_retry(status, temporary):
 def _operator_args(*argv: str):
     import argparse
 
-    from meshjob.operator import cli
+    from meshjob_operator import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -340,7 +340,7 @@ def test_operator_cli_rejects_bad_flags_naming_them(argv, message):
 def test_self_signed_webhook_certificate_names_the_host_and_addresses_and_is_its_own_ca():
     from cryptography import x509
 
-    from meshjob.operator.certs import self_signed_certificate
+    from meshjob_operator.certs import self_signed_certificate
 
     cert_pem, key_pem = self_signed_certificate(["meshjob-webhook.ops.svc", "0.0.0.0", "127.0.0.1"])
     cert = x509.load_pem_x509_certificate(cert_pem)
@@ -352,7 +352,7 @@ def test_self_signed_webhook_certificate_names_the_host_and_addresses_and_is_its
 
 
 def test_self_signed_certificate_without_any_usable_name_is_refused():
-    from meshjob.operator.certs import self_signed_certificate
+    from meshjob_operator.certs import self_signed_certificate
 
     with pytest.raises(ValueError, match="no usable host name or address"):
         self_signed_certificate(["0.0.0.0"])
@@ -361,7 +361,7 @@ def test_self_signed_certificate_without_any_usable_name_is_refused():
 def test_webhook_without_a_certificate_that_can_be_made_is_off_with_a_warning(monkeypatch, caplog):
     import logging
 
-    from meshjob.operator import certs
+    from meshjob_operator import certs
 
     def no_cryptography(*_args, **_kwargs):
         raise ImportError("No module named 'cryptography'")
@@ -375,7 +375,7 @@ def test_webhook_without_a_certificate_that_can_be_made_is_off_with_a_warning(mo
 
 
 def test_webhook_with_given_files_uses_them_and_needs_no_self_signed_certificate(monkeypatch):
-    from meshjob.operator import certs
+    from meshjob_operator import certs
 
     monkeypatch.setattr(certs, "self_signed_certificate", lambda *a, **k: pytest.fail("must not self-sign"))
     server = certs.webhook_server(addr="0.0.0.0", port=9443, host="wh.ops.svc", cert="/tls/tls.crt",
@@ -385,7 +385,7 @@ def test_webhook_with_given_files_uses_them_and_needs_no_self_signed_certificate
 
 
 def test_a_job_without_an_image_runs_the_operators_trainer_image(monkeypatch):
-    from meshjob.operator.reconcile import TRAINER_IMAGE_ENV, validate
+    from meshjob_operator.reconcile import TRAINER_IMAGE_ENV, validate
 
     doc = yaml.safe_load(open("examples/tiny.yaml"))
     doc["spec"].pop("image", None)
@@ -393,18 +393,3 @@ def test_a_job_without_an_image_runs_the_operators_trainer_image(monkeypatch):
     assert validate(doc).image == "registry.example/meshjob/trainer:9.9"
     doc["spec"]["image"] = "mine:1"
     assert validate(doc).image == "mine:1"
-
-
-def test_the_operator_folder_never_shadows_the_standard_library_operator():
-    """From a checkout, `python -m pip` or `python -m pytest` puts the repository root on sys.path before
-    the interpreter imports `operator` (no site packages here, as in a fresh virtualenv)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-S", "-c", "import collections, operator; "
-                          "print(operator.itemgetter(1)([0, 42]), collections.OrderedDict.__name__)"],
-                         cwd=root, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["42", "OrderedDict"]

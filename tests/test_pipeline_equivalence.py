@@ -15,10 +15,10 @@ import torch
 
 from meshjob.plan import build_plan
 from meshjob.spec import TrainingJob, parse_job
-from meshjob.trainer.launch import launch_local
-from meshjob.trainer.model import ModelConfig, StageModule, full_parameters
-from meshjob.trainer.reference import ReferenceResult, reference_for_job
-from meshjob.trainer.train import TrainResult, train_rank
+from meshjob_trainer.launch import launch_local
+from meshjob_trainer.model import ModelConfig, StageModule, full_parameters
+from meshjob_trainer.reference import ReferenceResult, reference_for_job
+from meshjob_trainer.train import TrainResult, train_rank
 
 STEPS, LR = 10, 1e-2
 STAGES = [
@@ -174,7 +174,7 @@ def run_middle_stage(actions: str):
     """Layers [2, 4) of an 8-layer U-Transformer: input 'activation', outputs 'activation',
     'skip2' and 'skip3' (a skip output is also used inside the stage)."""
     from meshjob.schedule import Action
-    from meshjob.trainer.pipeline import PipelineExecutor
+    from meshjob_trainer.pipeline import PipelineExecutor
 
     config = ModelConfig("utransformer", 8, 16, 2, 32, 8)
     module = StageModule(config, 2, 4, seed=0)
@@ -202,21 +202,21 @@ def test_split_backward_gives_the_same_gradients_as_the_full_backward():
 
 
 def test_a_backward_before_its_forward_is_refused_naming_stage_and_action():
-    from meshjob.trainer.pipeline import PipelineError
+    from meshjob_trainer.pipeline import PipelineError
 
     with pytest.raises(PipelineError, match="stage 1: action B0: microbatch 0 has no stashed forward"):
         run_middle_stage(RECV_BACK.format(m=0) + " B0")
 
 
 def test_a_forward_without_its_receive_is_refused():
-    from meshjob.trainer.pipeline import PipelineError
+    from meshjob_trainer.pipeline import PipelineError
 
     with pytest.raises(PipelineError, match="stage 1: action F0: input 'activation' of microbatch 0 was never received"):
         run_middle_stage("F0")
 
 
 def test_an_action_list_that_leaves_a_microbatch_unfinished_is_refused():
-    from meshjob.trainer.pipeline import PipelineError
+    from meshjob_trainer.pipeline import PipelineError
 
     with pytest.raises(PipelineError, match=r"stage 1: the action list ended with microbatches \[0\] forwarded"):
         run_middle_stage("RECV_F0@0 F0")
@@ -224,7 +224,7 @@ def test_an_action_list_that_leaves_a_microbatch_unfinished_is_refused():
 
 def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage():
     from meshjob.spec import EdgeSpec
-    from meshjob.trainer.train import check_edges
+    from meshjob_trainer.train import check_edges
 
     module = StageModule(ModelConfig("utransformer", 8, 16, 2, 32, 8), 6, 8, seed=0)
     edges = [EdgeSpec(2, 3, "RRR", "RRR"), EdgeSpec(0, 3, "RRR", "RRR", tensor="skip0")]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshjob.emulate.netns import list_netns, netns_available
-from meshjob.emulate.progress import RunStats
+from meshjob_trainer.emulate.netns import list_netns, netns_available
+from meshjob_trainer.emulate.progress import RunStats
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "tiny.yaml"
@@ -293,7 +293,7 @@ def test_nic_ratio_and_unit_task_events_are_summarised_per_host_boundary_and_bal
 
 @pytest.fixture
 def feed():
-    from meshjob.commands.run import MetricsFeed
+    from meshjob_trainer.commands.run import MetricsFeed
     from meshjob.placement import default_hosts
     from meshjob.plan import build_plan
     from meshjob.spec import load_job
@@ -326,8 +326,8 @@ def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
 
 
 def test_trainer_metrics_calls_in_a_rank_become_progress_events(monkeypatch):
-    from meshjob.emulate.progress import hook_trainer_metrics
-    from meshjob.trainer.metrics import TrainerMetrics
+    from meshjob_trainer.emulate.progress import hook_trainer_metrics
+    from meshjob_trainer.metrics import TrainerMetrics
 
     for name in ("record_step", "record_resharding", "record_checkpoint", "record_pipeline", "record_nic",
                  "record_resharding_ratio", "record_unit_tasks"):

@@ -125,7 +125,7 @@ def test_calibration_measures_positive_costs_and_the_cli_uses_them():
     import sys
 
     from meshjob.spec import load_job
-    from meshjob.trainer.calibrate import measure_costs
+    from meshjob_trainer.calibrate import measure_costs
 
     costs = measure_costs(load_job("examples/tiny.yaml"), repeats=1)
     assert costs["layer_forward_s"] > 0 and costs["backward_factor"] > 0

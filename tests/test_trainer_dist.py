@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from meshjob.trainer.dist import (DistError, WorkerEnv, backend_for_device, check_world_size, device_for_backend,
+from meshjob_trainer.dist import (DistError, WorkerEnv, backend_for_device, check_world_size, device_for_backend,
                                   init_distributed, shutdown_distributed, uses_cuda)
-from meshjob.trainer.launch import launch_local
+from meshjob_trainer.launch import launch_local
 
 
 def test_worker_env_reads_torchrun_variables():
@@ -203,7 +203,7 @@ class RecordingPodApi:
 
 
 def test_pod_status_is_off_outside_a_pod(tmp_path):
-    from meshjob.trainer.status import PodStatus
+    from meshjob_trainer.status import PodStatus
 
     assert not PodStatus.from_env({"MESHJOB_POD_NAME": "p"}, service_account=str(tmp_path)).enabled
     assert not PodStatus.from_env({}, service_account=str(tmp_path)).enabled
@@ -211,7 +211,7 @@ def test_pod_status_is_off_outside_a_pod(tmp_path):
 
 
 def test_pod_status_rate_limits_steps_but_always_sends_checkpoints():
-    from meshjob.trainer.status import PodStatus
+    from meshjob_trainer.status import PodStatus
 
     api = RecordingPodApi()
     status = PodStatus("job-0", "ns", api, min_interval_s=3600)
@@ -223,7 +223,7 @@ def test_pod_status_rate_limits_steps_but_always_sends_checkpoints():
 
 
 def test_pod_status_never_raises_when_the_apiserver_fails(caplog):
-    from meshjob.trainer.status import PodStatus
+    from meshjob_trainer.status import PodStatus
 
     status = PodStatus("job-0", "ns", RecordingPodApi(fail=True), min_interval_s=0)
     for step in range(3):
@@ -233,8 +233,8 @@ def test_pod_status_never_raises_when_the_apiserver_fails(caplog):
 
 
 def test_reporting_metrics_passes_steps_to_metrics_and_pod():
-    from meshjob.trainer.metrics import TrainerMetrics
-    from meshjob.trainer.status import PodStatus, ReportingMetrics
+    from meshjob_trainer.metrics import TrainerMetrics
+    from meshjob_trainer.status import PodStatus, ReportingMetrics
 
     api = RecordingPodApi()
     metrics = TrainerMetrics(job="j", rank=0, host="h", stage=1)
@@ -250,7 +250,7 @@ async def _annotations_round_trip(cluster) -> dict:
 
     from kubernetes import client, config
 
-    from meshjob.trainer.status import PodStatus
+    from meshjob_trainer.status import PodStatus
 
     await cluster.create("/api/v1/namespaces/default/pods", {
         "apiVersion": "v1", "kind": "Pod",

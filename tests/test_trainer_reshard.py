@@ -15,8 +15,8 @@ import torch
 from meshjob.mesh import Mesh
 from meshjob.resharding import Step, decompose, lower
 from meshjob.sharding import ShardingSpec, tile, to_index
-from meshjob.trainer.dist import init_distributed, shutdown_distributed
-from meshjob.trainer.reshard import ReshardError, ReshardExecutor, make_routes
+from meshjob_trainer.dist import init_distributed, shutdown_distributed
+from meshjob_trainer.reshard import ReshardError, ReshardExecutor, make_routes
 
 STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
 
@@ -212,7 +212,7 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
     boundary = make_boundary(case, "send_recv")
 
     def target(env):
-        from meshjob.trainer.metrics import TrainerMetrics
+        from meshjob_trainer.metrics import TrainerMetrics
 
         init_distributed(env, timeout_s=20)
         try:
@@ -375,7 +375,7 @@ def test_every_payload_is_a_cpu_tensor_whatever_the_context_device(monkeypatch, 
     when the context's device is not the CPU ("meta" stands in for CUDA on this machine)."""
     boundary = make_boundary(case, strategy)
     fake = RecordingDist()
-    monkeypatch.setattr("meshjob.trainer.reshard.dist", fake)
+    monkeypatch.setattr("meshjob_trainer.reshard.dist", fake)
     full = global_tensor(case, 0)
     for rank in (*case.src.ranks, *case.dst.ranks):
         routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
@@ -390,7 +390,7 @@ def test_every_payload_is_a_cpu_tensor_whatever_the_context_device(monkeypatch, 
 @pytest.mark.parametrize("case,strategy", STAGING_CASES, ids=[f"{c.name} {s}" for c, s in STAGING_CASES])
 def test_a_receiver_gets_its_tile_on_the_context_device(monkeypatch, case: Case, strategy: str):
     boundary = make_boundary(case, strategy)
-    monkeypatch.setattr("meshjob.trainer.reshard.dist", RecordingDist())
+    monkeypatch.setattr("meshjob_trainer.reshard.dist", RecordingDist())
     routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
     for rank in case.dst.ranks:
         ex = ReshardExecutor(None, rank, routes=routes, device="meta")
@@ -410,7 +410,7 @@ def test_a_source_sends_slices_of_one_cpu_copy_of_its_tile(monkeypatch):
             sent.append(tensor.clone())
             return super().isend(tensor, dst, tag)
 
-    monkeypatch.setattr("meshjob.trainer.reshard.dist", Capture())
+    monkeypatch.setattr("meshjob_trainer.reshard.dist", Capture())
     full = global_tensor(case, 4)
     ex = executor(case, [boundary], 0)
     mine = natural_tile(case, full, 0)
@@ -434,7 +434,7 @@ def recorded_metrics(gang, case: Case, boundary: PlannedBoundary):
     hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
 
     def target(env):
-        from meshjob.trainer.metrics import TrainerMetrics
+        from meshjob_trainer.metrics import TrainerMetrics
 
         init_distributed(env, timeout_s=20)
         try:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     cost = CostModel(nic_bytes_per_s=nic)
     if args.calibrate:  # on the job as written: per-sample costs do not change with scale
-        from meshjob.trainer.calibrate import measure_costs
+        from meshjob_trainer.calibrate import measure_costs
 
         cost = replace(cost, **measure_costs(job))
     if args.hosts:

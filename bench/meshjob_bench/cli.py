@@ -1,0 +1,37 @@
+"""`meshjob bench resharding|pipeline|planner|operator`: dispatch to the benchmark modules of this package.
+
+Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
+import error in it is a real error and surfaces as one.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator"
+BENCHMARKS: dict[str, str] = {
+    "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
+    "pipeline": "pipeline schedules: 1f1b, eager-1f1b, weight-grad delay, signal upper bound",
+    "planner": "sender balancers: makespan over lower bound and planning time",
+    "operator": "the operator: reconcile latency and throughput against an API server",
+}
+
+
+def _bench_module(name: str) -> ModuleType:
+    return importlib.import_module(f"meshjob_bench.{name}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    # import only the benchmark that will run (every one when none is named, e.g. for --help)
+    wanted = next((a for a in sys.argv[1:] if a in BENCHMARKS), None)
+    for name, help_text in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if wanted in (name, None):
+            _bench_module(name).add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(_bench_module(args.benchmark).main(args) or 0)

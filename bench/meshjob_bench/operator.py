@@ -1,0 +1,191 @@
+"""Operator benchmark: time from TrainingJob creation to all host pods, and many-job throughput.
+
+  - latency: one job of H hosts (H = 1..64; one device per host, one data-parallel stage), from the
+    create request until H pods exist; reported per size and as a ratio to the 1-host job;
+  - throughput: N concurrent 2-host jobs created at once, until every one has its pods: jobs/s,
+    and the ratio of the batch time to N x the single 2-host job latency (below 1 = concurrency pays).
+Against the real kube-apiserver of KUBEBUILDER_ASSETS (or ../shared/envtest) when present, else
+kmock. The operator runs in this process (its own thread and event loop) with its real handlers.
+Absolute times on a shared 2-core machine are noise: compare the ratios.
+
+Run: `python -m meshjob_bench.operator` or `meshjob bench operator`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the shared kmock/envtest harness
+
+import operator_harness as h
+
+RESULTS = ROOT / "bench" / "results" / "operator.json"
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                        help="host counts of the latency jobs (comma-separated)")
+    parser.add_argument("--jobs", type=int, default=100, help="concurrent jobs of the throughput run")
+    parser.add_argument("--repeats", type=int, default=3, help="latency runs per size (the median is kept)")
+    parser.add_argument("--server", choices=("auto", "envtest", "kmock"), default="auto",
+                        help="API server: the real one when available (auto), or force one")
+    parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--sizes: {text!r} is invalid: comma-separated host counts such as 1,2,4") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--sizes: {text!r} is invalid: host counts >= 1")
+    return sizes
+
+
+def bench_job(name: str, namespace: str, hosts: int, resource: str) -> dict[str, Any]:
+    body = h.job_body(name, namespace, hosts=1, devices_per_host=1)
+    body["spec"]["stages"] = [{"layers": [0, 2], "mesh": [hosts, 1], "dataParallelDim": 0}]
+    body["spec"]["training"]["globalBatch"] = 2 * hosts
+    body["spec"]["topology"]["deviceResource"] = resource
+    return body
+
+
+@contextlib.asynccontextmanager
+async def _cluster(server: str) -> AsyncIterator[h.Cluster]:
+    assets = h.envtest_assets()
+    if assets is None and server != "kmock" and Path("/work/shared/envtest/kube-apiserver").exists():
+        os.environ.setdefault("KUBEBUILDER_ASSETS", "/work/shared/envtest")
+        assets = h.envtest_assets()
+    if server == "envtest" and assets is None:
+        raise SystemExit("--server envtest: KUBEBUILDER_ASSETS names no kube-apiserver (or etcd is not on PATH)")
+    if server != "kmock" and assets is not None:
+        async with h.envtest_cluster(assets) as c:
+            yield c
+    else:
+        async with h.kmock_cluster() as c:
+            yield c
+
+
+async def _until_pods(c: h.Cluster, namespace: str, jobs: dict[str, int], timeout: float = 300) -> None:
+    """Until every job has its pods; one namespace-wide list per poll (cheap for the server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = await c.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+        counts: dict[str, int] = {}
+        for pod in (found or {}).get("items") or []:
+            job = (pod["metadata"].get("labels") or {}).get("meshjob.io/job-name")
+            counts[job] = counts.get(job, 0) + 1
+        if all(counts.get(job, 0) >= n for job, n in jobs.items()):
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"pods of {len(jobs)} job(s) not created within {timeout} s")
+
+
+async def _latency(c: h.Cluster, hosts: int, run: int) -> float:
+    ns = f"lat-{hosts}-{run}"
+    await h.prepare_namespace(c, ns)
+    resource = f"example.com/{ns}"
+    for i in range(hosts):
+        await c.add_node(f"{ns}-n{i}", 1, resource=resource)
+    started = time.perf_counter()
+    await c.create_job(bench_job("job", ns, hosts, resource))
+    await _until_pods(c, ns, {"job": hosts})
+    elapsed = time.perf_counter() - started
+    await c.delete_job("job", ns)
+    return elapsed
+
+
+async def _throughput(c: h.Cluster, count: int) -> float:
+    ns = "throughput"
+    await h.prepare_namespace(c, ns)
+    resource = "example.com/throughput"
+    for i in range(2):
+        await c.add_node(f"{ns}-n{i}", 1000, resource=resource)  # room for every job
+    bodies = [bench_job(f"job-{i}", ns, 2, resource) for i in range(count)]
+    for body in bodies:
+        body["spec"]["stages"] = [{"layers": [0, 2], "mesh": [2, 1], "dataParallelDim": 0}]
+    started = time.perf_counter()
+    await asyncio.gather(*(c.create_job(b) for b in bodies))
+    await _until_pods(c, ns, {b["metadata"]["name"]: 2 for b in bodies}, timeout=600)
+    return time.perf_counter() - started
+
+
+async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str) -> dict[str, Any]:
+    async with _cluster(server) as c, h.running_operator(c):
+        kind = "kube-apiserver v1.20 (envtest)" if c.real else "kmock (in-memory)"
+        latency: dict[int, float] = {}
+        for hosts in sizes:
+            times = sorted([await _latency(c, hosts, r) for r in range(repeats)])
+            latency[hosts] = times[len(times) // 2]
+        single_2 = latency.get(2) or sorted([await _latency(c, 2, r) for r in range(repeats)])[repeats // 2]
+        batch = await _throughput(c, jobs)
+    base = latency[min(sizes)]
+    return {
+        "server": kind,
+        "latency": [{"hosts": n, "seconds": round(t, 4), "ratio_to_smallest": round(t / base, 3),
+                     "ms_per_pod": round(1000 * t / n, 2)} for n, t in latency.items()],
+        "throughput": {"jobs": jobs, "hosts_per_job": 2, "seconds": round(batch, 3),
+                       "jobs_per_second": round(jobs / batch, 2),
+                       "ratio_to_sequential": round(batch / (jobs * single_2), 3)},
+        "note": "median of repeats; ratios are the result, absolute times are noise on a shared 2-core machine",
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"operator benchmark on {result['server']}")
+    print(f"{'hosts':>6} {'create->all pods (s)':>21} {'x smallest':>11} {'ms/pod':>8}")
+    for row in result["latency"]:
+        print(f"{row['hosts']:>6} {row['seconds']:>21.3f} {row['ratio_to_smallest']:>11.2f} {row['ms_per_pod']:>8.1f}")
+    t = result["throughput"]
+    print(f"{t['jobs']} concurrent {t['hosts_per_job']}-host jobs: {t['seconds']:.2f} s, {t['jobs_per_second']:.1f} jobs/s, "
+          f"{t['ratio_to_sequential']:.2f} x the time of one job after another")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Create->all-pods time and ms per pod against the host count (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hosts = [r["hosts"] for r in result["latency"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(hosts, [r["seconds"] for r in result["latency"]], marker="o", label="create -> all pods (s)")
+    ax.plot(hosts, [r["ms_per_pod"] / 1000 for r in result["latency"]], marker="s", label="per pod (s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("hosts (pods) in the job")
+    ax.set_ylabel("seconds")
+    t = result["throughput"]
+    ax.set_title(f"operator on {result['server']}\n{t['jobs']} concurrent jobs: {t['jobs_per_second']} jobs/s", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.jobs < 1 or args.repeats < 1:
+        raise SystemExit(f"--jobs={args.jobs} / --repeats={args.repeats} are invalid: both must be >= 1")
+    result = asyncio.run(run_bench(_sizes(args.sizes), args.jobs, args.repeats, args.server))
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"written: {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

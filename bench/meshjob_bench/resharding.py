@@ -1,0 +1,458 @@
+"""Cross-mesh resharding on the emulated cluster: seed 000 §5.1 (figures 5, 6 and 8).
+
+(a) one device -> a mesh of A hosts x B devices (A, B in 1..4): figure 5.
+(b) many-to-many: a (2, 2) mesh on hosts 0-1 -> a (2, 2) mesh on hosts 2-3, 2-D tensor, sharding
+    spec pairs in the spirit of the paper's Table 2: figure 6.
+Every case runs every strategy side by side (send_recv, local_allgather, global_allgather =
+Alpa's, broadcast with K swept, signal = the 1-byte upper bound), and for (b) broadcast under each
+balancer (figure 8). Time is reported over the physical limit L = bytes the busiest receiving
+host must take / NIC rate, and as speed-ups over global_allgather and send_recv.
+
+All ranks live in one gang: host h holds ranks 4h..4h+3; a case uses the ranks its meshes name,
+the others only join the barriers. Plans are made in the parent before the fork, so every rank
+runs the same steps; each receiver checks its tile against the expected values on the first
+repetition, so a wrong plan or executor fails the benchmark instead of timing it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from meshjob_trainer.emulate.launcher import RankContext, run_gang
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.units import parse_rate
+from meshjob.mesh import Mesh
+from meshjob.resharding import UnitTask, decompose
+from meshjob.sharding import ShardingSpec
+
+DEVICES_PER_HOST = 4
+ITEMSIZE = 4  # float32
+STRATEGY_ORDER = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
+BALANCERS = ("naive", "load_balance", "dfs", "greedy")
+MAIN_BALANCER = "greedy"
+# seed 000 Table 2 style: (send spec, recv spec) of a 2-D tensor between two (2, 2) meshes
+MANY_TO_MANY = (("RR", "S0R"), ("S0R", "RR"), ("S0R", "S1R"), ("RS0", "S0R"), ("S01R", "RS01"),
+                ("S0S1", "S1S0"), ("S1R", "RR"), ("RR", "RR"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nic-rate", default="1gbit", help="emulated NIC of every host (default 1gbit)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny tensors, few cases, one K")
+    parser.add_argument("--out", default="bench/results", help="folder for resharding.json and PNGs")
+    parser.add_argument("--size-mib", type=float, default=None, help="tensor size (default 16, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 1)")
+    parser.add_argument("--chunks", default=None, help="broadcast K values, comma separated (default 4,16,64)")
+    parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    strategy: str
+    chunks: int
+    balancer: str
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "broadcast":
+            return f"broadcast K={self.chunks} {self.balancer}"
+        return f"{self.strategy} {self.balancer}" if self.balancer != MAIN_BALANCER else self.strategy
+
+
+@dataclass
+class BenchBoundary:
+    """The fields meshjob_trainer.reshard reads from a plan Boundary."""
+
+    src: int
+    dst: int
+    tensor: str
+    shape: tuple[int, ...]
+    send: ShardingSpec
+    recv: ShardingSpec
+    strategy: str
+    steps: tuple[Any, ...]
+    makespan_s: float
+    lower_bound_s: float
+    simulated_s: float = 0.0  # meshjob.simulate's prediction of these steps over the emulated NICs
+
+
+@dataclass
+class Case:
+    section: str  # "one_to_many" | "many_to_many"
+    name: str
+    shape: tuple[int, ...]
+    src_mesh: Mesh
+    dst_mesh: Mesh
+    send: ShardingSpec
+    recv: ShardingSpec
+    limit_s: float = 0.0  # physical limit L
+    variants: list[Variant] = field(default_factory=list)
+    boundaries: list[BenchBoundary] = field(default_factory=list)
+
+
+class Layout:
+    """Global ranks of (host, device) slots, given out in first-use order so that the gang
+    holds only the ranks some case uses (8 in --quick, 18 in the full run)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], int] = {}
+        self.hosts: list[int] = []  # rank -> host
+
+    def rank(self, host: int, device: int) -> int:
+        if (host, device) not in self.slots:
+            self.slots[(host, device)] = len(self.hosts)
+            self.hosts.append(host)
+        return self.slots[(host, device)]
+
+    def host_of(self, rank: int) -> int:
+        return self.hosts[rank]
+
+    def grid(self, shape: tuple[int, int], first_host: int) -> Mesh:
+        """Mesh row i on host first_host + i, devices 0..shape[1]-1 of that host."""
+        ranks = tuple(self.rank(first_host + i, j) for i in range(shape[0]) for j in range(shape[1]))
+        return Mesh(tuple(shape), ranks, tuple(self.host_of(r) for r in ranks))
+
+
+def physical_limit(tasks: Sequence[UnitTask], host_of: Callable[[int], int], nic_bytes_per_s: float) -> float:
+    """L: bytes the busiest receiving host must take in, over the NIC rate (unit task slices are
+    disjoint, so a host's bytes are the sum over the tasks any of its ranks receives)."""
+    per_host: dict[int, int] = {}
+    for t in tasks:
+        senders = {host_of(r) for r in t.senders}
+        for h in {host_of(r) for r in t.receivers} - senders:
+            per_host[h] = per_host.get(h, 0) + t.bytes
+    return max(per_host.values(), default=0) / nic_bytes_per_s
+
+
+def plan_boundary(case: Case, variant: Variant, tasks: list[UnitTask], host_of: Callable[[int], int],
+                  nic_bytes_per_s: float, tensor: str) -> BenchBoundary:
+    """Senders and order from meshjob.balance, steps from meshjob.resharding.lower."""
+    from meshjob.balance import HostTask, balance
+    from meshjob.plan import lower_in_start_order
+    from meshjob.simulate import CostModel, simulate_transfer
+
+    host_tasks = [HostTask(tuple(dict.fromkeys(host_of(r) for r in t.senders)),
+                           tuple(dict.fromkeys(host_of(r) for r in t.receivers)), t.bytes) for t in tasks]
+    sched = balance(host_tasks, variant.balancer, variant.strategy, variant.chunks, nic_bytes_per_s,
+                    budget_s=0.5, seed=0, receiver_devices_per_host=case.dst_mesh.shape[-1])
+    _, steps = lower_in_start_order(tasks, sched, host_of, variant.strategy, variant.chunks)
+    simulated = simulate_transfer(steps, host_of, CostModel(nic_bytes_per_s=nic_bytes_per_s)).makespan_s
+    return BenchBoundary(0, 1, tensor, case.shape, case.send, case.recv, variant.strategy, steps,
+                         sched.makespan_s, sched.lower_bound_s, simulated)
+
+
+def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_per_s: float,
+                layout: Layout) -> list[Case]:
+    numel = size_bytes // ITEMSIZE
+    cols = 1024 if not quick else 256
+    rows = max(16, numel // cols // 16 * 16)  # divisible by every mesh size used
+    shape = (rows, cols)
+    cases: list[Case] = []
+    sizes = [(1, 1), (1, 2), (2, 1), (2, 2)] if quick else [(a, b) for a in range(1, 5) for b in range(1, 5)]
+    for a, b in sizes:
+        cases.append(Case("one_to_many", f"1 -> {a}x{b}", shape, layout.grid((1, 1), 0),
+                          layout.grid((a, b), first_host=1),
+                          ShardingSpec.parse("RR"), ShardingSpec.parse("RR")))
+    pairs = MANY_TO_MANY[:3] if quick else MANY_TO_MANY
+    for send, recv in pairs:
+        cases.append(Case("many_to_many", f"{send} -> {recv}", shape, layout.grid((2, 2), 0),
+                          layout.grid((2, 2), 2),
+                          ShardingSpec.parse(send, 2), ShardingSpec.parse(recv, 2)))
+    for c in cases:
+        tasks = decompose(c.shape, c.src_mesh, c.send, c.dst_mesh, c.recv, itemsize=ITEMSIZE)
+        c.limit_s = physical_limit(tasks, layout.host_of, nic_bytes_per_s)
+        c.variants = [Variant(s, 1, MAIN_BALANCER) for s in ("send_recv", "local_allgather", "global_allgather")]
+        c.variants += [Variant("broadcast", k, MAIN_BALANCER) for k in chunks]
+        c.variants.append(Variant("signal", 1, MAIN_BALANCER))
+        if c.section == "many_to_many":
+            c.variants += [Variant("broadcast", max(chunks), b) for b in BALANCERS if b != MAIN_BALANCER]
+        c.boundaries = [plan_boundary(c, v, tasks, layout.host_of, nic_bytes_per_s, f"v{i}") for i, v in enumerate(c.variants)]
+    return cases
+
+
+def _expected(shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+
+
+def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -> None:
+    """One rank of the gang: for every case and variant, barrier, reshard, report the times."""
+    import torch
+    import torch.distributed as dist
+
+    from meshjob.sharding import tile, to_index
+    from meshjob_trainer.dist import WorkerEnv, init_distributed, shutdown_distributed
+    from meshjob_trainer.reshard import ReshardExecutor, make_routes
+
+    torch.set_num_threads(1)
+    init_distributed(WorkerEnv.from_env(), timeout_s=120, backend="gloo")
+    rank = ctx.rank
+    try:
+        for ci, case in enumerate(cases):
+            inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
+            full = _expected(case.shape) if inside else None
+            local = None
+            if rank in case.src_mesh.ranks:
+                local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
+                                           case.src_mesh.index_of(rank)))].contiguous()
+            routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
+            executor = ReshardExecutor(None, rank, routes=routes)
+            for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
+                for rep in range(warmup + repeats):
+                    dist.barrier()
+                    if not inside:
+                        continue
+                    t0 = time.monotonic()
+                    out = executor.start(boundary, local, tag_base=0).wait()
+                    t1 = time.monotonic()
+                    ok = True
+                    if rep == 0 and out is not None and variant.strategy != "signal":
+                        want = full[to_index(tile(case.recv, case.dst_mesh.shape, case.shape,
+                                                  case.dst_mesh.index_of(rank)))]
+                        ok = bool(torch.equal(out, want))
+                    if rep >= warmup or not ok:
+                        ctx.report(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, correct=ok)
+            dist.barrier()
+    finally:
+        shutdown_distributed()
+
+
+@dataclass
+class Row:
+    section: str
+    case: str
+    strategy: str
+    chunks: int
+    balancer: str
+    label: str
+    seconds: float  # median over repetitions of (last end - first start) over participating ranks
+    repeats: list[float]
+    limit_s: float
+    over_limit: float
+    speedup_vs_global_allgather: float
+    speedup_vs_send_recv: float
+    planned_makespan_s: float
+    planned_lower_bound_s: float
+    correct: bool
+    simulated_s: float = math.nan  # the simulator's prediction for the same steps
+    simulator_error: float = math.nan  # simulated / measured - 1
+
+
+def collect(cases: list[Case], events: list[dict]) -> list[Row]:
+    spans: dict[tuple[int, int, int], list[float]] = {}
+    wrong: set[tuple[int, int]] = set()
+    for e in events:
+        if not e.get("correct", True):
+            wrong.add((e["case"], e["variant"]))
+        if e.get("rep", -1) < 0:
+            continue
+        key = (e["case"], e["variant"], e["rep"])
+        lo, hi = spans.get(key, [math.inf, -math.inf])
+        spans[key] = [min(lo, e["start"]), max(hi, e["end"])]
+    rows: list[Row] = []
+    for ci, case in enumerate(cases):
+        times = {vi: [hi - lo for (c, v, _), (lo, hi) in sorted(spans.items()) if c == ci and v == vi]
+                 for vi in range(len(case.variants))}
+        med = {vi: statistics.median(t) if t else math.nan for vi, t in times.items()}
+        base = {case.variants[vi].strategy: med[vi] for vi in med
+                if case.variants[vi].balancer == MAIN_BALANCER}
+        for vi, v in enumerate(case.variants):
+            b = case.boundaries[vi]
+            rows.append(Row(case.section, case.name, v.strategy, v.chunks, v.balancer, v.label, med[vi],
+                            times[vi], case.limit_s, med[vi] / case.limit_s if case.limit_s else math.nan,
+                            base.get("global_allgather", math.nan) / med[vi],
+                            base.get("send_recv", math.nan) / med[vi],
+                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong, b.simulated_s,
+                            b.simulated_s / med[vi] - 1.0 if med[vi] > 0 else math.nan))
+    return rows
+
+
+def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """Per section and strategy (main balancer, broadcast at each K): geometric means over the
+    cases of time / L and of the speed-ups, the one-line answer to "how much faster"."""
+    def gmean(xs: list[float]) -> float:
+        xs = [x for x in xs if x > 0 and math.isfinite(x)]
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
+
+    out: dict[str, dict[str, float]] = {}
+    for section in ("one_to_many", "many_to_many"):
+        sec = [r for r in rows if r.section == section and r.balancer == MAIN_BALANCER]
+        for label in dict.fromkeys(r.label for r in sec):
+            rs = [r for r in sec if r.label == label]
+            out.setdefault(section, {})[label] = {
+                "over_limit": gmean([r.over_limit for r in rs]),
+                "speedup_vs_global_allgather": gmean([r.speedup_vs_global_allgather for r in rs]),
+                "speedup_vs_send_recv": gmean([r.speedup_vs_send_recv for r in rs])}
+    return out
+
+
+def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 150)
+    table = Table(title=f"{title} — geometric means over cases", title_justify="left")
+    for col in ("section", "variant", "time / L", "x vs global_allgather", "x vs send_recv"):
+        table.add_column(col, justify="left" if col in ("section", "variant") else "right")
+    for section, by_label in summary.items():
+        for i, (label, m) in enumerate(by_label.items()):
+            table.add_row(section if i == 0 else "", label, f"{m['over_limit']:.2f}",
+                          f"{m['speedup_vs_global_allgather']:.2f}", f"{m['speedup_vs_send_recv']:.2f}")
+    console.print(table)
+
+
+def print_table(rows: list[Row], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 150)
+    for section in ("one_to_many", "many_to_many"):
+        table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
+        for col in ("case", "variant", "time s", "time / L", "x vs global_allgather", "x vs send_recv",
+                    "planned / LB", "sim error", "ok"):
+            table.add_column(col, justify="left" if col in ("case", "variant") else "right")
+        last = None
+        for r in rows:
+            if r.section != section:
+                continue
+            table.add_row("" if r.case == last else r.case, r.label, f"{r.seconds:.3f}", f"{r.over_limit:.2f}",
+                          f"{r.speedup_vs_global_allgather:.2f}", f"{r.speedup_vs_send_recv:.2f}",
+                          f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
+                          if r.planned_lower_bound_s and r.strategy != "signal" else "-",
+                          f"{r.simulator_error:+.0%}" if math.isfinite(r.simulator_error) else "-",
+                          "yes" if r.correct else "[red]WRONG[/]", end_section=False)
+            last = r.case
+        if table.row_count:
+            console.print(table)
+
+
+def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
+    """PNG figures like seed 000's 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    main = [r for r in rows if r.balancer == MAIN_BALANCER]
+    for section, fig_name, number in (("one_to_many", "fig5_one_to_many.png", 5),
+                                      ("many_to_many", "fig6_many_to_many.png", 6)):
+        sec = [r for r in main if r.section == section]
+        if not sec:
+            continue
+        cases = list(dict.fromkeys(r.case for r in sec))
+        labels = list(dict.fromkeys(r.label for r in sec))
+        fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.8), 4.5))
+        width = 0.8 / len(labels)
+        for j, label in enumerate(labels):
+            ys = [next((r.over_limit for r in sec if r.case == c and r.label == label), math.nan) for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=label)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=45, ha="right")
+        ax.set_ylabel("time / physical limit L")
+        ax.set_title(f"Fig. {number}-style: {section.replace('_', '-')} resharding ({subtitle})")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, fig_name))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    bal = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"]
+    kmax = max((r.chunks for r in bal), default=0)
+    bal = [r for r in bal if r.chunks == kmax]
+    if bal:
+        cases = list(dict.fromkeys(r.case for r in bal))
+        fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.8), 4.5))
+        width = 0.8 / len(BALANCERS)
+        for j, b in enumerate(BALANCERS):
+            ys = [next((r.over_limit for r in bal if r.case == c and r.balancer == b), math.nan) for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=b)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=45, ha="right")
+        ax.set_ylabel("time / physical limit L")
+        ax.set_title(f"Fig. 8-style: balancers, broadcast K={kmax} ({subtitle})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "fig8_balancers.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf (a missing baseline) become null: strict JSON readers reject NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def main(args: argparse.Namespace) -> int:
+    from meshjob.errors import FieldError, SpecError
+
+    quick = bool(getattr(args, "quick", False))
+    size_mib = args.size_mib if args.size_mib is not None else (1.0 if quick else 16.0)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
+    chunk_text = args.chunks or ("16" if quick else "4,16,64")
+    errors = []
+    try:
+        nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
+    except ValueError as err:
+        errors.append(FieldError("--nic-rate", args.nic_rate, str(err).split("is invalid: ", 1)[-1]))
+    try:
+        chunks = [int(k) for k in chunk_text.split(",")]
+        if any(k < 1 for k in chunks):
+            raise ValueError
+    except ValueError:
+        errors.append(FieldError("--chunks", chunk_text, "comma-separated positive integers, e.g. 4,16,64"))
+    if size_mib <= 0:
+        errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
+    if repeats < 1:
+        errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
+    if errors:
+        raise SpecError(errors)
+
+    t_start = time.monotonic()
+    layout = Layout()
+    cases = build_cases(quick, int(size_mib * 2**20), chunks, nic_bytes_per_s, layout)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
+    import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
+
+    cleanup_stale()
+    events: list[dict] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with EmulatedCluster(max(layout.hosts) + 1, args.nic_rate, use_netns=not args.no_netns) as cluster:
+            network = cluster.describe()
+            emulated = cluster.emulated
+            result = run_gang(cluster, layout.hosts, lambda ctx: _rank_main(cases, 1, repeats, ctx),
+                              on_event=events.append)
+    if not result.ok:
+        print(f"meshjob bench resharding: failed: {result.first_failure.describe()}")
+        return 1
+    rows = collect(cases, events)
+    subtitle = f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
+    title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
+    print_table(rows, title)
+    summary = summarize(rows)
+    print_summary(summary, title)
+    os.makedirs(args.out, exist_ok=True)
+    pngs = plot(rows, args.out, subtitle)
+    doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
+           "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
+           "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
+           "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs}
+    path = os.path.join(args.out, "resharding.json")
+    with open(path, "w") as f:
+        json.dump(_finite(doc), f, indent=2)
+    print(f"wrote {path} and {', '.join(pngs)} in {doc['wall_seconds']:.0f} s")
+    return 0 if all(r.correct for r in rows) else 1

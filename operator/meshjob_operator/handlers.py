@@ -1,0 +1,228 @@
+"""kopf handlers: thin glue between Kubernetes events and the Reconciler.
+
+One daemon per TrainingJob runs its reconcile loop (so reconciles of one job never overlap);
+pod, node and job events wake it. Validation runs on create/update/resume (a permanent error:
+condition, Warning Event, no retries) and, when enabled, in an admission webhook.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import kopf
+
+from meshjob.api import OPERATOR_METRICS_PORT
+from meshjob.errors import SpecError
+
+from meshjob_operator import names
+from meshjob_operator.certs import webhook_server
+from meshjob_operator.kube import ApiError, Connection, Kube, as_kopf_error, kopf_connection
+from meshjob_operator.metrics import OperatorMetrics
+from meshjob_operator.reconcile import Reconciler, invalid_status, validate
+from meshjob_operator.wakeups import Wakeups, wait_any
+
+NODES_KEY = "nodes"
+RESYNC_S = 60.0  # a periodic re-check even without events (missed watch events, clock-based policies)
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class OperatorConfig:
+    """Set by `meshjob operator` before kopf starts; env variables for `kopf run -m meshjob_operator.handlers`."""
+    metrics_port: int | None = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_METRICS_PORT", OPERATOR_METRICS_PORT))
+    webhook: bool = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK", "1") != "0")
+    webhook_addr: str = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_ADDR", "0.0.0.0"))
+    webhook_port: int = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_WEBHOOK_PORT", 9443) or 9443)
+    webhook_host: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_HOST"))
+    # serving certificate, key and the CA the API server should trust (e.g. from cert-manager);
+    # without them the operator makes a self-signed one at start-up (operator/certs.py)
+    webhook_cert: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CERT"))
+    webhook_key: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_KEY"))
+    webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
+    kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
+    peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
+    # trainer pods without spec.serviceAccountName run as this one (None: the namespace's default)
+    trainer_service_account: str | None = field(
+        default_factory=lambda: os.environ.get("MESHJOB_TRAINER_SERVICE_ACCOUNT") or None)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return int(raw) if raw.strip() and raw.strip() != "0" else None
+
+
+@dataclass
+class State:
+    config: OperatorConfig = field(default_factory=OperatorConfig)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    wakeups: Wakeups = field(default_factory=Wakeups)
+    reconciler: Reconciler | None = None
+    metrics_served: bool = False
+    node_index: Any = None  # kopf's index of Nodes (filled before any job handler runs)
+
+    def cached_nodes(self) -> list[dict[str, Any]]:
+        return list(self.node_index.get(NODES_KEY, [])) if self.node_index is not None else []
+
+
+STATE = State()
+
+
+def _emit(body: Any, type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message[:1000])
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    cfg = STATE.config
+    settings.posting.level = logging.WARNING  # kopf's own log lines as Events: only problems
+    settings.persistence.finalizer = "meshjob.io/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="meshjob.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="meshjob.io", key="last-handled-configuration")
+    settings.networking.error_backoffs = [1, 2, 5, 10, 20]
+    settings.watching.server_timeout = 300
+    if cfg.peering:
+        settings.peering.mandatory = True
+    server = None
+    if cfg.webhook:  # no certificate to serve with: a warning and no webhook, never a crash loop
+        server = webhook_server(addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
+                                cert=cfg.webhook_cert, key=cfg.webhook_key, ca=cfg.webhook_ca, logger=logger)
+    if server is not None:  # kopf registers a ValidatingWebhookConfiguration pointing at this server
+        settings.admission.server = server
+        settings.admission.managed = f"{names.PLURAL}.{names.GROUP}"
+    else:
+        settings.admission.server = NoWebhookServer()
+    kube = Kube(Connection.load(cfg.kubeconfig))
+    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes,
+                                  trainer_service_account=cfg.trainer_service_account)
+    if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
+        STATE.metrics.serve(cfg.metrics_port)
+        STATE.metrics_served = True
+        logger.info(f"metrics on :{cfg.metrics_port}/metrics")
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if STATE.reconciler is not None:
+        await STATE.reconciler.kube.close()
+
+
+@kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)
+@kopf.on.update(names.GROUP, names.VERSION, names.PLURAL, field="spec")
+@kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
+def check_spec(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str, **_: Any) -> None:
+    """Invalid spec: condition Failed/InvalidSpec, a Warning Event, and no retries."""
+    try:
+        validate(body)
+    except SpecError as err:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        patch.status.update(invalid_status(body.get("status") or {}, err, now))
+        kopf.warn(body, reason="InvalidSpec", message=str(err)[:1000])
+        raise kopf.PermanentError(f"invalid spec: {err}") from err
+    STATE.wakeups.wake((namespace, name))
+
+
+class NoWebhookServer:
+    """Admission switched off: serves nothing (kopf insists on a server once a handler exists)."""
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        await asyncio.Event().wait()
+        yield  # pragma: no cover  (never reached: an async generator that only waits)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """The operator's kubeconfig (--kubeconfig, $KUBECONFIG) or in-cluster account, read at login time."""
+    return kopf_connection(STATE.config.kubeconfig)
+
+
+# failurePolicy Ignore: an operator that is down (or uninstalled, its webhook configuration left
+# behind) must not block creating, finishing or deleting TrainingJobs; it validates them anyway.
+@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
+def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> None:
+    """The admission webhook: `kubectl apply` itself shows what is wrong with the spec.
+
+    Updates that leave the spec alone (finalizers, annotations) always pass: a job that is invalid
+    already must still be deletable."""
+    if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
+        return
+    try:
+        validate(body)
+    except SpecError as err:
+        raise kopf.AdmissionError(f"invalid TrainingJob: {err}", code=422) from err
+
+
+@kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)
+async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, retry: int,
+                  logger: logging.Logger, node_index: kopf.Index, **_: Any) -> None:
+    """The job's reconcile loop; API errors go to kopf: 409/5xx retried with backoff, others not."""
+    STATE.node_index = node_index
+    key = (namespace, name)
+    wakeup = STATE.wakeups.register(key)
+    reconciler = STATE.reconciler
+    assert reconciler is not None, "startup() creates the reconciler"
+    try:
+        while not stopped:
+            wakeup.clear()
+            try:
+                recheck = await reconciler.reconcile(namespace, name)
+            except ApiError as err:
+                if not err.temporary:
+                    _emit_safe(reconciler, namespace, name, err)
+                raise as_kopf_error(err, delay=min(MAX_BACKOFF_S, 2.0 ** retry)) from err
+            retry = 0
+            if key in reconciler.unschedulable:
+                STATE.wakeups.waiting_for_nodes.add(key)
+            else:
+                STATE.wakeups.waiting_for_nodes.discard(key)
+            timeout = RESYNC_S if recheck is None else max(0.05, min(RESYNC_S, recheck))
+            await wait_any(wakeup, stopped, timeout)
+    finally:
+        STATE.wakeups.unregister(key)
+
+
+def _emit_safe(reconciler: Reconciler, namespace: str, name: str, err: ApiError) -> None:
+    body = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+            "metadata": {"name": name, "namespace": namespace}}
+    try:
+        kopf.warn(body, reason="ApiError", message=str(err)[:1000])
+    except Exception:  # an event is best effort; the error itself is logged by kopf
+        pass
+
+
+@kopf.on.event(names.GROUP, names.VERSION, names.PLURAL)
+def job_event(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    """Spec changes (suspend, resume, ...) wake the loop; our own status writes do not."""
+    observed = (body.get("status") or {}).get("observedGeneration")
+    if observed != body.get("metadata", {}).get("generation"):
+        STATE.wakeups.wake((namespace, name))
+
+
+@kopf.on.event("", "v1", "pods", labels={names.JOB_LABEL: kopf.PRESENT})
+def pod_event(body: kopf.Body, namespace: str, **_: Any) -> None:
+    STATE.wakeups.wake((namespace, body["metadata"]["labels"][names.JOB_LABEL]))
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    """A watch-fed cache of what placement reads from Nodes (kopf fills it before job handlers start)."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return {NODES_KEY: {
+        "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+        "status": {"allocatable": dict(status.get("allocatable") or {}),
+                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                                  for c in status.get("conditions") or []]},
+    }}
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(node_index: kopf.Index, **_: Any) -> None:
+    STATE.node_index = node_index
+    STATE.wakeups.wake_waiting_for_nodes()

@@ -1,0 +1,224 @@
+"""A small async Kubernetes client (aiohttp, raw JSON) for the operator's own calls.
+
+kopf brings its own client for watching and for its handlers' patches; the reconciler needs
+plain CRUD on pods, services, configmaps, nodes and the job. The connection is read the same
+way kopf reads it (in-cluster service account, else kubeconfig), via the kubernetes package.
+API errors map onto kopf's retry model: 409/429/5xx are temporary, the rest permanent.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import aiohttp
+import kopf
+
+from meshjob_operator import names
+
+MERGE_PATCH = "application/merge-patch+json"
+TEMPORARY_CODES = frozenset({409, 429, 500, 502, 503, 504})
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, message: str):
+        self.status = status
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+
+    @property
+    def temporary(self) -> bool:
+        return self.status in TEMPORARY_CODES
+
+
+def as_kopf_error(err: ApiError, delay: float) -> kopf.TemporaryError | kopf.PermanentError:
+    """409 (conflict), 429 and 5xx are worth retrying with backoff; anything else is not."""
+    if err.temporary:
+        return kopf.TemporaryError(str(err), delay=delay)
+    return kopf.PermanentError(str(err))
+
+
+def load_configuration(kubeconfig: str | None = None) -> Any:
+    """kubernetes.client.Configuration: in-cluster service account, else the kubeconfig file.
+
+    An explicit `kubeconfig` (or $KUBECONFIG read now, not at import) wins over in-cluster.
+    """
+    import os
+
+    import kubernetes  # only for reading the credentials, as kopf does
+
+    config = kubernetes.client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
+        return config
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=config)
+    return config
+
+
+def _bearer(config: Any) -> str | None:
+    token = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    if not token:
+        return None
+    return token if " " in token else f"Bearer {token}"
+
+
+def kopf_connection(kubeconfig: str | None = None) -> kopf.ConnectionInfo:
+    """The same credentials for kopf's own client (its login handler)."""
+    config = load_configuration(kubeconfig)
+    scheme, token = (None, None)
+    bearer = _bearer(config)
+    if bearer:
+        scheme, token = bearer.split(" ", 1)
+    return kopf.ConnectionInfo(server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+                               scheme=scheme, token=token, certificate_path=config.cert_file,
+                               private_key_path=config.key_file)
+
+
+@dataclass
+class Connection:
+    server: str
+    ssl_context: ssl.SSLContext | bool | None
+    headers: dict[str, str]
+
+    @classmethod
+    def load(cls, kubeconfig: str | None = None) -> "Connection":
+        config = load_configuration(kubeconfig)
+        bearer = _bearer(config)
+        headers = {"Authorization": bearer} if bearer else {}
+        context: ssl.SSLContext | bool | None = None
+        if config.host.startswith("https"):
+            if not config.verify_ssl:
+                context = False
+            else:
+                context = ssl.create_default_context(cafile=config.ssl_ca_cert)
+            if context and config.cert_file:
+                context.load_cert_chain(config.cert_file, config.key_file)
+        return cls(server=config.host.rstrip("/"), ssl_context=context, headers=headers)
+
+
+class Kube:
+    """CRUD on the resources the operator touches; paths are built here, bodies elsewhere."""
+
+    def __init__(self, connection: Connection, *, concurrency: int = 16):
+        self._conn = connection
+        self._session: aiohttp.ClientSession | None = None
+        self._limit = asyncio.Semaphore(concurrency)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self._conn.ssl_context if self._conn.ssl_context is not None else None,
+                                             limit=64)
+            self._session = aiohttp.ClientSession(base_url=None, headers=self._conn.headers, connector=connector,
+                                                  timeout=aiohttp.ClientTimeout(total=30))
+        return self._session
+
+    async def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
+                      params: Mapping[str, str] | None = None) -> Any:
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with self._limit:
+            try:
+                async with self._http().request(method, self._conn.server + path, data=data, headers=headers,
+                                                params=params) as resp:
+                    text = await resp.text()
+                    if resp.status >= 400:
+                        try:
+                            message = json.loads(text).get("message", text)
+                        except (ValueError, AttributeError):
+                            message = text
+                        raise ApiError(resp.status, method, path, str(message)[:500])
+                    return json.loads(text) if text else None
+            except aiohttp.ClientError as err:  # connection refused/reset: the server may come back
+                raise ApiError(503, method, path, f"connection error: {err}") from err
+
+    # --- paths ---------------------------------------------------------------------------
+    @staticmethod
+    def _core(namespace: str, plural: str, name: str = "") -> str:
+        return f"/api/v1/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+    @staticmethod
+    def _job_path(namespace: str, name: str) -> str:
+        return f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{namespace}/{names.PLURAL}/{name}"
+
+    # --- jobs ----------------------------------------------------------------------------
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", self._job_path(namespace, name))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch the status subresource (the main resource where the CRD has none)."""
+        body = {"status": dict(status)}
+        try:
+            await self.request("PATCH", self._job_path(namespace, name) + "/status", body, content_type=MERGE_PATCH)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            await self.request("PATCH", self._job_path(namespace, name), body, content_type=MERGE_PATCH)
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        await self.delete(self._job_path(namespace, name), propagation="Background")
+
+    # --- children ------------------------------------------------------------------------
+    async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        path = self._core(namespace, "pods")
+        found = await self.request("GET", path, params={"labelSelector": f"{names.JOB_LABEL}={job}"})
+        items = (found or {}).get("items") or []
+        # filter here too: some servers (kmock) ignore label selectors
+        return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(names.JOB_LABEL) == job
+                and p.get("metadata", {}).get("namespace", namespace) == namespace]
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        return ((await self.request("GET", "/api/v1/nodes")) or {}).get("items") or []
+
+    async def get(self, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", self._core(namespace, plural, name))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def create_if_absent(self, body: Mapping[str, Any], plural: str, path: str | None = None) -> bool:
+        """POST the body; True when created, False when it already existed (409 AlreadyExists)."""
+        meta = body["metadata"]
+        path = path or self._core(meta["namespace"], plural)
+        try:
+            await self.request("POST", path, body)
+            return True
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+
+    async def patch(self, namespace: str, plural: str, name: str, body: Mapping[str, Any]) -> None:
+        await self.request("PATCH", self._core(namespace, plural, name), body, content_type=MERGE_PATCH)
+
+    async def delete(self, path: str, *, propagation: str | None = None) -> bool:
+        """DELETE; True when deleted (or being deleted), False when already gone."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if propagation:
+            body["propagationPolicy"] = propagation
+        try:
+            await self.request("DELETE", path, body)
+            return True
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+
+    async def delete_pod(self, namespace: str, name: str) -> bool:
+        return await self.delete(self._core(namespace, "pods", name))

@@ -1,0 +1,45 @@
+"""Operator metrics (prometheus-client), served on --metrics-port."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from meshjob_operator.status import PHASES
+
+
+@dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    _phases: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.jobs = Gauge("meshjob_operator_jobs", "TrainingJobs known to the operator, by phase",
+                          ["phase"], registry=self.registry)
+        self.reconcile_duration = Histogram(
+            "meshjob_operator_reconcile_duration_seconds", "Time of one reconcile of one TrainingJob",
+            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.restarts = Counter("meshjob_operator_restarts_total", "Gang restarts of TrainingJobs",
+                                registry=self.registry)
+        self.pod_creation_latency = Histogram(
+            "meshjob_operator_pod_creation_latency_seconds",
+            "From the reconcile deciding a host pod is missing to the API server accepting it",
+            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        for phase in PHASES:
+            self.jobs.labels(phase=phase).set(0)
+
+    def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
+        key = (namespace, name)
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+        counts = {p: 0 for p in PHASES}
+        for value in self._phases.values():
+            counts[value] = counts.get(value, 0) + 1
+        for p, n in counts.items():
+            self.jobs.labels(phase=p).set(n)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

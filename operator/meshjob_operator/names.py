@@ -1,0 +1,32 @@
+"""Deterministic names and labels of a TrainingJob's children (the basis of create-if-absent)."""
+from __future__ import annotations
+
+from meshjob.api import (API_VERSION, CHECKPOINT_ANNOTATION, GROUP, HOST_INDEX_LABEL, JOB_LABEL,  # noqa: F401
+                         KIND, MASTER_PORT, PLURAL, STEP_ANNOTATION, VERSION)
+
+CONFIG_DIR = "/etc/meshjob"
+
+
+def pod_name(job: str, index: int) -> str:
+    return f"{job}-host-{index}"
+
+
+def service_name(job: str) -> str:
+    return job
+
+
+def configmap_name(job: str) -> str:
+    return f"{job}-plan"
+
+
+def podgroup_name(job: str) -> str:
+    return job
+
+
+def host_index(pod_name_: str, job: str) -> int | None:
+    """The index encoded in a child pod's name, or None when the pod is not one of ours."""
+    prefix = f"{job}-host-"
+    tail = pod_name_[len(prefix):]
+    if not pod_name_.startswith(prefix) or not tail.isdigit():
+        return None
+    return int(tail)

@@ -1,0 +1,359 @@
+"""One reconcile of one TrainingJob: compare desired children with actual ones and converge.
+
+Safe to interrupt anywhere: child names are deterministic, creation is create-if-absent, and a
+gang restart is recorded in status (restartPending) before any pod is deleted, so an operator
+restarted in the middle neither duplicates pods nor counts a restart twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from meshjob.errors import PlacementError, SpecError
+from meshjob.placement import Host
+from meshjob.plan import build_plan
+from meshjob.spec import TrainingJob, parse_job
+
+from meshjob_operator import lifecycle, names, render
+from meshjob_operator.assign import host_pods, status_placement
+from meshjob_operator.kube import Kube
+from meshjob_operator.metrics import OperatorMetrics
+from meshjob_operator.nodes import describe_cluster, hosts_of, node_infos
+from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
+                                     TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
+                                     parse_time, progress, set_condition, timestamp)
+
+# status fields this module owns (others, e.g. kopf's, are left alone)
+MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "startTime",
+           "completionTime", "placement", "pods", "observedGeneration")
+CONFIGMAP_LIMIT = 900_000  # bytes: ConfigMaps are capped at 1 MiB
+RESTART_RECHECK_S = 1.0
+
+EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def manifest(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's document without server-side metadata and status (for parse_job)."""
+    meta = body.get("metadata", {})
+    return {"apiVersion": body.get("apiVersion", names.API_VERSION), "kind": body.get("kind", names.KIND),
+            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace") or "default"},
+            "spec": body.get("spec")}
+
+
+TRAINER_IMAGE_ENV = "MESHJOB_TRAINER_IMAGE"  # the chart's trainer image, for jobs that name none
+
+
+def validate(body: Mapping[str, Any]) -> TrainingJob:
+    """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
+    SpecError naming every bad field. A job without spec.image runs the operator's trainer image."""
+    job = parse_job(manifest(body))
+    default_image = os.environ.get(TRAINER_IMAGE_ENV)
+    if default_image and not (body.get("spec") or {}).get("image"):
+        job = dataclasses.replace(job, image=default_image)
+    return job
+
+
+def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
+    conditions = set_condition(status.get("conditions") or [], "Failed", True, "InvalidSpec", str(err), now)
+    return {"phase": FAILED, "conditions": conditions}
+
+
+def plan_json(plan: Any) -> dict[str, Any]:
+    """The plan for the ConfigMap; per-task detail is dropped when it would not fit."""
+    data = plan.to_json()
+    if len(json.dumps(data)) > CONFIGMAP_LIMIT:
+        data = dict(data)
+        data["boundaries"] = [{k: v for k, v in b.items() if k != "tasks"} for b in data.get("boundaries", [])]
+        data["truncated"] = "boundaries[].tasks dropped: the ConfigMap limit is 1 MiB"
+    return data
+
+
+@dataclass
+class Draft:
+    """The status being built in one reconcile; `changes()` is the merge patch to send."""
+    old: Mapping[str, Any]
+    new: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.new = {k: self.old[k] for k in MANAGED if k in self.old}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.new.get(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if value is None:
+            self.new.pop(key, None)
+        else:
+            self.new[key] = value
+
+    @property
+    def conditions(self) -> list[dict[str, Any]]:
+        return list(self.new.get("conditions") or [])
+
+    def condition(self, type_: str, status: bool, reason: str, message: str, now: datetime.datetime) -> bool:
+        """Set a condition; True when it just became True (worth an Event)."""
+        was = is_true(self.conditions, type_)
+        self["conditions"] = set_condition(self.conditions, type_, status, reason, message, now)
+        return status and not was
+
+    def clear(self, type_: str, reason: str, message: str, now: datetime.datetime) -> None:
+        self["conditions"] = clear_condition(self.conditions, type_, reason, message, now)
+
+    def changes(self) -> dict[str, Any]:
+        patch: dict[str, Any] = {}
+        for key in MANAGED:
+            if self.old.get(key) != self.new.get(key):
+                patch[key] = self.new.get(key)  # None deletes the key (merge patch)
+        return patch
+
+
+@dataclass
+class Reconciler:
+    kube: Kube
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    emit: EmitFn = lambda body, type_, reason, message: None
+    clock: Callable[[], datetime.datetime] = utcnow
+    unschedulable: set[tuple[str, str]] = field(default_factory=set)  # jobs to re-check when Nodes change
+    # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
+    nodes: Callable[[], list[Mapping[str, Any]]] | None = None
+    # ServiceAccount for trainer pods without spec.serviceAccountName (allowed to annotate their pod)
+    trainer_service_account: str | None = None
+
+    async def reconcile(self, namespace: str, name: str) -> float | None:
+        """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
+        started = time.perf_counter()
+        try:
+            return await self._reconcile(namespace, name)
+        finally:
+            self.metrics.reconcile_duration.observe(time.perf_counter() - started)
+
+    async def _reconcile(self, namespace: str, name: str) -> float | None:
+        body = await self.kube.get_job(namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            self.metrics.job_phase(namespace, name, None)
+            return None
+        now = self.clock()
+        meta = render.JobMeta.of(body)
+        draft = Draft(body.get("status") or {})
+        try:
+            job = validate(body)
+        except SpecError as err:  # the spec handler reports it; nothing to run until the spec changes
+            await self._write(meta, body, draft, invalid_status(draft.new, err, now))
+            return None
+
+        if draft["phase"] == FAILED and (get_condition(draft.conditions, "Failed") or {}).get("reason") == "InvalidSpec":
+            draft.condition("Failed", False, "SpecValid", "the spec is valid now", now)
+            draft["phase"] = PENDING
+        draft["observedGeneration"] = body.get("metadata", {}).get("generation")
+
+        pods = await self._own_pods(meta, draft)
+        recorded = set(draft["pods"] or {})  # pods this job had at the last status write
+        draft["pods"] = {p.name: p.phase for p in pods}
+        policy = job.run_policy
+
+        if draft["phase"] in TERMINAL_PHASES:
+            return await self._finished(meta, body, draft, job, pods, now)
+
+        if policy.suspend:
+            await self._delete(meta, [p for p in pods if not p.deleting])
+            if draft.condition("Suspended", True, "Suspended", "runPolicy.suspend is true: pods deleted", now):
+                self.emit(body, "Normal", "Suspended", "runPolicy.suspend is true: pods deleted")
+            draft.clear("Running", "Suspended", "the job is suspended", now)
+            draft["phase"], draft["startTime"], draft["restartPending"] = SUSPENDED, None, None
+            draft["pods"] = {}  # deleted on purpose: not "disappeared" on resume
+            await self._write(meta, body, draft)
+            return None
+        if is_true(draft.conditions, "Suspended"):
+            draft.condition("Suspended", False, "Resumed", "runPolicy.suspend is false: pods recreated", now)
+            draft["phase"] = PENDING
+
+        if draft["restartPending"]:
+            remaining = [p for p in pods if not p.deleting]
+            await self._delete(meta, remaining)
+            if pods:  # wait until every old pod is gone: new ones reuse their names
+                await self._write(meta, body, draft)
+                return RESTART_RECHECK_S
+            draft["restartPending"] = None
+            recorded = set()  # the old gang is gone on purpose
+
+        failed = lifecycle.first_failure(pods)
+        vanished = sorted(recorded - {p.name for p in pods})  # deleted or evicted by someone else
+        if failed is not None or vanished:
+            if failed is not None:
+                message = f"pod {failed.name} failed" + (f": {failed.message}" if failed.message else "")
+            else:
+                message = f"pod {vanished[0]} disappeared (deleted or evicted)"
+            restarts = int(draft["restarts"] or 0)
+            if restarts >= policy.backoff_limit:
+                reason_text = f"{message}; {restarts} restart(s) reached runPolicy.backoffLimit={policy.backoff_limit}"
+                return await self._fail(meta, body, draft, job, pods, "BackoffLimitExceeded", reason_text, now)
+            draft["restarts"] = restarts + 1
+            draft["restartPending"] = True
+            draft["phase"] = RESTARTING
+            draft.condition("Restarting", True, "PodFailed", f"{message}: restarting all pods "
+                            f"(restart {restarts + 1} of at most {policy.backoff_limit})", now)
+            draft.clear("Running", "Restarting", message, now)
+            await self._write(meta, body, draft)  # record the restart before deleting anything
+            self.metrics.restarts.inc()
+            self.emit(body, "Warning", "PodFailed", f"{message}: gang restart {restarts + 1}")
+            await self._delete(meta, [p for p in pods if not p.deleting])
+            return RESTART_RECHECK_S
+
+        expected = int(draft["hosts"] or 0)
+        if pods and lifecycle.all_succeeded(pods, expected):
+            draft["phase"] = SUCCEEDED
+            draft["completionTime"] = timestamp(now)
+            draft.condition("Succeeded", True, "AllPodsSucceeded", f"all {expected} host pod(s) succeeded", now)
+            draft.clear("Running", "Succeeded", "the job has finished", now)
+            draft.clear("Restarting", "Succeeded", "the job has finished", now)
+            self.emit(body, "Normal", "Succeeded", f"all {expected} host pod(s) succeeded")
+            return await self._finished(meta, body, draft, job, pods, now)
+
+        deadline_left = lifecycle.seconds_left(parse_time(draft["startTime"]), policy.active_deadline_seconds, now)
+        if deadline_left is not None and deadline_left <= 0:
+            text = f"running longer than runPolicy.activeDeadlineSeconds={policy.active_deadline_seconds}"
+            return await self._fail(meta, body, draft, job, pods, "DeadlineExceeded", text, now)
+
+        if not pods or not expected or lifecycle.missing_indices(pods, expected):
+            created = await self._create_children(meta, body, draft, job, pods, now)
+            if not created:
+                return None
+
+        expected = int(draft["hosts"] or 0)
+        if lifecycle.all_running(pods, expected):
+            draft["phase"] = RUNNING
+            draft.condition("Running", True, "AllPodsRunning", f"all {expected} host pod(s) are running", now)
+            draft.clear("Restarting", "Running", "all host pods are running again", now)
+        elif draft["phase"] not in (RESTARTING,):
+            draft["phase"] = CREATED if is_true(draft.conditions, "Created") else PENDING
+        step, checkpoint = progress(pods)
+        draft["step"], draft["checkpointStep"] = step, checkpoint
+        await self._write(meta, body, draft)
+        if policy.active_deadline_seconds is not None and draft["startTime"]:
+            return lifecycle.seconds_left(parse_time(draft["startTime"]), policy.active_deadline_seconds, now)
+        return None
+
+    # --- steps ---------------------------------------------------------------------------
+    async def _own_pods(self, meta: render.JobMeta, draft: Draft) -> list[PodView]:
+        """This job's host pods; pods left by an older job of the same name, or beyond the host count, go."""
+        ours, stale = [], []
+        expected = int(draft["hosts"] or 0)
+        for raw in await self.kube.list_pods(meta.namespace, meta.name):
+            index = names.host_index(raw["metadata"]["name"], meta.name)
+            if index is None:
+                continue
+            view = PodView.of(raw, index)
+            if (meta.uid and view.owner_uid and view.owner_uid != meta.uid) or (expected and index >= expected):
+                stale.append(view)
+            else:
+                ours.append(view)
+        await self._delete(meta, [p for p in stale if not p.deleting])
+        return sorted(ours, key=lambda p: p.index)
+
+    async def _delete(self, meta: render.JobMeta, pods: list[PodView]) -> None:
+        await asyncio.gather(*(self.kube.delete_pod(meta.namespace, p.name) for p in pods))
+
+    async def _fail(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                    pods: list[PodView], reason: str, message: str, now: datetime.datetime) -> float | None:
+        draft["phase"] = FAILED
+        draft["completionTime"] = timestamp(now)
+        draft["restartPending"] = None
+        draft.condition("Failed", True, reason, message, now)
+        draft.clear("Running", reason, message, now)
+        draft.clear("Restarting", reason, message, now)
+        self.emit(body, "Warning", reason, message)
+        return await self._finished(meta, body, draft, job, pods, now)
+
+    async def _finished(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                        pods: list[PodView], now: datetime.datetime) -> float | None:
+        """cleanPodPolicy, then ttlSecondsAfterFinished."""
+        await self._delete(meta, lifecycle.cleanup_targets(pods, job.run_policy.clean_pod_policy))
+        await self._write(meta, body, draft)
+        left = lifecycle.seconds_left(parse_time(draft["completionTime"]), job.run_policy.ttl_seconds_after_finished, now)
+        if left is not None and left <= 0:
+            await self.kube.delete_job(meta.namespace, meta.name)
+            self.metrics.job_phase(meta.namespace, meta.name, None)
+            return None
+        return left
+
+    async def _hosts_in_use(self, meta: render.JobMeta) -> tuple[Host, ...] | None:
+        """The hosts the existing pods were placed on (from the job's ConfigMap), if any."""
+        cm = await self.kube.get(meta.namespace, "configmaps", names.configmap_name(meta.name))
+        text = ((cm or {}).get("data") or {}).get("hosts.yaml")
+        if not text:
+            return None
+        return tuple(Host(name=h["name"], devices=int(h["devices"]), rack=h.get("rack", "")) for h in yaml.safe_load(text))
+
+    async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                               pods: list[PodView], now: datetime.datetime) -> bool:
+        nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
+        infos = node_infos(nodes, job.topology)
+        node_of_host = {i.host: i.name for i in infos if i.host}
+        # surviving pods keep their placement; a fresh (re)start places on the nodes there are now
+        hosts = await self._hosts_in_use(meta) if pods else None
+        fresh = hosts is None
+        try:
+            plan = await asyncio.to_thread(build_plan, job, hosts if hosts is not None else hosts_of(infos))
+        except PlacementError as err:
+            self.unschedulable.add((meta.namespace, meta.name))
+            message = f"{err} (cluster: {describe_cluster(infos, job.topology)})"
+            if draft.condition("Unschedulable", True, "InsufficientDevices", message, now):
+                self.emit(body, "Warning", "Unschedulable", message)
+            draft["phase"] = PENDING
+            await self._write(meta, body, draft)
+            return False
+        except SpecError as err:
+            await self._write(meta, body, draft, invalid_status(draft.new, err, now))
+            self.emit(body, "Warning", "InvalidSpec", str(err))
+            return False
+        self.unschedulable.discard((meta.namespace, meta.name))
+        draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
+        wanted = host_pods(plan.placement)
+
+        cm = render.configmap(meta, body.get("spec") or {}, plan_json(plan), wanted)
+        if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
+            await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
+        await self.kube.create_if_absent(render.service(meta, job), "services")
+        if job.scheduling.gang:
+            pg = render.podgroup(meta, wanted)
+            await self.kube.create_if_absent(
+                pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups")
+
+        have = {p.index for p in pods}
+        await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted,
+                                                           default_service_account=self.trainer_service_account))
+                               for hp in wanted if hp.index not in have))
+        draft["hosts"] = len(wanted)
+        draft["placement"] = status_placement(plan.placement.to_json(), node_of_host)
+        draft["pods"] = {**{names.pod_name(meta.name, hp.index): "Pending" for hp in wanted}, **(draft["pods"] or {})}
+        if not draft["startTime"]:
+            draft["startTime"] = timestamp(now)
+        draft.condition("Created", True, "PodsCreated", f"{len(wanted)} host pod(s) created", now)
+        return True
+
+    async def _create_pod(self, body: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        if await self.kube.create_if_absent(body, "pods"):
+            self.metrics.pod_creation_latency.observe(time.perf_counter() - started)
+
+    async def _write(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft,
+                     override: Mapping[str, Any] | None = None) -> None:
+        if override:
+            for key, value in override.items():
+                draft[key] = value
+        patch = draft.changes()
+        if patch:
+            await self.kube.patch_job_status(meta.namespace, meta.name, patch)
+        self.metrics.job_phase(meta.namespace, meta.name, draft["phase"])

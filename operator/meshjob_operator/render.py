@@ -1,0 +1,208 @@
+"""Pure rendering of a TrainingJob's children: ConfigMap, headless Service, host pods, PodGroup.
+
+Every function maps (spec, plan, job metadata) to a dict ready for the API server; nothing here
+talks to a cluster, so the bodies are unit-tested as data.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import yaml
+
+from meshjob.spec import TrainingJob
+
+from meshjob_operator import names
+from meshjob_operator.assign import HostPod, world_size
+from meshjob_operator.quantity import scale_quantity
+
+RUN_AS_USER = 1000
+DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"
+CHECKPOINT_HOST_ROOT = "/var/lib/meshjob"
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> "JobMeta":
+        meta = body.get("metadata", {})
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
+
+
+def labels(meta: JobMeta, index: int | None = None) -> dict[str, str]:
+    out = {names.JOB_LABEL: meta.name, "app.kubernetes.io/name": "meshjob",
+           "app.kubernetes.io/managed-by": "meshjob-operator"}
+    if index is not None:
+        out[names.HOST_INDEX_LABEL] = str(index)
+        out["app.kubernetes.io/component"] = "trainer"
+    return out
+
+
+def owner_reference(meta: JobMeta) -> dict[str, Any]:
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta.name, "uid": meta.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(meta: JobMeta, name: str, index: int | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": meta.namespace, "labels": labels(meta, index),
+            "ownerReferences": [owner_reference(meta)]}
+
+
+def configmap(meta: JobMeta, spec: Mapping[str, Any], plan_json: Mapping[str, Any],
+              pods: tuple[HostPod, ...]) -> dict[str, Any]:
+    """The job manifest, the plan and the hosts it was made for, mounted at /etc/meshjob."""
+    manifest = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                "metadata": {"name": meta.name, "namespace": meta.namespace}, "spec": dict(spec)}
+    hosts = [{"name": p.host, "devices": p.devices, "rack": p.rack} for p in pods]
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _metadata(meta, names.configmap_name(meta.name)),
+        "data": {
+            "job.yaml": yaml.safe_dump(manifest, sort_keys=True),
+            "hosts.yaml": yaml.safe_dump(hosts, sort_keys=False),
+            "plan.json": json.dumps(plan_json, sort_keys=True),
+        },
+    }
+
+
+def service(meta: JobMeta, job: TrainingJob) -> dict[str, Any]:
+    """Headless Service: gives each host pod a DNS name for the rendezvous, ready or not."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(meta, names.service_name(meta.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {names.JOB_LABEL: meta.name},
+            "ports": [{"name": "rendezvous", "port": names.MASTER_PORT, "targetPort": names.MASTER_PORT},
+                      {"name": "metrics", "port": job.metrics.port, "targetPort": job.metrics.port}],
+        },
+    }
+
+
+def podgroup(meta: JobMeta, pods: tuple[HostPod, ...]) -> dict[str, Any]:
+    """scheduler-plugins coscheduling PodGroup: all host pods or none."""
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+        "metadata": _metadata(meta, names.podgroup_name(meta.name)),
+        "spec": {"minMember": len(pods)},
+    }
+
+
+def master_addr(meta: JobMeta) -> str:
+    return f"{names.pod_name(meta.name, 0)}.{names.service_name(meta.name)}.{meta.namespace}.svc"
+
+
+def environment(meta: JobMeta, job: TrainingJob, pod: HostPod, pods: tuple[HostPod, ...]) -> list[dict[str, Any]]:
+    """torchrun's variables, Kubeflow's PET_* spellings, and meshjob's own."""
+    plain = {
+        "MASTER_ADDR": master_addr(meta), "MASTER_PORT": str(names.MASTER_PORT),
+        "WORLD_SIZE": str(world_size(pods)), "NODE_RANK": str(pod.index),
+        "PET_NNODES": str(len(pods)), "PET_NPROC_PER_NODE": str(pod.devices), "PET_NODE_RANK": str(pod.index),
+        "PET_MASTER_ADDR": master_addr(meta), "PET_MASTER_PORT": str(names.MASTER_PORT),
+        "MESHJOB_JOB": f"{names.CONFIG_DIR}/job.yaml", "MESHJOB_HOSTS": f"{names.CONFIG_DIR}/hosts.yaml",
+        "MESHJOB_PLAN": f"{names.CONFIG_DIR}/plan.json", "MESHJOB_METRICS_PORT": str(job.metrics.port),
+    }
+    if job.training.checkpoint.path:
+        plain["MESHJOB_CHECKPOINT_DIR"] = job.training.checkpoint.path
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    env.append({"name": "MESHJOB_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    env.append({"name": "MESHJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
+    return env
+
+
+def resources(job: TrainingJob, devices: int) -> dict[str, Any]:
+    """spec.resources is per device: scaled by the pod's device count, plus the device resource itself."""
+    out: dict[str, dict[str, str]] = {}
+    for kind in ("requests", "limits"):
+        for resource, value in (job.resources.get(kind) or {}).items():
+            out.setdefault(kind, {})[resource] = scale_quantity(value, devices, f"spec.resources.{kind}.{resource}")
+    device = job.topology.device_resource
+    out.setdefault("requests", {})[device] = str(devices)
+    if device not in ("cpu", "memory"):  # extended resources need limits == requests
+        out.setdefault("limits", {})[device] = str(devices)
+    return out
+
+
+def _checkpoint_volume(meta: JobMeta) -> dict[str, Any]:
+    # the pod is pinned to its host, so a host directory survives a gang restart (a PVC would need
+    # a spec field the model does not have yet)
+    return {"name": "checkpoint", "hostPath": {"path": f"{CHECKPOINT_HOST_ROOT}/{meta.namespace}/{meta.name}",
+                                                "type": "DirectoryOrCreate"}}
+
+
+def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
+    """One port per local rank: rank r of the pod serves on spec.metrics.port + r (trainer/worker).
+
+    Named metrics, metrics-1, metrics-2, ... so a PodMonitor can keep them by name pattern."""
+    return [{"name": "metrics" if rank == 0 else f"metrics-{rank}", "containerPort": job.metrics.port + rank,
+             "protocol": "TCP"} for rank in range(devices)]
+
+
+def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...], *,
+        default_service_account: str | None = None) -> dict[str, Any]:
+    """One trainer pod: `meshjob worker` for the devices the plan uses on its host.
+
+    The pod runs as spec.serviceAccountName, else as `default_service_account` (the operator's
+    --trainer-service-account: allowed to annotate its own pod), else the namespace's default."""
+    name = names.pod_name(meta.name, host_pod.index)
+    metadata = _metadata(meta, name, host_pod.index)
+    metadata["annotations"] = {"meshjob.io/devices": str(host_pod.devices),
+                               "meshjob.io/stages": ",".join(str(s) for s in host_pod.stages)}
+    mounts = [{"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
+              {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names.configmap_name(meta.name)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if job.training.checkpoint.path:
+        mounts.append({"name": "checkpoint", "mountPath": job.training.checkpoint.path})
+        volumes.append(_checkpoint_volume(meta))
+    container = {
+        "name": "trainer",
+        "image": job.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["meshjob", "worker", "--job", f"{names.CONFIG_DIR}/job.yaml",
+                    "--nproc", str(host_pod.devices), "--node-rank", str(host_pod.index)],
+        "env": environment(meta, job, host_pod, pods),
+        "ports": [{"name": "rendezvous", "containerPort": names.MASTER_PORT, "protocol": "TCP"},
+                  *metrics_ports(job, host_pod.devices)],
+        "resources": resources(job, host_pod.devices),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # any failure is a gang restart, decided by the operator
+        "hostname": name,
+        "subdomain": names.service_name(meta.name),
+        "enableServiceLinks": False,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": job.topology.host_label, "operator": "In", "values": [host_pod.host]}]}]}}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    service_account = job.service_account_name or default_service_account
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    scheduling = job.scheduling
+    if scheduling.gang:
+        pod_spec["schedulerName"] = scheduling.scheduler_name or DEFAULT_GANG_SCHEDULER
+        metadata["labels"]["scheduling.x-k8s.io/pod-group"] = names.podgroup_name(meta.name)
+    if scheduling.queue:
+        metadata["labels"]["kueue.x-k8s.io/queue-name"] = scheduling.queue
+        metadata["labels"]["kueue.x-k8s.io/pod-group-name"] = meta.name
+        metadata["annotations"]["kueue.x-k8s.io/pod-group-total-count"] = str(len(pods))
+        if scheduling.topology_level:
+            metadata["annotations"]["kueue.x-k8s.io/podset-required-topology"] = scheduling.topology_level
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,114 @@
+"""TrainingJob status: conditions (Kubernetes style), phases, and what the pods report."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from meshjob_operator import names
+
+CONDITION_TYPES = ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended", "Unschedulable")
+
+PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (
+    "Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+TERMINAL_PHASES = (SUCCEEDED, FAILED)
+PHASES = (PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+
+
+def timestamp(now: datetime.datetime) -> str:
+    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime.datetime | None:
+    if not text:
+        return None
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+
+
+def get_condition(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
+    cond = get_condition(conditions, type_)
+    return bool(cond) and cond.get("status") == "True"
+
+
+def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: bool, reason: str,
+                  message: str, now: datetime.datetime) -> list[dict[str, Any]]:
+    """A new list with `type_` set; lastTransitionTime moves only when the status flips."""
+    if type_ not in CONDITION_TYPES:
+        raise ValueError(f"condition type {type_!r} is invalid: one of {', '.join(CONDITION_TYPES)}")
+    value = "True" if status else "False"
+    out: list[dict[str, Any]] = []
+    found = False
+    for cond in conditions:
+        if cond.get("type") != type_:
+            out.append(dict(cond))
+            continue
+        found = True
+        changed = cond.get("status") != value
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": timestamp(now) if changed else cond.get("lastTransitionTime", timestamp(now))})
+    if not found:
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": timestamp(now)})
+    return out
+
+
+def clear_condition(conditions: Iterable[Mapping[str, Any]], type_: str, reason: str, message: str,
+                    now: datetime.datetime) -> list[dict[str, Any]]:
+    """Set `type_` False if it is present and True; absent conditions stay absent."""
+    conditions = list(conditions)
+    if is_true(conditions, type_):
+        return set_condition(conditions, type_, False, reason, message, now)
+    return [dict(c) for c in conditions]
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the reconciler needs from a child pod."""
+    name: str
+    index: int
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    deleting: bool
+    owner_uid: str
+    message: str = ""
+    step: int | None = None
+    checkpoint_step: int | None = None
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any], index: int) -> "PodView":
+        meta = pod.get("metadata", {})
+        st = pod.get("status") or {}
+        owners = [o.get("uid", "") for o in meta.get("ownerReferences") or [] if o.get("kind") == names.KIND]
+        annotations = meta.get("annotations") or {}
+        return cls(name=meta["name"], index=index, phase=st.get("phase") or "Pending",
+                   deleting=bool(meta.get("deletionTimestamp")), owner_uid=owners[0] if owners else "",
+                   message=_failure_message(st),
+                   step=_int_or_none(annotations.get(names.STEP_ANNOTATION)),
+                   checkpoint_step=_int_or_none(annotations.get(names.CHECKPOINT_ANNOTATION)))
+
+
+def _int_or_none(text: Any) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _failure_message(pod_status: Mapping[str, Any]) -> str:
+    parts = [pod_status.get("reason", ""), pod_status.get("message", "")]
+    for cs in pod_status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term:
+            parts.append(f"container {cs.get('name')} exited {term.get('exitCode')} {term.get('reason', '')}".strip())
+    return "; ".join(p for p in parts if p)
+
+
+def progress(pods: Iterable[PodView]) -> tuple[int | None, int | None]:
+    """(step, checkpoint step) the whole gang has reached: the minimum over pods that report one."""
+    pods = list(pods)
+    steps = [p.step for p in pods if p.step is not None]
+    ckpts = [p.checkpoint_step for p in pods if p.checkpoint_step is not None]
+    return (min(steps) if steps else None, min(ckpts) if ckpts else None)

@@ -1,0 +1,261 @@
+"""`meshjob run job.yaml`: train a TrainingJob on this machine on an emulated cluster.
+
+One network namespace per host (tbf at --nic-rate as its NIC), the host's devices as forked
+worker ranks inside it, rendezvous on host 0. A progress bar while it runs, a summary table at
+the end, Prometheus metrics of the aggregated figures on --metrics-port, exit status 1 when the
+job fails. With --max-restarts N a dead rank restarts the whole gang from the last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from meshjob_trainer.emulate.launcher import GangResult, RankContext, run_with_restarts
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.units import parse_rate
+from meshjob_trainer.emulate.progress import ProgressView, RunStats, hook_trainer_metrics, summary_table
+
+HELP = "run a TrainingJob on this machine on an emulated cluster"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="TrainingJob YAML")
+    parser.add_argument("--hosts", help="hosts.yaml: [{name, devices, rack}] (default: the smallest "
+                        "cluster of identical hosts that fits the job)")
+    parser.add_argument("--nic-rate", default="1gbit", help="each emulated host's NIC (tc rate; default 1gbit)")
+    parser.add_argument("--no-netns", action="store_true", help="plain loopback: no namespaces, no NIC limit")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics of the aggregated figures on this port while running")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole gang from the last checkpoint at most N times")
+    parser.add_argument("--checkpoint-dir", help="checkpoints (default: spec.training.checkpoint.path, "
+                        "else a temporary folder when --max-restarts > 0)")
+    parser.add_argument("--json", dest="json_out", help="write the summary as JSON to this file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+@dataclass
+class RunSetup:
+    job: Any  # meshjob.spec.TrainingJob
+    plan: Any  # meshjob.plan.Plan, built once here and inherited by the forked ranks
+    job_path: str
+    hosts_path: str
+    checkpoint_dir: str
+    rank_hosts: list[int]
+
+
+def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
+    """In a forked rank, inside its host's namespace: the trainer's worker, observed through its
+    TrainerMetrics calls."""
+    import torch
+
+    from meshjob_trainer.dist import WorkerEnv
+    from meshjob_trainer.worker import JobSetup, run_worker
+
+    torch.set_num_threads(1)  # ranks share 2 cores; more threads only contend
+    os.environ.update({"MESHJOB_JOB": setup.job_path, "MESHJOB_HOSTS": setup.hosts_path,
+                       "MESHJOB_CHECKPOINT_DIR": setup.checkpoint_dir,
+                       "MESHJOB_NIC_BYTES_PER_S": repr(setup.plan.nic_bytes_per_s),
+                       "LOCAL_RANK": str(ctx.rank), "NODE_RANK": str(ctx.host.index)})
+    hook_trainer_metrics(ctx.report)
+    run_worker(WorkerEnv.from_env(), setup=JobSetup(setup.job, setup.plan))  # the plan the launcher placed
+
+
+def _validate_args(args: argparse.Namespace) -> None:
+    from meshjob.errors import FieldError, SpecError
+
+    errors = []
+    try:
+        parse_rate(args.nic_rate, "--nic-rate")
+    except ValueError as err:
+        errors.append(FieldError("--nic-rate", args.nic_rate, str(err).split("is invalid: ", 1)[-1]))
+    if args.max_restarts < 0:
+        errors.append(FieldError("--max-restarts", args.max_restarts, "an integer >= 0"))
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        errors.append(FieldError("--metrics-port", args.metrics_port, "a port in [0, 65535]"))
+    if errors:
+        raise SpecError(errors)
+
+
+class MetricsFeed:
+    """The launcher's own TrainerMetrics: one series per figure, fed with aggregated values.
+
+    Per-host series (achieved NIC bandwidth) carry the host names of the plan that the ranks
+    report, so the launcher's endpoint shows the same hosts a pod's would. Ranks forked while it
+    serves close their copy of its listening socket (TrainerMetrics.serve registers that)."""
+
+    def __init__(self, job: Any, plan: Any, port: int):
+        from meshjob_trainer.metrics import TrainerMetrics
+
+        last = len(job.stages) - 1
+        placement = plan.placement
+        hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
+        self.metrics = TrainerMetrics(job=job.name, rank=0, host=hosts, stage=last)
+        self.metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
+                              ",".join("x".join(map(str, s.mesh)) for s in job.stages))
+        self.port = self.metrics.serve(port)
+        self._reported_step = 0
+
+    def on_event(self, event: dict, stats: RunStats) -> None:
+        kind = event.get("kind")
+        if kind == "reshard":
+            self.metrics.record_resharding(event["strategy"], event["scope"], event["boundary"],
+                                           int(event["bytes"]), float(event["seconds"]))
+        elif kind == "nic":
+            self.metrics.record_nic(str(event["host"]), float(event["bytes_per_second"]))
+        elif kind == "ratio":
+            self.metrics.record_resharding_ratio(event["boundary"], float(event["value"]))
+        elif kind == "unit_tasks":
+            self.metrics.record_unit_tasks(str(event["balancer"]), int(event["count"]))
+        elif kind == "pipeline":
+            self.metrics.record_pipeline(int(event["stage"]), float(event["bubble"]), float(event["overlap"]))
+        elif kind == "checkpoint":
+            self.metrics.record_checkpoint(float(event["seconds"]), int(event["step"]))
+        while self._reported_step < stats.step:  # a step every rank has finished
+            s = self._reported_step + 1
+            self.metrics.record_step(stats.step_seconds[s], stats.step_tokens[s], stats.loss, step=s)
+            self._reported_step = s
+
+    def restart(self, resume_step: int) -> None:
+        """The gang resumes after `resume_step`: report steps from there on."""
+        self._reported_step = resume_step
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshjob.placement import default_hosts, load_hosts
+    from meshjob.plan import build_plan
+    from meshjob.spec import load_job
+
+    _validate_args(args)
+    job = load_job(args.job)
+    hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
+    nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
+    plan = build_plan(job, hosts, nic_bytes_per_s=nic_bytes_per_s)
+    placement = plan.placement
+    rank_hosts = [placement.host_of(r) for r in range(placement.world_size)]
+    used = sorted(set(rank_hosts))
+    compact = {h: i for i, h in enumerate(used)}  # emulate only the hosts the job occupies
+
+    checkpoint_dir = args.checkpoint_dir or job.training.checkpoint.path or ""
+    tmp_ckpt = None
+    if not checkpoint_dir and args.max_restarts > 0:
+        tmp_ckpt = tempfile.TemporaryDirectory(prefix="meshjob-ckpt-")
+        checkpoint_dir = tmp_ckpt.name
+    setup = RunSetup(job, plan, os.path.abspath(args.job), os.path.abspath(args.hosts) if args.hosts else "",
+                     os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
+                     [compact[h] for h in rank_hosts])
+
+    console = Console(stderr=True)
+    if args.max_restarts > 0 and job.training.checkpoint.every <= 0:
+        console.print("[yellow]warning:[/] spec.training.checkpoint.every is 0: no checkpoints are "
+                      "written, so a restarted gang starts again from step 0")
+    resume = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)
+    if resume:
+        console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
+                      f"(another folder via --checkpoint-dir starts afresh)")
+    stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps, resume_step=resume)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
+    import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
+
+    cleanup_stale()
+    t0 = time.monotonic()
+    results: list[GangResult] = []
+    feed: MetricsFeed | None = None
+    try:
+        with ExitStack() as stack:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cluster = stack.enter_context(
+                    EmulatedCluster(len(used), args.nic_rate, use_netns=not args.no_netns))
+            for w in caught:
+                console.print(f"[yellow]warning:[/] {w.message}")
+            console.print(f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}")
+            if args.metrics_port is not None:
+                feed = MetricsFeed(job, plan, args.metrics_port)
+                feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
+                console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
+            with ProgressView(stats, console, enabled=not args.quiet) as view:
+                def on_event(event: dict) -> None:
+                    stats.add(event)
+                    if feed is not None:
+                        feed.on_event(event, stats)
+                    view.update()
+
+                def on_restart(failed: GangResult) -> None:
+                    assert failed.first_failure is not None
+                    step = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)  # complete ones only
+                    console.print(f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
+                                  f"the last checkpoint (step {step})[/]")
+                    stats.restart()
+                    if feed is not None:
+                        feed.restart(step)
+
+                results = run_with_restarts(cluster, setup.rank_hosts, lambda ctx: _rank_main(setup, ctx),
+                                            args.max_restarts, on_event, on_restart)
+            network = cluster.describe()
+            emulated = cluster.emulated
+    finally:
+        if feed is not None:
+            feed.close()
+        if tmp_ckpt is not None:
+            tmp_ckpt.cleanup()
+
+    ok = bool(results) and results[-1].ok
+    wall = time.monotonic() - t0
+    summary = {"job": job.name, "ok": ok, "world_size": placement.world_size, "hosts": len(used),
+               "network": network, "emulated": emulated, "nic_rate": args.nic_rate,
+               "wall_seconds": wall, "attempts": len(results),
+               "failure": (results[-1].first_failure.describe()
+                           if results and results[-1].first_failure else None),
+               **stats.to_json()}
+    _print_summary(console, summary)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if ok else 1
+
+
+def _latest_checkpoint(directory: str, world_size: int) -> int:
+    """The newest complete checkpoint the ranks will resume from (0: none)."""
+    if not directory:
+        return 0
+    from meshjob_trainer.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(Path(directory), rank=0, world_size=world_size, fingerprint={})
+    return next((s for s in ckpt.steps() if ckpt.is_complete(s)), 0)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _print_summary(console: Console, s: dict) -> None:
+    rows = [
+        ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
+        ("cluster", f"{s['world_size']} ranks, {s['network']}"),
+        ("steps", f"{s['steps_completed']}/{s['total_steps']}"
+                  + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else "")),
+        ("final loss", _fmt(s["final_loss"], ".4f")),
+        ("tokens/s (mean)", _fmt(s["tokens_per_s_mean"], ",.0f")),
+        ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received by all ranks, "
+                       f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s over the training time"),
+        ("attempts", f"{s['attempts']} (restarts: {s['restarts']})"),
+        ("wall time", f"{s['wall_seconds']:.1f} s"),
+    ]
+    for stage, p in s["pipeline"].items():
+        rows.append((f"stage {stage}", f"bubble {p['bubble']:.1%}, overlap {p['overlap']:.1%}"))
+    console.print(summary_table(rows, f"meshjob run: {s['job']}"))

@@ -1,0 +1,243 @@
+"""A trainer process's place in the job: its environment, the process group, its context.
+
+WorkerEnv reads torchrun's variables (and Kubeflow's PET_* spellings) plus meshjob's own.
+init_distributed() runs a rendezvous of its own on a TCPStore before creating the process
+group, so a rank that never comes is named in the error instead of a bare timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from meshjob.api import MASTER_PORT
+
+if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazily at run time
+    from meshjob.plan import Plan
+    from meshjob.spec import TrainingJob
+
+DEFAULT_TIMEOUT_S = 300.0
+RENDEZVOUS_PREFIX = "meshjob/rendezvous"
+NAMED_VARIABLES = ("MESHJOB_JOB", "MESHJOB_HOSTS", "MESHJOB_CHECKPOINT_DIR", "MESHJOB_POD_NAME")
+
+
+class DistError(RuntimeError):
+    """The process group could not be formed; the message says which rank or setting is at fault."""
+
+
+def _env_int(env: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int:
+    for name in names:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise DistError(f"environment {name}={raw!r} is invalid: must be an integer >= 0") from None
+        if value < 0:
+            raise DistError(f"environment {name}={raw!r} is invalid: must be an integer >= 0")
+        return value
+    if default is None:
+        raise DistError(f"environment {' or '.join(names)} is not set: needed to place this process in the job")
+    return default
+
+
+def _env_str(env: Mapping[str, str], names: tuple[str, ...], default: str) -> str:
+    for name in names:
+        if env.get(name):
+            return env[name]
+    return default
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = MASTER_PORT
+    job_path: str = ""  # MESHJOB_JOB: the TrainingJob YAML
+    hosts_path: str = ""  # MESHJOB_HOSTS: optional hosts.yaml (else the plan's default hosts)
+    checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
+    pod_name: str = ""  # MESHJOB_POD_NAME: set by the operator; enables pod annotations
+    extra: Mapping[str, str] = field(default_factory=dict)  # other MESHJOB_* variables, passed on as is
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise DistError(f"WORLD_SIZE={self.world_size} is invalid: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise DistError(f"RANK={self.rank} is invalid: must be in [0, WORLD_SIZE={self.world_size})")
+        if not 0 < self.master_port < 65536:
+            raise DistError(f"MASTER_PORT={self.master_port} is invalid: must be in [1, 65535]")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "WorkerEnv":
+        """torchrun names first, then Kubeflow's PET_* ones; `overrides` win over both."""
+        env = os.environ if env is None else env
+        readers: dict[str, Any] = dict(
+            rank=lambda: _env_int(env, ("RANK", "PET_RANK"), None),
+            world_size=lambda: _env_int(env, ("WORLD_SIZE", "PET_WORLD_SIZE"), None),
+            local_rank=lambda: _env_int(env, ("LOCAL_RANK", "PET_LOCAL_RANK"), 0),
+            node_rank=lambda: _env_int(env, ("NODE_RANK", "PET_NODE_RANK", "GROUP_RANK"), 0),
+            master_addr=lambda: _env_str(env, ("MASTER_ADDR", "PET_MASTER_ADDR"), "127.0.0.1"),
+            master_port=lambda: _env_int(env, ("MASTER_PORT", "PET_MASTER_PORT"), MASTER_PORT),
+            job_path=lambda: _env_str(env, ("MESHJOB_JOB",), ""),
+            hosts_path=lambda: _env_str(env, ("MESHJOB_HOSTS",), ""),
+            checkpoint_dir=lambda: _env_str(env, ("MESHJOB_CHECKPOINT_DIR",), ""),
+            pod_name=lambda: _env_str(env, ("MESHJOB_POD_NAME",), ""),
+            extra=lambda: {k: v for k, v in env.items() if k.startswith("MESHJOB_") and k not in NAMED_VARIABLES},
+        )
+        values = {name: read() for name, read in readers.items() if name not in overrides}
+        values.update(overrides)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables a child process needs to rebuild this WorkerEnv."""
+        out = dict(self.extra)
+        out.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                   NODE_RANK=str(self.node_rank), MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        for key, value in (("MESHJOB_JOB", self.job_path), ("MESHJOB_HOSTS", self.hosts_path),
+                           ("MESHJOB_CHECKPOINT_DIR", self.checkpoint_dir), ("MESHJOB_POD_NAME", self.pod_name)):
+            if value:
+                out[key] = value
+        return out
+
+
+def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -> None:
+    """The launcher's WORLD_SIZE must be the plan's: every rank's role comes from the plan."""
+    if env.world_size != plan_world_size:
+        of = f" of job {job_name!r}" if job_name else ""
+        raise DistError(
+            f"WORLD_SIZE={env.world_size} but the plan{of} needs {plan_world_size} ranks "
+            f"(one per device of every stage mesh); start exactly {plan_world_size} processes")
+
+
+def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
+    """Every rank sets its key on rank 0's TCPStore, then waits for all keys (polling gently).
+
+    Rank 0 decides a timeout: it lists the missing ranks, publishes that verdict on the store and
+    gives the waiting ranks a moment to read it, so every rank that came reports the same
+    missing ranks (instead of a bare "connection closed" when rank 0 exits)."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - torch raises several types for "cannot connect"
+        who = "this rank (0) could not host it" if env.rank == 0 else "rank 0 never came or is unreachable"
+        raise DistError(f"rank {env.rank}: rendezvous store at {where} not reachable within {timeout_s:g} s: "
+                        f"{who} ({type(err).__name__}: {err})") from err
+    keys = [f"{RENDEZVOUS_PREFIX}/{r}" for r in range(env.world_size)]
+    verdict, acks = f"{RENDEZVOUS_PREFIX}/failed", f"{RENDEZVOUS_PREFIX}/acks"
+    try:
+        store.set(keys[env.rank], "1")
+        while not store.check(keys):
+            if env.rank == 0 and time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                message = (f"rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                           f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+                store.set(verdict, message)
+                came = env.world_size - len(missing)
+                grace = time.monotonic() + 2.0
+                while int(store.add(acks, 0)) < came - 1 and time.monotonic() < grace:
+                    time.sleep(0.02)
+                raise DistError(f"rank 0: {message}")
+            if env.rank != 0 and store.check([verdict]):
+                message = store.get(verdict).decode()
+                store.add(acks, 1)
+                raise DistError(f"rank {env.rank}: {message}")
+            if env.rank != 0 and time.monotonic() > deadline + 5.0:  # rank 0 is there but gave no verdict
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise DistError(f"rank {env.rank}: rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                                f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+            time.sleep(0.05)
+    except DistError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the store's connection broke: rank 0 went away
+        raise DistError(f"rank {env.rank}: the rendezvous store at {where} (hosted by rank 0) went away while "
+                        f"waiting for peers ({type(err).__name__}: {err})") from err
+    return store
+
+
+GLOO = "gloo"
+# torch's combined backend: CPU tensors go through gloo, CUDA tensors through NCCL, in one group.
+GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
+
+
+def backend_for_device(cuda_available: bool | None = None) -> str:
+    """gloo on CPU; with CUDA the combined "cpu:gloo,cuda:nccl", never plain NCCL.
+
+    Why combined: the resharding executor runs one thread per in-flight handle, and NCCL needs
+    every rank to issue a communicator's operations in one order, which concurrent threads do not
+    give; gloo matches point-to-point ops by (peer, tag) from any thread, but has no CUDA
+    point-to-point. So resharding stages its payloads through CPU tensors (gloo) while the
+    stage-internal collectives (TP all-reduce, DP gradient reduce), issued in program order by the
+    training thread, keep their CUDA tensors on NCCL."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    return GLOO_AND_NCCL if cuda_available else GLOO
+
+
+def uses_cuda(backend: str) -> bool:
+    """Whether a backend string (plain or combined, e.g. "cpu:gloo,cuda:nccl") puts CUDA tensors on NCCL."""
+    return "nccl" in backend.lower()
+
+
+def device_for_backend(backend: str) -> str:
+    """The torch device a rank trains on: the GPU init_distributed selected when the backend carries
+    CUDA tensors, else the CPU."""
+    if not uses_cuda(backend):
+        return "cpu"
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
+                     expected_world_size: int | None = None) -> str:
+    """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""
+    import torch
+    import torch.distributed as dist
+
+    if expected_world_size is not None:
+        check_world_size(env, expected_world_size)
+    backend = backend or backend_for_device()
+    store = _rendezvous(env, timeout_s)
+    if uses_cuda(backend):
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class WorkerContext:
+    """What the training loop (meshjob_trainer.train.train) gets from the worker."""
+
+    env: WorkerEnv
+    job: "TrainingJob"
+    plan: "Plan"
+    stage: int  # this rank's pipeline stage
+    reshard: Any  # meshjob_trainer.reshard.ReshardExecutor for this rank
+    metrics: Any = None  # meshjob_trainer.metrics.TrainerMetrics, or None
+    checkpoints: Any = None  # meshjob_trainer.checkpoint.Checkpointer, or None when checkpoints are off
+    status: Any = None  # meshjob_trainer.status.PodStatus (no-op outside a pod)
+    device: str = "cpu"
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank

@@ -1,0 +1,235 @@
+"""The models, nanoGPT-style: GPT and U-Transformer, cut into pipeline stages by layer range.
+
+A StageModule holds layers [first, last) of the model. Stage 0 also embeds (token + position);
+the last stage also does the final LayerNorm, the head and the loss. The head is tied to the
+token embedding: when the model is cut into several stages, the first and the last stage each
+hold a copy of it and their gradients are summed between them (parallel.reduce_gradients), so
+the copies stay equal; in one process (the reference) they are one parameter.
+
+U-Transformer: the same blocks plus long skip connections from the output of layer i to the
+input of layer L-1-i for every i < L-1-i, added to the residual stream. A skip whose ends lie in
+different stages is a stage output/input named skip_tensor(i) ("skip<i>"), i.e. a DAG edge that
+may cross several stages.
+
+Tensor parallelism (Megatron): attention heads and the MLP's hidden units are split over the
+TP group; every rank creates the same full initial weights from the seed and keeps its shard, so
+a sharded model computes what the single-process model does.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshjob.spec import MODEL_KINDS
+from meshjob_trainer.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardInfo,
+    TPGroup,
+    copy_to_tp,
+    init_std,
+    shard_info,
+    sharded,
+)
+
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gpt"
+    layers: int = 8
+    hidden: int = 256
+    heads: int = 8
+    vocab: int = 1024
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"model.kind: {self.kind!r} is invalid: allowed are {', '.join(MODEL_KINDS)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.hidden: {self.hidden} is invalid: must be divisible by model.heads ({self.heads})")
+
+    @classmethod
+    def from_spec(cls, spec) -> "ModelConfig":
+        """From meshjob.spec.ModelSpec (duck-typed: the plan layer's dataclass)."""
+        return cls(spec.kind, spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq_len)
+
+
+def skip_pairs(config: ModelConfig) -> list[tuple[int, int]]:
+    """(source layer i, destination layer L-1-i) of every long skip connection."""
+    if config.kind != "utransformer":
+        return []
+    last = config.layers - 1
+    return [(i, last - i) for i in range(config.layers) if i < last - i]
+
+
+def skip_tensor(source_layer: int) -> str:
+    return f"skip{source_layer}"
+
+
+class Initializer:
+    """Full-size initial weights that depend only on (seed, parameter name): identical on every
+    rank and independent of how the model is cut or sharded."""
+
+    def __init__(self, config: ModelConfig, seed: int):
+        self.config, self.seed = config, seed
+
+    def normal(self, name: str, shape: tuple[int, ...], residual_proj: bool = False) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        std = init_std(self.config.hidden, self.config.layers, residual_proj)
+        return torch.randn(shape, generator=gen) * std
+
+
+def _layer_norm(hidden: int) -> nn.LayerNorm:
+    return nn.LayerNorm(hidden)  # weight 1, bias 0: deterministic without a seed
+
+
+class Attention(nn.Module):
+    """Causal self-attention; this rank computes heads / tp.size of the heads."""
+
+    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+        super().__init__()
+        hidden, heads = config.hidden, config.heads
+        if heads % tp.size:
+            raise ValueError(f"model.heads: {heads} is invalid: must be divisible by the tensor-parallel size {tp.size}")
+        self.tp, self.local_heads, self.head_dim = tp, heads // tp.size, hidden // heads
+        zeros = torch.zeros(hidden)
+        self.q = ColumnParallelLinear(init.normal(f"{prefix}.q.weight", (hidden, hidden)), zeros, tp)
+        # no key bias: it shifts every score of a query row equally, so softmax cancels it and its
+        # gradient is exactly zero; Adam would turn the rounding noise of that zero into updates
+        self.k = ColumnParallelLinear(init.normal(f"{prefix}.k.weight", (hidden, hidden)), None, tp)
+        self.v = ColumnParallelLinear(init.normal(f"{prefix}.v.weight", (hidden, hidden)), zeros, tp)
+        self.proj = RowParallelLinear(init.normal(f"{prefix}.proj.weight", (hidden, hidden), True), zeros, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        x = copy_to_tp(x, self.tp)  # one backward all-reduce for q, k and v together
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+        super().__init__()
+        hidden, inner = config.hidden, 4 * config.hidden
+        self.tp = tp
+        self.fc = ColumnParallelLinear(init.normal(f"{prefix}.fc.weight", (inner, hidden)), torch.zeros(inner), tp)
+        self.proj = RowParallelLinear(init.normal(f"{prefix}.proj.weight", (hidden, inner), True), torch.zeros(hidden), tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(copy_to_tp(x, self.tp))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block."""
+
+    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+        super().__init__()
+        self.ln_1 = _layer_norm(config.hidden)
+        self.attn = Attention(config, f"{prefix}.attn", init, tp)
+        self.ln_2 = _layer_norm(config.hidden)
+        self.mlp = MLP(config, f"{prefix}.mlp", init, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class StageModule(nn.Module):
+    """Layers [first, last) of a GPT or U-Transformer (the whole model when first=0, last=L).
+
+    forward(inputs) -> outputs, both dicts of tensors named as on the plan's edges:
+      inputs:  "tokens" (stage 0) or "activation", plus incoming "skip<i>"; the last stage also
+               takes "targets"
+      outputs: "activation" and outgoing "skip<i>", or on the last stage "loss": the SUM of the
+               token cross-entropies of the local rows (the caller scales it)
+    """
+
+    def __init__(self, config: ModelConfig, first: int, last: int, seed: int, tp: TPGroup = TPGroup()):
+        super().__init__()
+        if not 0 <= first < last <= config.layers:
+            raise ValueError(f"stage layers: [{first}, {last}) is invalid: need 0 <= first < last <= {config.layers}")
+        self.config, self.first, self.last = config, first, last
+        self.is_first, self.is_last = first == 0, last == config.layers
+        init = Initializer(config, seed)
+        replicated = ShardInfo(None)
+        if self.is_first or self.is_last:
+            self.wte = nn.Embedding(config.vocab, config.hidden)
+            self.wte.weight = sharded(init.normal("wte.weight", (config.vocab, config.hidden)), replicated)
+        if self.is_first:
+            self.wpe = nn.Embedding(config.seq_len, config.hidden)
+            self.wpe.weight = sharded(init.normal("wpe.weight", (config.seq_len, config.hidden)), replicated)
+        self.blocks = nn.ModuleDict({str(i): Block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
+        if self.is_last:
+            self.ln_f = _layer_norm(config.hidden)
+        pairs = skip_pairs(config)
+        self.skip_into = {dst: src for src, dst in pairs if first <= dst < last}  # layer -> source layer
+        self.skip_sources = {src for src, dst in pairs if first <= src < last}
+        self.skip_outputs = [skip_tensor(src) for src, dst in pairs if first <= src < last <= dst]
+        self.skip_inputs = [skip_tensor(src) for src, dst in pairs if src < first <= dst < last]
+
+    def input_names(self) -> list[str]:
+        return (["tokens"] if self.is_first else ["activation"]) + self.skip_inputs
+
+    def output_names(self) -> list[str]:
+        return ["loss"] if self.is_last else ["activation"] + self.skip_outputs
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The token embedding when it is tied across stages (held by both the first and last)."""
+        return self.wte.weight if (self.is_first or self.is_last) and not (self.is_first and self.is_last) else None
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.is_first:
+            tokens = inputs["tokens"]
+            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        else:
+            x = inputs["activation"]
+        saved: dict[int, torch.Tensor] = {}
+        for i in range(self.first, self.last):
+            if i in self.skip_into:
+                src = self.skip_into[i]
+                x = x + (saved[src] if src >= self.first else inputs[skip_tensor(src)])
+            x = self.blocks[str(i)](x)
+            if i in self.skip_sources:
+                saved[i] = x
+        if not self.is_last:
+            return {"activation": x, **{name: saved[int(name[4:])] for name in self.skip_outputs}}
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # head tied to the token embedding
+        targets = inputs["targets"]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return {"loss": loss}
+
+
+def full_parameters(shards: list[dict[str, tuple[torch.Tensor, ShardInfo]]]) -> dict[str, torch.Tensor]:
+    """Reassemble full weights from the shards of several ranks (any order, duplicates allowed):
+    a sharded parameter is the concatenation of its parts along its dim, by part index."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    infos: dict[str, ShardInfo] = {}
+    for state in shards:
+        for name, (tensor, info) in state.items():
+            parts.setdefault(name, {})[info.index] = tensor
+            infos[name] = info
+    full = {}
+    for name, info in infos.items():
+        got = parts[name]
+        if info.dim is None:
+            full[name] = got[0]
+            continue
+        missing = sorted(set(range(info.parts)) - set(got))
+        if missing:
+            raise ValueError(f"parameter {name}: shards {missing} of {info.parts} are missing")
+        full[name] = torch.cat([got[i] for i in range(info.parts)], dim=info.dim)
+    return full
+
+
+def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+    """This rank's parameters with their ShardInfo, detached copies (for full_parameters)."""
+    return {name: (p.detach().clone(), shard_info(p)) for name, p in module.named_parameters()}

@@ -1,0 +1,258 @@
+"""The pipeline executor: runs one stage's action list (meshjob.schedule.Action) for one step.
+
+  F<mb>        forward; inputs come from RECV_F handles (stage 0: the data); outputs are stashed
+  B<mb>        full backward: weight gradients accumulate into .grad, input gradients are kept
+  I<mb>        input gradients only (torch.autograd.grad w.r.t. the stage inputs, graph retained)
+  W<mb>        weight gradients later (backward into the parameters' .grad), then the stash is freed
+  SEND_F/RECV_F, SEND_B/RECV_B   start a transfer through the transport; a RECV's handle is waited
+               by the compute that needs it, a SEND's at the end of the step
+
+I/W split as in zero-bubble pipelining (torch.distributed.pipelining._backward, pinned torch):
+I computes the input gradients and keeps the gradients arriving at the graph nodes where the
+weights join; W resumes from those nodes, so I + W costs what B costs and no collective of the
+backward (tensor-parallel all-reduces) runs twice. A stage without differentiable inputs (stage
+0) has nothing to do in I; its W is then the whole backward.
+
+Per stage we record compute seconds, waiting seconds (blocked on a transfer) and the peak number
+of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from meshjob.schedule import Action
+from meshjob_trainer.data import Batch
+from meshjob_trainer.model import StageModule
+
+
+class Handle(Protocol):
+    def wait(self) -> torch.Tensor | None: ...
+
+
+class Transport(Protocol):
+    """Moves one tensor of one microbatch across an edge. `grad` selects the backward direction
+    (the gradient of `tensor` flowing from stage dst back to stage src)."""
+
+    def start(self, tensor: str, src: int, dst: int, mb: int, grad: bool, local: torch.Tensor | None) -> Handle: ...
+
+
+class PipelineError(RuntimeError):
+    """An action list this executor cannot run; the message names the stage and the action."""
+
+
+@dataclass
+class StageStats:
+    stage: int
+    compute_s: float = 0.0  # F, B, I, W
+    wait_s: float = 0.0  # blocked on transfers (RECV handles, and SEND handles at step end)
+    peak_stashed: int = 0  # most microbatches forwarded and not yet fully backwarded
+    steps: int = 0
+    # (action or "wait", start, end) in seconds from the step's start; merged stats keep the last step's
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
+    timeline_origin: float = 0.0  # time.perf_counter() at the step's start (one clock for all processes)
+
+    def merge_step(self, other: "StageStats") -> None:
+        self.compute_s += other.compute_s
+        self.wait_s += other.wait_s
+        self.peak_stashed = max(self.peak_stashed, other.peak_stashed)
+        self.steps += other.steps
+        self.timeline, self.timeline_origin = other.timeline, other.timeline_origin
+
+
+@dataclass
+class _Stash:
+    inputs: dict[str, torch.Tensor]  # the stage inputs that need a gradient (leaves)
+    outputs: dict[str, torch.Tensor]
+    split_done: bool = False  # I has run
+    param_groups: list[dict] | None = None  # what I kept for W (None: W runs the whole backward)
+    roots: list[torch.Tensor] = field(default_factory=list)
+    root_grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class PipelineExecutor:
+    """Runs `actions` for stage `stage`; one instance per rank, reused every step."""
+
+    def __init__(self, stage: int, module: StageModule, actions: Sequence[Action], transport: Transport,
+                 loss_scale: float):
+        self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
+        self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.split = any(a.kind == "I" for a in self.actions)
+
+    def run_step(self, local_batch: Callable[[int], Batch]) -> tuple[float, StageStats]:
+        """Execute the action list once. Returns (the sum of this rank's scaled microbatch losses
+        (0 except on the last stage), the step's stats)."""
+        run = _StepRun(self, local_batch)
+        # Post every receive of the step up front. gloo moves data only once the receiver has posted,
+        # so a receive posted at its action (right before the compute that needs it) would expose the
+        # whole transfer; posted early, it overlaps the computation of other microbatches, which is
+        # what eager-1F1B's earlier forwards are for. Cost: one receive buffer per microbatch and
+        # incoming edge (not counted as stashed activations: they hold no autograd graph).
+        receives = [a for a in self.actions if a.kind in ("RECV_F", "RECV_B")]
+        for action in receives:
+            run.do(action)
+        for action in self.actions:
+            if action.kind not in ("RECV_F", "RECV_B"):
+                run.do(action)
+        run.finish()
+        return run.loss, run.stats
+
+
+class _StepRun:
+    """The state of one step: stashes, in-flight handles, received gradients."""
+
+    def __init__(self, ex: PipelineExecutor, local_batch: Callable[[int], Batch]):
+        self.ex, self.local_batch = ex, local_batch
+        self.stats = StageStats(ex.stage, steps=1)
+        self.loss = 0.0
+        self.stash: dict[int, _Stash] = {}
+        self.recv_f: dict[tuple[str, int], Handle] = {}
+        self.recv_b: dict[tuple[str, int], list[Handle]] = {}
+        self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.sends: list[Handle] = []
+        self.t0 = self.stats.timeline_origin = time.perf_counter()
+
+    def fail(self, action: Action, why: str) -> PipelineError:
+        return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
+
+    def wait(self, handle: Handle) -> torch.Tensor | None:
+        start = time.perf_counter()
+        value = handle.wait()
+        end = time.perf_counter()
+        self.stats.wait_s += end - start
+        self.stats.timeline.append(("wait", start - self.t0, end - self.t0))
+        return value
+
+    def do(self, action: Action) -> None:
+        kind = action.kind
+        if kind in ("F", "B", "I", "W"):
+            start = time.perf_counter()
+            getattr(self, f"_{kind}")(action)
+            end = time.perf_counter()
+            self.stats.compute_s += end - start
+            self.stats.timeline.append((str(action), start - self.t0, end - self.t0))
+        elif kind == "RECV_F":
+            self.recv_f[(action.tensor, action.mb)] = self.ex.transport.start(
+                action.tensor, action.peer, self.ex.stage, action.mb, False, None)
+        elif kind == "RECV_B":
+            self.recv_b.setdefault((action.tensor, action.mb), []).append(self.ex.transport.start(
+                action.tensor, self.ex.stage, action.peer, action.mb, True, None))
+        elif kind == "SEND_F":
+            stash = self.stash.get(action.mb)
+            if stash is None or action.tensor not in stash.outputs:
+                raise self.fail(action, f"no forward output {action.tensor!r} of microbatch {action.mb} to send")
+            self.sends.append(self.ex.transport.start(
+                action.tensor, self.ex.stage, action.peer, action.mb, False, stash.outputs[action.tensor].detach()))
+        elif kind == "SEND_B":
+            grads = self.input_grads.get(action.mb)
+            if grads is None or action.tensor not in grads:
+                raise self.fail(action, f"no input gradient {action.tensor!r} of microbatch {action.mb} "
+                                        "(needs B or I first)")
+            self.sends.append(self.ex.transport.start(
+                action.tensor, action.peer, self.ex.stage, action.mb, True, grads[action.tensor]))
+        else:
+            raise self.fail(action, f"unknown action kind {kind!r}")
+
+    # --- compute ---------------------------------------------------------------------------
+
+    def _F(self, action: Action) -> None:
+        mb, module = action.mb, self.ex.module
+        batch = self.local_batch(mb) if (module.is_first or module.is_last) else None
+        inputs: dict[str, torch.Tensor] = {}
+        leaves: dict[str, torch.Tensor] = {}
+        for name in module.input_names():
+            if name == "tokens":
+                inputs[name] = batch.tokens
+                continue
+            handle = self.recv_f.pop((name, mb), None)
+            if handle is None:
+                raise self.fail(action, f"input {name!r} of microbatch {mb} was never received (no RECV_F before F)")
+            value = self.wait(handle)
+            leaves[name] = inputs[name] = value.detach().requires_grad_(True)
+        if module.is_last:
+            inputs["targets"] = batch.targets
+        outputs = module(inputs)
+        if self.ex.split and not module.is_last:
+            # I detaches the stage outputs in place to free their graph; a skip output is also
+            # saved by the layers after it, so I gets its own copy to detach
+            outputs = {name: t.clone() for name, t in outputs.items()}
+        if module.is_last:
+            outputs["loss"] = outputs["loss"] * self.ex.loss_scale
+            self.loss += outputs["loss"].item()
+        self.stash[mb] = _Stash(leaves, outputs)
+        self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
+
+    def _roots(self, action: Action, stash: _Stash) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What backward starts from: the loss, or every output whose gradient came back."""
+        if self.ex.module.is_last:
+            return [stash.outputs["loss"]], [None]
+        roots, grads = [], []
+        for name, output in stash.outputs.items():
+            handles = self.recv_b.pop((name, action.mb), None)
+            if handles is None:
+                raise self.fail(action, f"gradient of output {name!r} of microbatch {action.mb} was never "
+                                        "received (no RECV_B before the backward)")
+            total = None
+            for handle in handles:  # one per consumer stage; they add up
+                grad = self.wait(handle)
+                total = grad if total is None else total + grad
+            roots.append(output)
+            grads.append(total)
+        return roots, grads
+
+    def _stash_for(self, action: Action) -> _Stash:
+        stash = self.stash.get(action.mb)
+        if stash is None:
+            raise self.fail(action, f"microbatch {action.mb} has no stashed forward")
+        return stash
+
+    def _keep_input_grads(self, mb: int, stash: _Stash, grads: Sequence[torch.Tensor | None]) -> None:
+        self.input_grads[mb] = {name: (torch.zeros_like(leaf) if g is None else g)
+                                for (name, leaf), g in zip(stash.inputs.items(), grads)}
+
+    def _B(self, action: Action) -> None:
+        stash = self._stash_for(action)
+        roots, grads = self._roots(action, stash)
+        torch.autograd.backward(roots, grads)
+        self._keep_input_grads(action.mb, stash, [leaf.grad for leaf in stash.inputs.values()])
+        del self.stash[action.mb]
+
+    def _I(self, action: Action) -> None:
+        stash = self._stash_for(action)
+        roots, grads = self._roots(action, stash)
+        leaves = list(stash.inputs.values())
+        stash.split_done = True
+        if not leaves:  # nothing to differentiate for: W does it all
+            self._keep_input_grads(action.mb, stash, [])
+            stash.roots, stash.root_grads = roots, grads
+            return
+        out_grads = None if self.ex.module.is_last else grads
+        in_grads, stash.param_groups = stage_backward_input(roots, out_grads, leaves, iter(self.ex.params))
+        self._keep_input_grads(action.mb, stash, in_grads)
+
+    def _W(self, action: Action) -> None:
+        stash = self._stash_for(action)
+        if not stash.split_done:
+            raise self.fail(action, f"W before I for microbatch {action.mb}")
+        if stash.param_groups is not None:
+            stage_backward_weight(iter(self.ex.params), stash.param_groups)
+        else:
+            torch.autograd.backward(stash.roots, stash.root_grads, inputs=self.ex.params)
+        del self.stash[action.mb]  # frees the retained graph
+
+    def finish(self) -> None:
+        for handle in self.sends:
+            self.wait(handle)
+        leftovers = []
+        if self.stash:
+            leftovers.append(f"microbatches {sorted(self.stash)} forwarded but never fully backwarded")
+        if self.recv_f or self.recv_b:
+            keys = sorted(set(self.recv_f) | set(self.recv_b))
+            leftovers.append(f"received but unused: {keys}")
+        if leftovers:
+            raise PipelineError(f"stage {self.ex.stage}: the action list ended with " + "; ".join(leftovers))

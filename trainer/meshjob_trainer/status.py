@@ -1,0 +1,109 @@
+"""Progress on the trainer's own pod: annotations meshjob.io/step and meshjob.io/checkpoint-step.
+
+The operator (and `kubectl get pod -o yaml`) can read a rank's progress without scraping it.
+Active only inside a pod (MESHJOB_POD_NAME set and in-cluster credentials mounted); a no-op
+otherwise. `kubernetes` is imported lazily so a trainer outside Kubernetes never needs it.
+Reporting must never stop training: failures are logged once and swallowed. Step updates are
+rate-limited (one PATCH per `min_interval_s`); checkpoint updates always go out.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from meshjob.api import CHECKPOINT_ANNOTATION, STEP_ANNOTATION
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PodStatus:
+    pod_name: str = ""
+    namespace: str = "default"
+    api: Any = None  # kubernetes.client.CoreV1Api; None: reporting is off
+    min_interval_s: float = 5.0
+    request_timeout_s: float = 5.0
+    _last_patch: float = field(default=-1e18, init=False)
+    _last_step: int | None = field(default=None, init=False)
+    _failed: bool = field(default=False, init=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pod_name) and self.api is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, service_account: str = SERVICE_ACCOUNT) -> "PodStatus":
+        """Reporting on in a pod with credentials; off (silently) anywhere else."""
+        env = os.environ if env is None else env
+        pod = env.get("MESHJOB_POD_NAME", "")
+        token = os.path.join(service_account, "token")
+        if not pod or not env.get("KUBERNETES_SERVICE_HOST") or not os.path.exists(token):
+            return cls()
+        namespace = env.get("MESHJOB_NAMESPACE", "") or env.get("MESHJOB_POD_NAMESPACE", "")
+        if not namespace:
+            try:
+                with open(os.path.join(service_account, "namespace")) as f:
+                    namespace = f.read().strip()
+            except OSError:
+                namespace = "default"
+        try:
+            from kubernetes import client, config
+
+            config.load_incluster_config()
+            return cls(pod_name=pod, namespace=namespace, api=client.CoreV1Api())
+        except Exception as err:  # noqa: BLE001 - no client library or bad credentials: report nothing
+            log.warning("pod status reporting off: %s: %s", type(err).__name__, err)
+            return cls()
+
+    def step(self, step: int) -> None:
+        """Training finished `step` steps (rate-limited)."""
+        self._last_step = step
+        if time.monotonic() - self._last_patch >= self.min_interval_s:
+            self._patch({STEP_ANNOTATION: str(step)})
+
+    def checkpoint(self, step: int) -> None:
+        """A checkpoint of `step` was written or restored (always sent, with the latest step)."""
+        annotations = {CHECKPOINT_ANNOTATION: str(step)}
+        if self._last_step is not None:
+            annotations[STEP_ANNOTATION] = str(self._last_step)
+        self._patch(annotations)
+
+    def flush(self) -> None:
+        """Send the latest step regardless of the rate limit (end of training)."""
+        if self._last_step is not None:
+            self._patch({STEP_ANNOTATION: str(self._last_step)})
+
+    def _patch(self, annotations: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        self._last_patch = time.monotonic()
+        try:
+            self.api.patch_namespaced_pod(self.pod_name, self.namespace, {"metadata": {"annotations": annotations}},
+                                          _request_timeout=self.request_timeout_s)
+        except Exception as err:  # noqa: BLE001 - never crash training over a progress note
+            if not self._failed:
+                log.warning("could not annotate pod %s/%s (%s: %s); training goes on", self.namespace,
+                            self.pod_name, type(err).__name__, err)
+            self._failed = True
+
+
+class ReportingMetrics:
+    """TrainerMetrics that also tells the pod's annotations each finished step.
+
+    The training loop already calls metrics.record_step(..., step) once per step; wrapping the
+    metrics keeps the loop free of Kubernetes concerns."""
+
+    def __init__(self, metrics: Any, status: PodStatus) -> None:
+        self._metrics, self._status = metrics, status
+
+    def record_step(self, seconds: float, tokens: int, loss: float, step: int | None = None) -> None:
+        self._metrics.record_step(seconds, tokens, loss, step)
+        if step is not None:
+            self._status.step(step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._metrics, name)
