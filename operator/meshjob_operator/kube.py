@@ -1,8 +1,10 @@
 """A small async Kubernetes client (aiohttp, raw JSON) for the operator's own calls.
 
 kopf brings its own client for watching and for its handlers' patches; the reconciler needs
-plain CRUD on pods, services, configmaps, nodes and the job. The connection is read the same
-way kopf reads it (in-cluster service account, else kubeconfig), via the kubernetes package.
+plain CRUD on pods, services, configmaps, nodes and the job, on plain dicts (the bodies render.py
+builds, the bodies kopf hands over). Why not a generated client: operator/README.md ("API client").
+Credentials are the kubernetes package's (kubeconfig incl. exec plugins, or the in-cluster
+service account) and are asked for on every request, so a rotated in-cluster token is picked up.
 API errors map onto kopf's retry model: 409/429/5xx are temporary, the rest permanent.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import json
 import ssl
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 import kopf
@@ -61,7 +63,7 @@ def load_configuration(kubeconfig: str | None = None) -> Any:
 
 
 def _bearer(config: Any) -> str | None:
-    token = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    token = config.get_api_key_with_prefix("authorization", alias="BearerToken")  # one call: one refresh check
     if not token:
         return None
     return token if " " in token else f"Bearer {token}"
@@ -79,17 +81,22 @@ def kopf_connection(kubeconfig: str | None = None) -> kopf.ConnectionInfo:
                                private_key_path=config.key_file)
 
 
+def _auth_headers(config: Any) -> dict[str, str]:
+    """The Authorization header now: kubernetes' refresh hook re-reads a rotated token (in-cluster,
+    exec plugins) when it is due, so this is called per request rather than once."""
+    bearer = _bearer(config)
+    return {"Authorization": bearer} if bearer else {}
+
+
 @dataclass
 class Connection:
     server: str
     ssl_context: ssl.SSLContext | bool | None
-    headers: dict[str, str]
+    headers: Callable[[], dict[str, str]]  # per request: tokens rotate
 
     @classmethod
     def load(cls, kubeconfig: str | None = None) -> "Connection":
         config = load_configuration(kubeconfig)
-        bearer = _bearer(config)
-        headers = {"Authorization": bearer} if bearer else {}
         context: ssl.SSLContext | bool | None = None
         if config.host.startswith("https"):
             if not config.verify_ssl:
@@ -98,7 +105,7 @@ class Connection:
                 context = ssl.create_default_context(cafile=config.ssl_ca_cert)
             if context and config.cert_file:
                 context.load_cert_chain(config.cert_file, config.key_file)
-        return cls(server=config.host.rstrip("/"), ssl_context=context, headers=headers)
+        return cls(server=config.host.rstrip("/"), ssl_context=context, headers=lambda: _auth_headers(config))
 
 
 class Kube:
@@ -118,14 +125,16 @@ class Kube:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(ssl=self._conn.ssl_context if self._conn.ssl_context is not None else None,
                                              limit=64)
-            self._session = aiohttp.ClientSession(base_url=None, headers=self._conn.headers, connector=connector,
+            self._session = aiohttp.ClientSession(base_url=None, connector=connector,
                                                   timeout=aiohttp.ClientTimeout(total=30))
         return self._session
 
     async def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
                       params: Mapping[str, str] | None = None) -> Any:
         data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if body is not None else {}
+        headers = self._conn.headers()
+        if body is not None:
+            headers["Content-Type"] = content_type
         async with self._limit:
             try:
                 async with self._http().request(method, self._conn.server + path, data=data, headers=headers,

@@ -5,10 +5,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from kubernetes.utils.quantity import parse_quantity
+
 from meshjob.placement import Host
 from meshjob.spec import TopologySpec
 
-from meshjob_operator.quantity import parse_quantity
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def node_info(node: Mapping[str, Any], topology: TopologySpec) -> NodeInfo:
     labels = meta.get("labels") or {}
     raw = (node.get("status", {}).get("allocatable") or {}).get(topology.device_resource, "0")
     try:
-        devices = max(0, math.floor(parse_quantity(raw, f"node {name}: allocatable")))
+        devices = max(0, math.floor(parse_quantity(raw)))
     except ValueError:
         devices = 0
     host = labels.get(topology.host_label, "")

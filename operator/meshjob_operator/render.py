@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Mapping
 
 import yaml
+from kubernetes.utils.quantity import format_quantity, parse_quantity
 
 from meshjob.spec import TrainingJob
 
 from meshjob_operator import names
 from meshjob_operator.assign import HostPod, world_size
-from meshjob_operator.quantity import scale_quantity
 
 RUN_AS_USER = 1000
 DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"
@@ -114,6 +115,24 @@ def environment(meta: JobMeta, job: TrainingJob, pod: HostPod, pods: tuple[HostP
     env.append({"name": "MESHJOB_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     env.append({"name": "MESHJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
     return env
+
+
+def scale_quantity(value: str | int | float, factor: int, path: str = "quantity") -> str:
+    """`value` times `factor`, keeping its unit suffix (2Gi x 3 = 6Gi, 500m x 2 = 1000m).
+
+    Parsing and formatting are the kubernetes client's (kubernetes.utils.quantity); a bad value is
+    reported with the field's path."""
+    text = str(value).strip()
+    try:
+        scaled = parse_quantity(text) * factor
+    except ValueError:
+        raise ValueError(f"{path}: {value!r} is invalid: a Kubernetes quantity such as 2, 500m, 4Gi") from None
+    suffix = text.lstrip("+-.0123456789")
+    try:
+        in_unit = format_quantity(scaled, suffix)[:-len(suffix)] if suffix else str(scaled)
+    except ValueError:  # an exponent form such as 1e3 has no unit to keep
+        in_unit, suffix = str(scaled), ""
+    return format(Decimal(in_unit).normalize(), "f") + suffix  # 3.0Ki -> 3Ki
 
 
 def resources(job: TrainingJob, devices: int) -> dict[str, Any]:
