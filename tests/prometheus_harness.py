@@ -6,11 +6,11 @@ Also: the Grafana dashboard's queries with its template variables filled in, as 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +23,13 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
+from meshjob_operator import testing
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "charts" / "meshjob" / "dashboards" / "meshjob.json"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = testing.free_port
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
@@ -173,98 +172,9 @@ def instantiate(expr: str, variables: dict[str, str]) -> str:
 
 # --- a real kube-apiserver with an audit log -------------------------------------------------
 
-AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-                "rules": [{"level": "Metadata"}]}
-
-
-def envtest_dir() -> Path | None:
-    """controller-runtime's convention: KUBEBUILDER_ASSETS names the folder with kube-apiserver."""
-    assets = os.environ.get("KUBEBUILDER_ASSETS")
-    if assets and (Path(assets) / "kube-apiserver").exists() and shutil.which("etcd"):
-        return Path(assets)
-    return None
-
-
-@dataclass
-class Envtest:
-    """etcd + kube-apiserver v1.20 (RBAC on) from ../shared/envtest's start.sh, every request audited."""
-
-    assets: Path
-    workdir: Path
-    kubeconfig: Path | None = None
-
-    def _env(self) -> dict[str, str]:
-        return {**os.environ, "KAS_DIR": str(self.workdir), "KAS_KCM": "0",
-                "ETCD_PORT": str(self.ports[0]), "ETCD_PEER_PORT": str(self.ports[1]),
-                "APISERVER_PORT": str(self.ports[2]), "APISERVER_BIN": str(self.workdir / "kube-apiserver-audited")}
-
-    def start(self) -> "Envtest":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ports = (free_port(), free_port(), free_port())
-        policy = self.workdir / "audit-policy.yaml"
-        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
-        wrapper = self.workdir / "kube-apiserver-audited"
-        # start.sh runs APISERVER_BIN with its own flags; this adds the audit log to them.
-        wrapper.write_text(f'#!/bin/sh\nexec "{self.assets / "kube-apiserver"}" "$@" '
-                           f'--audit-policy-file="{policy}" --audit-log-path="{self.audit_log}" '
-                           f'--audit-log-mode=blocking\n')
-        wrapper.chmod(0o755)
-        result = subprocess.run(["bash", str(self.assets / "start.sh")], env=self._env(), capture_output=True,
-                                text=True, timeout=120)
-        if result.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"envtest did not start:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-        self.kubeconfig = self.workdir / "run" / "kubeconfig"
-        return self
-
-    @property
-    def audit_log(self) -> Path:
-        return self.workdir / "audit.log"
-
-    def stop(self) -> None:
-        stop_script = self.assets / "stop.sh"
-        if stop_script.exists():
-            subprocess.run(["bash", str(stop_script)], env=self._env(), capture_output=True, timeout=60)
-
-    def __enter__(self) -> "Envtest":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig or self.kubeconfig}", *args], input=input,
-                                capture_output=True, text=True, timeout=60)
-        if check and result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result
-
-    def apply(self, docs: list[dict[str, Any]]) -> None:
-        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-
-    def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
-        """A kubeconfig that authenticates as the ServiceAccount (TokenRequest API)."""
-        token = self.kubectl("-n", namespace, "create", "token", service_account, "--duration=1h").stdout.strip()
-        config = yaml.safe_load(self.kubeconfig.read_text())
-        config["users"] = [{"name": "sa", "user": {"token": token}}]
-        config["contexts"] = [{"name": "sa", "context": {"cluster": config["clusters"][0]["name"], "user": "sa",
-                                                          "namespace": namespace}}]
-        config["current-context"] = "sa"
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)
-        return path
-
-    def audited_requests(self, username: str) -> list[dict[str, Any]]:
-        """Completed resource requests of one user, from the audit log."""
-        events = []
-        if self.audit_log.exists():
-            for line in self.audit_log.read_text().splitlines():
-                event = json.loads(line)
-                if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete" \
-                        and "objectRef" in event:  # not discovery (/api, /apis: open to everyone)
-                    events.append(event)
-        return events
+# meshjob_operator.testing's envtest, every request audited (the chart's RBAC is checked against the log)
+Envtest = functools.partial(testing.Envtest, controller_manager=False, service_account_admission=False, audit=True)
+envtest_dir = testing.envtest_assets
 
 
 # --- a real operator on the real API server, run with the chart's command line and RBAC -------

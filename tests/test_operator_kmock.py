@@ -1,4 +1,6 @@
-"""The operator end to end against kmock's in-memory API server over HTTP (kopf in this event loop)."""
+"""The operator against kmock's in-memory API server only: what a real API server cannot be made to do
+(injected API errors), the example manifests through kubectl, `kopf run -m`, the default command line.
+The scenarios every server runs are in test_operator_scenarios.py."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from meshjob_operator import testing
+
 import operator_harness as h
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -16,60 +20,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 @pytest.fixture
 async def cluster():
-    async with h.kmock_cluster() as c:
+    async with testing.kmock_cluster() as c:
         yield c
 
 
 @pytest.fixture
 async def operator(cluster):
-    async with h.running_operator(cluster) as op:
+    async with testing.running_operator(cluster) as op:
         yield op
-
-
-async def test_create_makes_pinned_pods_with_env_service_configmap_and_owner(cluster, operator):
-    await h.scenario_create_children(cluster, "create")
-
-
-async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_deletes(cluster, operator):
-    await h.scenario_runs_reports_progress_and_succeeds(cluster, "success")
-
-
-async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(cluster, operator):
-    from meshjob_operator.handlers import STATE
-
-    await h.scenario_gang_restart_then_failed(cluster, "restart", metrics=STATE.metrics)
-
-
-async def test_suspend_deletes_pods_and_resume_recreates_them(cluster, operator):
-    await h.scenario_suspend_and_resume(cluster, "suspend")
-
-
-async def test_invalid_spec_sets_invalid_spec_condition_and_warning_event(cluster, operator):
-    await h.scenario_invalid_spec(cluster, "invalid")
-
-
-async def test_unschedulable_until_a_node_appears(cluster, operator):
-    await h.scenario_unschedulable_until_a_node_appears(cluster, "unsched")
-
-
-async def test_deletion_leaves_only_owned_children(cluster, operator):
-    await h.scenario_deletion_removes_children(cluster, "delete")
-
-
-async def test_a_deleted_pod_restarts_the_gang(cluster, operator):
-    await h.scenario_deleted_pod_restarts_the_gang(cluster, "evicted")
-
-
-async def test_active_deadline_fails_the_job(cluster, operator):
-    await h.scenario_activeDeadline_fails_the_job(cluster, "deadline")
-
-
-async def test_operator_killed_mid_creation_converges_without_duplicates(cluster):
-    await h.scenario_operator_killed_mid_creation(cluster, "killed")
-
-
-async def test_restart_is_counted_once_across_operator_restart(cluster):
-    await h.scenario_restart_counted_once_across_operator_restart(cluster, "once")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -123,22 +81,12 @@ async def test_a_permanent_api_error_is_not_retried(cluster, operator):
 
     async def warned():
         return [e for e in await cluster.events("denied") if e.get("reason") == "ApiError"] or None
-    events = await h.eventually(warned, what="a Warning Event ApiError")
+    events = await testing.eventually(warned, what="a Warning Event ApiError")
     assert "HTTP 403" in events[0]["message"]
     tried = len(attempts)
     await asyncio.sleep(2.0)  # a retry storm would show here
     assert len(attempts) == tried == 1
     assert await cluster.pods("denied", "denied") == []
-
-
-async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster):
-    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
-        await h.scenario_gang_scheduling(cluster, "gang")
-
-
-async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
-    async with h.running_operator(cluster, config={"trainer_service_account": h.TRAINER_SERVICE_ACCOUNT}):
-        await h.scenario_spec_service_account(cluster, "ownsa")
 
 
 async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
@@ -186,10 +134,10 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
     import urllib.parse
     import urllib.request
 
-    live = h.free_port()
+    live = testing.free_port()
     log_path = tmp_path / "operator.log"
     proc = subprocess.Popen([sys.executable, "-m", "meshjob.cli", "operator", "--kubeconfig", str(cluster.kubeconfig),
-                             "--liveness", f"http://127.0.0.1:{live}/healthz", "--metrics-port", str(h.free_port())],
+                             "--liveness", f"http://127.0.0.1:{live}/healthz", "--metrics-port", str(testing.free_port())],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
     config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
@@ -203,8 +151,8 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
         async def healthy() -> bool:
             assert proc.poll() is None, f"the operator exited:\n{log_path.read_text()[-3000:]}"
             return await asyncio.to_thread(probe) == 200
-        await h.eventually(healthy, timeout=40, what="the liveness probe answering 200")
-        config = await h.eventually(lambda: cluster.kube.request("GET", config_path), timeout=20,
+        await testing.eventually(healthy, timeout=40, what="the liveness probe answering 200")
+        config = await testing.eventually(lambda: cluster.kube.request("GET", config_path), timeout=20,
                                     what="kopf's ValidatingWebhookConfiguration")
         (webhook,) = config["webhooks"]
         assert webhook["failurePolicy"] == "Ignore"

@@ -20,7 +20,7 @@ from meshjob_operator.render import scale_quantity
 from meshjob_operator.reconcile import Draft, manifest, plan_json, validate
 from meshjob_operator.status import PodView, progress, set_condition
 
-from operator_harness import job_body, node_body
+from meshjob_operator.testing import job_body, node_body
 
 META = render.JobMeta(name="demo", namespace="team-a", uid="uid-123")
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)

@@ -271,7 +271,7 @@ async def _annotations_round_trip(cluster) -> dict:
 
 @pytest.mark.slow
 async def test_pod_status_annotates_its_pod_on_kmock_over_http():
-    from operator_harness import kmock_cluster
+    from meshjob_operator.testing import kmock_cluster
 
     async with kmock_cluster() as cluster:
         annotations = await _annotations_round_trip(cluster)
@@ -280,7 +280,7 @@ async def test_pod_status_annotates_its_pod_on_kmock_over_http():
 
 @pytest.mark.slow
 async def test_pod_status_annotates_its_pod_on_a_real_apiserver():
-    from operator_harness import envtest_assets, envtest_cluster
+    from meshjob_operator.testing import envtest_assets, envtest_cluster
 
     assets = envtest_assets()
     if assets is None:

@@ -22,11 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from meshjob_operator import testing as h  # the kmock/envtest clusters and the in-process operator
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # the shared kmock/envtest harness
-
-import operator_harness as h
-
 RESULTS = ROOT / "bench" / "results" / "operator.json"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -62,8 +60,9 @@ def bench_job(name: str, namespace: str, hosts: int, resource: str) -> dict[str,
 @contextlib.asynccontextmanager
 async def _cluster(server: str) -> AsyncIterator[h.Cluster]:
     assets = h.envtest_assets()
-    if assets is None and server != "kmock" and Path("/work/shared/envtest/kube-apiserver").exists():
-        os.environ.setdefault("KUBEBUILDER_ASSETS", "/work/shared/envtest")
+    shared = ROOT.parent / "shared" / "envtest"  # where tests/run.sh finds it too
+    if assets is None and server != "kmock" and (shared / "kube-apiserver").exists():
+        os.environ.setdefault("KUBEBUILDER_ASSETS", str(shared))
         assets = h.envtest_assets()
     if server == "envtest" and assets is None:
         raise SystemExit("--server envtest: KUBEBUILDER_ASSETS names no kube-apiserver (or etcd is not on PATH)")
@@ -92,7 +91,7 @@ async def _until_pods(c: h.Cluster, namespace: str, jobs: dict[str, int], timeou
 
 async def _latency(c: h.Cluster, hosts: int, run: int) -> float:
     ns = f"lat-{hosts}-{run}"
-    await h.prepare_namespace(c, ns)
+    await c.create_namespace(ns)
     resource = f"example.com/{ns}"
     for i in range(hosts):
         await c.add_node(f"{ns}-n{i}", 1, resource=resource)
@@ -106,7 +105,7 @@ async def _latency(c: h.Cluster, hosts: int, run: int) -> float:
 
 async def _throughput(c: h.Cluster, count: int) -> float:
     ns = "throughput"
-    await h.prepare_namespace(c, ns)
+    await c.create_namespace(ns)
     resource = "example.com/throughput"
     for i in range(2):
         await c.add_node(f"{ns}-n{i}", 1000, resource=resource)  # room for every job

@@ -1,0 +1,348 @@
+"""The operator's scenarios, written once and run against kmock and a real kube-apiserver.
+
+`cluster` is parametrized: kmock's in-memory API server, and (when KUBEBUILDER_ASSETS names a folder
+with kube-apiserver, as tests/run.sh arranges) a real kube-apiserver v1.20 with kube-controller-manager
+and ServiceAccount admission on, as on every real cluster. One server of each kind serves the whole
+module; each scenario has its own namespace, nodes and device resource. No kubelet runs: a scenario
+plays it by patching pod status. Tests that need one kind of server only live in
+test_operator_kmock.py (fault injection) and test_operator_envtest.py (peering, kubectl apply).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from meshjob_operator import names
+from meshjob_operator.handlers import STATE
+from meshjob_operator.testing import (Cluster, OperatorThread, envtest_assets, envtest_cluster, eventually,
+                                      kmock_cluster, running_operator)
+
+from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
+                              wait_pods, wait_status)
+
+ASSETS = envtest_assets()
+CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
+    ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
+TRAINER_SERVICE_ACCOUNT = "meshjob-trainer"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=CLUSTERS)
+async def cluster(request):
+    server = kmock_cluster() if request.param == "kmock" else envtest_cluster(ASSETS)
+    async with server as c:
+        yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def operator(cluster):
+    async with running_operator(cluster) as op:
+        yield op
+
+
+async def create_service_account(cluster: Cluster, namespace: str, name: str) -> None:
+    """What a job's namespace needs before pods may name the account (ServiceAccount admission)."""
+    if cluster.real:
+        await cluster.create(f"/api/v1/namespaces/{namespace}/serviceaccounts",
+                             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+
+
+async def test_create_makes_pinned_pods_with_env_service_configmap_and_owner(cluster, operator):
+    tag = "create"
+    await prepare_namespace(cluster, tag)
+    nodes = await add_nodes(cluster, tag, 2)
+    job = await cluster.create_job(scenario_job(tag))
+    pods = await wait_pods(cluster, tag, 2)
+    uid = (await cluster.job(tag, tag))["metadata"]["uid"]
+    pinned = set()
+    for index, pod in enumerate(pods):
+        env = env_of(pod)
+        assert pod["metadata"]["name"] == f"{tag}-host-{index}"
+        assert env["NODE_RANK"] == str(index) and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
+        assert env["MASTER_ADDR"] == f"{tag}-host-0.{tag}.{tag}.svc"
+        assert pod["metadata"]["labels"][names.HOST_INDEX_LABEL] == str(index)
+        assert [o["uid"] for o in pod["metadata"]["ownerReferences"]] == [uid]
+        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        pinned.update(term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"])
+    assert pinned == set(nodes)  # one pod per node
+    svc = await cluster.get("services", tag, tag)
+    cm = await cluster.get("configmaps", f"{tag}-plan", tag)
+    assert svc["spec"]["clusterIP"] == "None" and "plan.json" in cm["data"]
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Created", "phase Created")
+    assert status["hosts"] == 2 and {p["node"] for p in status["placement"]} == set(nodes)
+    assert condition(status, "Created")["status"] == "True"
+    assert job["metadata"]["name"] == tag
+    await delete_and_wait(cluster, tag)
+
+
+async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_deletes(cluster, operator):
+    tag = "success"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"}))
+    pods = await wait_pods(cluster, tag, 2)
+    for step, pod in zip((7, 5), pods):
+        await cluster.set_pod_phase(pod["metadata"]["name"], "Running", tag,
+                              annotations={names.STEP_ANNOTATION: str(step), names.CHECKPOINT_ANNOTATION: "4"})
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 5, "Running at step 5")
+    assert status["checkpointStep"] == 4 and condition(status, "Running")["status"] == "True"
+    assert set(status["pods"].values()) == {"Running"}
+    for pod in pods:
+        await cluster.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Succeeded", "Succeeded")
+    assert status["completionTime"] and condition(status, "Succeeded")["reason"] == "AllPodsSucceeded"
+    assert condition(status, "Running")["status"] == "False"
+    await wait_pods(cluster, tag, 0)  # cleanPodPolicy All
+    await eventually(lambda: job_gone(cluster, tag), timeout=20, what="job deleted by ttlSecondsAfterFinished")
+
+
+async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(cluster, operator):
+    tag = "restart"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 1, "cleanPodPolicy": "All"}))
+    first = await wait_pods(cluster, tag, 2)
+    before = STATE.metrics.restarts._value.get()
+    await cluster.set_pod_phase(first[1]["metadata"]["name"], "Failed", tag)
+    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    assert condition(status, "Restarting")["status"] == "True"
+    assert f"pod {tag}-host-1 failed" in condition(status, "Restarting")["message"]
+    second = await wait_pods(cluster, tag, 2, phase="Pending")
+    if cluster.real:  # recreated, not kept: new uids
+        assert {p["metadata"]["uid"] for p in second}.isdisjoint({p["metadata"]["uid"] for p in first})
+    assert STATE.metrics.restarts._value.get() == before + 1
+    await cluster.set_pod_phase(second[0]["metadata"]["name"], "Failed", tag)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed after backoffLimit")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit=1" in failed["message"]
+    assert status["restarts"] == 1
+    await wait_pods(cluster, tag, 0)
+    await delete_and_wait(cluster, tag)
+
+
+async def test_suspend_deletes_pods_and_resume_recreates_them(cluster, operator):
+    tag = "suspend"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag))
+    await wait_pods(cluster, tag, 2)
+    await cluster.patch_job(tag, {"spec": {"runPolicy": {"suspend": True}}}, tag)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Suspended", "Suspended")
+    assert condition(status, "Suspended")["status"] == "True"
+    await wait_pods(cluster, tag, 0)
+    await cluster.patch_job(tag, {"spec": {"runPolicy": {"suspend": False}}}, tag)
+    await wait_pods(cluster, tag, 2)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Suspended").get("status") == "False", "resumed")
+    assert condition(status, "Suspended")["reason"] == "Resumed" and status["phase"] != "Suspended"
+    await delete_and_wait(cluster, tag)
+
+
+async def test_invalid_spec_sets_invalid_spec_condition_and_warning_event(cluster, operator):
+    tag = "invalid"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    body = scenario_job(tag)
+    body["spec"]["stages"][1]["layers"] = [1, 3]  # past the model's 2 layers: the schema cannot tell
+    await cluster.create_job(body)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "InvalidSpec" and "spec.stages[1].layers: [1, 3] is invalid" in failed["message"]
+
+    async def warning() -> list[dict] | None:
+        found = [e for e in await cluster.events(tag) if e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
+                 and e.get("involvedObject", {}).get("name") == tag]
+        return found or None
+    events = await eventually(warning, what="a Warning Event InvalidSpec")
+    assert "spec.stages[1].layers" in events[0]["message"]
+    assert await cluster.pods(tag, tag) == []
+    await delete_and_wait(cluster, tag)
+
+
+async def test_unschedulable_until_a_node_appears(cluster, operator):
+    tag = "unsched"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 1)
+    await cluster.create_job(scenario_job(tag))
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True", "Unschedulable")
+    message = condition(status, "Unschedulable")["message"]
+    assert "missing 1 host" in message and f"example.com/{tag}" in message
+    assert await cluster.pods(tag, tag) == []
+    await add_nodes(cluster, tag, 1, start=1)
+    await wait_pods(cluster, tag, 2)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled")
+    assert condition(status, "Unschedulable")["reason"] == "Scheduled"
+    await delete_and_wait(cluster, tag)
+
+
+async def test_deletion_leaves_owned_children_to_the_garbage_collector(cluster, operator):
+    tag = "delete"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag))
+    pods = await wait_pods(cluster, tag, 2)
+    uid = (await cluster.job(tag, tag))["metadata"]["uid"]
+    await delete_and_wait(cluster, tag)
+    if cluster.real:  # kube-controller-manager's garbage collector follows the owner references
+        await wait_pods(cluster, tag, 0, timeout=30)
+        await eventually(lambda: _absent(cluster, "configmaps", f"{tag}-plan", tag), timeout=30, what="configmap gone")
+        await eventually(lambda: _absent(cluster, "services", tag, tag), timeout=30, what="service gone")
+    else:  # kmock has no garbage collector: the children are owned, so a real cluster removes them
+        for pod in pods:
+            owner = pod["metadata"]["ownerReferences"][0]
+            assert owner["uid"] == uid and owner["controller"] and owner["blockOwnerDeletion"]
+
+
+async def _absent(cluster: Cluster, plural: str, name: str, ns: str) -> bool:
+    return await cluster.get(plural, name, ns) is None
+
+
+async def test_active_deadline_fails_the_job(cluster, operator):
+    tag = "deadline"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"activeDeadlineSeconds": 2, "cleanPodPolicy": "Running"}))
+    await wait_pods(cluster, tag, 2)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed by deadline", timeout=30)
+    assert condition(status, "Failed")["reason"] == "DeadlineExceeded"
+    await wait_pods(cluster, tag, 0)
+    await delete_and_wait(cluster, tag)
+
+
+async def test_operator_killed_mid_creation_converges_without_duplicates(cluster):
+    """The operator dies after creating 2 of 4 pods; a new one creates the rest, once each."""
+    tag = "killed"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 4)
+    async with running_operator(cluster) as op:
+        kube = STATE.reconciler.kube
+        original = kube.create_if_absent
+        created: list[str] = []
+
+        async def dying(body: dict[str, Any], plural: str, path: str | None = None) -> bool:
+            result = await original(body, plural, path)
+            if plural == "pods":
+                created.append(body["metadata"]["name"])
+                if len(created) == 2:
+                    op.kill()  # killed: no graceful stop, no status written after this point
+                    await asyncio.sleep(3600)
+            return result
+
+        kube.create_if_absent = dying  # type: ignore[method-assign]
+        await cluster.create_job(scenario_job(tag, hosts=4))
+        await eventually(lambda: _dead(op), what="the first operator killed")
+    survivors = await cluster.pods(tag, tag)
+    assert 1 <= len(survivors) <= 4
+    async with running_operator(cluster):
+        pods = await wait_pods(cluster, tag, 4)
+        assert [p["metadata"]["name"] for p in pods] == [f"{tag}-host-{i}" for i in range(4)]
+        if cluster.real:  # the survivors were kept, not recreated
+            kept = {p["metadata"]["name"]: p["metadata"]["uid"] for p in survivors}
+            assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods if p["metadata"]["name"] in kept} == kept
+        status = await wait_status(cluster, tag, lambda s: s.get("hosts") == 4 and len(s.get("pods") or {}) == 4, "4 pods")
+        assert not status.get("restarts")
+        await asyncio.sleep(0.5)  # a later reconcile must not add anything
+        assert len(await cluster.pods(tag, tag)) == 4
+        await delete_and_wait(cluster, tag)
+
+
+async def _dead(op: OperatorThread) -> bool:
+    return not op.alive
+
+
+async def test_restart_is_counted_once_across_operator_restart(cluster):
+    """The operator died after recording a gang restart but before deleting pods: no second count."""
+    tag = "once"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    async with running_operator(cluster):
+        await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 3}))
+        pods = await wait_pods(cluster, tag, 2)
+        await wait_status(cluster, tag, lambda s: s.get("hosts") == 2, "hosts recorded")
+    await cluster.set_pod_phase(pods[0]["metadata"]["name"], "Failed", tag)
+    await cluster.kube.patch_job_status(tag, tag, {"restarts": 1, "restartPending": True, "phase": "Restarting"})
+    async with running_operator(cluster):
+        status = await wait_status(cluster, tag, lambda s: not s.get("restartPending") and len(s.get("pods") or {}) == 2,
+                                   "restart finished")
+        new = await wait_pods(cluster, tag, 2, phase="Pending")
+        assert status["restarts"] == 1
+        if cluster.real:
+            assert {p["metadata"]["uid"] for p in new}.isdisjoint({p["metadata"]["uid"] for p in pods})
+        await delete_and_wait(cluster, tag)
+
+
+async def test_a_deleted_pod_restarts_the_gang(cluster, operator):
+    """A host pod deleted by someone else (eviction, drain) breaks the gang: restart all of it."""
+    tag = "evicted"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 3}))
+    pods = await wait_pods(cluster, tag, 2)
+    await wait_status(cluster, tag, lambda s: len(s.get("pods") or {}) == 2, "pods recorded")
+    await cluster.kube.delete_pod(tag, pods[1]["metadata"]["name"])
+    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    assert f"pod {tag}-host-1 disappeared" in condition(status, "Restarting")["message"]
+    await wait_pods(cluster, tag, 2)
+    await asyncio.sleep(0.5)
+    assert (await cluster.job(tag, tag))["status"]["restarts"] == 1  # the planned deletions are not counted again
+    await delete_and_wait(cluster, tag)
+
+
+# scheduler-plugins' PodGroup, reduced to what the operator writes (a real API server needs the CRD)
+PODGROUP_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podgroups.scheduling.x-k8s.io"},
+    "spec": {"group": "scheduling.x-k8s.io", "scope": "Namespaced",
+             "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup", "shortNames": ["pg"]},
+             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                 "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                     "minMember": {"type": "integer", "format": "int32"}}}}}}}]},
+}
+
+
+async def install_podgroup_crd(cluster: Cluster) -> None:
+    if cluster.real:
+        await cluster.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json.loads(json.dumps(PODGROUP_CRD)))
+        await asyncio.to_thread(cluster.kubectl, "wait", "--for=condition=Established",
+                                "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s")
+
+
+async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster):
+    """spec.scheduling (part of the CRD: a real API server keeps it) gives a PodGroup, the gang scheduler,
+    Kueue labels; the operator's trainer ServiceAccount goes on pods whose spec names none."""
+    tag = "gang"
+    await prepare_namespace(cluster, tag)
+    await create_service_account(cluster, tag, TRAINER_SERVICE_ACCOUNT)
+    await install_podgroup_crd(cluster)
+    await add_nodes(cluster, tag, 2)
+    async with running_operator(cluster, config={"trainer_service_account": TRAINER_SERVICE_ACCOUNT}):
+        await cluster.create_job(scenario_job(tag, scheduling={"gang": True, "queue": "team"}))
+        stored = await cluster.job(tag, tag)
+        assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team"}  # not pruned
+        pods = await wait_pods(cluster, tag, 2)
+        group = await cluster.kube.request("GET", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{tag}/podgroups/{tag}")
+        assert group["spec"]["minMember"] == 2
+        assert [o["uid"] for o in group["metadata"]["ownerReferences"]] == [stored["metadata"]["uid"]]
+        for pod in pods:
+            assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+            assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == tag
+            assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+            assert pod["spec"]["serviceAccountName"] == TRAINER_SERVICE_ACCOUNT
+        await delete_and_wait(cluster, tag)
+
+
+async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
+    """spec.serviceAccountName (kept by a real API server) wins over the operator's trainer account."""
+    tag = "ownsa"
+    await prepare_namespace(cluster, tag)
+    await create_service_account(cluster, tag, "team-trainer")
+    await add_nodes(cluster, tag, 2)
+    async with running_operator(cluster, config={"trainer_service_account": TRAINER_SERVICE_ACCOUNT}):
+        await cluster.create_job(scenario_job(tag, serviceAccountName="team-trainer"))
+        assert (await cluster.job(tag, tag))["spec"]["serviceAccountName"] == "team-trainer"
+        pods = await wait_pods(cluster, tag, 2)
+        assert {p["spec"]["serviceAccountName"] for p in pods} == {"team-trainer"}
+        await delete_and_wait(cluster, tag)
