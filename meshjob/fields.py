@@ -19,19 +19,21 @@ from typing import Any, Callable, Mapping
 
 from meshjob.errors import FieldError
 
+INT_OR_STRING = "int-or-string"  # an integer (minimum/maximum) or one of `enum`'s strings
+
 
 @dataclass(frozen=True)
 class FieldSchema:
     attr: str  # dataclass attribute (snake_case)
     yaml: str  # manifest name (camelCase)
-    type: str  # JSON type: integer | number | string | boolean | object | array
+    type: str  # JSON type: integer | number | string | boolean | object | array, or int-or-string
     required: bool = False
     nullable: bool = False
     default: Any = None  # dataclass default (None when required)
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
-    enum: tuple[str, ...] | None = None
+    enum: tuple[str, ...] | None = None  # int-or-string: the strings allowed beside integers
     pattern: str | None = None
     min_length: int | None = None
     min_items: int | None = None
@@ -55,6 +57,8 @@ def schema_for_type(attr: str, hint: Any, owner: str, renames: Mapping[str, str]
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         inner = next(a for a in args if a is not type(None))
         return dataclasses.replace(schema_for_type(attr, inner, owner, renames), nullable=True)
+    if origin in (typing.Union, types.UnionType) and set(args) == {int, str}:
+        return FieldSchema(attr, yaml_name, INT_OR_STRING)  # Kubernetes IntOrString, e.g. chunks: auto | 16
     if hint is bool:
         return FieldSchema(attr, yaml_name, "boolean")
     if hint is int:
@@ -150,7 +154,7 @@ class FieldReader:
 
     def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
         """The checked (converted) value, or the field default after recording an error."""
-        if f.type in ("integer", "number", "string", "boolean"):
+        if f.type in ("integer", "number", "string", "boolean", INT_OR_STRING):
             problem = check_scalar(f, value)
             if problem is not None:
                 self.fail(path, value, problem)
@@ -198,6 +202,9 @@ def describe(f: FieldSchema) -> str:
         return f"a list of {count} items, each {describe(f.items)}"
     if f.type == "object":
         return "a mapping"
+    if f.type == INT_OR_STRING:
+        number = describe(dataclasses.replace(f, type="integer", enum=None))
+        return f"{' or '.join(f.enum or ())} or {number}"
     if f.enum is not None:
         return "one of " + ", ".join(f.enum)
     words = {"integer": "an integer", "number": "a number", "string": "a string",
@@ -219,6 +226,11 @@ def _num(x: float) -> str:
 
 def check_scalar(f: FieldSchema, value: Any) -> str | None:
     """None when a scalar value fits its schema, else what is allowed (in words)."""
+    if f.type == INT_OR_STRING:
+        if isinstance(value, str):
+            return None if value in (f.enum or ()) else describe(f)
+        problem = check_scalar(dataclasses.replace(f, type="integer", enum=None), value)
+        return None if problem is None else describe(f)
     if f.type == "integer":
         if not isinstance(value, int) or isinstance(value, bool):
             return describe(f)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from meshjob import balance as bal
 from meshjob.mesh import Mesh
+from meshjob.network import auto_chunks
 from meshjob.placement import Host, Placement, default_hosts, place
 from meshjob.resharding import Step, UnitTask, decompose, lower
 from meshjob.schedule import Action, generate, peak_stashed, validate, weight_delay_for
@@ -204,20 +205,24 @@ def build_boundary(
     send_spec = ShardingSpec.parse(send, len(shape))
     recv_spec = ShardingSpec.parse(recv, len(shape))
     tasks = tuple(decompose(shape, placement.mesh(src), send_spec, placement.mesh(dst), recv_spec, ITEMSIZE))
+    host_tasks = _host_tasks(tasks, placement)
+    chunks = spec.chunks if isinstance(spec.chunks, int) else auto_chunks(
+        max((t.bytes for t in tasks), default=1), max((len(t.receiver_hosts) for t in host_tasks), default=1),
+        nic_bytes_per_s)
     schedule = bal.balance(
-        _host_tasks(tasks, placement),
+        host_tasks,
         spec.balancer,
         spec.strategy,
-        spec.chunks,
+        chunks,
         nic_bytes_per_s,
         budget_s=spec.budget_seconds,
         seed=job.training.seed,
         receiver_devices_per_host=_receivers_per_host(tasks, placement),
     )
-    senders, steps = lower_in_start_order(tasks, schedule, placement.host_of, spec.strategy, spec.chunks)
+    senders, steps = lower_in_start_order(tasks, schedule, placement.host_of, spec.strategy, chunks)
     return Boundary(
         src=src, dst=dst, tensor=tensor, shape=shape, send=send_spec, recv=recv_spec,
-        strategy=spec.strategy, balancer=spec.balancer, chunks=spec.chunks, tasks=tasks,
+        strategy=spec.strategy, balancer=spec.balancer, chunks=chunks, tasks=tasks,
         schedule=schedule, senders=senders, steps=steps,
     )
 

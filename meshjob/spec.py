@@ -30,6 +30,7 @@ from meshjob.schedule import SCHEDULE_KINDS
 
 MODEL_KINDS = ("gpt", "utransformer")
 WEIGHT_GRAD_DELAY = ("off", "on", "auto")
+CHUNKS_AUTO = ("auto",)
 CLEAN_POD_POLICIES = ("All", "Running", "None")
 MAX_MESH_DIMS = 3
 MAX_STAGE_DEVICES = 4096  # keeps per-device planning (tiles, placement) bounded
@@ -107,7 +108,7 @@ class EdgeSpec:
 @dataclass(frozen=True)
 class ReshardingSpec:
     strategy: str = "broadcast"
-    chunks: int = 16
+    chunks: int | str = "auto"  # K, or "auto": from bytes, receiving hosts and the per-message cost
     balancer: str = "greedy"
     budget_seconds: float = 1.0  # YAML: budgetSeconds
 
@@ -221,7 +222,9 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
                            "stage's natural layout)"},
     ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME},
     ("ReshardingSpec", "strategy"): {"enum": STRATEGIES},
-    ("ReshardingSpec", "chunks"): POS_INT | {"description": "K: chunks of the broadcast chain"},
+    ("ReshardingSpec", "chunks"): POS_INT | {"enum": CHUNKS_AUTO, "description": "K: chunks of the broadcast "
+                                             "chain; auto: from the bytes, receiving hosts and "
+                                             "the network's per-message cost"},
     ("ReshardingSpec", "balancer"): {"enum": BALANCERS},
     ("ReshardingSpec", "budget_seconds"): {"minimum": 0, "exclusive_minimum": True,
                                            "description": "planning time budget of dfs"},

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
+import jsonschema
 import pytest
 import yaml
 
@@ -131,6 +132,16 @@ def test_minimums_maximums_and_required_fields():
     assert props["runPolicy"]["properties"]["backoffLimit"]["minimum"] == 0
 
 
+def test_chunks_is_an_int_or_string_of_auto_or_a_positive_integer():
+    chunks = open_api_schema()["properties"]["spec"]["properties"]["resharding"]["properties"]["chunks"]
+    assert chunks["x-kubernetes-int-or-string"] is True and "type" not in chunks
+    schema = {"type": "object", "properties": {"chunks": chunks}}
+    for good in ("auto", 1, 64):
+        jsonschema.Draft4Validator(schema).validate({"chunks": good})
+    for bad in ("many", "", 0, -3):
+        assert not jsonschema.Draft4Validator(schema).is_valid({"chunks": bad}), bad
+
+
 def test_status_schema_fields_and_preserved_unknown_fields():
     status = open_api_schema()["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
@@ -228,3 +239,18 @@ def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(a
     stored = json.loads(kubectl(apiserver, "get", "tj", "tiny", "-o", "json").stdout)
     assert stored["status"]["kopf"] == {"progress": {}}  # preserved, not pruned
     assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team-q"}  # operator fields kept
+
+
+@pytest.mark.slow
+def test_real_apiserver_takes_chunks_as_auto_or_a_positive_integer(apiserver):
+    assert kubectl(apiserver, "apply", "-f", str(COMMITTED[0])).returncode == 0
+    assert kubectl(apiserver, "wait", "--for=condition=Established", "--timeout=20s",
+                   "crd/trainingjobs.meshjob.io").returncode == 0
+    doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    for i, chunks in enumerate(("auto", 8, "many", 0)):
+        doc["metadata"]["name"] = f"tiny-{i}"
+        doc["spec"]["resharding"]["chunks"] = chunks
+        made = kubectl(apiserver, "create", "-f", "-", stdin=json.dumps(doc))
+        assert (made.returncode == 0) == (chunks in ("auto", 8)), (chunks, made.stderr)
+        if made.returncode:
+            assert "spec.resharding.chunks" in made.stderr

@@ -166,6 +166,16 @@ def test_makespan_is_at_least_the_lower_bound() -> None:
             assert b.strategy == strategy
 
 
+def test_chunks_auto_takes_k_from_the_network_model_and_an_integer_forces_it() -> None:
+    from meshjob.network import auto_chunks
+
+    auto = build_plan(make_job(resharding={"chunks": "auto"}))
+    for b in auto.boundaries:
+        hops = max(len({auto.placement.host_of(r) for r in t.receivers}) for t in b.tasks)
+        assert b.chunks == auto_chunks(max(t.bytes for t in b.tasks), hops, auto.nic_bytes_per_s)
+    assert {b.chunks for b in build_plan(make_job(resharding={"chunks": 3})).boundaries} == {3}
+
+
 def test_a_slower_nic_scales_the_makespan() -> None:
     fast = build_plan(make_job(), nic_bytes_per_s=1e9)
     slow = build_plan(make_job(), nic_bytes_per_s=1e8)

@@ -66,6 +66,15 @@ def errors_of(doc: Any) -> list[FieldError]:
 
 # --- the valid manifest ---------------------------------------------------------------------
 
+def test_chunks_is_auto_by_default_or_the_integer_given():
+    assert parse_job(mutate(base(), "spec.resharding.chunks", DELETE)).resharding.chunks == "auto"
+    assert parse_job(mutate(base(), "spec.resharding.chunks", "auto")).resharding.chunks == "auto"
+    assert parse_job(mutate(base(), "spec.resharding.chunks", 64)).resharding.chunks == 64
+    for chunks in ("auto", 64):
+        job = parse_job(mutate(base(), "spec.resharding.chunks", chunks))
+        assert parse_job(job_to_dict(job)) == job
+
+
 def test_design_example_parses_into_snake_case_dataclasses():
     job = parse_job(base())
     assert job.name == "gpt-demo" and job.namespace == "default"
@@ -215,7 +224,9 @@ BAD = [
      "one of send_recv, local_allgather, global_allgather, broadcast, signal"),
     ("balancer", [("spec.resharding.balancer", "random")], "spec.resharding.balancer", "random",
      "one of naive, load_balance, dfs, greedy"),
-    ("chunks-zero", [("spec.resharding.chunks", 0)], "spec.resharding.chunks", 0, "an integer >= 1"),
+    ("chunks-zero", [("spec.resharding.chunks", 0)], "spec.resharding.chunks", 0, "auto or an integer >= 1"),
+    ("chunks-word", [("spec.resharding.chunks", "max")], "spec.resharding.chunks", "max",
+     "auto or an integer >= 1"),
     ("budget-negative", [("spec.resharding.budgetSeconds", -1)], "spec.resharding.budgetSeconds", -1,
      "a number > 0"),
     ("schedule-kind", [("spec.schedule.kind", "interleaved")], "spec.schedule.kind", "interleaved",
