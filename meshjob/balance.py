@@ -1,4 +1,5 @@
-"""Host-level sender choice and ordering of unit tasks (seed 000 §3.2), with a NIC cost model.
+"""Host-level sender choice and ordering of unit tasks, with a NIC cost model (§3.2 of
+"On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022)).
 
 Model: hosts are the bottleneck. A task, once its sender host is chosen, occupies that host and
 every receiving host for its whole duration (the strategy's cost formula with t = bytes / NIC
@@ -46,8 +47,8 @@ class Schedule:
 
 def task_seconds(task: HostTask, sender_host: int, strategy: str, chunks: int,
                  receiver_devices_per_host: int, nic_bytes_per_s: float) -> float:
-    """Seconds the task takes from `sender_host`: seed 000 §3.1 with A receiving hosts other than
-    the sender's, B devices each, t = bytes / bandwidth (K = chunks)."""
+    """Seconds the task takes from `sender_host` (Zhuang et al., 2022, §3.1) with A receiving
+    hosts other than the sender's, B devices each, t = bytes / bandwidth (K = chunks)."""
     a = sum(1 for h in task.receiver_hosts if h != sender_host)
     if a == 0:
         return 0.0
@@ -176,7 +177,7 @@ class _Problem:
 
 
 def _load_balance(p: _Problem) -> list[Move]:
-    """Longest task first onto the sender host with the least work so far (seed 000 §3.2)."""
+    """Longest task first onto the sender host with the least work so far (Zhuang et al., 2022, §3.2)."""
     load: dict[int, float] = {}
     moves = []
     for i in sorted(range(len(p.tasks)), key=lambda i: -min(p.duration[i].values())):

@@ -32,7 +32,7 @@ class Mesh:
 
     @classmethod
     def grid(cls, shape: tuple[int, ...], first_rank: int = 0, first_host: int = 0) -> Mesh:
-        """Consecutive ranks, one host per index of mesh dim 0 (the DESIGN.md convention)."""
+        """Consecutive ranks, one host per index of mesh dim 0 (mesh dim 0 runs across hosts)."""
         size = math.prod(shape)
         per_host = size // shape[0]
         return cls(tuple(shape), tuple(range(first_rank, first_rank + size)),

@@ -10,8 +10,9 @@ rank. Schedules come from job.schedule; the plan is validated and deterministic.
 Weight-grad delay (job.schedule.weightGradDelay):
   off   backward not split (B)
   on    split into I and W; each stage that sends gradients delays one W
-  auto  split; each stage delays ceil(comm / W) W's (seed 000 §4: the least delay that covers
-        the communication), where comm = the summed balanced makespans of the gradient
+  auto  split; each stage delays ceil(comm / W) W's (§4 of
+        "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022):
+        the least delay that covers the communication), where comm = the summed balanced makespans of the gradient
         boundaries the stage sends and W = the weight-grad time of one microbatch from the
         simulator's cost model (layer_forward_s x layers x samples / (tp x dp) x backward_factor / 2),
         capped at M - 1.
@@ -125,8 +126,8 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
-        """The DESIGN.md contract (placement, boundaries, schedules) plus hosts, meshes, world
-        size and the schedule settings."""
+        """The `meshjob plan --json` contract (placement, boundaries, schedules) plus hosts, meshes,
+        world size and the schedule settings."""
         placement = self.placement
         return {
             "job": self.job.name,

@@ -1,4 +1,5 @@
-"""Cross-mesh resharding: decomposition into unit tasks (seed 000 App. B) and lowering by strategy.
+"""Cross-mesh resharding: decomposition into unit tasks and lowering by strategy (App. B of
+"On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022)).
 
 decompose() cuts the tensor at every shard boundary of both specs, so each resulting slice is held
 whole by a set of source devices and needed whole by a set of destination devices: one UnitTask.

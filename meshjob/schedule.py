@@ -13,9 +13,9 @@ validator's global simulation uses exactly that rule.
 
 Generators: `gpipe` (all forwards, then all backwards), `1f1b` (stage i warms up with
 min(M, S-i) forwards, then alternates B, F) and `eager-1f1b` (min(M, 2(S-i)-1) warm-up forwards,
-seed 000 §4: more microbatches in flight so that communication of one overlaps computation of
-the next). With split_backward, B becomes I then W, and weight_delay[stage] W's may wait behind
-later I's ("backward weight delaying"), the rest drain at the end.
+§4 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022):
+more microbatches in flight so that communication of one overlaps computation of the next).
+With split_backward, B becomes I then W, and weight_delay[stage] W's may wait behind later I's ("backward weight delaying"), the rest drain at the end.
 """
 from __future__ import annotations
 
@@ -180,8 +180,8 @@ def generate(
 
 
 def weight_delay_for(comm_s: float, w_compute_s: float, cap: int) -> int:
-    """Backward weight delaying, minimal (seed 000 §4): postpone just enough W's that their
-    compute covers the backward communication, ceil(comm / w), and never more than cap."""
+    """Backward weight delaying, minimal (Zhuang et al., 2022, §4): postpone just enough W's
+    that their compute covers the backward communication, ceil(comm / w), and never more than cap."""
     if comm_s <= 0:
         return 0
     if w_compute_s <= 0:

@@ -1,4 +1,5 @@
-"""GSPMD sharding specs (seed 000 §2.2) and the tile each device holds.
+"""GSPMD sharding specs and the tile each device holds (§2.2 of
+"On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022)).
 
 A spec has one entry per tensor dim: the mesh dims that dim is sharded over (major first), or ()
 for replicated. Written compactly as `S01R` / `RS1` / `S0RR`, or separated as `S01,R`; the compact

@@ -1,4 +1,4 @@
-"""The TrainingJob model (DESIGN.md "user-facing API"), parsed and validated from YAML.
+"""The TrainingJob model (the README's manifest), parsed and validated from YAML.
 
 One table of field schemas (`schema_of`) is derived from the dataclasses below plus the RULES
 table of constraints; the structural pass of `parse_job`, `job_to_dict` and the CRD generator

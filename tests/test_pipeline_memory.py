@@ -1,6 +1,7 @@
 """Stashed activations measured by the executor (microbatches forwarded and not yet fully
 backwarded) against the schedules' memory bounds: eager-1f1b's stage i holds
-min(M, 2(S-i)-1) microbatches (seed 000 §4), 1f1b min(M, S-i), gpipe all M."""
+min(M, 2(S-i)-1) microbatches (§4 of
+"On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022)), 1f1b min(M, S-i), gpipe all M."""
 from __future__ import annotations
 
 import pytest

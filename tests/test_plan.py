@@ -1,4 +1,4 @@
-"""The Plan: placement + boundaries + schedules, and its JSON contract (DESIGN.md)."""
+"""The Plan: placement + boundaries + schedules, and its JSON contract (`meshjob plan --json`)."""
 from __future__ import annotations
 
 import copy

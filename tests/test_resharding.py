@@ -1,4 +1,5 @@
-"""Cross-mesh decomposition (seed 000 App. B) and lowering of unit tasks by strategy.
+"""Cross-mesh decomposition (App. B of "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022))
+and lowering of unit tasks by strategy.
 
 Lowered steps are checked by simulating them on numpy arrays: every device starts with its source
 tile, steps run in a random order that respects their dependencies, and each receiver must end
@@ -94,7 +95,7 @@ def test_bytes_are_numel_times_itemsize():
 
 
 def test_paper_case_1_s01r_to_s0r_gives_one_task_per_row():
-    # seed 000 Fig. 10: 4x4 tensor, S01R on 2x2 mesh A -> S0R on 2x2 mesh B.
+    # Zhuang et al., 2022, Fig. 10: 4x4 tensor, S01R on 2x2 mesh A -> S0R on 2x2 mesh B.
     a, b = Mesh.grid((2, 2)), Mesh.grid((2, 2), first_rank=4, first_host=2)
     tasks = decompose((4, 4), a, ShardingSpec.parse("S01R"), b, ShardingSpec.parse("S0R"))
     assert [(t.slice, t.senders, t.receivers) for t in tasks] == [

@@ -82,7 +82,8 @@ def test_check_spec_reports_every_problem_at_once():
 
 
 def test_tile_of_s01r_follows_the_paper_figure():
-    # seed 000 Fig. 2: a 4x4 matrix on a 2x2 mesh, S01R: device (i, j) holds row 2i + j.
+    # Fig. 2 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022):
+    # a 4x4 matrix on a 2x2 mesh, S01R: device (i, j) holds row 2i + j.
     spec = ShardingSpec.parse("S01R")
     assert [tile(spec, (2, 2), (4, 4), ix) for ix in itertools.product(range(2), range(2))] == [
         ((0, 1), (0, 4)), ((1, 2), (0, 4)), ((2, 3), (0, 4)), ((3, 4), (0, 4))]

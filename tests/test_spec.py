@@ -1,4 +1,4 @@
-"""meshjob.spec: the TrainingJob manifest of DESIGN.md, its defaults, and every validation rule."""
+"""meshjob.spec: the TrainingJob manifest (README), its defaults, and every validation rule."""
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,6 @@
-"""Pipeline schedules on the emulated cluster: seed 000 §4 and figures 4, 7 and 9.
+"""Pipeline schedules on the emulated cluster (the paper's §4, figures 4, 7 and 9).
+
+The paper: "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022).
 
 For a GPT and a U-Transformer (skip edges that cross stages), the same job runs under
   1f1b                 the synchronous baseline (no I/W split)

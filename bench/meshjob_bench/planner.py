@@ -1,8 +1,8 @@
 """Planner benchmark: each balancer's makespan over the lower bound, and its planning time.
 
 Cases (tensor float32; one host per index of mesh dim 0; meshes on disjoint hosts):
-  - one device -> a (2, 4) mesh (seed 000 Fig. 5 shape): one unit task;
-  - (2, 4) -> (2, 4) with the paper-like spec pairs of MANY_TO_MANY (seed 000 Fig. 8);
+  - one device -> a (2, 4) mesh (the Fig. 5 shape of Zhuang et al., 2022): one unit task;
+  - (2, 4) -> (2, 4) with the paper-like spec pairs of MANY_TO_MANY (Zhuang et al., 2022, Fig. 8);
   - meshes of different shapes and host counts, whose cuts give slices of unequal size;
   - (4, 4) -> (4, 4), S01R -> RS01: 256 tasks;
   - 20 random tasks (seeded; 1-2 sender hosts of 4, 1-3 receiver hosts of 4, unequal sizes):

@@ -1,4 +1,6 @@
-"""Cross-mesh resharding on the emulated cluster: seed 000 §5.1 (figures 5, 6 and 8).
+"""Cross-mesh resharding on the emulated cluster (the paper's §5.1, figures 5, 6 and 8).
+
+The paper: "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022).
 
 (a) one device -> a mesh of A hosts x B devices (A, B in 1..4): figure 5.
 (b) many-to-many: a (2, 2) mesh on hosts 0-1 -> a (2, 2) mesh on hosts 2-3, 2-D tensor, sharding
@@ -37,7 +39,7 @@ ITEMSIZE = 4  # float32
 STRATEGY_ORDER = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
 BALANCERS = ("naive", "load_balance", "dfs", "greedy")
 MAIN_BALANCER = "greedy"
-# seed 000 Table 2 style: (send spec, recv spec) of a 2-D tensor between two (2, 2) meshes
+# Zhuang et al., 2022, Table 2 style: (send spec, recv spec) of a 2-D tensor between two (2, 2) meshes
 MANY_TO_MANY = (("RR", "S0R"), ("S0R", "RR"), ("S0R", "S1R"), ("RS0", "S0R"), ("S01R", "RS01"),
                 ("S0S1", "S1S0"), ("S1R", "RR"), ("RR", "RR"))
 
@@ -334,7 +336,7 @@ def print_table(rows: list[Row], title: str) -> None:
 
 
 def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
-    """PNG figures like seed 000's 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
+    """PNG figures like the paper's figures 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
     import matplotlib
 
     matplotlib.use("Agg")

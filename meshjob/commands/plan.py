@@ -2,7 +2,7 @@
 
 Readable tables by default (placement; each boundary's unit tasks with sender, receivers, bytes
 and start; makespan vs lower bound; each stage's action list), or one JSON object with --json
-(the DESIGN.md contract). Bad manifests, hosts files and rates exit 2 with the field named.
+(the contract tools rely on, see Plan.to_json). Bad manifests, hosts files and rates exit 2 with the field named.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Intra-stage parallelism: process groups per stage mesh, Megatron tensor-parallel linears,
 and the gradient reductions that make a sharded stage compute what one process would.
 
-Conventions (DESIGN.md "natural layout"): a stage's activation is sharded over the batch along
-its data-parallel mesh dim and replicated along its tensor-parallel dim. Mesh dims that are
+Conventions (the natural layout, meshjob.spec.natural_layout): a stage's activation is sharded
+over the batch along its data-parallel mesh dim and replicated along its tensor-parallel dim. Mesh dims that are
 neither are redundant replicas (same inputs, same gradients: nothing to reduce).
 """
 from __future__ import annotations

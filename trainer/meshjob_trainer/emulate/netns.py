@@ -1,6 +1,6 @@
 """An emulated cluster on one machine: one network namespace per host, joined by a bridge.
 
-Layout (DESIGN.md "Emulated cluster"):
+Layout:
     mj<pid>_sw   holds bridge br0 and the switch end h<i> of every host's veth
     mj<pid>_h<i> holds eth0 (10.77.0.<i+1>/16) and lo
 tbf on eth0 throttles what host i sends, tbf on h<i> what it receives: together they are its NIC.
