@@ -2,8 +2,8 @@
 
 build_plan(job) places the stage meshes on hosts, then for every edge builds two Boundaries:
 the forward one (the edge's tensor, src mesh in the `send` layout -> dst mesh in the `recv`
-layout) and the backward one ("grad:<tensor>", dst mesh in `recv` -> src mesh in `send`). Each
-boundary is decomposed into unit tasks, balanced at host level (sender host and start time per
+layout) and the backward one (its gradient, dst mesh in `recv` -> src mesh in `send`), each named
+by a BoundaryKey. Each boundary is decomposed into unit tasks, balanced at host level (sender host and start time per
 task), and lowered task by task, in start order, into point-to-point steps from the chosen sender
 rank. Schedules come from job.schedule; the plan is validated and deterministic.
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from meshjob import balance as bal
+from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
 from meshjob.network import auto_chunks
 from meshjob.placement import Host, Placement, default_hosts, place
@@ -32,17 +33,14 @@ from meshjob.resharding import Step, UnitTask, decompose, lower
 from meshjob.schedule import Action, generate, peak_stashed, validate, weight_delay_for
 from meshjob.sharding import ShardingSpec
 from meshjob.simulate import CostModel
-from meshjob.spec import TrainingJob
+from meshjob.spec import ReshardingSpec, TrainingJob
 
-GRAD_PREFIX = "grad:"
 ITEMSIZE = 4  # float32 activations
 
 
 @dataclass(frozen=True)
 class Boundary:
-    src: int  # sending stage
-    dst: int  # receiving stage
-    tensor: str  # "activation", "skip<i>", or "grad:<tensor>" for the backward direction
+    key: BoundaryKey  # sending stage -> receiving stage, tensor, direction
     shape: tuple[int, ...]
     send: ShardingSpec  # layout on the src mesh
     recv: ShardingSpec  # layout on the dst mesh
@@ -55,6 +53,18 @@ class Boundary:
     steps: tuple[Step, ...]  # lowered, ordered by task start
 
     @property
+    def src(self) -> int:
+        return self.key.src
+
+    @property
+    def dst(self) -> int:
+        return self.key.dst
+
+    @property
+    def tensor(self) -> str:
+        return self.key.tensor
+
+    @property
     def makespan_s(self) -> float:
         return self.schedule.makespan_s
 
@@ -64,7 +74,7 @@ class Boundary:
 
     @property
     def is_backward(self) -> bool:
-        return self.tensor.startswith(GRAD_PREFIX)
+        return self.key.grad
 
     def task_order(self) -> list[int]:
         """Task indices by start time (ties by index): the order the steps were lowered in."""
@@ -72,9 +82,11 @@ class Boundary:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "key": str(self.key),
             "from": self.src,
             "to": self.dst,
             "tensor": self.tensor,
+            "grad": self.key.grad,
             "shape": list(self.shape),
             "send": str(self.send),
             "recv": str(self.recv),
@@ -112,11 +124,11 @@ class Plan:
     def mesh(self, stage: int) -> Mesh:
         return self.placement.mesh(stage)
 
-    def boundary(self, src: int, dst: int, tensor: str) -> Boundary:
+    def boundary(self, key: BoundaryKey) -> Boundary:
         for b in self.boundaries:
-            if (b.src, b.dst, b.tensor) == (src, dst, tensor):
+            if b.key == key:
                 return b
-        raise KeyError(f"no boundary {src}->{dst} ({tensor}) in plan {self.job.name!r}")
+        raise KeyError(f"no boundary {key} in plan {self.job.name!r}")
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON. Every rank builds its own plan: comparing digests
@@ -154,19 +166,19 @@ class Plan:
         }
 
 
-def _host_tasks(tasks: Sequence[UnitTask], placement: Placement) -> list[bal.HostTask]:
+def _host_tasks(tasks: Sequence[UnitTask], host_of: Callable[[int], int]) -> list[bal.HostTask]:
     def hosts(ranks: Sequence[int]) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(placement.host_of(r) for r in ranks))
+        return tuple(dict.fromkeys(host_of(r) for r in ranks))
 
     return [bal.HostTask(hosts(t.senders), hosts(t.receivers), t.bytes) for t in tasks]
 
 
-def _receivers_per_host(tasks: Sequence[UnitTask], placement: Placement) -> int:
+def _receivers_per_host(tasks: Sequence[UnitTask], host_of: Callable[[int], int]) -> int:
     most = 1
     for task in tasks:
         counts: dict[int, int] = {}
         for rank in task.receivers:
-            counts[placement.host_of(rank)] = counts.get(placement.host_of(rank), 0) + 1
+            counts[host_of(rank)] = counts.get(host_of(rank), 0) + 1
         most = max([most] + list(counts.values()))
     return most
 
@@ -191,50 +203,55 @@ def lower_in_start_order(tasks: Sequence[UnitTask], schedule: bal.Schedule, host
     return tuple(chosen[i] for i in range(len(tasks))), tuple(steps)
 
 
-def build_boundary(
-    job: TrainingJob,
-    placement: Placement,
-    src: int,
-    dst: int,
-    tensor: str,
-    send: str,
-    recv: str,
+def plan_boundary(
+    key: BoundaryKey,
+    shape: tuple[int, ...],
+    src: tuple[Mesh, ShardingSpec],
+    dst: tuple[Mesh, ShardingSpec],
+    resharding: ReshardingSpec,
+    host_of: Callable[[int], int],
     nic_bytes_per_s: float,
+    seed: int = 0,
 ) -> Boundary:
-    spec = job.resharding
-    shape = tuple(job.activation_shape())
-    send_spec = ShardingSpec.parse(send, len(shape))
-    recv_spec = ShardingSpec.parse(recv, len(shape))
-    tasks = tuple(decompose(shape, placement.mesh(src), send_spec, placement.mesh(dst), recv_spec, ITEMSIZE))
-    host_tasks = _host_tasks(tasks, placement)
-    chunks = spec.chunks if isinstance(spec.chunks, int) else auto_chunks(
+    """Decompose, balance and lower one transfer of a tensor of `shape` from (mesh, layout) `src` to `dst`.
+    The plan's boundaries come from here, and so do the benchmarks' and tests' that need no whole job."""
+    (src_mesh, send), (dst_mesh, recv) = src, dst
+    tasks = tuple(decompose(shape, src_mesh, send, dst_mesh, recv, ITEMSIZE))
+    host_tasks = _host_tasks(tasks, host_of)
+    chunks = resharding.chunks if isinstance(resharding.chunks, int) else auto_chunks(
         max((t.bytes for t in tasks), default=1), max((len(t.receiver_hosts) for t in host_tasks), default=1),
         nic_bytes_per_s)
     schedule = bal.balance(
         host_tasks,
-        spec.balancer,
-        spec.strategy,
+        resharding.balancer,
+        resharding.strategy,
         chunks,
         nic_bytes_per_s,
-        budget_s=spec.budget_seconds,
-        seed=job.training.seed,
-        receiver_devices_per_host=_receivers_per_host(tasks, placement),
+        budget_s=resharding.budget_seconds,
+        seed=seed,
+        receiver_devices_per_host=_receivers_per_host(tasks, host_of),
     )
-    senders, steps = lower_in_start_order(tasks, schedule, placement.host_of, spec.strategy, chunks)
+    senders, steps = lower_in_start_order(tasks, schedule, host_of, resharding.strategy, chunks)
     return Boundary(
-        src=src, dst=dst, tensor=tensor, shape=shape, send=send_spec, recv=recv_spec,
-        strategy=spec.strategy, balancer=spec.balancer, chunks=chunks, tasks=tasks,
-        schedule=schedule, senders=senders, steps=steps,
+        key=key, shape=shape, send=send, recv=recv, strategy=resharding.strategy, balancer=resharding.balancer,
+        chunks=chunks, tasks=tasks, schedule=schedule, senders=senders, steps=steps,
     )
+
+
+def build_boundary(job: TrainingJob, placement: Placement, key: BoundaryKey, send: str, recv: str,
+                   nic_bytes_per_s: float) -> Boundary:
+    shape = tuple(job.activation_shape())
+    return plan_boundary(key, shape, (placement.mesh(key.src), ShardingSpec.parse(send, len(shape))),
+                         (placement.mesh(key.dst), ShardingSpec.parse(recv, len(shape))), job.resharding,
+                         placement.host_of, nic_bytes_per_s, job.training.seed)
 
 
 def _boundaries(job: TrainingJob, placement: Placement, nic_bytes_per_s: float) -> list[Boundary]:
     out: list[Boundary] = []
     for edge in job.edges:
-        out.append(build_boundary(job, placement, edge.src, edge.dst, edge.tensor, edge.send, edge.recv, nic_bytes_per_s))
-        out.append(build_boundary(
-            job, placement, edge.dst, edge.src, GRAD_PREFIX + edge.tensor, edge.recv, edge.send, nic_bytes_per_s
-        ))
+        forward = BoundaryKey(edge.src, edge.dst, edge.tensor)
+        out.append(build_boundary(job, placement, forward, edge.send, edge.recv, nic_bytes_per_s))
+        out.append(build_boundary(job, placement, forward.backward(), edge.recv, edge.send, nic_bytes_per_s))
     return out
 
 

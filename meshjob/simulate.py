@@ -19,6 +19,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
+from meshjob.boundary import BoundaryKey
 from meshjob.resharding import Step
 from meshjob.schedule import Action
 
@@ -144,7 +145,7 @@ class StageStats:
 class PipelineResult:
     step_s: float
     stages: Mapping[int, StageStats]
-    transfer_s: Mapping[str, float]  # boundary key -> simulated makespan of one microbatch's transfer
+    transfer_s: Mapping[BoundaryKey, float]  # simulated makespan of one microbatch's transfer
 
     def bubble_fraction(self) -> float:
         return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
@@ -162,27 +163,14 @@ class PipelineResult:
                 }
                 for i, s in self.stages.items()
             },
-            "transfer_s": dict(self.transfer_s),
+            "transfer_s": {str(key): s for key, s in self.transfer_s.items()},
         }
-
-
-def boundary_key(src: int, dst: int, tensor: str) -> str:
-    return f"{src}->{dst}:{tensor}"
-
-
-def _boundary_for(action: Action, stage: int, boundaries: Mapping[str, object]) -> str:
-    """The boundary a SEND/RECV action moves: forward tensors go src->dst, gradients dst->src."""
-    if action.kind in ("SEND_F", "RECV_F"):
-        src, dst = (stage, action.peer) if action.kind == "SEND_F" else (action.peer, stage)
-        return boundary_key(src, dst, action.tensor)
-    src, dst = (stage, action.peer) if action.kind == "SEND_B" else (action.peer, stage)
-    return boundary_key(src, dst, f"grad:{action.tensor}")
 
 
 def simulate_pipeline(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[str, tuple[float, Mapping[Link, float]]],
+    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
     cost: CostModel | None = None,
 ) -> PipelineResult:
     """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
@@ -191,7 +179,7 @@ def simulate_pipeline(
     cost = cost or CostModel()
     stats = {s: StageStats() for s in schedules}
     pos = {s: 0 for s in schedules}
-    sent: dict[tuple[str, int], float] = {}  # (boundary, mb) -> arrival time
+    sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
     links = Links(cost)
     remaining = sum(len(v) for v in schedules.values())
     while remaining:
@@ -209,7 +197,7 @@ def simulate_pipeline(
                 st.compute_s += dur
                 st.busy_until_s = now + dur
             elif a.kind in ("SEND_F", "SEND_B"):
-                key = _boundary_for(a, stage, transfers)
+                key = BoundaryKey.of_action(stage, a)
                 seconds, per_link = transfers[key]
                 # the busiest link's share goes through the (token-bucket) links; the rest of the
                 # transfer's makespan (chain fill, intra-host hops) is added as it is
@@ -221,7 +209,7 @@ def simulate_pipeline(
                 sent[(key, a.mb)] = end
                 st.comm_s += end - now
             else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
-                key = _boundary_for(a, stage, transfers)
+                key = BoundaryKey.of_action(stage, a)
                 if (key, a.mb) not in sent:
                     continue  # the peer has not sent yet: try another stage first
                 arrival = sent[(key, a.mb)]
@@ -250,14 +238,14 @@ def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
     return out
 
 
-def transfer_costs(plan, cost: CostModel) -> dict[str, tuple[float, Mapping[Link, float]]]:
+def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, tuple[float, Mapping[Link, float]]]:
     """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
     (token buckets act across transfers, in the pipeline simulation)."""
     plain = replace(cost, burst_bytes=0.0)
     out = {}
     for b in plan.boundaries:
         res = simulate_transfer(b.steps, plan.placement.host_of, plain)
-        out[boundary_key(b.src, b.dst, b.tensor)] = (res.makespan_s, dict(res.nic_bytes))
+        out[b.key] = (res.makespan_s, dict(res.nic_bytes))
     return out
 
 
@@ -299,7 +287,6 @@ def summarize(plan, result: PipelineResult) -> list[dict]:
     """One row per boundary: simulated transfer makespan vs the plan's balanced estimate and lower bound."""
     rows = []
     for b in plan.boundaries:
-        key = boundary_key(b.src, b.dst, b.tensor)
-        rows.append({"boundary": key, "simulated_s": result.transfer_s[key], "planned_s": b.makespan_s,
+        rows.append({"boundary": str(b.key), "simulated_s": result.transfer_s[b.key], "planned_s": b.makespan_s,
                      "lower_bound_s": b.lower_bound_s})
     return rows

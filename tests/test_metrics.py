@@ -23,25 +23,25 @@ def value(m: TrainerMetrics, name: str, **labels: str) -> float | None:
 
 def feed_everything(m: TrainerMetrics) -> None:
     m.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
-    m.record_resharding("broadcast", "cross_host", "0->1", 1000, 0.2)
+    m.record_resharding("broadcast", "cross_host", "0->1:activation", 1000, 0.2)
     m.record_nic("h1", 1.25e8)
     m.record_unit_tasks("greedy", 4)
-    m.record_resharding_ratio("0->1", 1.1)
+    m.record_resharding_ratio("0->1:activation", 1.1)
     m.record_step(0.5, 4096, 2.5)
     m.record_pipeline(1, 0.25, 0.75)
     m.record_checkpoint(0.05, 10)
 
 
 def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(metrics):
-    metrics.record_resharding("broadcast", "cross_host", "0->1", 1000, 0.2)
-    metrics.record_resharding("broadcast", "cross_host", "0->1", 500, 0.1)
-    metrics.record_resharding("send_recv", "intra_host", "1->2", 7, 0.001)
-    labels = dict(job="gpt-demo", strategy="broadcast", scope="cross_host", boundary="0->1")
+    metrics.record_resharding("broadcast", "cross_host", "0->1:activation", 1000, 0.2)
+    metrics.record_resharding("broadcast", "cross_host", "0->1:activation", 500, 0.1)
+    metrics.record_resharding("send_recv", "intra_host", "1->2:activation", 7, 0.001)
+    labels = dict(job="gpt-demo", strategy="broadcast", scope="cross_host", boundary="0->1:activation")
     assert value(metrics, "meshjob_resharding_bytes_total", **labels) == 1500
     assert value(metrics, "meshjob_resharding_seconds_count", **labels) == 2
     assert value(metrics, "meshjob_resharding_seconds_sum", **labels) == pytest.approx(0.3)
     assert value(metrics, "meshjob_resharding_bytes_total", job="gpt-demo", strategy="send_recv",
-                 scope="intra_host", boundary="1->2") == 7
+                 scope="intra_host", boundary="1->2:activation") == 7
 
 
 def test_step_counts_tokens_sets_loss_and_advances_the_step(metrics):
@@ -82,10 +82,10 @@ def test_nic_unit_tasks_and_lower_bound_ratio(metrics):
     metrics.record_nic("h1", 1.25e8)
     metrics.record_unit_tasks("greedy", 4)
     metrics.record_unit_tasks("greedy", 2)
-    metrics.record_resharding_ratio("0->1", 1.1)
+    metrics.record_resharding_ratio("0->1:activation", 1.1)
     assert value(metrics, "meshjob_nic_bandwidth_bytes_per_second", job="gpt-demo", host="h1") == 1.25e8
     assert value(metrics, "meshjob_unit_tasks_total", job="gpt-demo", balancer="greedy") == 6
-    assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary="0->1") == 1.1
+    assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary="0->1:activation") == 1.1
 
 
 def test_info_carries_strategy_schedule_balancer_and_mesh_shapes(metrics):
@@ -119,10 +119,10 @@ def test_series_carry_only_low_cardinality_labels(metrics):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda m: m.record_resharding("magic", "cross_host", "0->1", 1, 0.1), "strategy='magic'"),
-    (lambda m: m.record_resharding("broadcast", "rack", "0->1", 1, 0.1), "scope='rack'"),
+    (lambda m: m.record_resharding("magic", "cross_host", "0->1:activation", 1, 0.1), "strategy='magic'"),
+    (lambda m: m.record_resharding("broadcast", "rack", "0->1:activation", 1, 0.1), "scope='rack'"),
     (lambda m: m.record_resharding("broadcast", "cross_host", "0-1", 1, 0.1), "boundary='0-1'"),
-    (lambda m: m.record_resharding("broadcast", "cross_host", "0->1", -5, 0.1), "nbytes=-5"),
+    (lambda m: m.record_resharding("broadcast", "cross_host", "0->1:activation", -5, 0.1), "nbytes=-5"),
     (lambda m: m.record_step(math.nan, 1, 1.0), "seconds=nan"),
     (lambda m: m.record_step(0.1, 1, math.inf), "loss=inf"),
     (lambda m: m.record_pipeline(0, 1.5, 0.5), "bubble_fraction=1.5"),
@@ -184,3 +184,20 @@ def test_a_forked_child_does_not_keep_the_metrics_port(metrics):
         os.close(go_r)
         os.close(go_w)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_every_boundary_of_the_utransformer_example_is_its_own_series(metrics):
+    """Between two stages a U-Transformer moves the activation and skip tensors, forward and backward:
+    the boundary label names the tensor and the direction, so none of them shares a series."""
+    from pathlib import Path
+
+    from meshjob.plan import build_plan
+    from meshjob.spec import load_job
+
+    plan = build_plan(load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml")))
+    pairs = [b.key.edge for b in plan.boundaries]
+    assert any(pairs.count(pair) > 2 for pair in pairs)  # a stage pair with several tensors
+    for i, b in enumerate(plan.boundaries):
+        metrics.record_resharding_ratio(b.key, 1.0 + i)
+    for i, b in enumerate(plan.boundaries):
+        assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary=str(b.key)) == 1.0 + i

@@ -154,11 +154,11 @@ class RecordingTransport:
     def __init__(self, shape):
         self.shape, self.sent = shape, {}
 
-    def start(self, tensor, src, dst, mb, grad, local):
+    def start(self, key, mb, local):
         if local is not None:
-            self.sent[(tensor, mb, grad)] = local.clone()
+            self.sent[(key.tensor, mb, key.grad)] = local.clone()
             return _Done(None)
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{tensor}:{mb}:{grad}".encode()))
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{key.tensor}:{mb}:{key.grad}".encode()))
         return _Done(torch.randn(self.shape, generator=gen))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from meshjob.boundary import BoundaryKey
 from meshjob.errors import PlacementError
 from meshjob.placement import Host
 from meshjob.plan import build_plan
@@ -125,11 +126,11 @@ def test_placement_json_lists_every_rank_once_stage_by_stage() -> None:
 def test_every_edge_has_a_forward_and_a_backward_boundary() -> None:
     job = utransformer_job()
     plan = build_plan(job)
-    keys = {(b.src, b.dst, b.tensor, str(b.send), str(b.recv)) for b in plan.boundaries}
+    keys = {(b.key, str(b.send), str(b.recv)) for b in plan.boundaries}
     assert len(plan.boundaries) == 2 * len(job.edges)
     for e in job.edges:
-        assert (e.src, e.dst, e.tensor, e.send, e.recv) in keys
-        assert (e.dst, e.src, "grad:" + e.tensor, e.recv, e.send) in keys
+        assert (BoundaryKey(e.src, e.dst, e.tensor), e.send, e.recv) in keys
+        assert (BoundaryKey(e.dst, e.src, e.tensor, grad=True), e.recv, e.send) in keys
     assert any(e.dst - e.src > 1 for e in job.edges)  # a skip edge crosses stages
 
 

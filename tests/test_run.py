@@ -281,13 +281,13 @@ def test_nic_ratio_and_unit_task_events_are_summarised_per_host_boundary_and_bal
     stats = RunStats(world_size=2, total_steps=1)
     stats.add(dict(kind="nic", rank=0, host="host-1", bytes_per_second=2e6))
     stats.add(dict(kind="nic", rank=1, host="host-1", bytes_per_second=5e6))
-    stats.add(dict(kind="ratio", rank=1, boundary="0->1", value=3.0))
-    stats.add(dict(kind="ratio", rank=1, boundary="0->1", value=1.5))
+    stats.add(dict(kind="ratio", rank=1, boundary="0->1:activation", value=3.0))
+    stats.add(dict(kind="ratio", rank=1, boundary="0->1:activation", value=1.5))
     stats.add(dict(kind="unit_tasks", rank=0, balancer="greedy", count=2))
     stats.add(dict(kind="unit_tasks", rank=1, balancer="greedy", count=3))
     summary = stats.to_json()
     assert summary["nic_bytes_per_s_max"] == {"host-1": 5e6}
-    assert summary["resharding_lower_bound_ratio"] == {"0->1": 1.5}
+    assert summary["resharding_lower_bound_ratio"] == {"0->1:activation": 1.5}
     assert summary["unit_tasks"] == {"greedy": 5}
 
 
@@ -317,11 +317,11 @@ def test_metrics_feed_labels_nic_bandwidth_with_the_ranks_host_names(feed):
 
 def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
     stats = RunStats(world_size=2, total_steps=1)
-    feed.on_event(dict(kind="ratio", rank=1, boundary="0->1", value=1.25), stats)
+    feed.on_event(dict(kind="ratio", rank=1, boundary="0->1:activation", value=1.25), stats)
     feed.on_event(dict(kind="unit_tasks", rank=0, balancer="greedy", count=4), stats)
     feed.on_event(dict(kind="unit_tasks", rank=1, balancer="greedy", count=2), stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_resharding_lower_bound_ratio", {"job": "tiny", "boundary": "0->1"}) == 1.25
+    assert get("meshjob_resharding_lower_bound_ratio", {"job": "tiny", "boundary": "0->1:activation"}) == 1.25
     assert get("meshjob_unit_tasks_total", {"job": "tiny", "balancer": "greedy"}) == 6
 
 
@@ -336,9 +336,9 @@ def test_trainer_metrics_calls_in_a_rank_become_progress_events(monkeypatch):
     hook_trainer_metrics(lambda **event: events.append(event))
     m = TrainerMetrics(job="j", rank=1, host="host-1", stage=1)
     m.record_nic(m.host, 4e6)
-    m.record_resharding_ratio("0->1", 2.0)
+    m.record_resharding_ratio("0->1:activation", 2.0)
     m.record_unit_tasks("greedy", 3)
     assert events == [dict(kind="nic", host="host-1", bytes_per_second=4e6),
-                      dict(kind="ratio", boundary="0->1", value=2.0),
+                      dict(kind="ratio", boundary="0->1:activation", value=2.0),
                       dict(kind="unit_tasks", balancer="greedy", count=3)]
     assert m.registry.get_sample_value("meshjob_unit_tasks_total", {"job": "j", "balancer": "greedy"}) == 3

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshjob.boundary import BoundaryKey
 from meshjob.resharding import Step
 from meshjob.schedule import Action, generate
 from meshjob.simulate import (
@@ -83,8 +84,8 @@ def chain_edges(stages: int) -> list[tuple[int, int, str]]:
 def free_transfers(stages: int) -> dict:
     out = {}
     for i in range(stages - 1):
-        out[f"{i}->{i + 1}:activation"] = (0.0, {})
-        out[f"{i + 1}->{i}:grad:activation"] = (0.0, {})
+        out[BoundaryKey(i, i + 1, "activation")] = (0.0, {})
+        out[BoundaryKey(i + 1, i, "activation", grad=True)] = (0.0, {})
     return out
 
 
@@ -115,7 +116,7 @@ def test_a_schedule_whose_recv_never_gets_a_send_is_reported_as_deadlock():
     schedules = {0: [Action("F", 0, None)], 1: [Action("RECV_F", 0, 0), Action("F", 0, None)]}
     compute = {(s, "F"): 1.0 for s in range(2)}
     with pytest.raises(ValueError, match="deadlock"):
-        simulate_pipeline(schedules, compute, {"0->1:activation": (0.0, {})})
+        simulate_pipeline(schedules, compute, {BoundaryKey(0, 1, "activation"): (0.0, {})})
 
 
 @pytest.mark.slow

@@ -1,36 +1,28 @@
 """The resharding executor moves real tensors between real gloo processes, for every strategy.
 
-Boundaries are built here from meshjob.resharding (decompose + lower), senders chosen round-robin,
-so these tests need only the resharding layer, not a whole job. Every rank makes the same random
+Boundaries are built here by the plan layer's plan_boundary (decompose, balance, lower) between two
+meshes, so these tests need no whole job. Every rank makes the same random
 global tensor from a seed; sources pass their natural tile, destinations compare what arrives
 with the tile they should hold.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
-from meshjob.resharding import Step, decompose, lower
+from meshjob.plan import Boundary, plan_boundary
+from meshjob.resharding import STRATEGIES, Step
 from meshjob.sharding import ShardingSpec, tile, to_index
+from meshjob.spec import ReshardingSpec
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
 from meshjob_trainer.reshard import ReshardError, ReshardExecutor, make_routes
 
-STRATEGIES = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
-
-
-@dataclass(frozen=True)
-class Boundary:  # the fields of meshjob.plan.Boundary the executor reads
-    src: int
-    dst: int
-    tensor: str
-    shape: tuple[int, ...]
-    send: ShardingSpec
-    recv: ShardingSpec
-    strategy: str
-    steps: tuple[Step, ...]
+NIC_BYTES_PER_S = 1e9 / 8
 
 
 @dataclass(frozen=True)
@@ -71,15 +63,14 @@ CASES = [
 ]
 
 
+def host_of(case: Case):
+    return {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}.__getitem__
+
+
 def make_boundary(case: Case, strategy: str, chunks: int = 3, tensor: str = "activation") -> Boundary:
     send, recv = ShardingSpec.parse(case.send), ShardingSpec.parse(case.recv)
-    hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
-    tasks = decompose(case.shape, case.src, send, case.dst, recv)
-    steps: list[Step] = []
-    for i, task in enumerate(tasks):
-        sender = task.senders[i % len(task.senders)]
-        steps += lower(task, i, sender, strategy, chunks, hosts.__getitem__, first_step_id=len(steps))
-    return Boundary(0, 1, tensor, case.shape, send, recv, strategy, tuple(steps))
+    return plan_boundary(BoundaryKey(0, 1, tensor), case.shape, (case.src, send), (case.dst, recv),
+                         ReshardingSpec(strategy, chunks, "load_balance"), host_of(case), NIC_BYTES_PER_S)
 
 
 def executor(case: Case, boundaries: list[Boundary], rank: int, metrics=None) -> ReshardExecutor:
@@ -110,7 +101,7 @@ def reshard_once(case: Case, strategy: str, seed: int = 7):
             full = global_tensor(case, seed)
             mine = natural_tile(case, full, env.rank)
             local = mine if env.rank in case.src.ranks else None
-            handle = ex.start(boundary, local, tag_base=ex.tag_base(boundary, 0))
+            handle = ex.start(boundary.key, 0, local)
             got = handle.wait(timeout_s=30)
             if env.rank in case.src.ranks:
                 return env.rank, "sender", got is None
@@ -163,7 +154,7 @@ def test_microbatches_in_flight_together_do_not_mix(gang):
                 mine = natural_tile(case, global_tensor(case, 100 + mb), env.rank)
                 expected.append(mine)
                 local = mine if env.rank in case.src.ranks else None
-                handles.append(ex.start(boundary, local, tag_base=ex.tag_base(boundary, mb)))
+                handles.append(ex.start(boundary.key, mb, local))
             got = [h.wait(timeout_s=30) for h in reversed(handles)][::-1]
             if env.rank in case.src.ranks:
                 return all(g is None for g in got)
@@ -190,7 +181,7 @@ def test_a_forwarding_rank_passes_chunks_on_before_it_calls_wait(gang, tmp_path)
         try:
             ex = executor(case, [boundary], env.rank)
             mine = natural_tile(case, global_tensor(case, 5), env.rank)
-            handle = ex.start(boundary, mine if env.rank in case.src.ranks else None, ex.tag_base(boundary, 0))
+            handle = ex.start(boundary.key, 0, mine if env.rank in case.src.ranks else None)
             if env.rank in middle:
                 deadline = time.monotonic() + 20
                 while not all((tmp_path / f"done-{r}").exists() for r in last):
@@ -219,10 +210,10 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
             metrics = TrainerMetrics(job="t", rank=env.rank, host=str(env.rank), stage=0)
             ex = executor(case, [boundary], env.rank, metrics)
             local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
-            ex.start(boundary, local, ex.tag_base(boundary, 0)).wait(timeout_s=30)
+            ex.start(boundary.key, 0, local).wait(timeout_s=30)
             return {scope: metrics.registry.get_sample_value(
                 "meshjob_resharding_bytes_total",
-                {"job": "t", "strategy": "send_recv", "scope": scope, "boundary": "0->1"}) or 0.0
+                {"job": "t", "strategy": "send_recv", "scope": scope, "boundary": "0->1:activation"}) or 0.0
                 for scope in ("intra_host", "cross_host")}
         finally:
             shutdown_distributed()
@@ -239,14 +230,13 @@ def test_bytes_sent_per_host_pair_add_up_to_the_plans_nic_bytes(gang):
 
     case = CASES[4]  # 2 source hosts, a chain over 3 destination hosts
     boundary = make_boundary(case, "broadcast", chunks=4)
-    hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
 
     def target(env):
         init_distributed(env, timeout_s=20)
         try:
             ex = executor(case, [boundary], env.rank)
             local = natural_tile(case, global_tensor(case, 3), env.rank) if env.rank in case.src.ranks else None
-            handle = ex.start(boundary, local, ex.tag_base(boundary, 0))
+            handle = ex.start(boundary.key, 0, local)
             handle.wait(timeout_s=30)
             return handle.stats.host_pair_bytes
         finally:
@@ -258,7 +248,7 @@ def test_bytes_sent_per_host_pair_add_up_to_the_plans_nic_bytes(gang):
             if src_host != dst_host:
                 seen.setdefault(src_host, [0, 0])[0] += nbytes
                 seen.setdefault(dst_host, [0, 0])[1] += nbytes
-    assert {h: tuple(v) for h, v in seen.items()} == nic_bytes(boundary.steps, hosts.__getitem__)
+    assert {h: tuple(v) for h, v in seen.items()} == nic_bytes(boundary.steps, host_of(case))
 
 
 def test_a_forward_before_its_data_arrived_is_rejected():
@@ -268,14 +258,14 @@ def test_a_forward_before_its_data_arrived_is_rejected():
     broken = tuple(s if s is not forwards[0] else Step(s.id, s.task, s.src, s.dst, s.region, (), s.scope)
                    for s in good.steps)
     with pytest.raises(ReshardError, match=rf"step {forwards[0].id} has rank {forwards[0].src} forward region"):
-        executor(case, [Boundary(0, 1, "activation", case.shape, good.send, good.recv, "broadcast", broken)], 0)
+        executor(case, [dataclasses.replace(good, steps=broken)], 0)
 
 
 def test_a_receiver_left_without_part_of_its_tile_is_rejected():
     case = CASES[0]
     good = make_boundary(case, "send_recv")
     dropped = good.steps[0]
-    partial = Boundary(0, 1, "activation", case.shape, good.send, good.recv, "send_recv", good.steps[1:])
+    partial = dataclasses.replace(good, steps=good.steps[1:])
     with pytest.raises(ReshardError, match=rf"rank {dropped.dst} would never receive"):
         executor(case, [partial], dropped.dst)
 
@@ -285,12 +275,12 @@ def test_a_source_tile_of_the_wrong_shape_is_a_clear_error():
     boundary = make_boundary(case, "send_recv")
     ex = executor(case, [boundary], 0)
     with pytest.raises(ReshardError, match=r"rank 0 must pass its natural-layout \(S01R\) tile of shape \(2, 6\)"):
-        ex.start(boundary, torch.zeros(8, 6), ex.tag_base(boundary, 0))
+        ex.start(boundary.key, 0, torch.zeros(8, 6))
 
 
 def test_two_boundaries_with_the_same_endpoints_and_tensor_are_rejected():
     case = CASES[1]
-    with pytest.raises(ReshardError, match=r"two boundaries 0->1 \(activation\) share \(from, to, tensor\)"):
+    with pytest.raises(ReshardError, match=r"two boundaries share the key 0->1:activation"):
         executor(case, [make_boundary(case, "broadcast"), make_boundary(case, "send_recv")], 0)
 
 
@@ -298,7 +288,8 @@ def test_tag_ranges_of_boundaries_and_microbatches_do_not_overlap():
     case = CASES[1]
     a, b = make_boundary(case, "broadcast"), make_boundary(case, "send_recv", tensor="skip0")
     ex = executor(case, [a, b], 0)
-    spans = [(ex.tag_base(x, mb), ex.tag_base(x, mb) + ex.route(x).tag_span) for x in (a, b) for mb in range(4)]
+    spans = [(ex.tag_base(x.key, mb), ex.tag_base(x.key, mb) + ex.route(x.key).tag_span)
+             for x in (a, b) for mb in range(4)]
     spans.sort()
     assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
 
@@ -316,7 +307,7 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
     job = load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml"))
     job = dataclasses.replace(job, resharding=dataclasses.replace(job.resharding, strategy=strategy, chunks=3))
     plan = build_plan(job)
-    assert any(b.tensor.startswith("skip") for b in plan.boundaries)
+    assert any(b.key.tensor.startswith("skip") for b in plan.boundaries)
 
     def natural(stage: int, full: torch.Tensor, rank: int) -> torch.Tensor:
         m = plan.mesh(stage)
@@ -332,9 +323,9 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
                 full = torch.randn(b.shape, generator=torch.Generator().manual_seed(i))
                 src, dst = plan.mesh(b.src).ranks, plan.mesh(b.dst).ranks
                 local = natural(b.src, full, env.rank) if env.rank in src else None
-                got = ex.start(b, local, ex.tag_base(b, 0)).wait(timeout_s=30)
+                got = ex.start(b.key, 0, local).wait(timeout_s=30)
                 if env.rank in dst and not torch.equal(got, natural(b.dst, full, env.rank)):
-                    wrong.append(f"{b.src}->{b.dst} {b.tensor}")
+                    wrong.append(str(b.key))
             return wrong
         finally:
             shutdown_distributed()
@@ -381,7 +372,7 @@ def test_every_payload_is_a_cpu_tensor_whatever_the_context_device(monkeypatch, 
         routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
         ex = ReshardExecutor(None, rank, routes=routes, device="meta")
         local = natural_tile(case, full, rank) if rank in case.src.ranks else None
-        ex.start(boundary, local, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+        ex.start(boundary.key, 0, local).wait(timeout_s=10)
     assert fake.sent and fake.received
     assert {d.type for d in fake.sent} == {"cpu"}
     assert {d.type for d in fake.received} == {"cpu"}
@@ -394,7 +385,7 @@ def test_a_receiver_gets_its_tile_on_the_context_device(monkeypatch, case: Case,
     routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
     for rank in case.dst.ranks:
         ex = ReshardExecutor(None, rank, routes=routes, device="meta")
-        got = ex.start(boundary, None, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+        got = ex.start(boundary.key, 0, None).wait(timeout_s=10)
         want = natural_tile(case, global_tensor(case, 0), rank)
         assert got.device.type == "meta" and got.shape == want.shape and got.dtype == torch.float32
 
@@ -414,7 +405,7 @@ def test_a_source_sends_slices_of_one_cpu_copy_of_its_tile(monkeypatch):
     full = global_tensor(case, 4)
     ex = executor(case, [boundary], 0)
     mine = natural_tile(case, full, 0)
-    ex.start(boundary, mine, ex.tag_base(boundary, 0)).wait(timeout_s=10)
+    ex.start(boundary.key, 0, mine).wait(timeout_s=10)
     mine_steps = [s for s in boundary.steps if s.src == 0]
     assert len(sent) == len(mine_steps) > 0
     for s, payload in zip(mine_steps, sent):
@@ -423,45 +414,33 @@ def test_a_source_sends_slices_of_one_cpu_copy_of_its_tile(monkeypatch):
 
 # --- what the executor records for the dashboard --------------------------------------------
 
-@dataclass(frozen=True)
-class PlannedBoundary(Boundary):  # plus what meshjob.plan.Boundary adds for the metrics
-    balancer: str = "greedy"
-    lower_bound_s: float = 1e-3
-
-
-def recorded_metrics(gang, case: Case, boundary: PlannedBoundary):
+def recorded_metrics(gang, case: Case, boundary: Boundary):
     """Runs `boundary` once; each rank returns (rank, host name, its metrics' samples)."""
-    hosts = {r: h for m in (case.src, case.dst) for r, h in zip(m.ranks, m.hosts)}
 
     def target(env):
         from meshjob_trainer.metrics import TrainerMetrics
 
         init_distributed(env, timeout_s=20)
         try:
-            host = f"host-{hosts[env.rank]}"
+            host = f"host-{host_of(case)(env.rank)}"
             metrics = TrainerMetrics(job="t", rank=env.rank, host=host, stage=0)
             ex = executor(case, [boundary], env.rank, metrics)
             local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
-            ex.start(boundary, local, ex.tag_base(boundary, 0)).wait(timeout_s=30)
+            ex.start(boundary.key, 0, local).wait(timeout_s=30)
             get = metrics.registry.get_sample_value
             return (env.rank, host, get("meshjob_nic_bandwidth_bytes_per_second", {"job": "t", "host": host}),
-                    get("meshjob_resharding_lower_bound_ratio", {"job": "t", "boundary": "0->1"}),
-                    get("meshjob_unit_tasks_total", {"job": "t", "balancer": "greedy"}))
+                    get("meshjob_resharding_lower_bound_ratio", {"job": "t", "boundary": "0->1:activation"}),
+                    get("meshjob_unit_tasks_total", {"job": "t", "balancer": "load_balance"}))
         finally:
             shutdown_distributed()
 
     return gang(case.world_size, target)
 
 
-def planned(case: Case, strategy: str) -> PlannedBoundary:
-    b = make_boundary(case, strategy)
-    return PlannedBoundary(b.src, b.dst, b.tensor, b.shape, b.send, b.recv, b.strategy, b.steps)
-
-
 @pytest.mark.slow
 def test_receivers_across_hosts_record_their_hosts_nic_bandwidth(gang):
     case = CASES[6]  # destination ranks 2, 3 share host 0 with the sources; 4, 5 are on host 1
-    boundary = planned(case, "send_recv")
+    boundary = make_boundary(case, "send_recv")
     cross = {s.dst for s in boundary.steps if s.scope == "cross_host"}
     assert cross == {4, 5}
     for rank, host, nic, _ratio, _tasks in recorded_metrics(gang, case, boundary):
@@ -474,7 +453,7 @@ def test_receivers_across_hosts_record_their_hosts_nic_bandwidth(gang):
 @pytest.mark.slow
 def test_receivers_record_time_over_the_lower_bound_and_senders_count_unit_tasks(gang):
     case = CASES[0]
-    boundary = planned(case, "broadcast")
+    boundary = make_boundary(case, "broadcast")
     results = recorded_metrics(gang, case, boundary)
     ratios = {rank: ratio for rank, _host, _nic, ratio, _tasks in results}
     assert all(ratios[r] is not None and ratios[r] > 0 for r in case.dst.ranks)

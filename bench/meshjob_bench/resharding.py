@@ -29,10 +29,14 @@ from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.launcher import RankContext, run_gang
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
-from meshjob.units import parse_rate
+from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
+from meshjob.plan import Boundary, plan_boundary
 from meshjob.resharding import UnitTask, decompose
 from meshjob.sharding import ShardingSpec
+from meshjob.simulate import CostModel, simulate_transfer
+from meshjob.spec import ReshardingSpec
+from meshjob.units import parse_rate
 
 DEVICES_PER_HOST = 4
 ITEMSIZE = 4  # float32
@@ -68,23 +72,6 @@ class Variant:
 
 
 @dataclass
-class BenchBoundary:
-    """The fields meshjob_trainer.reshard reads from a plan Boundary."""
-
-    src: int
-    dst: int
-    tensor: str
-    shape: tuple[int, ...]
-    send: ShardingSpec
-    recv: ShardingSpec
-    strategy: str
-    steps: tuple[Any, ...]
-    makespan_s: float
-    lower_bound_s: float
-    simulated_s: float = 0.0  # meshjob.simulate's prediction of these steps over the emulated NICs
-
-
-@dataclass
 class Case:
     section: str  # "one_to_many" | "many_to_many"
     name: str
@@ -95,7 +82,8 @@ class Case:
     recv: ShardingSpec
     limit_s: float = 0.0  # physical limit L
     variants: list[Variant] = field(default_factory=list)
-    boundaries: list[BenchBoundary] = field(default_factory=list)
+    boundaries: list[Boundary] = field(default_factory=list)  # one per variant, tensor "v<variant>"
+    simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate's prediction of each, same NICs
 
 
 class Layout:
@@ -132,21 +120,12 @@ def physical_limit(tasks: Sequence[UnitTask], host_of: Callable[[int], int], nic
     return max(per_host.values(), default=0) / nic_bytes_per_s
 
 
-def plan_boundary(case: Case, variant: Variant, tasks: list[UnitTask], host_of: Callable[[int], int],
-                  nic_bytes_per_s: float, tensor: str) -> BenchBoundary:
-    """Senders and order from meshjob.balance, steps from meshjob.resharding.lower."""
-    from meshjob.balance import HostTask, balance
-    from meshjob.plan import lower_in_start_order
-    from meshjob.simulate import CostModel, simulate_transfer
-
-    host_tasks = [HostTask(tuple(dict.fromkeys(host_of(r) for r in t.senders)),
-                           tuple(dict.fromkeys(host_of(r) for r in t.receivers)), t.bytes) for t in tasks]
-    sched = balance(host_tasks, variant.balancer, variant.strategy, variant.chunks, nic_bytes_per_s,
-                    budget_s=0.5, seed=0, receiver_devices_per_host=case.dst_mesh.shape[-1])
-    _, steps = lower_in_start_order(tasks, sched, host_of, variant.strategy, variant.chunks)
-    simulated = simulate_transfer(steps, host_of, CostModel(nic_bytes_per_s=nic_bytes_per_s)).makespan_s
-    return BenchBoundary(0, 1, tensor, case.shape, case.send, case.recv, variant.strategy, steps,
-                         sched.makespan_s, sched.lower_bound_s, simulated)
+def variant_boundary(case: Case, variant: Variant, index: int, host_of: Callable[[int], int],
+                     nic_bytes_per_s: float) -> Boundary:
+    """The plan layer's boundary for one variant: senders and order from its balancer, lowered steps."""
+    resharding = ReshardingSpec(variant.strategy, variant.chunks, variant.balancer, budget_seconds=0.5)
+    return plan_boundary(BoundaryKey(0, 1, f"v{index}"), case.shape, (case.src_mesh, case.send),
+                         (case.dst_mesh, case.recv), resharding, host_of, nic_bytes_per_s)
 
 
 def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_per_s: float,
@@ -174,7 +153,9 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_p
         c.variants.append(Variant("signal", 1, MAIN_BALANCER))
         if c.section == "many_to_many":
             c.variants += [Variant("broadcast", max(chunks), b) for b in BALANCERS if b != MAIN_BALANCER]
-        c.boundaries = [plan_boundary(c, v, tasks, layout.host_of, nic_bytes_per_s, f"v{i}") for i, v in enumerate(c.variants)]
+        c.boundaries = [variant_boundary(c, v, i, layout.host_of, nic_bytes_per_s) for i, v in enumerate(c.variants)]
+        cost = CostModel(nic_bytes_per_s=nic_bytes_per_s)
+        c.simulated_s = [simulate_transfer(b.steps, layout.host_of, cost).makespan_s for b in c.boundaries]
     return cases
 
 
@@ -212,7 +193,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
                     if not inside:
                         continue
                     t0 = time.monotonic()
-                    out = executor.start(boundary, local, tag_base=0).wait()
+                    out = executor.start(boundary.key, 0, local).wait()
                     t1 = time.monotonic()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":
@@ -266,13 +247,13 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
         base = {case.variants[vi].strategy: med[vi] for vi in med
                 if case.variants[vi].balancer == MAIN_BALANCER}
         for vi, v in enumerate(case.variants):
-            b = case.boundaries[vi]
+            b, simulated = case.boundaries[vi], case.simulated_s[vi]
             rows.append(Row(case.section, case.name, v.strategy, v.chunks, v.balancer, v.label, med[vi],
                             times[vi], case.limit_s, med[vi] / case.limit_s if case.limit_s else math.nan,
                             base.get("global_allgather", math.nan) / med[vi],
                             base.get("send_recv", math.nan) / med[vi],
-                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong, b.simulated_s,
-                            b.simulated_s / med[vi] - 1.0 if med[vi] > 0 else math.nan))
+                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong, simulated,
+                            simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan))
     return rows
 
 

@@ -86,19 +86,18 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     console.print(placement)
 
     summary = Table(title="Boundaries (cross-mesh resharding)")
-    for col in ("from", "to", "tensor", "send", "recv", "strategy", "balancer", "tasks", "makespan",
-                "lower bound", "ratio"):
+    for col in ("boundary", "send", "recv", "strategy", "balancer", "tasks", "makespan", "lower bound", "ratio"):
         summary.add_column(col, justify="right" if col in ("tasks", "makespan", "lower bound", "ratio") else "left")
     for b in doc["boundaries"]:
         ratio = b["makespan_s"] / b["lower_bound_s"] if b["lower_bound_s"] > 0 else float("nan")
-        summary.add_row(str(b["from"]), str(b["to"]), b["tensor"], b["send"], b["recv"], b["strategy"],
+        summary.add_row(b["key"], b["send"], b["recv"], b["strategy"],
                         b["balancer"], str(len(b["tasks"])), _ms(b["makespan_s"]), _ms(b["lower_bound_s"]),
                         f"{ratio:.2f}")
     console.print(summary)
 
     for b in doc["boundaries"]:
         tasks = sorted(enumerate(b["tasks"]), key=lambda it: (it[1]["start_s"], it[0]))
-        table = Table(title=f"{b['from']} -> {b['to']} {b['tensor']}: unit tasks by start "
+        table = Table(title=f"{b['key']}: unit tasks by start "
                             f"(makespan {_ms(b['makespan_s'])}, lower bound {_ms(b['lower_bound_s'])})")
         for col in ("task", "slice", "sender", "holders", "receivers", "bytes", "start", "seconds"):
             table.add_column(col, justify="right" if col in ("task", "bytes", "start", "seconds") else "left")

@@ -21,6 +21,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from meshjob.api import TRAINER_METRICS_PORT
+from meshjob.boundary import BoundaryKey
 from meshjob.resharding import STRATEGIES
 
 DEFAULT_PORT = TRAINER_METRICS_PORT
@@ -57,11 +58,15 @@ def _forget_server_in_child(metrics: "TrainerMetrics") -> "Callable[[], None]":
     return hook
 
 
-def _boundary(value: str) -> str:
-    parts = value.split("->") if isinstance(value, str) else []
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"boundary={value!r}: must be '<from stage>-><to stage>', e.g. '0->1'")
-    return value
+def _boundary(value: BoundaryKey | str) -> str:
+    """The label of a boundary: its key's text, which names the tensor and the direction."""
+    if isinstance(value, BoundaryKey):
+        return str(value)
+    try:
+        return str(BoundaryKey.parse(value))
+    except ValueError:
+        raise ValueError(f"boundary={value!r}: must be a BoundaryKey or its text, e.g. '0->1:activation' "
+                         f"or '1->0:grad:activation'") from None
 
 
 @dataclass
@@ -153,7 +158,8 @@ class TrainerMetrics:
             {"strategy": strategy, "schedule": schedule, "balancer": balancer, "meshes": meshes,
              "rank": str(self.rank), "host": self.host})
 
-    def record_resharding(self, strategy: str, scope: str, boundary: str, nbytes: int, seconds: float) -> None:
+    def record_resharding(self, strategy: str, scope: str, boundary: BoundaryKey | str, nbytes: int,
+                          seconds: float) -> None:
         """One resharding of `boundary` as seen by this receiver: bytes received and wall time."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}")
@@ -169,7 +175,7 @@ class TrainerMetrics:
     def record_unit_tasks(self, balancer: str, count: int) -> None:
         self.unit_tasks.labels(job=self.job, balancer=balancer).inc(_non_negative("count", count))
 
-    def record_resharding_ratio(self, boundary: str, seconds_over_lower_bound: float) -> None:
+    def record_resharding_ratio(self, boundary: BoundaryKey | str, seconds_over_lower_bound: float) -> None:
         self.lower_bound_ratio.labels(job=self.job, boundary=_boundary(boundary)).set(
             _non_negative("seconds_over_lower_bound", seconds_over_lower_bound))
 

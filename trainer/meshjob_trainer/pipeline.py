@@ -25,6 +25,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from meshjob.boundary import BoundaryKey
 from meshjob.schedule import Action
 from meshjob_trainer.data import Batch
 from meshjob_trainer.model import StageModule
@@ -35,10 +36,9 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
-    """Moves one tensor of one microbatch across an edge. `grad` selects the backward direction
-    (the gradient of `tensor` flowing from stage dst back to stage src)."""
+    """Moves one tensor of one microbatch across a boundary (a source passes its tile, a receiver None)."""
 
-    def start(self, tensor: str, src: int, dst: int, mb: int, grad: bool, local: torch.Tensor | None) -> Handle: ...
+    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle: ...
 
 
 class PipelineError(RuntimeError):
@@ -137,26 +137,25 @@ class _StepRun:
             self.stats.compute_s += end - start
             self.stats.timeline.append((str(action), start - self.t0, end - self.t0))
         elif kind == "RECV_F":
-            self.recv_f[(action.tensor, action.mb)] = self.ex.transport.start(
-                action.tensor, action.peer, self.ex.stage, action.mb, False, None)
+            self.recv_f[(action.tensor, action.mb)] = self._start(action, None)
         elif kind == "RECV_B":
-            self.recv_b.setdefault((action.tensor, action.mb), []).append(self.ex.transport.start(
-                action.tensor, self.ex.stage, action.peer, action.mb, True, None))
+            self.recv_b.setdefault((action.tensor, action.mb), []).append(self._start(action, None))
         elif kind == "SEND_F":
             stash = self.stash.get(action.mb)
             if stash is None or action.tensor not in stash.outputs:
                 raise self.fail(action, f"no forward output {action.tensor!r} of microbatch {action.mb} to send")
-            self.sends.append(self.ex.transport.start(
-                action.tensor, self.ex.stage, action.peer, action.mb, False, stash.outputs[action.tensor].detach()))
+            self.sends.append(self._start(action, stash.outputs[action.tensor].detach()))
         elif kind == "SEND_B":
             grads = self.input_grads.get(action.mb)
             if grads is None or action.tensor not in grads:
                 raise self.fail(action, f"no input gradient {action.tensor!r} of microbatch {action.mb} "
                                         "(needs B or I first)")
-            self.sends.append(self.ex.transport.start(
-                action.tensor, action.peer, self.ex.stage, action.mb, True, grads[action.tensor]))
+            self.sends.append(self._start(action, grads[action.tensor]))
         else:
             raise self.fail(action, f"unknown action kind {kind!r}")
+
+    def _start(self, action: Action, local: torch.Tensor | None) -> Handle:
+        return self.ex.transport.start(BoundaryKey.of_action(self.ex.stage, action), action.mb, local)
 
     # --- compute ---------------------------------------------------------------------------
 

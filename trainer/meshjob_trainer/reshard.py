@@ -33,68 +33,26 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
+from meshjob.plan import Boundary
+from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
 
 SIGNAL_BYTES = 1
 STAGING = torch.device("cpu")  # where every payload lives: gloo carries it (see the module docstring)
 
 
-class StepLike(Protocol):
-    """meshjob.resharding.Step: the fields the executor reads."""
-
-    id: int
-    task: int
-    src: int
-    dst: int
-    region: Slice
-    after: tuple[int, ...]
-    scope: str
-    signal: bool
-
-
-class BoundaryLike(Protocol):
-    """meshjob.plan.Boundary: the fields the executor reads."""
-
-    src: int
-    dst: int
-    tensor: str
-    shape: tuple[int, ...]
-    send: ShardingSpec
-    recv: ShardingSpec
-    strategy: str
-    steps: Sequence[StepLike]
-
-
 class ReshardError(RuntimeError):
     """A plan the executor cannot run, or a wrong call; the message names the boundary."""
 
 
-@dataclass(frozen=True)
-class LocalStep:
-    """A step the executor adds itself: fetching a peer's recv tile inside the destination mesh."""
-
-    id: int
-    task: int
-    src: int
-    dst: int
-    region: Slice
-    after: tuple[int, ...] = ()
-    scope: str = "intra_host"
-    signal: bool = False
-
-
-def _key(boundary: BoundaryLike) -> tuple[int, int, str]:
-    return (boundary.src, boundary.dst, boundary.tensor)
-
-
-def boundary_name(boundary: BoundaryLike) -> str:
-    return f"{boundary.src}->{boundary.dst}"
+GATHER_TASK = -1  # the task index of the steps the executor adds: fetching a peer's recv tile
 
 
 def _spec(value: ShardingSpec | str, ndim: int) -> ShardingSpec:
@@ -105,24 +63,20 @@ def _spec(value: ShardingSpec | str, ndim: int) -> ShardingSpec:
 class Route:
     """One boundary with everything a rank needs to run it, checked once at construction."""
 
-    boundary: BoundaryLike
+    boundary: Boundary
     src_mesh: Mesh
     dst_mesh: Mesh
     src_natural: ShardingSpec
     dst_natural: ShardingSpec
-    send: ShardingSpec = field(init=False)
-    recv: ShardingSpec = field(init=False)
-    steps: tuple[StepLike, ...] = field(init=False)  # the plan's steps, topologically ordered
-    gather: tuple[LocalStep, ...] = field(init=False)  # recv tiles -> natural tiles in the destination
+    steps: tuple[Step, ...] = field(init=False)  # the plan's steps, topologically ordered
+    gather: tuple[Step, ...] = field(init=False)  # recv tiles -> natural tiles in the destination
     src_ranks: frozenset[int] = field(init=False)
     dst_ranks: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         b = self.boundary
         self.src_ranks, self.dst_ranks = frozenset(self.src_mesh.ranks), frozenset(self.dst_mesh.ranks)
-        self.send = _spec(b.send, len(b.shape))
-        self.recv = _spec(b.recv, len(b.shape))
-        self.steps = _topological(b.steps, boundary_name(b))
+        self.steps = _topological(b.steps, str(b.key))
         self.gather = _gather_steps(self.dst_mesh, self.recv, self.dst_natural, tuple(b.shape),
                                     first_id=1 + max((s.id for s in self.steps), default=-1))
         self._check_regions()
@@ -130,7 +84,15 @@ class Route:
 
     @property
     def name(self) -> str:
-        return f"{boundary_name(self.boundary)} ({self.boundary.tensor})"
+        return str(self.boundary.key)
+
+    @property
+    def send(self) -> ShardingSpec:
+        return self.boundary.send
+
+    @property
+    def recv(self) -> ShardingSpec:
+        return self.boundary.recv
 
     @property
     def tag_span(self) -> int:
@@ -202,7 +164,7 @@ class Route:
                                f"{mask.numel()} elements of its recv tile {own}")
 
 
-def _topological(steps: Iterable[StepLike], name: str) -> tuple[StepLike, ...]:
+def _topological(steps: Iterable[Step], name: str) -> tuple[Step, ...]:
     """The plan's order, moved only where a step would come before one it depends on."""
     steps = list(steps)
     by_id = {s.id: s for s in steps}
@@ -211,10 +173,10 @@ def _topological(steps: Iterable[StepLike], name: str) -> tuple[StepLike, ...]:
             if d not in by_id:
                 raise ReshardError(f"boundary {name}: step {s.id} depends on unknown step {d}")
     done: set[int] = set()
-    out: list[StepLike] = []
+    out: list[Step] = []
     visiting: set[int] = set()
 
-    def visit(s: StepLike) -> None:
+    def visit(s: Step) -> None:
         if s.id in done:
             return
         if s.id in visiting:
@@ -232,7 +194,7 @@ def _topological(steps: Iterable[StepLike], name: str) -> tuple[StepLike, ...]:
 
 
 def _gather_steps(mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: tuple[int, ...],
-                  first_id: int) -> tuple[LocalStep, ...]:
+                  first_id: int) -> tuple[Step, ...]:
     """Point-to-point fetches turning recv tiles into natural tiles inside the destination mesh.
 
     recv is at least as sharded as natural, so a natural tile is a union of whole, disjoint recv
@@ -244,7 +206,7 @@ def _gather_steps(mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: 
     holders: dict[Slice, list[int]] = {}
     for r in mesh.ranks:
         holders.setdefault(recv_tile[r], []).append(r)
-    out: list[LocalStep] = []
+    out: list[Step] = []
     for pos, r in enumerate(mesh.ranks):
         nat = tile(natural, mesh.shape, shape, mesh.index_of(r))
         for t, owners in holders.items():
@@ -252,8 +214,8 @@ def _gather_steps(mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: 
                 continue
             near = [q for q in owners if mesh.host_of(q) == mesh.host_of(r)] or owners
             q = near[pos % len(near)]
-            scope = "intra_host" if mesh.host_of(q) == mesh.host_of(r) else "cross_host"
-            out.append(LocalStep(id=first_id + len(out), task=-1, src=q, dst=r, region=t, scope=scope))
+            scope = INTRA_HOST if mesh.host_of(q) == mesh.host_of(r) else CROSS_HOST
+            out.append(Step(id=first_id + len(out), task=GATHER_TASK, src=q, dst=r, region=t, after=(), scope=scope))
     return tuple(out)
 
 
@@ -262,7 +224,7 @@ class ReshardStats:
     """What one rank saw of one (boundary, microbatch)."""
 
     strategy: str
-    boundary: str
+    boundary: BoundaryKey
     seconds: float = 0.0
     bytes_received: dict[str, int] = field(default_factory=dict)  # scope -> bytes
     bytes_sent: dict[str, int] = field(default_factory=dict)  # scope -> bytes
@@ -324,7 +286,7 @@ class _Run:
         self.is_dst = rank in route.dst_ranks
         self.dtype, self.device = dtype, device  # device: where the assembled result goes
         self.itemsize = torch.tensor([], dtype=dtype).element_size()
-        self.stats = ReshardStats(strategy=b.strategy, boundary=boundary_name(b))
+        self.stats = ReshardStats(strategy=b.strategy, boundary=b.key)
         self.source: torch.Tensor | None = None  # the natural tile, detached; staged to CPU in execute()
         self.natural_local: torch.Tensor | None = None  # its CPU copy, which sends slice from
         self.natural_tile: Slice | None = None
@@ -370,12 +332,12 @@ class _Run:
             self.natural_local = self.source.to(STAGING)
         steps = list(route.steps)
         n = len(steps)
-        recvs: dict[int, tuple[Any, torch.Tensor, StepLike]] = {}  # step id -> (work, tensor, step)
+        recvs: dict[int, tuple[Any, torch.Tensor, Step]] = {}  # step id -> (work, tensor, step)
         for i, s in enumerate(steps):
             if s.dst == rank:
                 buf = self._empty(s.region, self.signal)
                 recvs[s.id] = (dist.irecv(buf, s.src, tag=self.tag_base + i), buf, s)
-        gather_recvs: list[tuple[Any, torch.Tensor, LocalStep]] = []
+        gather_recvs: list[tuple[Any, torch.Tensor, Step]] = []
         for j, g in enumerate(route.gather):
             if g.dst == rank:
                 buf = self._empty(g.region, self.signal)
@@ -419,7 +381,7 @@ class _Run:
         self._record()
         return result
 
-    def _gather(self, gather_recvs: list[tuple[Any, torch.Tensor, LocalStep]], n: int) -> torch.Tensor | None:
+    def _gather(self, gather_recvs: list[tuple[Any, torch.Tensor, Step]], n: int) -> torch.Tensor | None:
         """recv tile -> natural tile: serve peers from our recv tile, place what peers send us."""
         route, rank = self.route, self.rank
         sends = []
@@ -457,13 +419,12 @@ class _Run:
             for scope, nbytes in self.stats.bytes_received.items():
                 self.metrics.record_resharding(self.stats.strategy, scope, self.stats.boundary, nbytes,
                                                self.stats.seconds)
-            cross = self.stats.bytes_received.get("cross_host", 0)
+            cross = self.stats.bytes_received.get(CROSS_HOST, 0)
             if cross and self.stats.seconds > 0 and not self.signal:  # signal bytes say nothing of the NIC
                 self.metrics.record_nic(self.metrics.host, cross / self.stats.seconds)
-            bound = getattr(b, "lower_bound_s", 0.0)
-            if bound and bound > 0:
-                self.metrics.record_resharding_ratio(self.stats.boundary, self.stats.seconds / bound)
-        elif hasattr(b, "balancer"):
+            if b.lower_bound_s > 0:
+                self.metrics.record_resharding_ratio(self.stats.boundary, self.stats.seconds / b.lower_bound_s)
+        else:
             first_hops = {s.task for s in self.route.steps if s.src == self.rank}
             if first_hops:
                 self.metrics.record_unit_tasks(b.balancer, len(first_hops))
@@ -481,37 +442,38 @@ class ReshardExecutor:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
             routes = routes_from_plan(plan)
-        self.routes: dict[tuple[int, int, str], Route] = {}
+        self.routes: dict[BoundaryKey, Route] = {}
         for r in routes:
-            if _key(r.boundary) in self.routes:  # start() finds a boundary by this key
-                raise ReshardError(f"two boundaries {r.name} share (from, to, tensor); give each its own tensor name")
-            self.routes[_key(r.boundary)] = r
+            if r.boundary.key in self.routes:  # start() finds a boundary by its key
+                raise ReshardError(f"two boundaries share the key {r.name}; give each its own tensor name")
+            self.routes[r.boundary.key] = r
         self.max_tag_span = max((r.tag_span for r in self.routes.values()), default=0)
         self._order = {k: i for i, k in enumerate(self.routes)}
         for r in self.routes.values():
             r.check_coverage(rank)
 
-    def route(self, boundary: BoundaryLike) -> Route:
+    def route(self, key: BoundaryKey) -> Route:
         try:
-            return self.routes[_key(boundary)]
+            return self.routes[key]
         except KeyError:
-            raise ReshardError(f"boundary {boundary_name(boundary)} ({boundary.tensor}) is not in this plan; "
-                               f"known: {', '.join(f'{s}->{d} ({t})' for s, d, t in self.routes)}") from None
+            raise ReshardError(f"boundary {key} is not in this plan; "
+                               f"known: {', '.join(map(str, self.routes))}") from None
 
-    def tag_base(self, boundary: BoundaryLike, microbatch: int) -> int:
+    def tag_base(self, key: BoundaryKey, microbatch: int) -> int:
         """Tags that cannot collide between boundaries and microbatches of one training step."""
-        slot = microbatch * len(self.routes) + self._order[_key(self.route(boundary).boundary)]
+        slot = microbatch * len(self.routes) + self._order[self.route(key).boundary.key]
         return slot * self.max_tag_span
 
-    def start(self, boundary: BoundaryLike, natural_local: torch.Tensor | None, tag_base: int) -> Handle:
-        """Begin resharding `boundary` for one microbatch; returns at once (a background thread runs it).
+    def start(self, key: BoundaryKey, microbatch: int, natural_local: torch.Tensor | None) -> Handle:
+        """Begin resharding boundary `key` for one microbatch; returns at once (a background thread runs it).
         Sources pass their natural-layout tile; destinations pass None (or anything: it is ignored)."""
-        route = self.route(boundary)
+        route = self.route(key)
         if self.rank not in route.src_ranks and self.rank not in route.dst_ranks:
             return Handle(None)
         if self.rank in route.dst_ranks:
             natural_local = None
-        return Handle(_Run(route, self.rank, natural_local, tag_base, self.dtype, self.device, self.metrics))
+        return Handle(_Run(route, self.rank, natural_local, self.tag_base(key, microbatch), self.dtype, self.device,
+                           self.metrics))
 
 
 def routes_from_plan(plan: Any) -> list[Route]:
@@ -527,7 +489,7 @@ def routes_from_plan(plan: Any) -> list[Route]:
     return routes
 
 
-def make_routes(boundaries: Sequence[BoundaryLike], meshes: Mapping[int, Mesh],
+def make_routes(boundaries: Sequence[Boundary], meshes: Mapping[int, Mesh],
                 naturals: Mapping[int, ShardingSpec | str]) -> list[Route]:
     """Routes from explicit pieces: stage -> mesh and stage -> natural layout."""
     return [Route(b, meshes[b.src], meshes[b.dst], _spec(naturals[b.src], len(b.shape)),

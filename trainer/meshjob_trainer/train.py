@@ -15,11 +15,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from meshjob.boundary import BoundaryKey
 from meshjob_trainer.data import Batch, BigramData
 from meshjob_trainer.model import ModelConfig, StageModule, local_shards
 from meshjob_trainer.parallel import ShardInfo, StageGroups, StageMesh, build_groups, reduce_gradients
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
 from meshjob_trainer.reference import make_optimizer
+from meshjob_trainer.reshard import ReshardExecutor
 
 
 @dataclass
@@ -36,22 +38,15 @@ class TrainResult:
 
 
 class ReshardTransport:
-    """pipeline.Transport over the plan's boundaries and the dist helper's ReshardExecutor."""
+    """pipeline.Transport over the rank's ReshardExecutor, timing the transfers it started."""
 
-    def __init__(self, reshard: Any, boundaries: Sequence[Any]):
+    def __init__(self, reshard: ReshardExecutor):
         self.reshard = reshard
-        self.boundaries = {(b.src, b.dst, b.tensor): b for b in boundaries}
         self.comm_s = 0.0
         self._handles: list[Any] = []
 
-    def start(self, tensor: str, src: int, dst: int, mb: int, grad: bool, local: torch.Tensor | None) -> Handle:
-        # backward: the gradient flows from the forward destination back to the source
-        key = (dst, src, f"grad:{tensor}") if grad else (src, dst, tensor)
-        boundary = self.boundaries.get(key)
-        if boundary is None:
-            raise KeyError(f"the plan has no boundary {key[0]}->{key[1]} for tensor {key[2]!r}; "
-                           f"it has {sorted(self.boundaries)}")
-        handle = self.reshard.start(boundary, local, self.reshard.tag_base(boundary, mb))
+    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle:
+        handle = self.reshard.start(key, mb, local)
         self._handles.append(handle)
         return handle
 
@@ -106,7 +101,7 @@ def build_runtime(ctx: Any) -> StageRuntime:
     module = StageModule(config, first, last, job.training.seed, groups.tp).to(ctx.device)
     check_edges(module, stage, job.edges)
     optimizer = make_optimizer(module.parameters(), job.training.learning_rate)
-    transport = ReshardTransport(ctx.reshard, plan.boundaries)
+    transport = ReshardTransport(ctx.reshard)
     tokens = job.training.global_batch * config.seq_len
     executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens)
     data = BigramData(config.vocab, config.seq_len, job.training.global_batch, job.training.seed)
@@ -193,7 +188,6 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
     from meshjob.plan import build_plan
     from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
     from meshjob_trainer.dist import WorkerContext, device_for_backend, init_distributed, shutdown_distributed
-    from meshjob_trainer.reshard import ReshardExecutor
 
     plan = build_plan(job)
     if schedules is not None:

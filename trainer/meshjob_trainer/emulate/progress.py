@@ -43,7 +43,7 @@ def hook_trainer_metrics(report: Callable[..., None]) -> None:
     def record_resharding(self: Any, strategy: str, scope: str, boundary: str, nbytes: int,
                           seconds: float) -> None:
         orig_reshard(self, strategy, scope, boundary, nbytes, seconds)
-        report(kind="reshard", boundary=boundary, strategy=strategy, scope=scope, bytes=nbytes,
+        report(kind="reshard", boundary=str(boundary), strategy=strategy, scope=scope, bytes=nbytes,
                seconds=seconds)
 
     def record_checkpoint(self: Any, seconds: float, step: int) -> None:
@@ -60,7 +60,7 @@ def hook_trainer_metrics(report: Callable[..., None]) -> None:
 
     def record_resharding_ratio(self: Any, boundary: str, seconds_over_lower_bound: float) -> None:
         orig_ratio(self, boundary, seconds_over_lower_bound)
-        report(kind="ratio", boundary=boundary, value=seconds_over_lower_bound)
+        report(kind="ratio", boundary=str(boundary), value=seconds_over_lower_bound)
 
     def record_unit_tasks(self: Any, balancer: str, count: int) -> None:
         orig_tasks(self, balancer, count)
