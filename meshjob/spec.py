@@ -273,19 +273,31 @@ def natural_layout(stage: StageSpec) -> str:
     return "RRR"
 
 
+def skip_pairs(model: ModelSpec) -> list[tuple[int, int]]:
+    """(source layer i, destination layer L-1-i) of every long skip connection of a U-Transformer;
+    the trainer's model and the edges below both read them from here."""
+    if model.kind != "utransformer":
+        return []
+    last = model.layers - 1
+    return [(i, last - i) for i in range(model.layers // 2) if i < last - i]
+
+
+def skip_tensor(source_layer: int) -> str:
+    """The name of the skip tensor that leaves layer `source_layer` (an edge's and a stage output's)."""
+    return f"skip{source_layer}"
+
+
 def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[EdgeSpec, ...]:
     """The chain i -> i+1, then (utransformer) skip edges layer i -> layer L-1-i across stages."""
     edges = [EdgeSpec(i, i + 1, natural_layout(stages[i]), natural_layout(stages[i + 1]))
              for i in range(len(stages) - 1)]
-    if model.kind == "utransformer":
-        starts = [st.layers[0] for st in stages]
-        last = model.layers - 1
-        for i in range(model.layers // 2):
-            a = bisect.bisect_right(starts, i) - 1  # stage holding layer i
-            b = bisect.bisect_right(starts, last - i) - 1
-            if a != b:
-                edges.append(EdgeSpec(a, b, natural_layout(stages[a]), natural_layout(stages[b]),
-                                      tensor=f"skip{i}"))
+    starts = [st.layers[0] for st in stages]
+    for src_layer, dst_layer in skip_pairs(model):
+        a = bisect.bisect_right(starts, src_layer) - 1  # stage holding the source layer
+        b = bisect.bisect_right(starts, dst_layer) - 1
+        if a != b:
+            edges.append(EdgeSpec(a, b, natural_layout(stages[a]), natural_layout(stages[b]),
+                                  tensor=skip_tensor(src_layer)))
     return tuple(edges)
 
 

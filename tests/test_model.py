@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshjob.spec import ModelSpec, StageSpec, default_edges
+from meshjob.spec import ModelSpec, StageSpec, default_edges, skip_pairs
 from meshjob_trainer.data import BigramData
-from meshjob_trainer.model import ModelConfig, StageModule, full_parameters, skip_pairs
+from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import train_reference
 
 TINY = dict(layers=6, hidden=16, heads=2, vocab=32, seq_len=8)
 
 
-def run_stages(config: ModelConfig, cuts: list[tuple[int, int]], tokens, targets) -> torch.Tensor:
+def run_stages(config: ModelSpec, cuts: list[tuple[int, int]], tokens, targets) -> torch.Tensor:
     """Chain stage modules by hand, routing every output to the stage that consumes it."""
     carried: dict[str, torch.Tensor] = {"tokens": tokens, "targets": targets}
     for first, last in cuts:
@@ -24,7 +24,7 @@ def run_stages(config: ModelConfig, cuts: list[tuple[int, int]], tokens, targets
 
 @pytest.mark.parametrize("kind", ["gpt", "utransformer"])
 def test_stages_chained_compute_the_whole_models_loss(kind):
-    config = ModelConfig(kind, **TINY)
+    config = ModelSpec(kind, **TINY)
     batch = BigramData(32, 8, 4, seed=1).batch(0)
     whole = StageModule(config, 0, 6, seed=3)({"tokens": batch.tokens, "targets": batch.targets})["loss"]
     cut = run_stages(config, [(0, 1), (1, 3), (3, 5), (5, 6)], batch.tokens, batch.targets)
@@ -32,9 +32,9 @@ def test_stages_chained_compute_the_whole_models_loss(kind):
 
 
 def test_utransformer_skips_join_layer_i_to_layer_L_minus_1_minus_i():
-    assert skip_pairs(ModelConfig("utransformer", **TINY)) == [(0, 5), (1, 4), (2, 3)]
-    assert skip_pairs(ModelConfig("utransformer", **{**TINY, "layers": 5})) == [(0, 4), (1, 3)]
-    assert skip_pairs(ModelConfig("gpt", **TINY)) == []
+    assert skip_pairs(ModelSpec("utransformer", **TINY)) == [(0, 5), (1, 4), (2, 3)]
+    assert skip_pairs(ModelSpec("utransformer", **{**TINY, "layers": 5})) == [(0, 4), (1, 3)]
+    assert skip_pairs(ModelSpec("gpt", **TINY)) == []
 
 
 def test_utransformer_stage_inputs_and_outputs_match_the_specs_default_edges():
@@ -42,7 +42,7 @@ def test_utransformer_stage_inputs_and_outputs_match_the_specs_default_edges():
     spec_model = ModelSpec(kind="utransformer", **{"layers": 6, "hidden": 16, "heads": 2, "vocab": 32, "seq_len": 8})
     stages = tuple(StageSpec(layers=c, mesh=(1, 1)) for c in cuts)
     edges = default_edges(spec_model, stages)
-    config = ModelConfig.from_spec(spec_model)
+    config = spec_model
     for s, (first, last) in enumerate(cuts):
         module = StageModule(config, first, last, seed=0)
         assert sorted(e.tensor for e in edges if e.dst == s) == sorted(n for n in module.input_names() if n != "tokens")
@@ -50,7 +50,7 @@ def test_utransformer_stage_inputs_and_outputs_match_the_specs_default_edges():
 
 
 def test_initial_weights_do_not_depend_on_how_the_model_is_cut():
-    config = ModelConfig("gpt", **TINY)
+    config = ModelSpec("gpt", **TINY)
     whole = dict(StageModule(config, 0, 6, seed=5).named_parameters())
     middle = dict(StageModule(config, 2, 4, seed=5).named_parameters())
     for name, p in middle.items():
@@ -58,14 +58,14 @@ def test_initial_weights_do_not_depend_on_how_the_model_is_cut():
 
 
 def test_different_seeds_give_different_weights():
-    config = ModelConfig("gpt", **TINY)
+    config = ModelSpec("gpt", **TINY)
     a = StageModule(config, 0, 1, seed=0).blocks["0"].attn.q.weight
     b = StageModule(config, 0, 1, seed=1).blocks["0"].attn.q.weight
     assert not torch.equal(a, b)
 
 
 def test_first_and_last_stage_hold_the_same_tied_embedding():
-    config = ModelConfig("gpt", **TINY)
+    config = ModelSpec("gpt", **TINY)
     first, last = StageModule(config, 0, 3, seed=0), StageModule(config, 3, 6, seed=0)
     assert torch.equal(first.tied_weight(), last.tied_weight())
     assert StageModule(config, 0, 6, seed=0).tied_weight() is None  # one copy: nothing to tie
@@ -73,12 +73,12 @@ def test_first_and_last_stage_hold_the_same_tied_embedding():
 
 def test_bad_layer_range_names_the_range_and_the_rule():
     with pytest.raises(ValueError, match=r"\[4, 2\).*0 <= first < last <= 6"):
-        StageModule(ModelConfig("gpt", **TINY), 4, 2, seed=0)
+        StageModule(ModelSpec("gpt", **TINY), 4, 2, seed=0)
 
 
 def test_unknown_model_kind_names_the_allowed_kinds():
     with pytest.raises(ValueError, match="model.kind: 'bert'.*gpt, utransformer"):
-        ModelConfig("bert", **TINY)
+        StageModule(ModelSpec("bert", **TINY), 0, 6, seed=0)
 
 
 def test_data_is_deterministic_given_seed_and_step():
@@ -101,7 +101,7 @@ def test_data_rejects_a_batch_that_does_not_split_naming_the_field():
 
 @pytest.mark.parametrize("kind", ["gpt", "utransformer"])
 def test_reference_loss_goes_down(kind):
-    config = ModelConfig(kind, **TINY)
+    config = ModelSpec(kind, **TINY)
     result = train_reference(config, BigramData(32, 8, 8, seed=0), steps=12, microbatches=2,
                              learning_rate=1e-2, seed=0)
     assert result.losses[0] == pytest.approx(torch.log(torch.tensor(32.0)).item(), abs=0.3)
@@ -123,11 +123,13 @@ def _tp_worker(env):
     import torch.distributed as dist
 
     from meshjob_trainer.dist import init_distributed
-    from meshjob_trainer.parallel import StageMesh, build_groups, shard_info
+    from meshjob.mesh import Mesh
+    from meshjob_trainer.parallel import build_groups, shard_info
 
     init_distributed(env, timeout_s=30)
-    groups = build_groups([StageMesh((1, 2), (0, 1), dp_dim=None, tp_dim=1)], env.rank)
-    config = ModelConfig("gpt", **TINY)
+    groups = build_groups([StageSpec(layers=(0, 6), mesh=(1, 2), tensor_parallel_dim=1)], [Mesh.grid((1, 2))],
+                          env.rank)
+    config = ModelSpec("gpt", **TINY)
     module = StageModule(config, 0, 6, seed=4, tp=groups.tp)
     batch = BigramData(32, 8, 4, seed=1).batch(0)
     loss = module({"tokens": batch.tokens, "targets": batch.targets})["loss"]
@@ -142,7 +144,7 @@ def test_tensor_parallel_stage_matches_the_single_process_model():
     from meshjob_trainer.launch import launch_local
 
     result = launch_local(2, _tp_worker, timeout_s=50).raise_on_failure()
-    config = ModelConfig("gpt", **TINY)
+    config = ModelSpec("gpt", **TINY)
     module = StageModule(config, 0, 6, seed=4)
     batch = BigramData(32, 8, 4, seed=1).batch(0)
     loss = module({"tokens": batch.tokens, "targets": batch.targets})["loss"]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from meshjob.plan import build_plan
-from meshjob.spec import TrainingJob, parse_job
+from meshjob.spec import ModelSpec, TrainingJob, parse_job
 from meshjob_trainer.launch import launch_local
-from meshjob_trainer.model import ModelConfig, StageModule, full_parameters
+from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import ReferenceResult, reference_for_job
 from meshjob_trainer.train import TrainResult, train_rank
 
@@ -112,7 +112,7 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
 def test_the_comparison_tolerance_is_far_below_what_training_changes():
     """Guards the test above: the weights move much more than WEIGHT_ATOL in training."""
     job = make_job("gpt", "gpipe", "off")
-    initial = dict(StageModule(ModelConfig.from_spec(job.model), 0, 8, job.training.seed).named_parameters())
+    initial = dict(StageModule(job.model, 0, 8, job.training.seed).named_parameters())
     moved = max((reference("gpt").weights[n] - p.detach()).abs().max().item() for n, p in initial.items())
     assert moved > 20 * WEIGHT_ATOL
 
@@ -176,7 +176,7 @@ def run_middle_stage(actions: str):
     from meshjob.schedule import Action
     from meshjob_trainer.pipeline import PipelineExecutor
 
-    config = ModelConfig("utransformer", 8, 16, 2, 32, 8)
+    config = ModelSpec("utransformer", 8, 16, 2, 32, 8)
     module = StageModule(config, 2, 4, seed=0)
     transport = RecordingTransport((2, 8, 16))
     executor = PipelineExecutor(1, module, [Action.parse(a) for a in actions.split()], transport, 1.0)
@@ -226,7 +226,7 @@ def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage()
     from meshjob.spec import EdgeSpec
     from meshjob_trainer.train import check_edges
 
-    module = StageModule(ModelConfig("utransformer", 8, 16, 2, 32, 8), 6, 8, seed=0)
+    module = StageModule(ModelSpec("utransformer", 8, 16, 2, 32, 8), 6, 8, seed=0)
     edges = [EdgeSpec(2, 3, "RRR", "RRR"), EdgeSpec(0, 3, "RRR", "RRR", tensor="skip0")]
     with pytest.raises(ValueError, match=r"spec.edges: stage 3 receives \['activation', 'skip0'\].*"
                                          r"need inputs \['activation', 'skip0', 'skip1'\]"):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from meshjob_trainer.emulate.launcher import RankContext, run_gang
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.api import API_VERSION, KIND
 from meshjob.spec import TrainingJob, parse_job
 from meshjob.units import parse_rate
 
@@ -59,7 +60,7 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     v = VARIANTS[variant]
     hidden, seq = (32, 16) if quick else (128, 64)
     doc = {
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob",
+        "apiVersion": API_VERSION, "kind": KIND,
         "metadata": {"name": f"bench-{model}-{variant.replace('+', '-')}"},
         "spec": {
             "model": {"kind": model, "layers": 8, "hidden": hidden, "heads": 4, "vocab": 256, "seqLen": seq},

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from meshjob_trainer.model import ModelConfig, StageModule
+from meshjob_trainer.model import StageModule
 
 
 def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
     """{"layer_forward_s": forward seconds per layer per sample, "backward_factor": backward / forward}."""
     torch.set_num_threads(1)
-    config = ModelConfig.from_spec(job.model)
+    config = job.model
     module = StageModule(config, 0, config.layers, job.training.seed)
     samples = job.training.microbatch_size
     gen = torch.Generator().manual_seed(job.training.seed)

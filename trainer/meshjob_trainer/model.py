@@ -18,13 +18,11 @@ a sharded model computes what the single-process model does.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshjob.spec import MODEL_KINDS
+from meshjob.spec import MODEL_KINDS, ModelSpec, skip_pairs, skip_tensor
 from meshjob_trainer.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,45 +35,20 @@ from meshjob_trainer.parallel import (
 )
 
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    kind: str = "gpt"
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 8
-    vocab: int = 1024
-    seq_len: int = 128
-
-    def __post_init__(self) -> None:
-        if self.kind not in MODEL_KINDS:
-            raise ValueError(f"model.kind: {self.kind!r} is invalid: allowed are {', '.join(MODEL_KINDS)}")
-        if self.hidden % self.heads:
-            raise ValueError(f"model.hidden: {self.hidden} is invalid: must be divisible by model.heads ({self.heads})")
-
-    @classmethod
-    def from_spec(cls, spec) -> "ModelConfig":
-        """From meshjob.spec.ModelSpec (duck-typed: the plan layer's dataclass)."""
-        return cls(spec.kind, spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq_len)
-
-
-def skip_pairs(config: ModelConfig) -> list[tuple[int, int]]:
-    """(source layer i, destination layer L-1-i) of every long skip connection."""
-    if config.kind != "utransformer":
-        return []
-    last = config.layers - 1
-    return [(i, last - i) for i in range(config.layers) if i < last - i]
-
-
-def skip_tensor(source_layer: int) -> str:
-    return f"skip{source_layer}"
+def check_model(config: ModelSpec) -> None:
+    """A model spec that did not come through the manifest parser (tests, benchmarks) fails here, clearly."""
+    if config.kind not in MODEL_KINDS:
+        raise ValueError(f"model.kind: {config.kind!r} is invalid: allowed are {', '.join(MODEL_KINDS)}")
+    if config.hidden % config.heads:
+        raise ValueError(f"model.hidden: {config.hidden} is invalid: must be divisible by model.heads "
+                         f"({config.heads})")
 
 
 class Initializer:
     """Full-size initial weights that depend only on (seed, parameter name): identical on every
     rank and independent of how the model is cut or sharded."""
 
-    def __init__(self, config: ModelConfig, seed: int):
+    def __init__(self, config: ModelSpec, seed: int):
         self.config, self.seed = config, seed
 
     def normal(self, name: str, shape: tuple[int, ...], residual_proj: bool = False) -> torch.Tensor:
@@ -91,7 +64,7 @@ def _layer_norm(hidden: int) -> nn.LayerNorm:
 class Attention(nn.Module):
     """Causal self-attention; this rank computes heads / tp.size of the heads."""
 
-    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+    def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
         super().__init__()
         hidden, heads = config.hidden, config.heads
         if heads % tp.size:
@@ -117,7 +90,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+    def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
         super().__init__()
         hidden, inner = config.hidden, 4 * config.hidden
         self.tp = tp
@@ -131,7 +104,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block."""
 
-    def __init__(self, config: ModelConfig, prefix: str, init: Initializer, tp: TPGroup):
+    def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
         super().__init__()
         self.ln_1 = _layer_norm(config.hidden)
         self.attn = Attention(config, f"{prefix}.attn", init, tp)
@@ -153,8 +126,9 @@ class StageModule(nn.Module):
                token cross-entropies of the local rows (the caller scales it)
     """
 
-    def __init__(self, config: ModelConfig, first: int, last: int, seed: int, tp: TPGroup = TPGroup()):
+    def __init__(self, config: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup()):
         super().__init__()
+        check_model(config)
         if not 0 <= first < last <= config.layers:
             raise ValueError(f"stage layers: [{first}, {last}) is invalid: need 0 <= first < last <= {config.layers}")
         self.config, self.first, self.last = config, first, last

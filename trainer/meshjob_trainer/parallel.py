@@ -16,6 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshjob.mesh import Mesh
+from meshjob.spec import StageSpec
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -40,43 +43,24 @@ class StageGroups:
     tie_members: int  # number of ranks holding a copy of the tied embedding in this group's stage
 
 
-@dataclass(frozen=True)
-class StageMesh:
-    """What build_groups needs about one stage: its mesh and which dims do DP/TP."""
-
-    shape: tuple[int, ...]
-    ranks: tuple[int, ...]  # global ranks, row-major over shape
-    dp_dim: int | None
-    tp_dim: int | None
-
-
-def mesh_index(shape: Sequence[int], ranks: Sequence[int], rank: int) -> tuple[int, ...]:
-    """Row-major index of `rank` in a mesh."""
-    flat = list(ranks).index(rank)
-    index = []
-    for extent in reversed(shape):
-        index.append(flat % extent)
-        flat //= extent
-    return tuple(reversed(index))
-
-
-def _lines(mesh: StageMesh, dim: int) -> list[tuple[int, ...]]:
+def _lines(mesh: Mesh, dim: int) -> list[tuple[int, ...]]:
     """Every set of ranks that differ only along mesh dim `dim`, in a fixed order."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank in mesh.ranks:
-        index = list(mesh_index(mesh.shape, mesh.ranks, rank))
+        index = list(mesh.index_of(rank))
         index[dim] = 0
         groups.setdefault(tuple(index), []).append(rank)
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
-def build_groups(meshes: Sequence[StageMesh], rank: int) -> StageGroups:
-    """Create the DP, TP and tie groups of every stage. Collective: every rank calls it with the
-    same meshes, so new_group is called in the same order everywhere."""
+def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int) -> StageGroups:
+    """Create the DP, TP and tie groups of every stage (its spec names the DP and TP mesh dims, the
+    plan's mesh holds its ranks). Collective: every rank calls it with the same stages and meshes, so
+    new_group is called in the same order everywhere."""
     stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
     tp, dp_group, dp_rank, dp_size = TPGroup(), None, 0, 1
-    for s, mesh in enumerate(meshes):
-        for dim, kind in ((mesh.tp_dim, "tp"), (mesh.dp_dim, "dp")):
+    for spec, mesh in zip(stages, meshes):
+        for dim, kind in ((spec.tensor_parallel_dim, "tp"), (spec.data_parallel_dim, "dp")):
             if dim is None or mesh.shape[dim] == 1:
                 continue
             for members in _lines(mesh, dim):

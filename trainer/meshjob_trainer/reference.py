@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from meshjob.spec import ModelSpec
 from meshjob_trainer.data import BigramData
-from meshjob_trainer.model import ModelConfig, StageModule
+from meshjob_trainer.model import StageModule
 
 
 @dataclass
@@ -21,7 +22,7 @@ def make_optimizer(params, learning_rate: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.01, foreach=False)
 
 
-def train_reference(config: ModelConfig, data: BigramData, steps: int, microbatches: int,
+def train_reference(config: ModelSpec, data: BigramData, steps: int, microbatches: int,
                     learning_rate: float, seed: int) -> ReferenceResult:
     model = StageModule(config, 0, config.layers, seed)
     optimizer = make_optimizer(model.parameters(), learning_rate)
@@ -44,6 +45,6 @@ def train_reference(config: ModelConfig, data: BigramData, steps: int, microbatc
 def reference_for_job(job) -> ReferenceResult:
     """The reference of a TrainingJob (meshjob.spec): its model, data, steps and optimizer."""
     t = job.training
-    config = ModelConfig.from_spec(job.model)
+    config = job.model
     data = BigramData(config.vocab, config.seq_len, t.global_batch, t.seed)
     return train_reference(config, data, t.steps, t.microbatches, t.learning_rate, t.seed)

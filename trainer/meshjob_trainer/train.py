@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.data import Batch, BigramData
-from meshjob_trainer.model import ModelConfig, StageModule, local_shards
-from meshjob_trainer.parallel import ShardInfo, StageGroups, StageMesh, build_groups, reduce_gradients
+from meshjob_trainer.model import StageModule, local_shards
+from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, reduce_gradients
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
 from meshjob_trainer.reference import make_optimizer
 from meshjob_trainer.reshard import ReshardExecutor
@@ -58,11 +58,6 @@ class ReshardTransport:
         return seconds
 
 
-def stage_meshes(job: Any, plan: Any) -> list[StageMesh]:
-    return [StageMesh(tuple(plan.mesh(s).shape), tuple(plan.mesh(s).ranks), st.data_parallel_dim,
-                      st.tensor_parallel_dim) for s, st in enumerate(job.stages)]
-
-
 def check_edges(module: StageModule, stage: int, edges: Sequence[Any]) -> None:
     """The plan's edges must carry exactly the tensors this stage's layers consume and produce."""
     incoming = sorted(e.tensor for e in edges if e.dst == stage)
@@ -94,8 +89,9 @@ class StageRuntime:
 def build_runtime(ctx: Any) -> StageRuntime:
     job, plan, stage = ctx.job, ctx.plan, ctx.stage
     torch.manual_seed(job.training.seed)
-    groups = build_groups(stage_meshes(job, plan), ctx.rank)  # collective: all ranks, same order
-    config = ModelConfig.from_spec(job.model)
+    meshes = [plan.mesh(s) for s in range(len(job.stages))]
+    groups = build_groups(job.stages, meshes, ctx.rank)  # collective: all ranks, same order
+    config = job.model
     first, last = job.stages[stage].layers
     # weights are created on the CPU from the seed (identical everywhere), then moved
     module = StageModule(config, first, last, job.training.seed, groups.tp).to(ctx.device)
