@@ -295,6 +295,11 @@ def default_hosts(job: TrainingJob) -> tuple[Host, ...]:
         count += 1
 
 
+def dump_hosts(hosts: Sequence[Host]) -> str:
+    """hosts.yaml as load_hosts reads it back (the operator's ConfigMap carries the hosts it placed on)."""
+    return yaml.safe_dump([{"name": h.name, "devices": h.devices, "rack": h.rack} for h in hosts], sort_keys=False)
+
+
 def load_hosts(path: str | Path) -> tuple[Host, ...]:
     """hosts.yaml: a list of {name, devices, rack} or {hosts: [...]}; SpecError names the field."""
     source = str(path)

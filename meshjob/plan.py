@@ -131,11 +131,14 @@ class Plan:
         raise KeyError(f"no boundary {key} in plan {self.job.name!r}")
 
     def digest(self) -> str:
-        """SHA-256 of the canonical JSON. Every rank builds its own plan: comparing digests
-        catches ranks that disagree (e.g. a balancer that ran out of its time budget at a
-        different point) before any transfer can hang."""
-        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        """SHA-256 of the canonical JSON: the plan's one fingerprint. Ranks that built their plan on
+        their own compare it before any transfer can hang, and workers compare it with the digest
+        the operator rendered (meshjob.rendered)."""
+        return _sha256(self.to_json())
+
+    def section_digests(self) -> dict[str, str]:
+        """The digest of each top-level key of the JSON: says where two plans differ."""
+        return {key: _sha256(value) for key, value in self.to_json().items()}
 
     def to_json(self) -> dict[str, Any]:
         """The `meshjob plan --json` contract (placement, boundaries, schedules) plus hosts, meshes,
@@ -164,6 +167,10 @@ class Plan:
             },
             "schedules": {str(s): [str(a) for a in actions] for s, actions in sorted(self.schedules.items())},
         }
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _host_tasks(tasks: Sequence[UnitTask], host_of: Callable[[int], int]) -> list[bal.HostTask]:

@@ -13,11 +13,12 @@ except ImportError:  # the plan-layer and operator tests run without torch
 
 @pytest.fixture
 def gang():
-    """launch(world_size, target, **kw) -> values; fails the test with every rank's traceback."""
-    from meshjob_trainer.launch import launch_local
+    """launch(world_size, target(env), **kw) -> values; fails the test with every rank's traceback."""
+    from meshjob_trainer.launch import launch as launch_gang
 
     def launch(world_size: int, target, timeout_s: float = 45.0, **kwargs):
-        return launch_local(world_size, target, timeout_s=timeout_s, **kwargs).raise_on_failure().values
+        result = launch_gang(world_size, lambda ctx: target(ctx.env), timeout_s=timeout_s, **kwargs)
+        return result.raise_on_failure().values
 
     return launch
 

@@ -10,7 +10,7 @@ import torch
 
 from meshjob.spec import load_job
 from meshjob_trainer.checkpoint import Checkpointer, CheckpointMismatch, atomic_write, spec_fingerprint
-from meshjob_trainer.dist import init_distributed, shutdown_distributed
+from meshjob_trainer.dist import WorkerSettings, init_distributed, shutdown_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
 
@@ -126,14 +126,23 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(gang, tmp_path):
     assert gang(2, target) == [2, 2]
 
 
+def train_job(job_path: str, **launch_args):
+    """Every rank of the job on this machine, as `meshjob worker --nproc` starts them; each returns its TrainResult."""
+    from meshjob_trainer.launch import launch
+    from meshjob_trainer.worker import load_setup, run_worker
+
+    settings = WorkerSettings(job_path=job_path)
+    setup = load_setup(settings)
+    return launch(setup.plan.placement.world_size, lambda ctx: run_worker(ctx.env, settings, setup, 30),
+                  timeout_s=50, **launch_args)
+
+
 @pytest.mark.slow
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_host_job, tmp_path):
     """4 steps with checkpoints, then a fresh gang asked for 6 resumes at 4: same final weights
     and losses as 6 steps in one go."""
-    from meshjob_trainer.launch import launch_job
-
     def run(job_path: str):
-        return launch_job(job_path, timeout_s=50, rank_timeout_s=30).raise_on_failure().values
+        return train_job(job_path).raise_on_failure().values
 
     straight = run(one_host_job("straight", steps=6))
     ckpt = str(tmp_path / "ckpt")
@@ -152,17 +161,14 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
     import os
     import signal
 
-    from meshjob_trainer.launch import launch_local
     from meshjob_trainer.metrics import TrainerMetrics
-    from meshjob_trainer.worker import run_worker
 
     ckpt = str(tmp_path / "ckpt")
     job = one_host_job("job", steps=6, checkpoint={"every": 2, "path": ckpt})
-    straight = launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": one_host_job("straight", steps=6)},
-                            timeout_s=50).raise_on_failure().values
+    straight = train_job(one_host_job("straight", steps=6)).raise_on_failure().values
 
-    def dies_in_step_3(env):
-        if env.rank == 1:  # kill -9 itself once step 3 is done: checkpoint 2 is complete, 4 never comes
+    def dies_in_step_3(rank: int) -> None:
+        if rank == 1:  # kill -9 itself once step 3 is done: checkpoint 2 is complete, 4 never comes
             record = TrainerMetrics.record_step
 
             def record_then_die(self, seconds, tokens, loss, step=None):
@@ -171,12 +177,10 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
                     os.kill(os.getpid(), signal.SIGKILL)
 
             TrainerMetrics.record_step = record_then_die
-        return run_worker(env, 30)
 
-    crashed = launch_local(4, dies_in_step_3, env={"MESHJOB_JOB": job}, timeout_s=50, kill_grace_s=0.5)
+    crashed = train_job(job, pre_exec=dies_in_step_3, kill_grace_s=0.5)
     assert {r.rank: r.exit_code for r in crashed.ranks}[1] == -signal.SIGKILL
-    resumed = launch_local(4, lambda e: run_worker(e, 30), env={"MESHJOB_JOB": job},
-                           timeout_s=50).raise_on_failure().values
+    resumed = train_job(job).raise_on_failure().values
     assert [r.start_step for r in resumed] == [2] * 4
     for a, b in zip(straight, resumed):
         assert all(torch.equal(a.params[k][0], b.params[k][0]) for k in a.params)

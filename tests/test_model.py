@@ -141,9 +141,9 @@ def _tp_worker(env):
 
 @pytest.mark.slow
 def test_tensor_parallel_stage_matches_the_single_process_model():
-    from meshjob_trainer.launch import launch_local
+    from meshjob_trainer.launch import launch
 
-    result = launch_local(2, _tp_worker, timeout_s=50).raise_on_failure()
+    result = launch(2, lambda ctx: _tp_worker(ctx.env), timeout_s=50).raise_on_failure()
     config = ModelSpec("gpt", **TINY)
     module = StageModule(config, 0, 6, seed=4)
     batch = BigramData(32, 8, 4, seed=1).batch(0)

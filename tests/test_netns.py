@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from meshjob_trainer.emulate.launcher import RankContext, run_gang, run_with_restarts
-from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
 from meshjob.units import parse_rate
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
+from meshjob_trainer.launch import RankContext, launch, launch_with_restarts
 
 HAVE_NETNS, WHY_NOT = netns_available()
 netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
@@ -100,20 +100,20 @@ def test_cleanup_stale_removes_namespaces_of_dead_runs_only():
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
 
 
-def _receiver(ctx: RankContext) -> None:
-    with socket.create_server((ctx.host.address, 5001)) as srv:
-        ctx.report(listening=True)
+def _receiver(address: str) -> tuple[int, float]:
+    """(bytes received, seconds) of one TCP transfer to `address`."""
+    with socket.create_server((address, 5001)) as srv:
         conn, _ = srv.accept()
         with conn:
             got = 0
             t0 = time.monotonic()
             while chunk := conn.recv(1 << 20):
                 got += len(chunk)
-            ctx.report(received=got, seconds=time.monotonic() - t0)
+            return got, time.monotonic() - t0
 
 
 def _sender(nbytes: int, address: str):
-    def send(ctx: RankContext) -> None:
+    def send() -> None:
         for _ in range(100):  # wait for the receiver's listen
             try:
                 conn = socket.create_connection((address, 5001))
@@ -130,16 +130,15 @@ def _sender(nbytes: int, address: str):
 @netns
 def test_tbf_throttles_a_tcp_transfer_between_two_hosts_to_the_nic_rate():
     nbytes, rate = 4 << 20, 100e6  # 4 MiB at 100 mbit: >= 0.34 s
-    events: list[dict] = []
     with EmulatedCluster(2, "100mbit", prefix="mjt5_") as c:
-        send = _sender(nbytes, c.hosts[1].address)
-        result = run_gang(c, [1, 0], lambda ctx: (_receiver if ctx.rank == 0 else send)(ctx),
-                          on_event=events.append)
+        address, send = c.hosts[1].address, _sender(nbytes, c.hosts[1].address)
+        result = launch(2, lambda ctx: _receiver(address) if ctx.rank == 0 else send(),
+                        **c.gang([1, 0]).launch_args())
     assert result.ok, result
-    done = next(e for e in events if "received" in e)
-    assert done["received"] == nbytes
+    received, seconds = result.values[0]
+    assert received == nbytes
     burst = 128 * 1024  # tbf lets one burst through at line speed
-    assert done["seconds"] >= (nbytes - burst) * 8 / rate
+    assert seconds >= (nbytes - burst) * 8 / rate
 
 
 def test_loopback_fallback_warns_and_says_the_rate_is_not_applied():
@@ -159,8 +158,8 @@ def test_gang_kills_the_other_ranks_when_one_fails():
     with pytest.warns(RuntimeWarning):
         with EmulatedCluster(2, use_netns=False) as c:
             t0 = time.monotonic()
-            result = run_gang(c, [0, 1], target)
-    assert not result.ok and result.first_failure.rank == 1 and result.first_failure.code == 3
+            result = launch(2, target, **c.gang([0, 1]).launch_args())
+    assert not result.ok and result.first_failure.rank == 1 and result.first_failure.exit_code == 3
     assert time.monotonic() - t0 < 30
 
 
@@ -169,14 +168,15 @@ def test_gang_restarts_after_a_killed_rank_and_reports_each_attempt():
     def target(ctx: RankContext) -> None:
         if ctx.rank == 0 and ctx.attempt == 0:
             os.kill(os.getpid(), 9)
-        ctx.report(attempt=ctx.attempt)
-    events: list[dict] = []
+        ctx.events.emit(("attempt", ctx.attempt))
+    events: list[tuple[int, tuple[str, int]]] = []
     with pytest.warns(RuntimeWarning):
         with EmulatedCluster(1, use_netns=False) as c:
-            results = run_with_restarts(c, [0, 0], target, max_restarts=2, on_event=events.append)
-    assert [r.ok for r in results] == [False, True]
+            results = launch_with_restarts(2, target, max_restarts=2, on_event=lambda rank, e: events.append((rank, e)),
+                                           **c.gang([0, 0]).launch_args())
+    assert [r.ok for r in results] == [False, True] and [r.attempt for r in results] == [0, 1]
     assert results[0].first_failure.describe() == "rank 0 killed by SIGKILL"
-    assert {e["rank"] for e in events if e["attempt"] == 1} == {0, 1}
+    assert {rank for rank, (_, attempt) in events if attempt == 1} == {0, 1}
 
 
 def test_namespaces_that_cannot_be_made_fall_back_to_loopback_naming_the_reason(monkeypatch):

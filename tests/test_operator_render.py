@@ -11,13 +11,14 @@ import yaml
 from meshjob.errors import SpecError
 from meshjob.placement import Host
 from meshjob.plan import build_plan
+from meshjob.rendered import PlanInputs, RenderedDigest
 from meshjob.spec import parse_job
 
 from meshjob_operator import lifecycle, names, render
 from meshjob_operator.assign import host_pods, status_placement
 from meshjob_operator.nodes import describe_cluster, hosts_of, node_info, node_infos
 from meshjob_operator.render import scale_quantity
-from meshjob_operator.reconcile import Draft, manifest, plan_json, validate
+from meshjob_operator.reconcile import Draft, manifest, validate
 from meshjob_operator.status import PodView, progress, set_condition
 
 from meshjob_operator.testing import job_body, node_body
@@ -69,7 +70,7 @@ def test_pod_is_pinned_to_its_host_by_required_node_affinity():
 def test_children_carry_job_labels_and_a_controller_owner_reference():
     body, job, plan, pods = _rendered(hosts=2)
     children = [render.pod(META, job, pods[0], pods), render.service(META, job),
-                render.configmap(META, body["spec"], plan_json(plan), pods)]
+                render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)]
     for child in children:
         assert child["metadata"]["namespace"] == "team-a"
         assert child["metadata"]["labels"][names.JOB_LABEL] == "demo"
@@ -152,13 +153,28 @@ def test_headless_service_publishes_not_ready_pods_for_rendezvous():
     assert pod["spec"]["subdomain"] == svc["metadata"]["name"] and pod["spec"]["hostname"] == "demo-host-0"
 
 
-def test_configmap_holds_the_job_the_plan_and_the_hosts_in_node_rank_order():
+def test_configmap_holds_the_plans_inputs_and_its_digest():
     body, job, plan, pods = _rendered(hosts=3)
-    cm = render.configmap(META, body["spec"], plan_json(plan), pods)
+    cm = render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)
     assert parse_job(yaml.safe_load(cm["data"]["job.yaml"])) == parse_job({**manifest(body),
                                                                            "metadata": {"name": "demo", "namespace": "team-a"}})
-    assert json.loads(cm["data"]["plan.json"])["placement"] == plan.to_json()["placement"]
-    assert [h["name"] for h in yaml.safe_load(cm["data"]["hosts.yaml"])] == [p.host for p in pods]
+    assert [h["name"] for h in yaml.safe_load(cm["data"]["hosts.yaml"])] == [h.name for h in plan.placement.hosts]
+    rendered = json.loads(cm["data"]["plan.json"])
+    assert rendered["digest"] == plan.digest() and rendered["nic_bytes_per_s"] == plan.nic_bytes_per_s
+    assert "boundaries" not in rendered  # the plan itself does not travel: it would not fit at scale
+
+
+def test_a_worker_rebuilds_the_very_plan_from_the_configmaps_files(tmp_path):
+    from meshjob import rendered
+
+    body, job, plan, pods = _rendered(hosts=3)
+    cm = render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)
+    for name, text in cm["data"].items():
+        (tmp_path / name).write_text(text)
+    inputs, expected = rendered.load(str(tmp_path / "job.yaml"), str(tmp_path / "hosts.yaml"),
+                                     str(tmp_path / "plan.json"))
+    assert isinstance(expected, RenderedDigest)
+    expected.check(inputs.build())  # raises when the digests differ
 
 
 def test_gang_scheduling_adds_a_podgroup_and_the_scheduler():

@@ -15,7 +15,7 @@ import torch
 
 from meshjob.plan import build_plan
 from meshjob.spec import ModelSpec, TrainingJob, parse_job
-from meshjob_trainer.launch import launch_local
+from meshjob_trainer.launch import launch
 from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import ReferenceResult, reference_for_job
 from meshjob_trainer.train import TrainResult, train_rank
@@ -55,7 +55,7 @@ def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, st
 def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None) -> list[TrainResult]:
     world = build_plan(job).placement.world_size
     target = functools.partial(train_rank, job=job, schedules=schedules, checkpoint_dir=checkpoint_dir)
-    result = launch_local(world, target, timeout_s=55)
+    result = launch(world, lambda ctx: target(ctx.env), timeout_s=55)
     return result.raise_on_failure().values
 
 

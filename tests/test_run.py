@@ -104,6 +104,9 @@ def start(tmp_path):
         run.stop()
 
 
+UNENDING = 100_000  # steps of a run that a test stops: it must not finish first, however fast the machine
+
+
 def job_file(tmp_path: Path, steps: int, every: int = 0) -> Path:
     doc = yaml.safe_load(TINY.read_text())
     doc["spec"]["training"]["steps"] = steps
@@ -157,7 +160,7 @@ def test_tiny_job_runs_on_loopback_with_a_clear_warning(tmp_path, start):
 @pytest.mark.netns
 @needs_netns
 def test_a_killed_worker_fails_the_run_and_leaves_nothing_behind(tmp_path, start):
-    run = start(job=job_file(tmp_path, steps=200))
+    run = start(job=job_file(tmp_path, steps=UNENDING))
     wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
     victim = run.ranks()[-1]
     time.sleep(1.0)
@@ -190,7 +193,7 @@ def test_a_killed_worker_restarts_the_gang_from_the_last_checkpoint(tmp_path, st
 @needs_netns
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_a_signal_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start, signum, status):
-    run = start(job=job_file(tmp_path, steps=200))
+    run = start(job=job_file(tmp_path, steps=UNENDING))
     wait_for(lambda: len(run.ranks()) == 4, 30, "the ranks to start")
     time.sleep(1.0)
     run.proc.send_signal(signum)
@@ -201,7 +204,7 @@ def test_a_signal_stops_the_run_and_removes_namespaces_and_ranks(tmp_path, start
 @pytest.mark.slow
 def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path, start):
     port = 19400 + os.getpid() % 500
-    run = start("--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=200))
+    run = start("--no-netns", "--metrics-port", str(port), job=job_file(tmp_path, steps=UNENDING))
 
     def scrape() -> str:
         try:

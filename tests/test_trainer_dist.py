@@ -1,4 +1,4 @@
-"""Worker environment, process-group formation and the local gang launcher, with real processes."""
+"""Worker environment and settings, process-group formation and the gang launcher, with real processes."""
 from __future__ import annotations
 
 import os
@@ -6,16 +6,16 @@ import time
 
 import pytest
 
-from meshjob_trainer.dist import (DistError, WorkerEnv, backend_for_device, check_world_size, device_for_backend,
-                                  init_distributed, shutdown_distributed, uses_cuda)
-from meshjob_trainer.launch import launch_local
+from meshjob_trainer.dist import (DistError, NodeEnv, WorkerEnv, WorkerSettings, backend_for_device, check_world_size,
+                                  device_for_backend, init_distributed, shutdown_distributed, uses_cuda)
+from meshjob_trainer.launch import RankContext, launch
 
 
 def test_worker_env_reads_torchrun_variables():
     env = WorkerEnv.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "NODE_RANK": "1",
-                              "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "MESHJOB_JOB": "/j.yaml"})
+                              "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
     assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (3, 8, 1, 1)
-    assert (env.master_addr, env.master_port, env.job_path) == ("10.0.0.1", 1234, "/j.yaml")
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
 
 
 def test_worker_env_reads_kubeflow_pet_variables():
@@ -25,9 +25,24 @@ def test_worker_env_reads_kubeflow_pet_variables():
         (1, 2, 1, "job-master-0", 23456)
 
 
-def test_worker_env_round_trips_through_to_env():
-    env = WorkerEnv(rank=2, world_size=4, local_rank=0, node_rank=1, master_port=4000, checkpoint_dir="/c")
-    assert WorkerEnv.from_env(env.to_env()) == env
+def test_a_hosts_launcher_reads_its_node_and_the_rendezvous_without_a_rank():
+    node = NodeEnv.from_env({"PET_NODE_RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "job-host-0"})
+    assert node == NodeEnv(node_rank=2, world_size=8, master_addr="job-host-0", master_port=None)
+    assert not NodeEnv.has_rank({"WORLD_SIZE": "8"}) and NodeEnv.has_rank({"PET_RANK": "0"})
+
+
+def test_worker_settings_are_the_operators_meshjob_variables():
+    settings = WorkerSettings.from_env({
+        "MESHJOB_JOB": "/etc/meshjob/job.yaml", "MESHJOB_PLAN": "/etc/meshjob/plan.json", "MESHJOB_METRICS_PORT": "9400",
+        "MESHJOB_POD_NAME": "demo-host-0", "MESHJOB_NAMESPACE": "team-a", "UNRELATED": "x"})
+    assert settings == WorkerSettings(job_path="/etc/meshjob/job.yaml", plan_path="/etc/meshjob/plan.json",
+                                      metrics_port=9400, pod_name="demo-host-0", namespace="team-a")
+
+
+@pytest.mark.parametrize("port", ["http", "0", "70000"])
+def test_a_bad_metrics_port_variable_is_named_with_its_value(port):
+    with pytest.raises(DistError, match=rf"MESHJOB_METRICS_PORT={port!r}|MESHJOB_METRICS_PORT={port} is invalid"):
+        WorkerSettings.from_env({"MESHJOB_METRICS_PORT": port})
 
 
 def test_missing_rank_variable_is_named():
@@ -100,7 +115,7 @@ def test_ranks_form_a_gloo_group_and_all_reduce(gang):
 @pytest.mark.slow
 def test_a_peer_that_never_comes_is_named_with_the_timeout():
     # 4 s: ranks 1 and 3 must have joined by then even on a loaded machine, so only rank 2 is named
-    result = launch_local(4, lambda env: init_distributed(env, timeout_s=4.0), ranks=[0, 1, 3], timeout_s=30)
+    result = launch(4, lambda ctx: init_distributed(ctx.env, timeout_s=4.0), ranks=[0, 1, 3], timeout_s=30)
     named = [r for r in result.ranks if "rank(s) 2 of WORLD_SIZE=4 never joined" in r.error]
     assert named and all("timed out after 4 s" in r.error for r in named)
     assert all(r in named or "another rank failed" in r.error for r in result.ranks)  # the gang goes down
@@ -108,38 +123,43 @@ def test_a_peer_that_never_comes_is_named_with_the_timeout():
 
 @pytest.mark.slow
 def test_a_missing_rank_zero_is_named_by_the_others():
-    result = launch_local(2, lambda env: init_distributed(env, timeout_s=1.5), ranks=[1], timeout_s=30)
+    result = launch(2, lambda ctx: init_distributed(ctx.env, timeout_s=1.5), ranks=[1], timeout_s=30)
     assert "rank 0 never came" in result.ranks[0].error and "1.5 s" in result.ranks[0].error
 
 
 @pytest.mark.slow
 def test_pre_exec_runs_in_each_child_before_the_target():
-    def pre_exec(rank: int) -> None:
-        os.environ["PRE_EXEC_SAW"] = f"{rank}:{os.environ['RANK']}"
+    entered: list[int] = []  # each forked child appends to its own copy
 
-    result = launch_local(3, lambda env: os.environ["PRE_EXEC_SAW"], pre_exec=pre_exec, timeout_s=30)
-    assert result.raise_on_failure().values == ["0:0", "1:1", "2:2"]
+    def target(ctx: RankContext) -> tuple[list[int], int, int]:
+        return entered, ctx.rank, os.getpid()
+
+    result = launch(3, target, pre_exec=entered.append, timeout_s=30).raise_on_failure()
+    assert [(seen, rank) for seen, rank, _ in result.values] == [([0], 0), ([1], 1), ([2], 2)]
+    assert len({pid for *_, pid in result.values} | {os.getpid()}) == 4  # three children, none of them us
+    assert entered == []
 
 
 @pytest.mark.slow
 def test_one_failing_rank_takes_the_gang_down():
-    def target(env: WorkerEnv):
-        if env.rank == 1:
+    def target(ctx: RankContext):
+        if ctx.rank == 1:
             raise ValueError("rank one broke")
         time.sleep(60)
 
     started = time.monotonic()
-    result = launch_local(3, target, timeout_s=30, kill_grace_s=0.5)
+    result = launch(3, target, timeout_s=30, kill_grace_s=0.5)
     assert time.monotonic() - started < 10
     by_rank = {r.rank: r for r in result.ranks}
     assert by_rank[1].exit_code == 1 and "rank one broke" in by_rank[1].error
     assert by_rank[0].exit_code < 0 and by_rank[2].exit_code < 0
     assert "another rank failed" in by_rank[0].error
+    assert result.first_failure is by_rank[1] and result.first_failure.describe() == "rank 1 exited with status 1"
 
 
 @pytest.mark.slow
 def test_a_gang_past_its_timeout_is_killed():
-    result = launch_local(2, lambda env: time.sleep(60), timeout_s=0.5, kill_grace_s=0.5)
+    result = launch(2, lambda ctx: time.sleep(60), timeout_s=0.5, kill_grace_s=0.5)
     assert result.timed_out and not result.ok
     assert all("timed out after 0.5 s" in r.error for r in result.ranks)
 
@@ -150,7 +170,7 @@ def worker_cli(monkeypatch, *argv: str, **env: str) -> int:
     from meshjob.cli import main
 
     for name in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "MESHJOB_JOB", "MESHJOB_HOSTS",
-                 "MESHJOB_CHECKPOINT_DIR"):
+                 "MESHJOB_CHECKPOINT_DIR", "MESHJOB_PLAN", "MESHJOB_METRICS_PORT"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv(name, "")  # restored after the test, whatever the worker sets
     for name, value in env.items():
@@ -205,9 +225,18 @@ class RecordingPodApi:
 def test_pod_status_is_off_outside_a_pod(tmp_path):
     from meshjob_trainer.status import PodStatus
 
-    assert not PodStatus.from_env({"MESHJOB_POD_NAME": "p"}, service_account=str(tmp_path)).enabled
-    assert not PodStatus.from_env({}, service_account=str(tmp_path)).enabled
-    PodStatus.from_env({}).step(3)  # a no-op, no error
+    assert not PodStatus.in_pod(WorkerSettings(pod_name="p"), service_account=str(tmp_path)).enabled
+    assert not PodStatus.in_pod(WorkerSettings(), service_account=str(tmp_path)).enabled
+    PodStatus.in_pod(WorkerSettings()).step(3)  # a no-op, no error
+
+
+def test_pod_status_is_off_where_credentials_exist_but_no_cluster_does(tmp_path, monkeypatch, caplog):
+    from meshjob_trainer.status import PodStatus
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    (tmp_path / "token").write_text("t")
+    assert not PodStatus.in_pod(WorkerSettings(pod_name="p"), service_account=str(tmp_path)).enabled
+    assert any("pod status reporting off" in r.message for r in caplog.records)
 
 
 def test_pod_status_rate_limits_steps_but_always_sends_checkpoints():

@@ -20,13 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, replace
 
-from meshjob_trainer.emulate.launcher import RankContext, run_gang
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_trainer.launch import RankContext, launch
 from meshjob.api import API_VERSION, KIND
 from meshjob.spec import TrainingJob, parse_job
 from meshjob.units import parse_rate
@@ -74,21 +73,14 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     return parse_job(doc)
 
 
-def _rank_main(job: TrainingJob, out_dir: str, ctx: RankContext) -> None:
-    import torch
-
-    from meshjob_trainer.dist import WorkerEnv
+def _rank_main(job: TrainingJob, ctx: RankContext) -> dict:
     from meshjob_trainer.train import train_rank
 
-    torch.set_num_threads(1)  # ranks share 2 cores; more threads only contend
-    result = train_rank(WorkerEnv.from_env(), job, timeout_s=120.0)
-    record = {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
-              "compute_s": result.stats.compute_s, "wait_s": result.stats.wait_s, "comm_s": result.comm_s,
-              "steps": result.stats.steps, "peak_stashed": result.stats.peak_stashed,
-              "timeline": result.stats.timeline, "origin": result.stats.timeline_origin,
-              "losses": result.losses}
-    with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
-        json.dump(record, f)
+    result = train_rank(ctx.env, job, timeout_s=120.0)
+    return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
+            "compute_s": result.stats.compute_s, "wait_s": result.stats.wait_s, "comm_s": result.comm_s,
+            "steps": result.stats.steps, "peak_stashed": result.stats.peak_stashed,
+            "timeline": result.stats.timeline, "origin": result.stats.timeline_origin, "losses": result.losses}
 
 
 @dataclass
@@ -109,19 +101,14 @@ def run_variant(job: TrainingJob, nic_rate: str, use_netns: bool) -> tuple[Measu
     rank_hosts = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
     used = sorted(set(rank_hosts))
     compact = [used.index(h) for h in rank_hosts]
-    with tempfile.TemporaryDirectory(prefix="meshjob-bench-pipeline-") as out_dir:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with EmulatedCluster(len(used), nic_rate, use_netns=use_netns) as cluster:
-                network = cluster.describe()
-                result = run_gang(cluster, compact, lambda ctx: _rank_main(job, out_dir, ctx))
-        if not result.ok:
-            raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
-        records = []
-        for r in range(plan.placement.world_size):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                records.append(json.load(f))
-    return measure(job, records), network
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with EmulatedCluster(len(used), nic_rate, use_netns=use_netns) as cluster:
+            network = cluster.describe()
+            result = launch(len(compact), lambda ctx: _rank_main(job, ctx), **cluster.gang(compact).launch_args())
+    if not result.ok:
+        raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
+    return measure(job, result.values), network
 
 
 def measure(job: TrainingJob, records: list[dict]) -> Measured:

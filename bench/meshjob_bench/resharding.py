@@ -27,8 +27,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from meshjob_trainer.emulate.launcher import RankContext, run_gang
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_trainer.launch import RankContext, launch
 from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
 from meshjob.plan import Boundary, plan_boundary
@@ -165,18 +165,18 @@ def _expected(shape: tuple[int, ...]) -> Any:
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
 
 
-def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -> None:
-    """One rank of the gang: for every case and variant, barrier, reshard, report the times."""
+def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -> list[dict]:
+    """One rank of the gang: for every case and variant, barrier, reshard; returns the times."""
     import torch
     import torch.distributed as dist
 
     from meshjob.sharding import tile, to_index
-    from meshjob_trainer.dist import WorkerEnv, init_distributed, shutdown_distributed
+    from meshjob_trainer.dist import init_distributed, shutdown_distributed
     from meshjob_trainer.reshard import ReshardExecutor, make_routes
 
-    torch.set_num_threads(1)
-    init_distributed(WorkerEnv.from_env(), timeout_s=120, backend="gloo")
+    init_distributed(ctx.env, timeout_s=120, backend="gloo")
     rank = ctx.rank
+    timed: list[dict] = []
     try:
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
@@ -201,10 +201,11 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
                                                   case.dst_mesh.index_of(rank)))]
                         ok = bool(torch.equal(out, want))
                     if rep >= warmup or not ok:
-                        ctx.report(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, correct=ok)
+                        timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, correct=ok))
             dist.barrier()
     finally:
         shutdown_distributed()
+    return timed
 
 
 @dataclass
@@ -411,18 +412,17 @@ def main(args: argparse.Namespace) -> int:
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
     cleanup_stale()
-    events: list[dict] = []
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         with EmulatedCluster(max(layout.hosts) + 1, args.nic_rate, use_netns=not args.no_netns) as cluster:
             network = cluster.describe()
             emulated = cluster.emulated
-            result = run_gang(cluster, layout.hosts, lambda ctx: _rank_main(cases, 1, repeats, ctx),
-                              on_event=events.append)
+            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx),
+                            **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
-        print(f"meshjob bench resharding: failed: {result.first_failure.describe()}")
+        print(f"meshjob bench resharding: failed: {result.first_failure.describe() if result.first_failure else ''}")
         return 1
-    rows = collect(cases, events)
+    rows = collect(cases, [timing for timings in result.values for timing in timings])
     subtitle = f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
     title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
     print_table(rows, title)

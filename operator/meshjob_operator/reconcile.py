@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from meshjob.errors import PlacementError, SpecError
-from meshjob.placement import Host
-from meshjob.plan import build_plan
+from meshjob.placement import Host, parse_hosts
+from meshjob.rendered import PlanInputs
 from meshjob.spec import TrainingJob, parse_job
 
 from meshjob_operator import lifecycle, names, render
@@ -34,7 +33,6 @@ from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNI
 # status fields this module owns (others, e.g. kopf's, are left alone)
 MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "startTime",
            "completionTime", "placement", "pods", "observedGeneration")
-CONFIGMAP_LIMIT = 900_000  # bytes: ConfigMaps are capped at 1 MiB
 RESTART_RECHECK_S = 1.0
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
@@ -68,16 +66,6 @@ def validate(body: Mapping[str, Any]) -> TrainingJob:
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions") or [], "Failed", True, "InvalidSpec", str(err), now)
     return {"phase": FAILED, "conditions": conditions}
-
-
-def plan_json(plan: Any) -> dict[str, Any]:
-    """The plan for the ConfigMap; per-task detail is dropped when it would not fit."""
-    data = plan.to_json()
-    if len(json.dumps(data)) > CONFIGMAP_LIMIT:
-        data = dict(data)
-        data["boundaries"] = [{k: v for k, v in b.items() if k != "tasks"} for b in data.get("boundaries", [])]
-        data["truncated"] = "boundaries[].tasks dropped: the ConfigMap limit is 1 MiB"
-    return data
 
 
 @dataclass
@@ -294,7 +282,7 @@ class Reconciler:
         text = ((cm or {}).get("data") or {}).get("hosts.yaml")
         if not text:
             return None
-        return tuple(Host(name=h["name"], devices=int(h["devices"]), rack=h.get("rack", "")) for h in yaml.safe_load(text))
+        return parse_hosts(yaml.safe_load(text))
 
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                                pods: list[PodView], now: datetime.datetime) -> bool:
@@ -305,7 +293,8 @@ class Reconciler:
         hosts = await self._hosts_in_use(meta) if pods else None
         fresh = hosts is None
         try:
-            plan = await asyncio.to_thread(build_plan, job, hosts if hosts is not None else hosts_of(infos))
+            inputs = PlanInputs.of(job, hosts if hosts is not None else hosts_of(infos))
+            plan = await asyncio.to_thread(inputs.build)
         except PlacementError as err:
             self.unschedulable.add((meta.namespace, meta.name))
             message = f"{err} (cluster: {describe_cluster(infos, job.topology)})"
@@ -322,7 +311,7 @@ class Reconciler:
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
         wanted = host_pods(plan.placement)
 
-        cm = render.configmap(meta, body.get("spec") or {}, plan_json(plan), wanted)
+        cm = render.configmap(meta, body.get("spec") or {}, inputs, plan)
         if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
             await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
         await self.kube.create_if_absent(render.service(meta, job), "services")

@@ -5,7 +5,6 @@ talks to a cluster, so the bodies are unit-tested as data.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Mapping
@@ -13,6 +12,8 @@ from typing import Any, Mapping
 import yaml
 from kubernetes.utils.quantity import format_quantity, parse_quantity
 
+from meshjob.plan import Plan
+from meshjob import rendered
 from meshjob.spec import TrainingJob
 
 from meshjob_operator import names
@@ -54,20 +55,16 @@ def _metadata(meta: JobMeta, name: str, index: int | None = None) -> dict[str, A
             "ownerReferences": [owner_reference(meta)]}
 
 
-def configmap(meta: JobMeta, spec: Mapping[str, Any], plan_json: Mapping[str, Any],
-              pods: tuple[HostPod, ...]) -> dict[str, Any]:
-    """The job manifest, the plan and the hosts it was made for, mounted at /etc/meshjob."""
+def configmap(meta: JobMeta, spec: Mapping[str, Any], inputs: rendered.PlanInputs, plan: Plan) -> dict[str, Any]:
+    """What the pods' workers rebuild the plan from, mounted at /etc/meshjob: the job manifest, the
+    hosts the plan was placed on, the NIC rate and cost model, and the plan's digest to verify it by
+    (meshjob.rendered says why the plan itself does not travel)."""
     manifest = {"apiVersion": names.API_VERSION, "kind": names.KIND,
                 "metadata": {"name": meta.name, "namespace": meta.namespace}, "spec": dict(spec)}
-    hosts = [{"name": p.host, "devices": p.devices, "rack": p.rack} for p in pods]
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _metadata(meta, names.configmap_name(meta.name)),
-        "data": {
-            "job.yaml": yaml.safe_dump(manifest, sort_keys=True),
-            "hosts.yaml": yaml.safe_dump(hosts, sort_keys=False),
-            "plan.json": json.dumps(plan_json, sort_keys=True),
-        },
+        "data": {rendered.JOB_FILE: yaml.safe_dump(manifest, sort_keys=True), **rendered.render(inputs, plan)},
     }
 
 

@@ -1,15 +1,20 @@
-"""A trainer process's place in the job: its environment, the process group, its context.
+"""A trainer process's place in the job, its settings, the process group, its context.
 
-WorkerEnv reads torchrun's variables (and Kubeflow's PET_* spellings) plus meshjob's own.
+Configuration is read from the environment once, at the process entry (`meshjob worker`), and
+passed on as values from there:
+- WorkerEnv: torchrun's variables (and Kubeflow's PET_* spellings): rank, world size, rendezvous.
+  A launcher makes one per forked rank.
+- NodeEnv: what a host's launcher knows before any rank exists (node rank, world size, rendezvous).
+- WorkerSettings: meshjob's own MESHJOB_* variables, which the operator sets on its pods (job and
+  hosts files, the rendered plan, checkpoints, metrics port, pod identity).
 init_distributed() runs a rendezvous of its own on a TCPStore before creating the process
 group, so a rank that never comes is named in the error instead of a bare timeout.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from meshjob.api import MASTER_PORT
@@ -20,7 +25,6 @@ if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazi
 
 DEFAULT_TIMEOUT_S = 300.0
 RENDEZVOUS_PREFIX = "meshjob/rendezvous"
-NAMED_VARIABLES = ("MESHJOB_JOB", "MESHJOB_HOSTS", "MESHJOB_CHECKPOINT_DIR", "MESHJOB_POD_NAME")
 
 
 class DistError(RuntimeError):
@@ -44,11 +48,23 @@ def _env_int(env: Mapping[str, str], names: tuple[str, ...], default: int | None
     return default
 
 
+def _env_optional_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    return _env_int(env, names, -1) if any(env.get(n) for n in names) else None
+
+
 def _env_str(env: Mapping[str, str], names: tuple[str, ...], default: str) -> str:
     for name in names:
         if env.get(name):
             return env[name]
     return default
+
+
+RANK = ("RANK", "PET_RANK")
+WORLD_SIZE = ("WORLD_SIZE", "PET_WORLD_SIZE")
+LOCAL_RANK = ("LOCAL_RANK", "PET_LOCAL_RANK")
+NODE_RANK = ("NODE_RANK", "PET_NODE_RANK", "GROUP_RANK")
+MASTER_ADDR = ("MASTER_ADDR", "PET_MASTER_ADDR")
+MASTER_PORTS = ("MASTER_PORT", "PET_MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -59,11 +75,6 @@ class WorkerEnv:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = MASTER_PORT
-    job_path: str = ""  # MESHJOB_JOB: the TrainingJob YAML
-    hosts_path: str = ""  # MESHJOB_HOSTS: optional hosts.yaml (else the plan's default hosts)
-    checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
-    pod_name: str = ""  # MESHJOB_POD_NAME: set by the operator; enables pod annotations
-    extra: Mapping[str, str] = field(default_factory=dict)  # other MESHJOB_* variables, passed on as is
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -74,36 +85,56 @@ class WorkerEnv:
             raise DistError(f"MASTER_PORT={self.master_port} is invalid: must be in [1, 65535]")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "WorkerEnv":
-        """torchrun names first, then Kubeflow's PET_* ones; `overrides` win over both."""
-        env = os.environ if env is None else env
-        readers: dict[str, Any] = dict(
-            rank=lambda: _env_int(env, ("RANK", "PET_RANK"), None),
-            world_size=lambda: _env_int(env, ("WORLD_SIZE", "PET_WORLD_SIZE"), None),
-            local_rank=lambda: _env_int(env, ("LOCAL_RANK", "PET_LOCAL_RANK"), 0),
-            node_rank=lambda: _env_int(env, ("NODE_RANK", "PET_NODE_RANK", "GROUP_RANK"), 0),
-            master_addr=lambda: _env_str(env, ("MASTER_ADDR", "PET_MASTER_ADDR"), "127.0.0.1"),
-            master_port=lambda: _env_int(env, ("MASTER_PORT", "PET_MASTER_PORT"), MASTER_PORT),
-            job_path=lambda: _env_str(env, ("MESHJOB_JOB",), ""),
-            hosts_path=lambda: _env_str(env, ("MESHJOB_HOSTS",), ""),
-            checkpoint_dir=lambda: _env_str(env, ("MESHJOB_CHECKPOINT_DIR",), ""),
-            pod_name=lambda: _env_str(env, ("MESHJOB_POD_NAME",), ""),
-            extra=lambda: {k: v for k, v in env.items() if k.startswith("MESHJOB_") and k not in NAMED_VARIABLES},
-        )
-        values = {name: read() for name, read in readers.items() if name not in overrides}
-        values.update(overrides)
-        return cls(**values)
+    def from_env(cls, env: Mapping[str, str]) -> WorkerEnv:
+        """torchrun names first, then Kubeflow's PET_* ones."""
+        return cls(rank=_env_int(env, RANK, None), world_size=_env_int(env, WORLD_SIZE, None),
+                   local_rank=_env_int(env, LOCAL_RANK, 0), node_rank=_env_int(env, NODE_RANK, 0),
+                   master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
+                   master_port=_env_int(env, MASTER_PORTS, MASTER_PORT))
 
-    def to_env(self) -> dict[str, str]:
-        """The variables a child process needs to rebuild this WorkerEnv."""
-        out = dict(self.extra)
-        out.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                   NODE_RANK=str(self.node_rank), MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
-        for key, value in (("MESHJOB_JOB", self.job_path), ("MESHJOB_HOSTS", self.hosts_path),
-                           ("MESHJOB_CHECKPOINT_DIR", self.checkpoint_dir), ("MESHJOB_POD_NAME", self.pod_name)):
-            if value:
-                out[key] = value
-        return out
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """One host's place in the job before its ranks exist (what `meshjob worker --nproc` reads)."""
+
+    node_rank: int = 0
+    world_size: int | None = None  # None: unset, the plan decides
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: unset, the launcher chooses
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> NodeEnv:
+        return cls(node_rank=_env_int(env, NODE_RANK, 0), world_size=_env_optional_int(env, WORLD_SIZE),
+                   master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
+                   master_port=_env_optional_int(env, MASTER_PORTS))
+
+    @staticmethod
+    def has_rank(env: Mapping[str, str]) -> bool:
+        """Whether RANK is set: then a launcher (torchrun, Kubeflow) started this one process per rank."""
+        return any(env.get(name) for name in RANK)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """meshjob's own settings of a trainer process (the operator sets them on its pods)."""
+
+    job_path: str = ""  # MESHJOB_JOB: the TrainingJob YAML
+    hosts_path: str = ""  # MESHJOB_HOSTS: hosts.yaml (else the plan's default hosts)
+    plan_path: str = ""  # MESHJOB_PLAN: the operator's rendered plan (inputs and digest) to verify against
+    checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
+    metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
+    pod_name: str = ""  # MESHJOB_POD_NAME: this pod, whose annotations carry the progress
+    namespace: str = ""  # MESHJOB_NAMESPACE
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        port = _env_optional_int(env, ("MESHJOB_METRICS_PORT",))
+        if port is not None and not 0 < port < 65536:
+            raise DistError(f"environment MESHJOB_METRICS_PORT={port} is invalid: must be a port in [1, 65535]")
+        return cls(job_path=env.get("MESHJOB_JOB", ""), hosts_path=env.get("MESHJOB_HOSTS", ""),
+                   plan_path=env.get("MESHJOB_PLAN", ""), checkpoint_dir=env.get("MESHJOB_CHECKPOINT_DIR", ""),
+                   metrics_port=port, pod_name=env.get("MESHJOB_POD_NAME", ""),
+                   namespace=env.get("MESHJOB_NAMESPACE", ""))
 
 
 def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -> None:

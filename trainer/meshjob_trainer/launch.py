@@ -1,61 +1,43 @@
-"""Start a gang of ranks on this machine as forked processes and collect their outcome.
+"""The gang launcher: fork one process per rank on this machine, watch them, collect their outcome.
 
-fork, not torch.multiprocessing's spawn: 8 forked ranks start in under a second, spawned ones
-re-import torch each (15-23 s on 2 cores). A forked child must not have touched sockets the
-parent owns; each rank makes its own after fork. `pre_exec(rank)` runs in the child before the
-target (the emulated cluster uses it to setns(2) into the rank's host namespace).
-If one rank fails, the others are killed: a gang with a dead member would only hang.
+One launcher for every local gang: `meshjob run` (all ranks of a job, inside emulated hosts),
+`meshjob worker --nproc` (one host's ranks, like torchrun --nproc-per-node), the benchmarks and
+the tests.
+
+- fork, not torch.multiprocessing's spawn: 8 forked ranks start in under a second, spawned ones
+  re-import torch each (15-23 s on 2 cores). A forked child must not use sockets the parent owns;
+  each rank makes its own after fork.
+- `pre_exec(rank)` runs in the child before the target: the emulated cluster enters the rank's host
+  namespace there (setns(2) must come before any socket is made).
+- A gang lives and dies together: when one rank exits non-zero or is killed, the others are killed
+  (their collectives would hang); on timeout all are. Every rank dies with the launcher too
+  (PR_SET_PDEATHSIG), whatever kills it.
+- Each rank gets its WorkerEnv as a value and an event sink (`RankContext.events`) whose events
+  arrive in the launcher as `on_event(rank, event)`; what the target returns comes back in
+  `LaunchResult.values`, a traceback in `RankResult.error`.
+- `launch_with_restarts` starts a new gang after a failure (the target resumes from its checkpoint).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import pickle
+import select
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from meshjob_trainer.dist import WorkerEnv
 
 PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class RankResult:
-    rank: int
-    exit_code: int  # negative: killed by that signal
-    value: Any = None  # what the target returned (pickled back), when it returned
-    error: str = ""  # the child's traceback, or why the launcher killed it
-
-
-@dataclass
-class LaunchResult:
-    ranks: list[RankResult] = field(default_factory=list)
-    timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
-
-    @property
-    def values(self) -> list[Any]:
-        return [r.value for r in self.ranks]
-
-    def failures(self) -> list[RankResult]:
-        return [r for r in self.ranks if r.exit_code != 0]
-
-    def raise_on_failure(self) -> "LaunchResult":
-        if not self.ok:
-            lines = [f"rank {r.rank} exited {r.exit_code}: {r.error.strip() or '(no traceback)'}"
-                     for r in self.failures()]
-            raise RuntimeError("local launch failed" + (" (timed out)" if self.timed_out else "") + ":\n"
-                               + "\n".join(lines))
-        return self
+_FRAME = struct.Struct("!I")  # length prefix of one pickled (rank, event) in the event pipe
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -71,19 +53,127 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_child(rank_env: Mapping[str, str], rank: int, target: Callable[[WorkerEnv], Any],
-               pre_exec: Callable[[int], None] | None, result_path: str, threads: int | None) -> None:
+def _exit_code(status: int) -> int:
+    """os.waitpid's status as an exit code; a signal becomes its negative number."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+class EventPipe:
+    """A rank's end of the launcher's event pipe: `emit(event)` sends any picklable event.
+
+    One write per event of at most PIPE_BUF bytes is atomic, so events of ranks writing at once
+    never interleave. The launcher unpickles what its own forked children wrote: one program, one
+    trust domain."""
+
+    def __init__(self, fd: int, rank: int):
+        self.fd, self.rank = fd, rank
+
+    def emit(self, event: Any) -> None:
+        payload = pickle.dumps((self.rank, event))
+        frame = _FRAME.pack(len(payload)) + payload
+        if len(frame) > select.PIPE_BUF:
+            raise ValueError(f"event {type(event).__name__} pickles to {len(frame)} bytes: at most "
+                             f"{select.PIPE_BUF} fit one atomic pipe write")
+        os.write(self.fd, frame)
+
+
+class _EventReader:
+    """The launcher's end: splits the byte stream into frames and hands each event on."""
+
+    def __init__(self, fd: int, on_event: Callable[[int, Any], None] | None):
+        self.fd, self.on_event, self.buffer, self.open = fd, on_event, b"", True
+
+    def drain(self, timeout_s: float) -> None:
+        """Read what arrived within `timeout_s`; `open` turns False once every writer has gone."""
+        if not self.open:
+            time.sleep(timeout_s)
+            return
+        ready, _, _ = select.select([self.fd], [], [], timeout_s)
+        if not ready:
+            return
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            self.open = False  # a rank that died mid-write left at most a fragment: dropped
+            return
+        self.buffer += chunk
+        while len(self.buffer) >= _FRAME.size:
+            (size,) = _FRAME.unpack_from(self.buffer)
+            if len(self.buffer) < _FRAME.size + size:
+                break
+            rank, event = pickle.loads(self.buffer[_FRAME.size:_FRAME.size + size])
+            self.buffer = self.buffer[_FRAME.size + size:]
+            if self.on_event is not None:
+                self.on_event(rank, event)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a forked rank gets: its place in the gang, the attempt, and its event sink."""
+
+    env: WorkerEnv
+    attempt: int
+    events: EventPipe
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exit_code: int  # negative: killed by that signal
+    value: Any = None  # what the target returned (pickled back), when it returned
+    error: str = ""  # the child's traceback, or why the launcher killed it
+
+    def describe(self) -> str:
+        if self.exit_code < 0:
+            return f"rank {self.rank} killed by {signal.Signals(-self.exit_code).name}"
+        return f"rank {self.rank} exited with status {self.exit_code}"
+
+
+@dataclass
+class LaunchResult:
+    ranks: list[RankResult] = field(default_factory=list)
+    timed_out: bool = False
+    attempt: int = 0
+    first_failure: RankResult | None = None  # the rank whose failure brought the gang down
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
+
+    @property
+    def values(self) -> list[Any]:
+        return [r.value for r in self.ranks]
+
+    def failures(self) -> list[RankResult]:
+        return [r for r in self.ranks if r.exit_code != 0]
+
+    def raise_on_failure(self) -> LaunchResult:
+        if not self.ok:
+            lines = [f"rank {r.rank} exited {r.exit_code}: {r.error.strip() or '(no traceback)'}"
+                     for r in self.failures()]
+            raise RuntimeError("local launch failed" + (" (timed out)" if self.timed_out else "") + ":\n"
+                               + "\n".join(lines))
+        return self
+
+
+def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec: Callable[[int], None] | None,
+               result_path: str, threads: int | None) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     outcome: tuple[str, Any] = ("error", "child ended before reporting")
     try:
         _die_with_parent()
-        os.environ.update(rank_env)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (e.g. the cluster's cleanup)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops the gang
         if threads is not None and "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)
+            sys.modules["torch"].set_num_threads(threads)  # ranks share the cores; more threads only contend
         if pre_exec is not None:
-            pre_exec(rank)
-        value = target(WorkerEnv.from_env())
+            pre_exec(ctx.rank)
+        value = target(ctx)
         outcome, code = ("ok", value), 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -96,7 +186,7 @@ def _run_child(rank_env: Mapping[str, str], rank: int, target: Callable[[WorkerE
             pickle.dump(outcome, f)
     except Exception:  # noqa: BLE001 - an unpicklable value: report that instead
         with open(result_path, "wb") as f:
-            pickle.dump(("error", f"rank {rank}: result not picklable:\n{traceback.format_exc()}"), f)
+            pickle.dump(("error", f"rank {ctx.rank}: result not picklable:\n{traceback.format_exc()}"), f)
         code = code or 1
     finally:
         sys.stdout.flush()
@@ -130,83 +220,129 @@ def _kill(pids: Sequence[int], grace_s: float) -> dict[int, int]:
     return statuses
 
 
-def _exit_code(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+@dataclass
+class _Gang:
+    """The parent's view of one running gang: pid -> rank, results, the event reader."""
+
+    pids: dict[int, int]
+    results: dict[int, RankResult]
+    events: _EventReader
+    timeout_s: float | None
+    kill_grace_s: float
+    first_failure: RankResult | None = None
+    timed_out: bool = False
+
+    def reap(self) -> None:
+        for pid in list(self.pids):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                result = self.results[self.pids.pop(pid)]
+                result.exit_code = _exit_code(status)
+                if result.exit_code != 0 and self.first_failure is None:
+                    self.first_failure = result
+
+    def stop(self, reason: str) -> None:
+        for pid, status in _kill(list(self.pids), self.kill_grace_s).items():
+            result = self.results[self.pids.pop(pid)]
+            result.exit_code = _exit_code(status)
+            result.error = reason if result.exit_code != 0 else ""
+
+    def wait(self, started: float) -> None:
+        deadline = None if self.timeout_s is None else started + self.timeout_s
+        while self.pids:
+            self.events.drain(0.02)
+            self.reap()
+            if self.pids and deadline is not None and time.monotonic() > deadline:
+                self.timed_out = True
+                self.stop(f"timed out after {self.timeout_s:g} s")
+            elif self.pids and self.first_failure is not None:
+                self.stop("killed: another rank failed")
+        grace = time.monotonic() + 2.0  # events written just before exiting are still in the pipe
+        while self.events.open and time.monotonic() < grace:
+            self.events.drain(0.05)
 
 
-def launch_local(world_size: int, target: Callable[[WorkerEnv], Any], *, ranks: Sequence[int] | None = None,
-                 env: Mapping[str, str] | None = None, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, node_rank: int = 0,
-                 pre_exec: Callable[[int], None] | None = None, timeout_s: float | None = None,
-                 kill_grace_s: float = 2.0, threads_per_rank: int | None = 1) -> LaunchResult:
-    """Fork one process per rank in `ranks` (default: all of range(world_size)) running
-    target(WorkerEnv.from_env()) with torchrun's variables set; wait for all of them.
+def _load_outcomes(results: dict[int, RankResult], folder: str) -> None:
+    for rank, res in results.items():
+        path = os.path.join(folder, f"{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                kind, payload = pickle.load(f)
+            if kind == "ok":
+                res.value = payload
+            elif not res.error:
+                res.error = payload
+            else:
+                res.error = payload + "\n" + res.error
+
+
+def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequence[int] | None = None,
+           master_addr: str = "127.0.0.1", master_port: int | None = None, node_rank: int = 0, attempt: int = 0,
+           pre_exec: Callable[[int], None] | None = None, on_event: Callable[[int, Any], None] | None = None,
+           timeout_s: float | None = None, kill_grace_s: float = 2.0,
+           threads_per_rank: int | None = 1) -> LaunchResult:
+    """Fork one process per rank in `ranks` (default: all of range(world_size)), each running
+    target(RankContext) with its WorkerEnv (master_port None: a free port here); wait for all.
 
     On the first failure (nonzero exit or signal) the rest of the gang is killed; on timeout all
-    are. Returns every rank's exit code, returned value and traceback.
-    """
+    are. Returns every rank's exit code, returned value and traceback."""
     ranks = list(range(world_size)) if ranks is None else list(ranks)
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"ranks={bad}: must be in [0, world_size={world_size})")
     port = master_port or free_port(master_addr)
-    results = {r: RankResult(rank=r, exit_code=0) for r in ranks}
-    timed_out = False
+    started = time.monotonic()
+    read_fd, write_fd = os.pipe()
+    gang = _Gang({}, {r: RankResult(rank=r, exit_code=0) for r in ranks}, _EventReader(read_fd, on_event),
+                 timeout_s, kill_grace_s)
     with tempfile.TemporaryDirectory(prefix="meshjob-launch-") as tmp:
-        pids: dict[int, int] = {}  # pid -> rank
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for local_rank, rank in enumerate(ranks):
-            rank_env = dict(env or {})
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                            LOCAL_WORLD_SIZE=str(len(ranks)), NODE_RANK=str(node_rank),
-                            MASTER_ADDR=master_addr, MASTER_PORT=str(port))
-            pid = os.fork()
-            if pid == 0:
-                _run_child(rank_env, rank, target, pre_exec, os.path.join(tmp, f"{rank}.pkl"), threads_per_rank)
-            pids[pid] = rank
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = dict(pids)
-        while pending:
-            for pid in list(pending):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    results[pending.pop(pid)].exit_code = _exit_code(status)
-            failed = any(results[pids[p]].exit_code != 0 for p in pids if p not in pending)
-            if deadline is not None and time.monotonic() > deadline and pending:
-                timed_out = True
-            if pending and (failed or timed_out):
-                reason = f"timed out after {timeout_s:g} s" if timed_out else "killed: another rank failed"
-                for pid, status in _kill(list(pending), kill_grace_s).items():
-                    res = results[pending.pop(pid)]
-                    res.exit_code = _exit_code(status)
-                    res.error = reason if res.exit_code != 0 else ""
-                break
-            if pending:
-                time.sleep(0.02)
-        for rank, res in results.items():
-            path = os.path.join(tmp, f"{rank}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    kind, payload = pickle.load(f)
-                if kind == "ok":
-                    res.value = payload
-                else:
-                    res.error = payload
-    return LaunchResult(ranks=[results[r] for r in ranks], timed_out=timed_out)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for local_rank, rank in enumerate(ranks):
+                env = WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank,
+                                master_addr=master_addr, master_port=port)
+                ctx = RankContext(env, attempt, EventPipe(write_fd, rank))
+                pid = os.fork()
+                if pid == 0:
+                    os.close(read_fd)
+                    _run_child(ctx, target, pre_exec, os.path.join(tmp, f"{rank}.pkl"), threads_per_rank)
+                gang.pids[pid] = rank
+            os.close(write_fd)
+            write_fd = -1
+            gang.wait(started)
+        finally:
+            if gang.pids:  # interrupted (Ctrl-C, an exception in on_event): take the gang down with us
+                gang.stop("killed: the launcher stopped")
+            for fd in (read_fd, write_fd):
+                if fd >= 0:
+                    os.close(fd)
+        _load_outcomes(gang.results, tmp)
+    return LaunchResult(ranks=[gang.results[r] for r in ranks], timed_out=gang.timed_out, attempt=attempt,
+                        first_failure=gang.first_failure, seconds=time.monotonic() - started)
 
 
-def launch_job(job_path: str, *, hosts_path: str = "", env: Mapping[str, str] | None = None,
-               pre_exec: Callable[[int], None] | None = None, timeout_s: float | None = None,
-               rank_timeout_s: float = 300.0, **kwargs: Any) -> LaunchResult:
-    """Every rank of a TrainingJob on this machine; each returns its TrainResult.
-    The plan is built once here (and checked again by every rank against its own)."""
-    from meshjob_trainer.worker import load_setup, run_worker
+def launch_with_restarts(world_size: int, target: Callable[[RankContext], Any], *, max_restarts: int = 0,
+                         on_restart: Callable[[LaunchResult], None] | None = None,
+                         **kwargs: Any) -> list[LaunchResult]:
+    """launch(); after a failure start a new gang (the target resumes from its checkpoint), at most
+    `max_restarts` times. Each attempt rendezvouses on a fresh port: master_port + attempt when a port
+    is given (the old store's may linger in TIME_WAIT), else a free one. Returns every attempt's result;
+    the last one decides."""
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts: {max_restarts!r} is invalid: an integer >= 0")
+    base_port = kwargs.pop("master_port", None)
+    results: list[LaunchResult] = []
+    for attempt in range(max_restarts + 1):
+        port = None if base_port is None else base_port + attempt
+        results.append(launch(world_size, target, master_port=port, attempt=attempt, **kwargs))
+        if results[-1].ok:
+            break
+        if attempt < max_restarts and on_restart is not None:
+            on_restart(results[-1])
+    return results
 
-    child_env = dict(env or {})
-    child_env["MESHJOB_JOB"] = os.path.abspath(job_path)
-    if hosts_path:
-        child_env["MESHJOB_HOSTS"] = os.path.abspath(hosts_path)
-    setup = load_setup(child_env["MESHJOB_JOB"], hosts_path, child_env)
-    return launch_local(setup.plan.placement.world_size, lambda e: run_worker(e, rank_timeout_s, setup),
-                        env=child_env, pre_exec=pre_exec, timeout_s=timeout_s, **kwargs)
+
+def with_env(ctx: RankContext, **changes: Any) -> RankContext:
+    """The same rank with some WorkerEnv fields changed (e.g. the node rank a pod's launcher sets)."""
+    return dataclasses.replace(ctx, env=dataclasses.replace(ctx.env, **changes))

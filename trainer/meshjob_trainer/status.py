@@ -1,8 +1,8 @@
 """Progress on the trainer's own pod: annotations meshjob.io/step and meshjob.io/checkpoint-step.
 
 The operator (and `kubectl get pod -o yaml`) can read a rank's progress without scraping it.
-Active only inside a pod (MESHJOB_POD_NAME set and in-cluster credentials mounted); a no-op
-otherwise. `kubernetes` is imported lazily so a trainer outside Kubernetes never needs it.
+Active only inside a pod (the operator's MESHJOB_POD_NAME, in WorkerSettings, and in-cluster
+credentials mounted); a no-op otherwise. `kubernetes` is imported lazily so a trainer outside Kubernetes never needs it.
 Reporting must never stop training: failures are logged once and swallowed. Step updates are
 rate-limited (one PATCH per `min_interval_s`); checkpoint updates always go out.
 """
@@ -12,9 +12,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from meshjob.api import CHECKPOINT_ANNOTATION, STEP_ANNOTATION
+from meshjob_trainer.dist import WorkerSettings
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 log = logging.getLogger(__name__)
@@ -36,14 +37,13 @@ class PodStatus:
         return bool(self.pod_name) and self.api is not None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, service_account: str = SERVICE_ACCOUNT) -> "PodStatus":
-        """Reporting on in a pod with credentials; off (silently) anywhere else."""
-        env = os.environ if env is None else env
-        pod = env.get("MESHJOB_POD_NAME", "")
+    def in_pod(cls, settings: WorkerSettings, service_account: str = SERVICE_ACCOUNT) -> PodStatus:
+        """Reporting on in a pod (the operator sets MESHJOB_POD_NAME) with mounted credentials; off
+        (silently) anywhere else."""
         token = os.path.join(service_account, "token")
-        if not pod or not env.get("KUBERNETES_SERVICE_HOST") or not os.path.exists(token):
+        if not settings.pod_name or not os.path.exists(token):
             return cls()
-        namespace = env.get("MESHJOB_NAMESPACE", "") or env.get("MESHJOB_POD_NAMESPACE", "")
+        namespace = settings.namespace
         if not namespace:
             try:
                 with open(os.path.join(service_account, "namespace")) as f:
@@ -53,9 +53,9 @@ class PodStatus:
         try:
             from kubernetes import client, config
 
-            config.load_incluster_config()
-            return cls(pod_name=pod, namespace=namespace, api=client.CoreV1Api())
-        except Exception as err:  # noqa: BLE001 - no client library or bad credentials: report nothing
+            config.load_incluster_config()  # reads the API server's address from the pod's environment itself
+            return cls(pod_name=settings.pod_name, namespace=namespace, api=client.CoreV1Api())
+        except Exception as err:  # noqa: BLE001 - no client library, not in a cluster, bad credentials
             log.warning("pod status reporting off: %s: %s", type(err).__name__, err)
             return cls()
 

@@ -178,7 +178,7 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
                timeout_s: float = 60.0, checkpoint_dir: str | None = None) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave.
-    For tests and benchmarks that launch ranks with launch.launch_local."""
+    For tests and benchmarks that launch ranks with meshjob_trainer.launch."""
     import dataclasses
 
     from meshjob.plan import build_plan

@@ -21,10 +21,10 @@ from typing import Any
 
 from rich.console import Console
 
-from meshjob_trainer.emulate.launcher import GangResult, RankContext, run_with_restarts
-from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob.units import parse_rate
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.emulate.progress import ProgressView, RunStats, hook_trainer_metrics, summary_table
+from meshjob_trainer.launch import LaunchResult, RankContext, launch_with_restarts
 
 HELP = "run a TrainingJob on this machine on an emulated cluster"
 
@@ -49,27 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class RunSetup:
     job: Any  # meshjob.spec.TrainingJob
     plan: Any  # meshjob.plan.Plan, built once here and inherited by the forked ranks
-    job_path: str
-    hosts_path: str
     checkpoint_dir: str
-    rank_hosts: list[int]
+    rank_hosts: list[int]  # emulated host of each rank
 
 
 def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
     """In a forked rank, inside its host's namespace: the trainer's worker, observed through its
     TrainerMetrics calls."""
-    import torch
-
-    from meshjob_trainer.dist import WorkerEnv
+    from meshjob_trainer.dist import WorkerSettings
     from meshjob_trainer.worker import JobSetup, run_worker
 
-    torch.set_num_threads(1)  # ranks share 2 cores; more threads only contend
-    os.environ.update({"MESHJOB_JOB": setup.job_path, "MESHJOB_HOSTS": setup.hosts_path,
-                       "MESHJOB_CHECKPOINT_DIR": setup.checkpoint_dir,
-                       "MESHJOB_NIC_BYTES_PER_S": repr(setup.plan.nic_bytes_per_s),
-                       "LOCAL_RANK": str(ctx.rank), "NODE_RANK": str(ctx.host.index)})
-    hook_trainer_metrics(ctx.report)
-    run_worker(WorkerEnv.from_env(), setup=JobSetup(setup.job, setup.plan))  # the plan the launcher placed
+    hook_trainer_metrics(lambda **event: ctx.events.emit(event))
+    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir), JobSetup(setup.job, setup.plan))
 
 
 def _validate_args(args: argparse.Namespace) -> None:
@@ -155,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint_dir and args.max_restarts > 0:
         tmp_ckpt = tempfile.TemporaryDirectory(prefix="meshjob-ckpt-")
         checkpoint_dir = tmp_ckpt.name
-    setup = RunSetup(job, plan, os.path.abspath(args.job), os.path.abspath(args.hosts) if args.hosts else "",
-                     os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
+    setup = RunSetup(job, plan, os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
                      [compact[h] for h in rank_hosts])
 
     console = Console(stderr=True)
@@ -173,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     cleanup_stale()
     t0 = time.monotonic()
-    results: list[GangResult] = []
+    results: list[LaunchResult] = []
     feed: MetricsFeed | None = None
     try:
         with ExitStack() as stack:
@@ -189,13 +179,14 @@ def run(args: argparse.Namespace) -> int:
                 feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
                 console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
             with ProgressView(stats, console, enabled=not args.quiet) as view:
-                def on_event(event: dict) -> None:
+                def on_event(rank: int, event: dict) -> None:
+                    event = {**event, "rank": rank}
                     stats.add(event)
                     if feed is not None:
                         feed.on_event(event, stats)
                     view.update()
 
-                def on_restart(failed: GangResult) -> None:
+                def on_restart(failed: LaunchResult) -> None:
                     assert failed.first_failure is not None
                     step = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)  # complete ones only
                     console.print(f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
@@ -204,8 +195,9 @@ def run(args: argparse.Namespace) -> int:
                     if feed is not None:
                         feed.restart(step)
 
-                results = run_with_restarts(cluster, setup.rank_hosts, lambda ctx: _rank_main(setup, ctx),
-                                            args.max_restarts, on_event, on_restart)
+                results = launch_with_restarts(
+                    placement.world_size, lambda ctx: _rank_main(setup, ctx), max_restarts=args.max_restarts,
+                    on_restart=on_restart, on_event=on_event, **cluster.gang(setup.rank_hosts).launch_args())
             network = cluster.describe()
             emulated = cluster.emulated
     finally:

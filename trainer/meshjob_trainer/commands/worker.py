@@ -1,19 +1,27 @@
 """`meshjob worker`: one trainer process (RANK set, as under torchrun or Kubeflow), or one host's
-worth of ranks (--nproc / --node-rank, what a trainer pod runs)."""
+worth of ranks (--nproc / --node-rank, what a trainer pod runs).
+
+The environment is read here, once (WorkerEnv / NodeEnv / WorkerSettings, flags winning over
+variables); everything below gets those values.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshjob_trainer.dist import WorkerSettings
 
 HELP = "one trainer process per device (what a trainer pod runs)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--job", default=os.environ.get("MESHJOB_JOB", ""),
-                        help="TrainingJob YAML (default: $MESHJOB_JOB)")
-    parser.add_argument("--hosts", default=os.environ.get("MESHJOB_HOSTS", ""),
-                        help="hosts.yaml: [{name, devices, rack}] (default: $MESHJOB_HOSTS, else the plan's default hosts)")
+    parser.add_argument("--job", help="TrainingJob YAML (default: $MESHJOB_JOB)")
+    parser.add_argument("--hosts", help="hosts.yaml: [{name, devices, rack}] (default: $MESHJOB_HOSTS, "
+                        "else the plan's default hosts)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="start this host's ranks (must equal the devices the plan uses on it)")
     parser.add_argument("--node-rank", type=int, default=None,
@@ -29,8 +37,16 @@ def _bad(flag: str, value: object, allowed: str) -> int:
     return 2
 
 
+def _settings(args: argparse.Namespace, environ: dict[str, str]) -> WorkerSettings:
+    from meshjob_trainer.dist import WorkerSettings
+
+    flags = {"job_path": args.job, "hosts_path": args.hosts, "checkpoint_dir": args.checkpoint_dir}
+    settings = WorkerSettings.from_env(environ)
+    return dataclasses.replace(settings, **{k: os.path.abspath(v) for k, v in flags.items() if v})
+
+
 def run(args: argparse.Namespace) -> int:
-    from meshjob_trainer.dist import DistError, WorkerEnv
+    from meshjob_trainer.dist import DistError, NodeEnv, WorkerEnv
     from meshjob_trainer.worker import load_setup, run_host, run_worker
 
     if args.nproc is not None and args.nproc < 1:
@@ -39,22 +55,19 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--node-rank", args.node_rank, "an integer >= 0")
     if not args.timeout > 0:
         return _bad("--timeout", args.timeout, "a number of seconds > 0")
-    if not args.job:
-        return _bad("--job", args.job, "a TrainingJob YAML file (or set MESHJOB_JOB)")
-    os.environ["MESHJOB_JOB"] = os.path.abspath(args.job)
-    if args.hosts:
-        os.environ["MESHJOB_HOSTS"] = os.path.abspath(args.hosts)
-    if args.checkpoint_dir:
-        os.environ["MESHJOB_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
+    environ = dict(os.environ)  # the process boundary: nothing below reads the environment
     try:
-        setup = load_setup(os.environ["MESHJOB_JOB"], os.environ.get("MESHJOB_HOSTS", ""))  # SpecError: exit 2
-        one_process = args.nproc is None and (os.environ.get("RANK") or os.environ.get("PET_RANK"))
-        if one_process:
-            run_worker(WorkerEnv.from_env(), args.timeout, setup)
+        settings = _settings(args, environ)
+        if not settings.job_path:
+            return _bad("--job", args.job, "a TrainingJob YAML file (or set MESHJOB_JOB)")
+        setup = load_setup(settings)  # SpecError: exit 2
+        if args.nproc is None and NodeEnv.has_rank(environ):
+            run_worker(WorkerEnv.from_env(environ), settings, setup, args.timeout)
             return 0
-        node_rank = args.node_rank if args.node_rank is not None else int(
-            os.environ.get("NODE_RANK") or os.environ.get("PET_NODE_RANK") or 0)
-        result = run_host(setup, node_rank, args.nproc, dict(os.environ), args.timeout)
+        node = NodeEnv.from_env(environ)
+        if args.node_rank is not None:
+            node = dataclasses.replace(node, node_rank=args.node_rank)
+        result = run_host(setup, settings, node, args.nproc, args.timeout)
     except DistError as err:
         print(f"meshjob worker: {err}", file=sys.stderr)
         return 1

@@ -22,8 +22,9 @@ import threading
 import warnings
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Callable
+from typing import Any, Callable, Sequence
 
+from meshjob.api import MASTER_PORT
 from meshjob.units import parse_rate
 
 NETNS_DIR = "/var/run/netns"
@@ -103,6 +104,18 @@ def setns(name: str) -> None:
 
 
 @dataclass(frozen=True)
+class GangPlace:
+    """The launcher's arguments for a gang on this cluster (meshjob_trainer.launch.launch)."""
+
+    master_addr: str
+    master_port: int | None  # None: the launcher picks a free one
+    pre_exec: Callable[[int], None]  # in each forked rank: enter its host
+
+    def launch_args(self) -> dict[str, Any]:
+        return {"master_addr": self.master_addr, "master_port": self.master_port, "pre_exec": self.pre_exec}
+
+
+@dataclass(frozen=True)
 class EmulatedHost:
     index: int
     netns: str | None  # None in the loopback fallback
@@ -110,12 +123,12 @@ class EmulatedHost:
     ifname: str  # GLOO_SOCKET_IFNAME for ranks on this host
 
     def enter(self) -> None:
-        """Join this host's namespace (in a forked child, before any socket)."""
+        """Join this host's namespace (in a forked child, before any socket) and bind gloo to the
+        host's NIC. gloo reads its interface from the environment only (GLOO_SOCKET_IFNAME), so this
+        is the one variable a rank sets: for gloo, never for meshjob."""
         if self.netns is not None:
             setns(self.netns)
-
-    def env(self) -> dict[str, str]:
-        return {"GLOO_SOCKET_IFNAME": self.ifname, "MESHJOB_HOST_ADDR": self.address}
+        os.environ["GLOO_SOCKET_IFNAME"] = self.ifname
 
 
 class EmulatedCluster:
@@ -231,6 +244,13 @@ class EmulatedCluster:
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+
+    def gang(self, rank_hosts: Sequence[int]) -> GangPlace:
+        """Where the ranks of a gang live: rank r on host rank_hosts[r], rendezvous on rank 0's host."""
+        hosts = [self.hosts[h] for h in rank_hosts]
+        # inside fresh namespaces torchrun's port is free; on loopback another run may hold it
+        return GangPlace(hosts[0].address, MASTER_PORT if self.emulated else None,
+                         lambda rank: hosts[rank].enter())
 
     def describe(self) -> str:
         if self.emulated:
