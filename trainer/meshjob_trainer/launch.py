@@ -20,7 +20,6 @@ the tests.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import pickle
 import select
@@ -341,8 +340,3 @@ def launch_with_restarts(world_size: int, target: Callable[[RankContext], Any], 
         if attempt < max_restarts and on_restart is not None:
             on_restart(results[-1])
     return results
-
-
-def with_env(ctx: RankContext, **changes: Any) -> RankContext:
-    """The same rank with some WorkerEnv fields changed (e.g. the node rank a pod's launcher sets)."""
-    return dataclasses.replace(ctx, env=dataclasses.replace(ctx.env, **changes))
