@@ -126,15 +126,17 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(gang, tmp_path):
     assert gang(2, target) == [2, 2]
 
 
-def train_job(job_path: str, **launch_args):
-    """Every rank of the job on this machine, as `meshjob worker --nproc` starts them; each returns its TrainResult."""
+def train_job(job_path: str, listeners=lambda rank: (), **launch_args):
+    """Every rank of the job on this machine, as `meshjob worker --nproc` starts them; each returns its
+    TrainResult. listeners(rank): more listeners of that rank's events."""
     from meshjob_trainer.launch import launch
     from meshjob_trainer.worker import load_setup, run_worker
 
     settings = WorkerSettings(job_path=job_path)
     setup = load_setup(settings)
-    return launch(setup.plan.placement.world_size, lambda ctx: run_worker(ctx.env, settings, setup, 30),
-                  timeout_s=50, **launch_args)
+    return launch(setup.plan.placement.world_size,
+                  lambda ctx: run_worker(ctx.env, settings, setup, 30, listeners(ctx.rank)), timeout_s=50,
+                  **launch_args)
 
 
 @pytest.mark.slow
@@ -161,24 +163,18 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
     import os
     import signal
 
-    from meshjob_trainer.metrics import TrainerMetrics
+    from meshjob_trainer.events import StepFinished
 
     ckpt = str(tmp_path / "ckpt")
     job = one_host_job("job", steps=6, checkpoint={"every": 2, "path": ckpt})
     straight = train_job(one_host_job("straight", steps=6)).raise_on_failure().values
 
-    def dies_in_step_3(rank: int) -> None:
-        if rank == 1:  # kill -9 itself once step 3 is done: checkpoint 2 is complete, 4 never comes
-            record = TrainerMetrics.record_step
+    class DiesAfterStep3:  # a listener: kill -9 its rank once step 3 is done (checkpoint 2 is complete, 4 never comes)
+        def emit(self, event) -> None:
+            if isinstance(event, StepFinished) and event.step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-            def record_then_die(self, seconds, tokens, loss, step=None):
-                record(self, seconds, tokens, loss, step)
-                if step == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            TrainerMetrics.record_step = record_then_die
-
-    crashed = train_job(job, pre_exec=dies_in_step_3, kill_grace_s=0.5)
+    crashed = train_job(job, listeners=lambda rank: (DiesAfterStep3(),) if rank == 1 else (), kill_grace_s=0.5)
     assert {r.rank: r.exit_code for r in crashed.ranks}[1] == -signal.SIGKILL
     resumed = train_job(job).raise_on_failure().values
     assert [r.start_step for r in resumed] == [2] * 4

@@ -1,15 +1,21 @@
-"""TrainerMetrics: what each record_* call exports, naming conventions, validation, serving."""
+"""The trainer's events and their Prometheus exporter: what each event records, naming conventions,
+validation, serving, and a new metric added by one registration."""
 from __future__ import annotations
 
 import math
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshjob.boundary import BoundaryKey
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Event, Fanout, LowerBoundRatio, Metric,
+                                    NicBandwidth, PipelineFractions, Resharded, StepFinished, UnitTasks)
 from meshjob_trainer.metrics import TrainerMetrics
 
 ALLOWED_LABELS = {"job", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
+FORWARD = BoundaryKey(0, 1, "activation")
 
 
 @pytest.fixture
@@ -23,19 +29,16 @@ def value(m: TrainerMetrics, name: str, **labels: str) -> float | None:
 
 def feed_everything(m: TrainerMetrics) -> None:
     m.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
-    m.record_resharding("broadcast", "cross_host", "0->1:activation", 1000, 0.2)
-    m.record_nic("h1", 1.25e8)
-    m.record_unit_tasks("greedy", 4)
-    m.record_resharding_ratio("0->1:activation", 1.1)
-    m.record_step(0.5, 4096, 2.5)
-    m.record_pipeline(1, 0.25, 0.75)
-    m.record_checkpoint(0.05, 10)
+    for event in (Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2), NicBandwidth("h1", 1.25e8),
+                  UnitTasks("greedy", 4), LowerBoundRatio(FORWARD, 1.1), StepFinished(1, 1, 0.5, 4096, 2.5),
+                  PipelineFractions(1, 0.25, 0.75), CheckpointWritten(1, 10, 0.05)):
+        m.emit(event)
 
 
 def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(metrics):
-    metrics.record_resharding("broadcast", "cross_host", "0->1:activation", 1000, 0.2)
-    metrics.record_resharding("broadcast", "cross_host", "0->1:activation", 500, 0.1)
-    metrics.record_resharding("send_recv", "intra_host", "1->2:activation", 7, 0.001)
+    metrics.emit(Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2))
+    metrics.emit(Resharded(FORWARD, "broadcast", "cross_host", 500, 0.1))
+    metrics.emit(Resharded(BoundaryKey(1, 2, "activation"), "send_recv", "intra_host", 7, 0.001))
     labels = dict(job="gpt-demo", strategy="broadcast", scope="cross_host", boundary="0->1:activation")
     assert value(metrics, "meshjob_resharding_bytes_total", **labels) == 1500
     assert value(metrics, "meshjob_resharding_seconds_count", **labels) == 2
@@ -44,9 +47,9 @@ def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(
                  scope="intra_host", boundary="1->2:activation") == 7
 
 
-def test_step_counts_tokens_sets_loss_and_advances_the_step(metrics):
-    metrics.record_step(0.5, 4096, 2.5)
-    metrics.record_step(0.7, 4096, 2.25)
+def test_step_counts_tokens_sets_loss_and_the_step(metrics):
+    metrics.emit(StepFinished(1, 1, 0.5, 4096, 2.5))
+    metrics.emit(StepFinished(1, 2, 0.7, 4096, 2.25))
     labels = dict(job="gpt-demo", stage="1")
     assert value(metrics, "meshjob_tokens_total", **labels) == 8192
     assert value(metrics, "meshjob_loss", **labels) == 2.25
@@ -54,35 +57,36 @@ def test_step_counts_tokens_sets_loss_and_advances_the_step(metrics):
     assert value(metrics, "meshjob_step_seconds_count", **labels) == 2
 
 
-def test_step_number_can_be_set_after_a_resume(metrics):
-    metrics.record_step(0.5, 4096, 2.5, step=41)
+def test_the_step_after_a_resume_counts_from_the_checkpoint(metrics):
+    metrics.emit(StepFinished(1, 41, 0.5, 4096, 2.5))
     assert value(metrics, "meshjob_step", job="gpt-demo", stage="1") == 41
 
 
 def test_nan_loss_means_this_stage_computes_no_loss(metrics):
-    metrics.record_step(0.5, 4096, math.nan)
+    metrics.emit(StepFinished(1, 1, 0.5, 4096, math.nan))
     assert value(metrics, "meshjob_loss", job="gpt-demo", stage="1") is None
     assert value(metrics, "meshjob_tokens_total", job="gpt-demo", stage="1") == 4096
 
 
 def test_pipeline_fractions_are_exported_for_the_given_stage(metrics):
-    metrics.record_pipeline(2, 0.25, 0.75)
+    metrics.emit(PipelineFractions(2, 0.25, 0.75))
     assert value(metrics, "meshjob_pipeline_bubble_fraction", job="gpt-demo", stage="2") == 0.25
     assert value(metrics, "meshjob_pipeline_overlap_fraction", job="gpt-demo", stage="2") == 0.75
 
 
-def test_checkpoint_observes_seconds_and_remembers_the_step(metrics):
-    metrics.record_checkpoint(0.05, 10)
-    metrics.record_checkpoint(0.07, 20)
+def test_checkpoints_observe_seconds_and_remember_the_step_written_or_restored(metrics):
+    metrics.emit(CheckpointWritten(1, 10, 0.05))
+    metrics.emit(CheckpointWritten(1, 20, 0.07))
     assert value(metrics, "meshjob_last_checkpoint_step", job="gpt-demo", stage="1") == 20
     assert value(metrics, "meshjob_checkpoint_seconds_count", job="gpt-demo", stage="1") == 2
+    metrics.emit(CheckpointRestored(1, 10))
+    assert value(metrics, "meshjob_last_checkpoint_step", job="gpt-demo", stage="1") == 10
 
 
 def test_nic_unit_tasks_and_lower_bound_ratio(metrics):
-    metrics.record_nic("h1", 1.25e8)
-    metrics.record_unit_tasks("greedy", 4)
-    metrics.record_unit_tasks("greedy", 2)
-    metrics.record_resharding_ratio("0->1:activation", 1.1)
+    for event in (NicBandwidth("h1", 1.25e8), UnitTasks("greedy", 4), UnitTasks("greedy", 2),
+                  LowerBoundRatio(FORWARD, 1.1)):
+        metrics.emit(event)
     assert value(metrics, "meshjob_nic_bandwidth_bytes_per_second", job="gpt-demo", host="h1") == 1.25e8
     assert value(metrics, "meshjob_unit_tasks_total", job="gpt-demo", balancer="greedy") == 6
     assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary="0->1:activation") == 1.1
@@ -92,6 +96,11 @@ def test_info_carries_strategy_schedule_balancer_and_mesh_shapes(metrics):
     metrics.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
     assert value(metrics, "meshjob_info", job="gpt-demo", stage="1", strategy="broadcast", schedule="eager-1f1b",
                  balancer="greedy", meshes="1x2,2x1", rank="3", host="h1") == 1
+
+
+def test_the_standard_series_exist_before_the_first_event(metrics):
+    names = {f.name for f in metrics.registry.collect()}
+    assert {"meshjob_step", "meshjob_resharding_bytes", "meshjob_last_checkpoint_step"} <= names
 
 
 def test_names_have_prefix_and_counters_end_in_total(metrics):
@@ -119,17 +128,17 @@ def test_series_carry_only_low_cardinality_labels(metrics):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda m: m.record_resharding("magic", "cross_host", "0->1:activation", 1, 0.1), "strategy='magic'"),
-    (lambda m: m.record_resharding("broadcast", "rack", "0->1:activation", 1, 0.1), "scope='rack'"),
-    (lambda m: m.record_resharding("broadcast", "cross_host", "0-1", 1, 0.1), "boundary='0-1'"),
-    (lambda m: m.record_resharding("broadcast", "cross_host", "0->1:activation", -5, 0.1), "nbytes=-5"),
-    (lambda m: m.record_step(math.nan, 1, 1.0), "seconds=nan"),
-    (lambda m: m.record_step(0.1, 1, math.inf), "loss=inf"),
-    (lambda m: m.record_pipeline(0, 1.5, 0.5), "bubble_fraction=1.5"),
-    (lambda m: m.record_nic("h0", -1.0), "bytes_per_second=-1.0"),
+    (lambda m: Resharded(FORWARD, "magic", "cross_host", 1, 0.1), "strategy='magic'"),
+    (lambda m: Resharded(FORWARD, "broadcast", "rack", 1, 0.1), "scope='rack'"),
+    (lambda m: Resharded("0-1", "broadcast", "cross_host", 1, 0.1), "boundary='0-1'"),
+    (lambda m: Resharded(FORWARD, "broadcast", "cross_host", -5, 0.1), "nbytes=-5"),
+    (lambda m: StepFinished(0, 1, math.nan, 1, 1.0), "seconds=nan"),
+    (lambda m: StepFinished(0, 1, 0.1, 1, math.inf), "loss=inf"),
+    (lambda m: PipelineFractions(0, 1.5, 0.5), "bubble=1.5"),
+    (lambda m: NicBandwidth("h0", -1.0), "bytes_per_second=-1.0"),
     (lambda m: m.serve(70000), "port=70000"),
 ])
-def test_bad_input_names_the_argument_the_value_and_what_is_allowed(metrics, call, message):
+def test_bad_input_names_the_field_the_value_and_what_is_allowed(metrics, call, message):
     with pytest.raises(ValueError) as err:
         call(metrics)
     assert message in str(err.value)
@@ -139,7 +148,7 @@ def test_bad_input_names_the_argument_the_value_and_what_is_allowed(metrics, cal
 def test_two_trainers_in_one_process_keep_separate_registries():
     a = TrainerMetrics(job="a", rank=0, host="h0", stage=0)
     b = TrainerMetrics(job="a", rank=1, host="h0", stage=0)
-    a.record_step(0.1, 10, 1.0)
+    a.emit(StepFinished(0, 1, 0.1, 10, 1.0))
     assert b.registry.get_sample_value("meshjob_tokens_total", {"job": "a", "stage": "0"}) is None
 
 
@@ -198,6 +207,62 @@ def test_every_boundary_of_the_utransformer_example_is_its_own_series(metrics):
     pairs = [b.key.edge for b in plan.boundaries]
     assert any(pairs.count(pair) > 2 for pair in pairs)  # a stage pair with several tensors
     for i, b in enumerate(plan.boundaries):
-        metrics.record_resharding_ratio(b.key, 1.0 + i)
+        metrics.emit(LowerBoundRatio(b.key, 1.0 + i))
     for i, b in enumerate(plan.boundaries):
         assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary=str(b.key)) == 1.0 + i
+
+
+# --- adding a metric: one registration ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class QueueDepth(Event):
+    """A metric this test adds: the one registration is this class, which declares its series."""
+
+    METRICS = (Metric("meshjob_test_queue_depth", "Transfers waiting in a test queue", "gauge", "depth", ("stage",)),)
+    stage: int
+    depth: int
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def test_a_new_metric_is_served_by_a_trainers_exporter(metrics):
+    Fanout((metrics,)).emit(QueueDepth(stage=1, depth=5))
+    port = metrics.serve(0, addr="127.0.0.1")
+    try:
+        assert 'meshjob_test_queue_depth{job="gpt-demo",stage="1"} 5.0' in scrape(port)
+    finally:
+        metrics.close()
+
+
+@pytest.mark.slow
+def test_a_new_metric_reaches_meshjob_runs_endpoint_from_forked_ranks():
+    """Ranks forked by the launcher emit it into the event pipe; `meshjob run`'s aggregation path
+    (RunStats, then MetricsFeed) takes it in and serves it, with no code that knows the kind."""
+    from pathlib import Path
+
+    from meshjob.placement import default_hosts
+    from meshjob.plan import build_plan
+    from meshjob.spec import load_job
+    from meshjob_trainer.commands.run import MetricsFeed
+    from meshjob_trainer.emulate.progress import RunStats
+    from meshjob_trainer.launch import launch
+
+    job = load_job(str(Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"))
+    stats = RunStats(world_size=2, total_steps=1)
+    feed = MetricsFeed(job, build_plan(job, default_hosts(job)), 0)
+
+    def on_event(rank: int, event: Event) -> None:
+        stats.add(rank, event)
+        feed.on_event(event, stats)
+
+    try:
+        result = launch(2, lambda ctx: ctx.events.emit(QueueDepth(stage=ctx.rank, depth=10 + ctx.rank)),
+                        on_event=on_event, timeout_s=30)
+        assert result.raise_on_failure().ok
+        text = scrape(feed.port)
+    finally:
+        feed.close()
+    assert 'meshjob_test_queue_depth{job="tiny",stage="0"} 10.0' in text
+    assert 'meshjob_test_queue_depth{job="tiny",stage="1"} 11.0' in text

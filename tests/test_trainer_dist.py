@@ -261,16 +261,20 @@ def test_pod_status_never_raises_when_the_apiserver_fails(caplog):
     assert sum("could not annotate pod ns/job-0" in r.message for r in caplog.records) == 1
 
 
-def test_reporting_metrics_passes_steps_to_metrics_and_pod():
+def test_one_event_reaches_the_metrics_and_the_pods_annotations():
+    from meshjob_trainer.events import CheckpointWritten, Fanout, NicBandwidth, StepFinished
     from meshjob_trainer.metrics import TrainerMetrics
-    from meshjob_trainer.status import PodStatus, ReportingMetrics
+    from meshjob_trainer.status import PodStatus
 
     api = RecordingPodApi()
     metrics = TrainerMetrics(job="j", rank=0, host="h", stage=1)
-    reporting = ReportingMetrics(metrics, PodStatus("job-0", "ns", api, min_interval_s=0))
-    reporting.record_step(0.5, 128, 2.0, step=7)
+    events = Fanout((metrics, PodStatus("job-0", "ns", api, min_interval_s=0)))
+    events.emit(StepFinished(stage=1, step=7, seconds=0.5, tokens=128, loss=2.0))
+    events.emit(NicBandwidth("h", 1e6))  # nothing for the pod
+    events.emit(CheckpointWritten(stage=1, step=7, seconds=0.1))
     assert metrics.registry.get_sample_value("meshjob_step", {"job": "j", "stage": "1"}) == 7
-    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "7"})]
+    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "7"}),
+                           ("job-0", "ns", {"meshjob.io/checkpoint-step": "7", "meshjob.io/step": "7"})]
 
 
 async def _annotations_round_trip(cluster) -> dict:

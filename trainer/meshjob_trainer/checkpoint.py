@@ -81,7 +81,6 @@ class Checkpointer:
     world_size: int
     fingerprint: dict[str, Any]
     keep: int = 3  # complete checkpoints kept; older ones this rank's files are removed
-    status: Any = None  # meshjob_trainer.status.PodStatus: told each checkpoint step
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -130,8 +129,6 @@ class Checkpointer:
                   "sha256": hashlib.sha256(data).hexdigest(), "fingerprint": self.fingerprint}
         atomic_write(self.marker_path(step), json.dumps(marker, sort_keys=True).encode())
         self._prune()
-        if self.status is not None:
-            self.status.checkpoint(step)
         return self.data_path(step)
 
     def _prune(self) -> None:
@@ -215,8 +212,6 @@ class Checkpointer:
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        if self.status is not None:
-            self.status.checkpoint(step)
         return int(state["data_position"])
 
     def remove_all(self) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from meshjob.api import MASTER_PORT
+from meshjob_trainer.events import Fanout
 
 if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazily at run time
     from meshjob.plan import Plan
@@ -264,9 +265,8 @@ class WorkerContext:
     plan: "Plan"
     stage: int  # this rank's pipeline stage
     reshard: Any  # meshjob_trainer.reshard.ReshardExecutor for this rank
-    metrics: Any = None  # meshjob_trainer.metrics.TrainerMetrics, or None
+    events: Any = field(default_factory=Fanout)  # meshjob_trainer.events.MetricsSink: every listener of this rank
     checkpoints: Any = None  # meshjob_trainer.checkpoint.Checkpointer, or None when checkpoints are off
-    status: Any = None  # meshjob_trainer.status.PodStatus (no-op outside a pod)
     device: str = "cpu"
 
     @property

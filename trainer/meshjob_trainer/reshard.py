@@ -43,6 +43,7 @@ from meshjob.mesh import Mesh
 from meshjob.plan import Boundary
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
+from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
 
 SIGNAL_BYTES = 1
 STAGING = torch.device("cpu")  # where every payload lives: gloo carries it (see the module docstring)
@@ -279,8 +280,9 @@ class _Run:
     """The state of one (boundary, microbatch) on one rank; execute() runs on the handle's thread."""
 
     def __init__(self, route: Route, rank: int, natural_local: torch.Tensor | None, tag_base: int,
-                 dtype: torch.dtype, device: torch.device, metrics: Any) -> None:
-        self.route, self.rank, self.tag_base, self.metrics = route, rank, tag_base, metrics
+                 dtype: torch.dtype, device: torch.device, events: MetricsSink | None, host: str) -> None:
+        self.route, self.rank, self.tag_base = route, rank, tag_base
+        self.events, self.host = events, host  # where this rank's resharding events go; its host's name
         b = route.boundary
         self.signal = b.strategy == "signal" or any(s.signal for s in route.steps)
         self.is_dst = rank in route.dst_ranks
@@ -412,36 +414,39 @@ class _Run:
         """Receivers: bytes and time per scope, time over the plan's lower bound, and the achieved
         NIC rate of their host (cross-host bytes over the resharding's wall time). Chosen senders:
         one unit task each (so the sum over ranks counts every task once)."""
-        if self.metrics is None:
+        if self.events is None:
             return
-        b = self.route.boundary
+        b, stats = self.route.boundary, self.stats
         if self.is_dst:
-            for scope, nbytes in self.stats.bytes_received.items():
-                self.metrics.record_resharding(self.stats.strategy, scope, self.stats.boundary, nbytes,
-                                               self.stats.seconds)
-            cross = self.stats.bytes_received.get(CROSS_HOST, 0)
-            if cross and self.stats.seconds > 0 and not self.signal:  # signal bytes say nothing of the NIC
-                self.metrics.record_nic(self.metrics.host, cross / self.stats.seconds)
+            for scope, nbytes in stats.bytes_received.items():
+                self.events.emit(Resharded(b.key, stats.strategy, scope, nbytes, stats.seconds))
+            cross = stats.bytes_received.get(CROSS_HOST, 0)
+            if cross and stats.seconds > 0 and not self.signal:  # signal bytes say nothing of the NIC
+                self.events.emit(NicBandwidth(self.host, cross / stats.seconds))
             if b.lower_bound_s > 0:
-                self.metrics.record_resharding_ratio(self.stats.boundary, self.stats.seconds / b.lower_bound_s)
+                self.events.emit(LowerBoundRatio(b.key, stats.seconds / b.lower_bound_s))
         else:
             first_hops = {s.task for s in self.route.steps if s.src == self.rank}
             if first_hops:
-                self.metrics.record_unit_tasks(b.balancer, len(first_hops))
+                self.events.emit(UnitTasks(b.balancer, len(first_hops)))
 
 
 class ReshardExecutor:
     """Runs the plan's boundaries on one rank. Build it from a Plan, or from explicit routes
-    (tests and benchmarks that make boundaries without a whole job)."""
+    (tests and benchmarks that make boundaries without a whole job). Its events (bytes, times, NIC
+    rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name of the rank's host,
+    or "host-<index>" with explicit routes."""
 
-    def __init__(self, plan: Any, rank: int, metrics: Any = None, *, routes: Sequence[Route] | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        self.rank, self.metrics, self.dtype = rank, metrics, dtype
+    def __init__(self, plan: Any, rank: int, events: MetricsSink | None = None, *,
+                 routes: Sequence[Route] | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, host: str = "") -> None:
+        self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         if routes is None:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
             routes = routes_from_plan(plan)
+            host = host or plan.placement.hosts[plan.placement.host_of(rank)].name
         self.routes: dict[BoundaryKey, Route] = {}
         for r in routes:
             if r.boundary.key in self.routes:  # start() finds a boundary by its key
@@ -451,6 +456,8 @@ class ReshardExecutor:
         self._order = {k: i for i, k in enumerate(self.routes)}
         for r in self.routes.values():
             r.check_coverage(rank)
+        mine = [r for r in self.routes.values() if rank in r.src_ranks or rank in r.dst_ranks]
+        self.host = host or (f"host-{mine[0].host_of(rank)}" if mine else "")
 
     def route(self, key: BoundaryKey) -> Route:
         try:
@@ -473,7 +480,7 @@ class ReshardExecutor:
         if self.rank in route.dst_ranks:
             natural_local = None
         return Handle(_Run(route, self.rank, natural_local, self.tag_base(key, microbatch), self.dtype, self.device,
-                           self.metrics))
+                           self.events, self.host))
 
 
 def routes_from_plan(plan: Any) -> list[Route]:

@@ -1,13 +1,15 @@
 """Progress on the trainer's own pod: annotations meshjob.io/step and meshjob.io/checkpoint-step.
 
 The operator (and `kubectl get pod -o yaml`) can read a rank's progress without scraping it.
-Active only inside a pod (the operator's MESHJOB_POD_NAME, in WorkerSettings, and in-cluster
-credentials mounted); a no-op otherwise. `kubernetes` is imported lazily so a trainer outside Kubernetes never needs it.
+A listener of the trainer's events (meshjob_trainer.events). Active only inside a pod (the
+operator's MESHJOB_POD_NAME, in WorkerSettings, and in-cluster credentials mounted); a no-op
+otherwise. `kubernetes` is imported lazily so a trainer outside Kubernetes never needs it.
 Reporting must never stop training: failures are logged once and swallowed. Step updates are
 rate-limited (one PATCH per `min_interval_s`); checkpoint updates always go out.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -16,6 +18,7 @@ from typing import Any
 
 from meshjob.api import CHECKPOINT_ANNOTATION, STEP_ANNOTATION
 from meshjob_trainer.dist import WorkerSettings
+from meshjob_trainer.events import CheckpointRestored, CheckpointWritten, Event, StepFinished
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 log = logging.getLogger(__name__)
@@ -59,6 +62,22 @@ class PodStatus:
             log.warning("pod status reporting off: %s: %s", type(err).__name__, err)
             return cls()
 
+    @functools.singledispatchmethod
+    def emit(self, event: Event) -> None:
+        """A listener of the trainer's events: steps and checkpoints become annotations, others are ignored."""
+
+    @emit.register
+    def _step_finished(self, event: StepFinished) -> None:
+        self.step(event.step)
+
+    @emit.register
+    def _checkpoint_written(self, event: CheckpointWritten) -> None:
+        self.checkpoint(event.step)
+
+    @emit.register
+    def _checkpoint_restored(self, event: CheckpointRestored) -> None:
+        self.checkpoint(event.step)
+
     def step(self, step: int) -> None:
         """Training finished `step` steps (rate-limited)."""
         self._last_step = step
@@ -89,21 +108,3 @@ class PodStatus:
                 log.warning("could not annotate pod %s/%s (%s: %s); training goes on", self.namespace,
                             self.pod_name, type(err).__name__, err)
             self._failed = True
-
-
-class ReportingMetrics:
-    """TrainerMetrics that also tells the pod's annotations each finished step.
-
-    The training loop already calls metrics.record_step(..., step) once per step; wrapping the
-    metrics keeps the loop free of Kubernetes concerns."""
-
-    def __init__(self, metrics: Any, status: PodStatus) -> None:
-        self._metrics, self._status = metrics, status
-
-    def record_step(self, seconds: float, tokens: int, loss: float, step: int | None = None) -> None:
-        self._metrics.record_step(seconds, tokens, loss, step)
-        if step is not None:
-            self._status.step(step)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._metrics, name)

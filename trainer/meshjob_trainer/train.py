@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.data import Batch, BigramData
+from meshjob_trainer.events import CheckpointRestored, CheckpointWritten, PipelineFractions, StepFinished
 from meshjob_trainer.model import StageModule, local_shards
 from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, reduce_gradients
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
@@ -132,7 +133,10 @@ def _restore(ctx: Any, rt: StageRuntime) -> int:
     if ctx.checkpoints is None:
         return 0
     restored = ctx.checkpoints.restore(rt.module, rt.optimizer)
-    return 0 if restored is None else int(restored)
+    if restored is None:
+        return 0
+    ctx.events.emit(CheckpointRestored(rt.stage, int(restored)))
+    return int(restored)
 
 
 def _save(ctx: Any, rt: StageRuntime, steps_done: int) -> None:
@@ -141,8 +145,7 @@ def _save(ctx: Any, rt: StageRuntime, steps_done: int) -> None:
         return
     start = time.perf_counter()
     ctx.checkpoints.save(steps_done, rt.module, rt.optimizer)
-    if ctx.metrics is not None:
-        ctx.metrics.record_checkpoint(time.perf_counter() - start, steps_done)
+    ctx.events.emit(CheckpointWritten(rt.stage, steps_done, time.perf_counter() - start))
 
 
 def train(ctx: Any) -> TrainResult:
@@ -164,11 +167,10 @@ def train(ctx: Any) -> TrainResult:
         total.merge_step(stats)
         if rt.module.is_last:
             losses.append(loss)
-        if ctx.metrics is not None:
-            ctx.metrics.record_step(seconds, tokens, loss, step + 1)
-            bubble = min(1.0, max(0.0, 1.0 - stats.compute_s / seconds)) if seconds > 0 else 0.0
-            overlap = min(1.0, max(0.0, 1.0 - stats.wait_s / comm)) if comm > 0 else 0.0
-            ctx.metrics.record_pipeline(rt.stage, bubble, overlap)
+        ctx.events.emit(StepFinished(rt.stage, step + 1, seconds, tokens, loss))
+        bubble = min(1.0, max(0.0, 1.0 - stats.compute_s / seconds)) if seconds > 0 else 0.0
+        overlap = min(1.0, max(0.0, 1.0 - stats.wait_s / comm)) if comm > 0 else 0.0
+        ctx.events.emit(PipelineFractions(rt.stage, bubble, overlap))
         _save(ctx, rt, step + 1)
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
                        job.training.steps, rt.transport.comm_s, step_seconds)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from meshjob.api import MASTER_PORT
 from meshjob_trainer.dist import (DEFAULT_TIMEOUT_S, DistError, NodeEnv, WorkerContext, WorkerEnv, WorkerSettings,
                                   check_world_size, device_for_backend, init_distributed, shutdown_distributed)
+from meshjob_trainer.events import Fanout, MetricsSink
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,13 @@ def agree_on_plan(plan: Any, rank: int) -> None:
                         f"use a deterministic balancer (spec.resharding.balancer: greedy or load_balance)")
 
 
-def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, device: str = "cpu") -> WorkerContext:
-    from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
+def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> Any:
+    """This rank's Prometheus exporter, serving on MESHJOB_METRICS_PORT + LOCAL_RANK when that is set."""
     from meshjob_trainer.metrics import TrainerMetrics
-    from meshjob_trainer.reshard import ReshardExecutor
-    from meshjob_trainer.status import PodStatus, ReportingMetrics
 
     job, plan = setup.job, setup.plan
-    stage = plan.placement.stage_of(env.rank)
     host = plan.placement.hosts[plan.placement.host_of(env.rank)].name
-    metrics = TrainerMetrics(job=job.name, rank=env.rank, host=host, stage=stage)
+    metrics = TrainerMetrics(job=job.name, rank=env.rank, host=host, stage=plan.placement.stage_of(env.rank))
     metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
                      ",".join("x".join(map(str, s.mesh)) for s in job.stages))
     if settings.metrics_port is not None:  # ranks sharing a pod (or a machine) take consecutive ports
@@ -76,33 +74,44 @@ def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, devi
         except (OSError, ValueError) as err:
             raise DistError(f"rank {env.rank}: cannot serve metrics on port {port} (MESHJOB_METRICS_PORT="
                             f"{settings.metrics_port} + LOCAL_RANK={env.local_rank}): {err}") from err
-    status = PodStatus.in_pod(settings) if env.local_rank == 0 else PodStatus()  # one reporter per pod
-    reported = ReportingMetrics(metrics, status) if status.enabled else metrics
+    return metrics
+
+
+def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, events: MetricsSink,
+                 device: str = "cpu") -> WorkerContext:
+    from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
+    from meshjob_trainer.reshard import ReshardExecutor
+
+    job, plan = setup.job, setup.plan
     directory = settings.checkpoint_dir or job.training.checkpoint.path
-    checkpoints = (Checkpointer(Path(directory), env.rank, env.world_size,
-                                spec_fingerprint(job, env.world_size), status=status) if directory else None)
-    reshard = ReshardExecutor(plan, env.rank, metrics, device=device)
-    return WorkerContext(env=env, job=job, plan=plan, stage=stage, reshard=reshard, metrics=reported,
-                         checkpoints=checkpoints, status=status, device=device)
+    checkpoints = (Checkpointer(Path(directory), env.rank, env.world_size, spec_fingerprint(job, env.world_size))
+                   if directory else None)
+    reshard = ReshardExecutor(plan, env.rank, events, device=device)
+    return WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank), reshard=reshard,
+                         events=events, checkpoints=checkpoints, device=device)
 
 
-def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """One rank: returns what the training loop returns (meshjob_trainer.train.TrainResult)."""
+def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeout_s: float = DEFAULT_TIMEOUT_S,
+               listeners: Sequence[MetricsSink] = ()) -> Any:
+    """One rank: returns what the training loop returns (meshjob_trainer.train.TrainResult). Its events
+    go to its Prometheus exporter, its pod's annotations (local rank 0 in a pod) and `listeners`."""
+    from meshjob_trainer.status import PodStatus
+    from meshjob_trainer.train import train
+
     check_world_size(env, setup.plan.placement.world_size, setup.job.name)
     backend = init_distributed(env, timeout_s)
-    ctx = None
+    metrics = None
     try:
         agree_on_plan(setup.plan, env.rank)
-        ctx = make_context(env, settings, setup, device_for_backend(backend))
-        from meshjob_trainer.train import train
-
-        result = train(ctx)
-        ctx.status.flush()
+        metrics = serve_metrics(env, settings, setup)
+        status = PodStatus.in_pod(settings) if env.local_rank == 0 else PodStatus()  # one reporter per pod
+        events = Fanout((metrics, *([status] if status.enabled else []), *listeners))
+        result = train(make_context(env, settings, setup, events, device_for_backend(backend)))
+        status.flush()
         return result
     finally:
-        if ctx is not None:
-            ctx.metrics.close()
+        if metrics is not None:
+            metrics.close()
         shutdown_distributed()
 
 

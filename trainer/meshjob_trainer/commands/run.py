@@ -23,7 +23,8 @@ from rich.console import Console
 
 from meshjob.units import parse_rate
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
-from meshjob_trainer.emulate.progress import ProgressView, RunStats, hook_trainer_metrics, summary_table
+from meshjob_trainer.emulate.progress import ProgressView, RunStats, summary_table
+from meshjob_trainer.events import Event, StepFinished
 from meshjob_trainer.launch import LaunchResult, RankContext, launch_with_restarts
 
 HELP = "run a TrainingJob on this machine on an emulated cluster"
@@ -54,13 +55,13 @@ class RunSetup:
 
 
 def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
-    """In a forked rank, inside its host's namespace: the trainer's worker, observed through its
-    TrainerMetrics calls."""
+    """In a forked rank, inside its host's namespace: the trainer's worker; its events also go to the
+    launcher's event pipe."""
     from meshjob_trainer.dist import WorkerSettings
     from meshjob_trainer.worker import JobSetup, run_worker
 
-    hook_trainer_metrics(lambda **event: ctx.events.emit(event))
-    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir), JobSetup(setup.job, setup.plan))
+    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir), JobSetup(setup.job, setup.plan),
+               listeners=(ctx.events,))
 
 
 def _validate_args(args: argparse.Namespace) -> None:
@@ -80,7 +81,8 @@ def _validate_args(args: argparse.Namespace) -> None:
 
 
 class MetricsFeed:
-    """The launcher's own TrainerMetrics: one series per figure, fed with aggregated values.
+    """The launcher's own TrainerMetrics, fed with every rank's events: steps once every rank has
+    finished one (timed by the slowest, as the last stage's), every other event as it comes.
 
     Per-host series (achieved NIC bandwidth) carry the host names of the plan that the ranks
     report, so the launcher's endpoint shows the same hosts a pod's would. Ranks forked while it
@@ -96,26 +98,16 @@ class MetricsFeed:
         self.metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
                               ",".join("x".join(map(str, s.mesh)) for s in job.stages))
         self.port = self.metrics.serve(port)
+        self.stage = last
         self._reported_step = 0
 
-    def on_event(self, event: dict, stats: RunStats) -> None:
-        kind = event.get("kind")
-        if kind == "reshard":
-            self.metrics.record_resharding(event["strategy"], event["scope"], event["boundary"],
-                                           int(event["bytes"]), float(event["seconds"]))
-        elif kind == "nic":
-            self.metrics.record_nic(str(event["host"]), float(event["bytes_per_second"]))
-        elif kind == "ratio":
-            self.metrics.record_resharding_ratio(event["boundary"], float(event["value"]))
-        elif kind == "unit_tasks":
-            self.metrics.record_unit_tasks(str(event["balancer"]), int(event["count"]))
-        elif kind == "pipeline":
-            self.metrics.record_pipeline(int(event["stage"]), float(event["bubble"]), float(event["overlap"]))
-        elif kind == "checkpoint":
-            self.metrics.record_checkpoint(float(event["seconds"]), int(event["step"]))
+    def on_event(self, event: Event, stats: RunStats) -> None:
+        """After `stats` took `event` in."""
+        if not isinstance(event, StepFinished):
+            self.metrics.emit(event)
         while self._reported_step < stats.step:  # a step every rank has finished
             s = self._reported_step + 1
-            self.metrics.record_step(stats.step_seconds[s], stats.step_tokens[s], stats.loss, step=s)
+            self.metrics.emit(StepFinished(self.stage, s, stats.step_seconds[s], stats.step_tokens[s], stats.loss))
             self._reported_step = s
 
     def restart(self, resume_step: int) -> None:
@@ -179,9 +171,8 @@ def run(args: argparse.Namespace) -> int:
                 feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
                 console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
             with ProgressView(stats, console, enabled=not args.quiet) as view:
-                def on_event(rank: int, event: dict) -> None:
-                    event = {**event, "rank": rank}
-                    stats.add(event)
+                def on_event(rank: int, event: Event) -> None:
+                    stats.add(rank, event)
                     if feed is not None:
                         feed.on_event(event, stats)
                     view.update()

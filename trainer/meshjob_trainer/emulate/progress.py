@@ -1,78 +1,24 @@
-"""Progress of a running gang: events from the ranks, aggregated figures, rich bar and summary.
+"""Progress of a running gang: the ranks' events aggregated, a rich progress bar and summary.
 
-Ranks send JSON events through the launcher's pipe (RankContext.report). Schema (`kind` first):
-  step:       stage, step (None: count), seconds, tokens (of the global batch), loss (NaN: no loss here)
-  reshard:    boundary "a->b", strategy, scope, bytes (received by this rank), seconds
-  checkpoint: step, seconds
-  pipeline:   stage, bubble, overlap (fractions)
-  nic:        host (the rank's host name in the plan), bytes_per_second (achieved while resharding)
-  ratio:      boundary "a->b", value (resharding time over its lower bound)
-  unit_tasks: balancer, count
-`hook_trainer_metrics` produces them from the trainer's own TrainerMetrics calls, so the trainer
-needs no second reporting path.
+Ranks emit the trainer's typed events (meshjob_trainer.events) into the launcher's event pipe;
+RunStats aggregates the kinds its summary shows (each kind has its handler below) and ignores the
+others, which still reach the run's metrics endpoint (commands.run.MetricsFeed).
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-
-def hook_trainer_metrics(report: Callable[..., None]) -> None:
-    """In a forked rank: make every TrainerMetrics.record_* call also report a progress event."""
-    from meshjob_trainer.metrics import TrainerMetrics
-
-    orig_step = TrainerMetrics.record_step
-    orig_reshard = TrainerMetrics.record_resharding
-    orig_ckpt = TrainerMetrics.record_checkpoint
-    orig_pipe = TrainerMetrics.record_pipeline
-    orig_nic = TrainerMetrics.record_nic
-    orig_ratio = TrainerMetrics.record_resharding_ratio
-    orig_tasks = TrainerMetrics.record_unit_tasks
-
-    def record_step(self: Any, seconds: float, tokens: int, loss: float, step: int | None = None) -> None:
-        orig_step(self, seconds, tokens, loss, step)
-        report(kind="step", stage=self.stage, step=step, seconds=seconds, tokens=tokens, loss=loss)
-
-    def record_resharding(self: Any, strategy: str, scope: str, boundary: str, nbytes: int,
-                          seconds: float) -> None:
-        orig_reshard(self, strategy, scope, boundary, nbytes, seconds)
-        report(kind="reshard", boundary=str(boundary), strategy=strategy, scope=scope, bytes=nbytes,
-               seconds=seconds)
-
-    def record_checkpoint(self: Any, seconds: float, step: int) -> None:
-        orig_ckpt(self, seconds, step)
-        report(kind="checkpoint", step=step, seconds=seconds)
-
-    def record_pipeline(self: Any, stage: int, bubble_fraction: float, overlap_fraction: float) -> None:
-        orig_pipe(self, stage, bubble_fraction, overlap_fraction)
-        report(kind="pipeline", stage=stage, bubble=bubble_fraction, overlap=overlap_fraction)
-
-    def record_nic(self: Any, host: str, bytes_per_second: float) -> None:
-        orig_nic(self, host, bytes_per_second)
-        report(kind="nic", host=host, bytes_per_second=bytes_per_second)
-
-    def record_resharding_ratio(self: Any, boundary: str, seconds_over_lower_bound: float) -> None:
-        orig_ratio(self, boundary, seconds_over_lower_bound)
-        report(kind="ratio", boundary=str(boundary), value=seconds_over_lower_bound)
-
-    def record_unit_tasks(self: Any, balancer: str, count: int) -> None:
-        orig_tasks(self, balancer, count)
-        report(kind="unit_tasks", balancer=balancer, count=count)
-
-    TrainerMetrics.record_step = record_step  # type: ignore[method-assign]
-    TrainerMetrics.record_resharding = record_resharding  # type: ignore[method-assign]
-    TrainerMetrics.record_checkpoint = record_checkpoint  # type: ignore[method-assign]
-    TrainerMetrics.record_pipeline = record_pipeline  # type: ignore[method-assign]
-    TrainerMetrics.record_nic = record_nic  # type: ignore[method-assign]
-    TrainerMetrics.record_resharding_ratio = record_resharding_ratio  # type: ignore[method-assign]
-    TrainerMetrics.record_unit_tasks = record_unit_tasks  # type: ignore[method-assign]
+from meshjob_trainer.events import (CheckpointWritten, Event, LowerBoundRatio, NicBandwidth, PipelineFractions,
+                                    Resharded, StepFinished, UnitTasks)
 
 
 @dataclass
@@ -101,43 +47,57 @@ class RunStats:
     resumed_from: list[int] = field(default_factory=list)  # per restart: steps already done
     _awaiting_resume: bool = False
 
-    def add(self, event: dict) -> None:
-        kind, rank = event.get("kind"), int(event.get("rank", -1))
+    def add(self, rank: int, event: Event) -> None:
+        """One event from rank `rank`."""
         now = time.monotonic()
         self.first_event_s = now if self.first_event_s is None else self.first_event_s
         self.last_event_s = now
-        if kind == "step":
-            step = event.get("step")
-            step = self.last_step.get(rank, 0) + 1 if step is None else int(step)
-            if self._awaiting_resume:  # the first step a restarted gang finishes
-                self.resumed_from.append(step - 1)
-                self._awaiting_resume = False
-            self.last_step[rank] = step
-            self.step_seconds[step] = max(self.step_seconds[step], float(event["seconds"]))
-            self.step_tokens[step] = int(event["tokens"])
-            loss = float(event["loss"])
-            if not math.isnan(loss):
-                self.loss = loss
-                self.losses.append((step, loss))
-        elif kind == "reshard":
-            self.reshard_bytes += int(event["bytes"])
-            self.reshard_seconds += float(event["seconds"])
-            acc = self.reshard_by_boundary.setdefault(event["boundary"], [0.0, 0.0, 0.0])
-            acc[0] += float(event["bytes"])
-            acc[1] += float(event["seconds"])
-            acc[2] += 1
-        elif kind == "checkpoint":
-            self.checkpoint_step = int(event["step"])
-        elif kind == "pipeline":
-            self.pipeline[int(event["stage"])] = (float(event["bubble"]), float(event["overlap"]))
-        elif kind == "nic":
-            host = str(event["host"])
-            self.nic_bytes_per_s[host] = max(self.nic_bytes_per_s.get(host, 0.0), float(event["bytes_per_second"]))
-        elif kind == "ratio":
-            self.lower_bound_ratio[str(event["boundary"])] = float(event["value"])
-        elif kind == "unit_tasks":
-            balancer = str(event["balancer"])
-            self.unit_tasks[balancer] = self.unit_tasks.get(balancer, 0) + int(event["count"])
+        self._add(event, rank)
+
+    @functools.singledispatchmethod
+    def _add(self, event: Event, rank: int) -> None:
+        """Kinds the summary does not show."""
+
+    @_add.register
+    def _step(self, event: StepFinished, rank: int) -> None:
+        if self._awaiting_resume:  # the first step a restarted gang finishes
+            self.resumed_from.append(event.step - 1)
+            self._awaiting_resume = False
+        self.last_step[rank] = event.step
+        self.step_seconds[event.step] = max(self.step_seconds[event.step], event.seconds)
+        self.step_tokens[event.step] = event.tokens
+        if not math.isnan(event.loss):
+            self.loss = event.loss
+            self.losses.append((event.step, event.loss))
+
+    @_add.register
+    def _resharded(self, event: Resharded, rank: int) -> None:
+        self.reshard_bytes += event.nbytes
+        self.reshard_seconds += event.seconds
+        acc = self.reshard_by_boundary.setdefault(str(event.boundary), [0.0, 0.0, 0.0])
+        acc[0] += event.nbytes
+        acc[1] += event.seconds
+        acc[2] += 1
+
+    @_add.register
+    def _checkpoint(self, event: CheckpointWritten, rank: int) -> None:
+        self.checkpoint_step = event.step
+
+    @_add.register
+    def _pipeline(self, event: PipelineFractions, rank: int) -> None:
+        self.pipeline[event.stage] = (event.bubble, event.overlap)
+
+    @_add.register
+    def _nic(self, event: NicBandwidth, rank: int) -> None:
+        self.nic_bytes_per_s[event.host] = max(self.nic_bytes_per_s.get(event.host, 0.0), event.bytes_per_second)
+
+    @_add.register
+    def _ratio(self, event: LowerBoundRatio, rank: int) -> None:
+        self.lower_bound_ratio[str(event.boundary)] = event.ratio
+
+    @_add.register
+    def _unit_tasks(self, event: UnitTasks, rank: int) -> None:
+        self.unit_tasks[event.balancer] = self.unit_tasks.get(event.balancer, 0) + event.count
 
     def restart(self) -> None:
         """A new gang resumes from the checkpoint: steps after it will be reported again."""
