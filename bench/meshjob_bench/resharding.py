@@ -317,55 +317,49 @@ def print_table(rows: list[Row], title: str) -> None:
             console.print(table)
 
 
-def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
-    """PNG figures like the paper's figures 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
+def _bars(rows: list[Row], series: Callable[[Row], str], names: Sequence[str], title: str, path: str,
+          legend: dict[str, Any]) -> str:
+    """One grouped bar chart of time / L: a group per case, a bar per series name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cases = list(dict.fromkeys(r.case for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.8), 4.5))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ys = [next((r.over_limit for r in rows if r.case == c and series(r) == name), math.nan) for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=name)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=45, ha="right")
+    ax.set_ylabel("time / physical limit L")
+    ax.set_title(title)
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
+    """PNG figures like the paper's figures 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
     paths = []
     main = [r for r in rows if r.balancer == MAIN_BALANCER]
     for section, fig_name, number in (("one_to_many", "fig5_one_to_many.png", 5),
                                       ("many_to_many", "fig6_many_to_many.png", 6)):
         sec = [r for r in main if r.section == section]
-        if not sec:
-            continue
-        cases = list(dict.fromkeys(r.case for r in sec))
-        labels = list(dict.fromkeys(r.label for r in sec))
-        fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.8), 4.5))
-        width = 0.8 / len(labels)
-        for j, label in enumerate(labels):
-            ys = [next((r.over_limit for r in sec if r.case == c and r.label == label), math.nan) for c in cases]
-            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=label)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=45, ha="right")
-        ax.set_ylabel("time / physical limit L")
-        ax.set_title(f"Fig. {number}-style: {section.replace('_', '-')} resharding ({subtitle})")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, fig_name))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        if sec:
+            labels = list(dict.fromkeys(r.label for r in sec))
+            title = f"Fig. {number}-style: {section.replace('_', '-')} resharding ({subtitle})"
+            paths.append(_bars(sec, lambda r: r.label, labels, title, os.path.join(out_dir, fig_name),
+                               {"fontsize": 7, "ncol": 2}))
     bal = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"]
     kmax = max((r.chunks for r in bal), default=0)
     bal = [r for r in bal if r.chunks == kmax]
     if bal:
-        cases = list(dict.fromkeys(r.case for r in bal))
-        fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.8), 4.5))
-        width = 0.8 / len(BALANCERS)
-        for j, b in enumerate(BALANCERS):
-            ys = [next((r.over_limit for r in bal if r.case == c and r.balancer == b), math.nan) for c in cases]
-            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=b)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=45, ha="right")
-        ax.set_ylabel("time / physical limit L")
-        ax.set_title(f"Fig. 8-style: balancers, broadcast K={kmax} ({subtitle})")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "fig8_balancers.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_bars(bal, lambda r: r.balancer, BALANCERS, f"Fig. 8-style: balancers, broadcast K={kmax} "
+                           f"({subtitle})", os.path.join(out_dir, "fig8_balancers.png"), {"fontsize": 8}))
     return paths
 
 
