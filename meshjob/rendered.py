@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from meshjob.placement import Host, dump_hosts, load_hosts
 from meshjob.plan import Plan, build_plan
@@ -41,10 +41,11 @@ class PlanInputs:
     cost: CostModel = field(default_factory=CostModel)
 
     @classmethod
-    def of(cls, job: TrainingJob, hosts: tuple[Host, ...] | None = None,
+    def of(cls, job: TrainingJob, hosts: Sequence[Host] | None = None,
            nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S) -> PlanInputs:
-        """The cost model build_plan assumes for this NIC rate."""
-        return cls(job, hosts, nic_bytes_per_s, CostModel(nic_bytes_per_s=nic_bytes_per_s))
+        """With the cost model build_plan assumes for this NIC rate."""
+        return cls(job, None if hosts is None else tuple(hosts), nic_bytes_per_s,
+                   CostModel(nic_bytes_per_s=nic_bytes_per_s))
 
     def build(self) -> Plan:
         return build_plan(self.job, self.hosts, nic_bytes_per_s=self.nic_bytes_per_s, cost=self.cost)
