@@ -28,6 +28,12 @@ needs_netns = pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespac
 FORWARD = BoundaryKey(0, 1, "activation")
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN: a suite
+    run in the background would start `meshjob run` deaf to Ctrl-C. Give it the terminal's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """`meshjob run` in a subprocess, tagged so that every process it forks can be found."""
 
@@ -37,7 +43,8 @@ class Run:
         env = {**os.environ, "MESHJOB_TEST_TAG": self.tag}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshjob.cli", "run", str(job), "--quiet", "--json", str(self.json_path), *args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_ctrl_c_as_at_a_terminal)
 
     def wait(self, timeout: float = 150) -> int:
         try:
