@@ -120,14 +120,13 @@ class MetricsFeed:
 
 def run(args: argparse.Namespace) -> int:
     from meshjob.placement import default_hosts, load_hosts
-    from meshjob.plan import build_plan
+    from meshjob.rendered import PlanInputs
     from meshjob.spec import load_job
 
     _validate_args(args)
     job = load_job(args.job)
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
-    nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
-    plan = build_plan(job, hosts, nic_bytes_per_s=nic_bytes_per_s)
+    plan = PlanInputs.of(job, hosts, parse_rate(args.nic_rate, "--nic-rate")).build()  # inherited by every rank
     placement = plan.placement
     rank_hosts = [placement.host_of(r) for r in range(placement.world_size)]
     used = sorted(set(rank_hosts))

@@ -1,4 +1,5 @@
-"""A cluster emulated on one machine: network namespaces per host, forked worker ranks.
+"""A cluster emulated on one machine: network namespaces per host (netns), and the progress of a
+run on it (progress); meshjob_trainer.launch forks the ranks into it.
 
 Imports no torch: the trainer is imported inside the functions that run ranks.
 """
