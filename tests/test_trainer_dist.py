@@ -1,6 +1,8 @@
 """Worker environment and settings, process-group formation and the gang launcher, with real processes."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 
@@ -196,6 +198,29 @@ def test_worker_refuses_a_node_rank_beyond_the_jobs_hosts(monkeypatch, capsys, o
 def test_worker_reports_an_invalid_spec_field_and_exits_2(monkeypatch, capsys, one_host_job):
     assert worker_cli(monkeypatch, "--job", one_host_job(microbatches=3)) == 2
     assert "spec.training.microbatches: 3 is invalid" in capsys.readouterr().err
+
+
+def test_worker_refuses_to_run_without_the_rendered_plan_it_was_told_of(monkeypatch, capsys, one_host_job, tmp_path):
+    missing = tmp_path / "plan.json"
+    assert worker_cli(monkeypatch, "--job", one_host_job(), "--nproc", "4", MESHJOB_PLAN=str(missing)) == 1
+    assert f"the rendered plan {missing} cannot be read" in capsys.readouterr().err
+
+
+def test_worker_refuses_a_plan_other_than_the_rendered_one_naming_both_digests(monkeypatch, capsys, one_host_job,
+                                                                               tmp_path):
+    from meshjob import rendered
+    from meshjob.spec import load_job
+
+    job = one_host_job()
+    inputs = rendered.PlanInputs.of(load_job(job), nic_bytes_per_s=1e9 / 8)
+    theirs = json.loads(rendered.render(dataclasses.replace(inputs, hosts=inputs.build().placement.hosts),
+                                        inputs.build())[rendered.PLAN_FILE])
+    theirs["nic_bytes_per_s"] = 1e8 / 8  # the operator planned for another NIC than the one recorded
+    (tmp_path / "plan.json").write_text(json.dumps(theirs))
+    assert worker_cli(monkeypatch, "--job", job, "--nproc", "4", MESHJOB_PLAN=str(tmp_path / "plan.json")) == 1
+    err = capsys.readouterr().err
+    assert theirs["digest"] in err and "differs from the one the operator rendered" in err
+    assert "nic_bytes_per_s" in err
 
 
 @pytest.mark.slow
