@@ -1,30 +1,322 @@
-"""The network model every planner and predictor shares: host links and a per-message cost.
+"""The one network model: host links, a per-message cost, and what each unit task costs on them.
 
-Each host has an egress and an ingress link (full duplex, as real NICs and `tc tbf` on both veth ends
-of the emulated cluster are) at `nic_bytes_per_s` each, and a separate intra-host link for copies
-between its own devices. Every message (one chunk of one step) costs `message_s` on top of its bytes.
+The balancers (all four), their lower bound, the simulator and `meshjob plan` read this module and
+nothing else about the network, so the plan optimises the problem that runs:
+
+- every host has an egress and an ingress link of `nic_bytes_per_s` each (full duplex, as real NICs
+  are, and as `tc tbf` on both ends of each emulated host's veth is);
+- copies between devices of one host use a separate intra-host link (`intra_host_bytes_per_s`);
+- every message (one chunk of one point-to-point step) costs `message_s` on its link on top of its
+  bytes: the syscalls, framing and the receiver's wake-up of one send. It is what makes chunks cost
+  something, so `chunks: auto` can pick K.
+
+`duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
+kept for the ablation in `meshjob bench planner` only.
+
+A unit task at host level (HostTask) costs, from a chosen sender host, a duration and a set of NIC
+links it holds for that duration (TaskCost). Durations follow the strategies of "On Optimizing the
+Communication of Model Parallelism" (Zhuang et al., 2022) §3.1, written as pipelines of messages:
+a chain of K chunks whose stages take s_1..s_n per chunk ends after sum(s) + (K - 1) max(s) (with
+B = 1 and no message cost that is the paper's t + (A - 1) t / K).
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
-# Per-message cost on the emulated cluster (gloo point-to-point over a tbf-shaped veth, 2 cores):
-# fitted to DESIGN.md's chain measurements (64 MiB over 1 gbit, K = 16..256 chunks, 1-3 hops).
+from meshjob.resharding import STRATEGIES
+
+DUPLEX = ("full", "half")
+Link = tuple[int, str]  # (host, "out" | "in") full duplex, (host, "nic") half duplex, (host, "local")
+
+# Per-message cost on the emulated cluster (gloo point-to-point between network namespaces over a
+# tbf-shaped veth, 2 cores): the slope of a one-hop transfer's time over its number of chunks,
+# measured by `meshjob bench message-cost` (bench/results/message_cost.json).
 DEFAULT_MESSAGE_S = 50e-6
-MAX_AUTO_CHUNKS = 256  # more chunks gain < 1% at any size measured, and every chunk is a plan step
+MAX_AUTO_CHUNKS = 256  # beyond this, chunks gain < 1% at every size measured, and each is a plan step
+MAX_CHUNKS = 1 << 30  # no cap from the slice's shape
+
+
+@dataclass(frozen=True)
+class HostTask:
+    """A unit task lifted to hosts: any one of `sender_hosts` may send the slice to every
+    receiving host (in chain order: the order the lowering visits them)."""
+
+    sender_hosts: tuple[int, ...]
+    receiver_hosts: tuple[int, ...]
+    bytes: int
+    receiver_devices: tuple[int, ...] = ()  # devices needing the slice per receiving host (default 1 each)
+    max_chunks: int = MAX_CHUNKS  # the slice cannot be cut into more pieces (its longest dim)
+    # Tasks that queue on this one's busiest receiving link (itself included): chunks: auto weighs
+    # the chain's fill, which only the last of them exposes, against every chunk's message cost,
+    # which they all pay.
+    share: int = 1
+
+    def devices_on(self, host: int) -> int:
+        if not self.receiver_devices:
+            return 1
+        return self.receiver_devices[self.receiver_hosts.index(host)]
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """A task from one sender: it ends `seconds` after it starts, and holds each of `links` from
+    `offsets[i]` to `offsets[i] + busy[i]` after its start (a chain's later hops start later; a
+    host's in-link is free again while its devices copy the slice among themselves)."""
+
+    seconds: float
+    links: tuple[Link, ...]  # NIC links the task holds
+    chunks: int  # K of a broadcast chain (1 for the other strategies)
+    offsets: tuple[float, ...] = ()  # per link; empty: every link from 0 for `seconds`
+    busy: tuple[float, ...] = ()
+
+    def holds(self) -> tuple[tuple[Link, float, float], ...]:
+        """(link, offset, busy) for every held link."""
+        if not self.offsets:
+            return tuple((link, 0.0, self.seconds) for link in self.links)
+        return tuple(zip(self.links, self.offsets, self.busy))
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    nic_bytes_per_s: float = 1e9 / 8  # per host and direction
+    message_s: float = DEFAULT_MESSAGE_S
+    intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
+    duplex: str = "full"
+    burst_bytes: float = 0.0  # a token bucket per NIC link (tc tbf's burst); 0 = a plain link
+    line_bytes_per_s: float = 10e9 / 8  # how fast a burst leaves (the veth / wire under the shaper)
+    # The executor keeps at most this many chunks in flight per link: one on the wire while the next
+    # is posted; more would let the NIC's queue, not the plan, decide the order.
+    in_flight_per_link: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("nic_bytes_per_s", "intra_host_bytes_per_s", "line_bytes_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
+        for name in ("message_s", "burst_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
+        if self.duplex not in DUPLEX:
+            raise ValueError(f"duplex {self.duplex!r} is invalid: one of {', '.join(DUPLEX)}")
+        if not isinstance(self.in_flight_per_link, int) or self.in_flight_per_link < 1:
+            raise ValueError(f"in_flight_per_link {self.in_flight_per_link!r} is invalid: an integer >= 1")
+
+    # ---------------------------------------------------------------- links and messages
+    def link(self, host: int, direction: str) -> Link:
+        """The link a host sends ("out") or receives ("in") on; half duplex: one for both."""
+        if direction == "local":
+            return (host, "local")
+        return (host, "nic") if self.duplex == "half" else (host, direction)
+
+    def net_s(self, nbytes: float) -> float:
+        """One message between hosts."""
+        return nbytes / self.nic_bytes_per_s + self.message_s
+
+    def local_s(self, nbytes: float) -> float:
+        """One message between devices of one host."""
+        return nbytes / self.intra_host_bytes_per_s + self.message_s
+
+    def to_json(self) -> dict[str, object]:
+        return {"nic_bytes_per_s": self.nic_bytes_per_s, "message_s": self.message_s,
+                "intra_host_bytes_per_s": self.intra_host_bytes_per_s, "duplex": self.duplex,
+                "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
+                "in_flight_per_link": self.in_flight_per_link}
+
+    # ---------------------------------------------------------------- unit tasks
+    def task_cost(self, task: HostTask, sender: int, strategy: str, chunks: int | str = "auto") -> TaskCost:
+        """Duration and held links of `task` sent from host `sender` by `strategy`."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is invalid: one of {', '.join(STRATEGIES)}")
+        return _task_cost(self, task, sender, strategy, chunks)
+
+    def lower_bound(self, tasks: Sequence[HostTask]) -> float:
+        """No schedule of `tasks` ends sooner: the busiest link's unavoidable messages (one per task
+        it must carry). A receiving host must take in every slice it does not hold; a host must send
+        what only it holds; and the holders of slices that must leave their host share at least
+        evenly what crosses their out-links (half duplex: a host's in and out add up)."""
+        forced: dict[Link, float] = {}
+        pooled, pool_hosts = 0.0, set()
+        for task in tasks:
+            one = self.net_s(task.bytes)
+            for h in set(task.receiver_hosts) - set(task.sender_hosts):
+                _add(forced, self.link(h, "in"), one)
+            if all(set(task.receiver_hosts) - {s} for s in task.sender_hosts):  # every holder must send
+                pooled += one
+                pool_hosts.update(task.sender_hosts)
+                if len(set(task.sender_hosts)) == 1:
+                    _add(forced, self.link(task.sender_hosts[0], "out"), one)
+        most = max(forced.values(), default=0.0)
+        if pool_hosts:
+            most = max(most, pooled / len(pool_hosts))
+        return most
+
+
+def _add(loads: dict[Link, float], link: Link, seconds: float) -> None:
+    loads[link] = loads.get(link, 0.0) + seconds
 
 
 def auto_chunks(nbytes: int, hops: int, nic_bytes_per_s: float, message_s: float = DEFAULT_MESSAGE_S) -> int:
-    """K for a broadcast chain over `hops` receiving hosts: the K that minimises
-    (K + hops - 1) * (t / K + message_s), t = nbytes / rate, i.e. K = sqrt((hops - 1) * t / message_s).
-    One hop gains nothing from chunks (K = 1); a free message would want K as large as allowed."""
-    if hops <= 1:
-        return 1
-    if message_s <= 0:
-        return MAX_AUTO_CHUNKS
-    t = nbytes / nic_bytes_per_s
-    best = math.sqrt((hops - 1) * t / message_s)
-    # The optimum of a convex function of K lies next to the real one: try both integer neighbours.
-    lo = max(1, min(MAX_AUTO_CHUNKS, math.floor(best)))
-    hi = max(1, min(MAX_AUTO_CHUNKS, math.ceil(best)))
-    return min((lo, hi), key=lambda k: ((k + hops - 1) * (t / k + message_s), k))
+    """K for a broadcast chain from a sender to `hops` hosts of one device each: the K that minimises
+    (K + hops - 1) * (t / K + message_s), t = nbytes / rate, i.e. near sqrt((hops - 1) t / message_s).
+    One hop gains nothing from chunks (K = 1); free messages would want as many as allowed."""
+    model = NetworkModel(nic_bytes_per_s=nic_bytes_per_s, message_s=message_s)
+    task = HostTask((0,), tuple(range(1, hops + 1)), nbytes)
+    return model.task_cost(task, 0, "broadcast", "auto").chunks
+
+
+# -------------------------------------------------------------------- strategy costs
+class _Holds:
+    """Link occupancy of one task being costed: link -> (from, to) after the task's start."""
+
+    def __init__(self) -> None:
+        self.spans: dict[Link, tuple[float, float]] = {}
+
+    def add(self, link: Link, begin: float, end: float) -> None:
+        old = self.spans.get(link)
+        self.spans[link] = (begin, end) if old is None else (min(old[0], begin), max(old[1], end))
+
+    def cost(self, seconds: float, chunks: int) -> TaskCost:
+        links = tuple(self.spans)
+        return TaskCost(seconds, links, chunks, tuple(self.spans[k][0] for k in links),
+                        tuple(self.spans[k][1] - self.spans[k][0] for k in links))
+
+
+@functools.lru_cache(maxsize=4096)
+def _task_cost(model: NetworkModel, task: HostTask, sender: int, strategy: str, chunks: int | str) -> TaskCost:
+    own = task.devices_on(sender) if sender in task.receiver_hosts else 0
+    remote = tuple((h, task.devices_on(h)) for h in task.receiver_hosts if h != sender)
+    if strategy in ("broadcast", "signal"):
+        cost = _chain_cost(model, task, sender, own, remote, strategy, chunks)
+    elif strategy == "send_recv":
+        cost = _send_recv_cost(model, task.bytes, sender, own, remote)
+    elif strategy == "local_allgather":
+        cost = _local_allgather_cost(model, task.bytes, sender, own, remote)
+    else:
+        cost = _global_allgather_cost(model, task.bytes, sender, own, remote)
+    if model.duplex == "half":  # the paper's constraint 3: every host of the task, all along
+        hosts = dict.fromkeys([model.link(sender, "out")] + [model.link(h, "in") for h, _ in remote])
+        return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks)
+    return cost
+
+
+def _chain_cost(model: NetworkModel, task: HostTask, sender: int, own: int, remote: tuple[tuple[int, int], ...],
+                strategy: str, chunks: int | str) -> TaskCost:
+    """Pipelined broadcast: sender -> (own host's head) -> head of each remote host in turn."""
+    nbytes = 1 if strategy == "signal" else task.bytes
+    chain = ([(True, own)] if own else []) + [(False, b) for _, b in remote]
+    if strategy == "signal":
+        k = 1
+    elif chunks == "auto":
+        k = _best_chunks(model, nbytes, tuple(chain), min(MAX_AUTO_CHUNKS, task.max_chunks), task.share)
+    else:
+        k = max(1, min(int(chunks), task.max_chunks))
+    seconds, hops, slowest = _chain_s(model, nbytes, tuple(chain), k)
+    holds = _Holds()
+    previous = sender
+    for (h, _), (offset, s) in zip(remote, hops[1:] if own else hops):  # the own host's hop is local
+        busy = s + (k - 1) * slowest  # from its first chunk to its last
+        holds.add(model.link(previous, "out"), offset, offset + busy)
+        holds.add(model.link(h, "in"), offset, offset + busy)
+        previous = h
+    return holds.cost(seconds, k)
+
+
+def _chain_s(model: NetworkModel, nbytes: float, chain: tuple[tuple[bool, int], ...],
+             k: int) -> tuple[float, list[tuple[float, float]], float]:
+    """A pipelined chain of k chunks: per host in chain order (local hop?, devices there), one hop
+    to its head, then the head's copies to its other devices. The last chunk ends after every stage
+    once plus k - 1 times the slowest stage. Returns (seconds, per host (path before its hop, hop
+    time), the slowest stage's time)."""
+    chunk = nbytes / k
+    path = finish = slowest = 0.0
+    hops = []
+    for local, devices in chain:
+        hop = model.local_s(chunk) if local else model.net_s(chunk)
+        fan_out = (devices - 1) * model.local_s(chunk)
+        hops.append((path, hop))
+        path += hop
+        finish = max(finish, path + fan_out)
+        slowest = max(slowest, hop, fan_out)
+    return finish + (k - 1) * slowest, hops, slowest
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_chunks(model: NetworkModel, nbytes: float, chain: tuple[tuple[bool, int], ...], most: int,
+                 share: int = 1) -> int:
+    """K in 1..most minimising the time until the last of `share` such chains queued on one link
+    ends: (share - 1) times a chain's hold of its busiest link (K chunks at the slowest stage), then
+    the whole of one chain. share = 1: the chain alone, the paper's t + (A - 1) t / K plus K
+    message costs. Ties: the fewer chunks."""
+    def objective(k: int) -> float:
+        seconds, _, slowest = _chain_s(model, nbytes, chain, k)
+        return seconds + (share - 1) * k * slowest
+
+    best, best_s = 1, objective(1)
+    for k in range(2, most + 1):
+        value = objective(k)
+        if value < best_s - 1e-15:
+            best, best_s = k, value
+    return best
+
+
+def _send_recv_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
+                    remote: tuple[tuple[int, int], ...]) -> TaskCost:
+    """The sender sends the whole slice to every receiving device, host after host."""
+    holds, sent = _Holds(), 0.0
+    for h, b in remote:
+        holds.add(model.link(h, "in"), sent, sent + b * model.net_s(nbytes))
+        sent += b * model.net_s(nbytes)
+    if remote:
+        holds.add(model.link(sender, "out"), 0.0, sent)
+    return holds.cost(max(sent, own * model.local_s(nbytes)), 1)
+
+
+def _local_allgather_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
+                          remote: tuple[tuple[int, int], ...]) -> TaskCost:
+    """Each host gets its B devices' parts in turn, then all-gathers them over its local link."""
+    holds, sent, finish = _Holds(), 0.0, 0.0
+    for h, b in remote:
+        scatter = b * model.net_s(nbytes / b)
+        holds.add(model.link(h, "in"), sent, sent + scatter)
+        sent += scatter
+        finish = max(finish, sent + _ring_local_s(model, nbytes, b))
+    if remote:
+        holds.add(model.link(sender, "out"), 0.0, sent)
+    local = own * model.local_s(nbytes / own) + _ring_local_s(model, nbytes, own) if own else 0.0
+    return holds.cost(max(finish, local), 1)
+
+
+def _ring_local_s(model: NetworkModel, nbytes: float, devices: int) -> float:
+    """All-gather of `devices` parts of a slice inside one host: devices - 1 rounds, each moving
+    every part one device on, all over the host's local link."""
+    return (devices - 1) * devices * model.local_s(nbytes / devices) if devices > 1 else 0.0
+
+
+def _global_allgather_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
+                           remote: tuple[tuple[int, int], ...]) -> TaskCost:
+    """Alpa's: scatter one part to each of the N receiving devices, then a ring all-gather over all
+    of them (N - 1 rounds; per round a host's segment makes devices - 1 local hops and, when the
+    ring spans hosts, one hop to the next host, so every ring host's links stay busy)."""
+    devices = [b for _, b in remote]
+    n = own + sum(devices)
+    part = nbytes / n
+    scatter = max(sum(devices) * model.net_s(part), own * model.local_s(part))
+    ring_hosts = ([sender] if own else []) + [h for h, _ in remote]
+    round_s = max((b - 1) * model.local_s(part) for b in ([own] if own else []) + devices)
+    if len(ring_hosts) > 1:
+        round_s = max(round_s, model.net_s(part))
+    seconds = scatter + (n - 1) * round_s
+    holds = _Holds()
+    if remote:
+        holds.add(model.link(sender, "out"), 0.0, scatter)
+        for h, _ in remote:
+            holds.add(model.link(h, "in"), 0.0, scatter)
+    if len(ring_hosts) > 1:
+        for h in ring_hosts:
+            holds.add(model.link(h, "out"), 0.0, seconds)
+            holds.add(model.link(h, "in"), 0.0, seconds)
+    return holds.cost(seconds, 1)

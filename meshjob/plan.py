@@ -3,37 +3,45 @@
 build_plan(job) places the stage meshes on hosts, then for every edge builds two Boundaries:
 the forward one (the edge's tensor, src mesh in the `send` layout -> dst mesh in the `recv`
 layout) and the backward one (its gradient, dst mesh in `recv` -> src mesh in `send`), each named
-by a BoundaryKey. Each boundary is decomposed into unit tasks, balanced at host level (sender host and start time per
-task), and lowered task by task, in start order, into point-to-point steps from the chosen sender
-rank. Schedules come from job.schedule; the plan is validated and deterministic.
+by a BoundaryKey. Each boundary is decomposed into unit tasks; the tasks of all boundaries that can be in flight together
+(a window, meshjob.window: the whole step, or gpipe's forward and backward phases) are balanced as
+one problem on the network model (meshjob.network: full-duplex NIC links, per-message cost), which
+picks every task's sender host, order and chunk count; each boundary keeps its share, timed alone.
+Tasks are lowered, in start order, into point-to-point steps from the chosen sender rank (on a
+sender host, the holder with the fewest bytes so far across the window sends). Schedules come from
+job.schedule; the plan is validated and deterministic.
 
-Weight-grad delay (job.schedule.weightGradDelay):
-  off   backward not split (B)
-  on    split into I and W; each stage that sends gradients delays one W
-  auto  split; each stage delays ceil(comm / W) W's (§4 of
-        "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022):
-        the least delay that covers the communication), where comm = the summed balanced makespans of the gradient
-        boundaries the stage sends and W = the weight-grad time of one microbatch from the
-        simulator's cost model (layer_forward_s x layers x samples / (tp x dp) x backward_factor / 2),
-        capped at M - 1.
+Weight-grad delay (job.schedule.weightGradDelay), with the backward split into I and W:
+  off / 0  backward not split (B)
+  on / N   each stage that sends gradients delays min(1 or N, M - 1) W's
+  auto     each stage delays the least number of W's whose compute covers the gradient transfers
+           it sends (§4 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al.,
+           2022): ceil(comm / W), comm = the summed makespans of those backward
+           boundaries, W = the stage's weight-gradient time from the cost model, measured with
+           --calibrate), and never so many that its peak stash exceeds eager-1F1B's stage-0 bound
+           min(M, 2S - 1) (or its own undelayed peak, where that is higher already).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
 
 from meshjob import balance as bal
 from meshjob.boundary import BoundaryKey
+from meshjob.costs import CostModel, StageCost
 from meshjob.mesh import Mesh
-from meshjob.network import auto_chunks
+from meshjob.network import HostTask, NetworkModel
 from meshjob.placement import Host, Placement, default_hosts, place
-from meshjob.resharding import Step, UnitTask, decompose, lower
-from meshjob.schedule import Action, generate, peak_stashed, validate, weight_delay_for
-from meshjob.sharding import ShardingSpec
-from meshjob.simulate import CostModel
+from meshjob.program import RankProgram, rank_programs
+from meshjob.resharding import Step, UnitTask, decompose, lower, nic_bytes
+from meshjob.schedule import (Action, generate, max_delay_within, peak_stashed, stash_bound, validate,
+                              weight_delay_for)
+from meshjob.sharding import ShardingSpec, slice_shape
 from meshjob.spec import ReshardingSpec, TrainingJob
+from meshjob.window import STEP, Window, balance_window, window_groups
 
 ITEMSIZE = 4  # float32 activations
 
@@ -46,11 +54,12 @@ class Boundary:
     recv: ShardingSpec  # layout on the dst mesh
     strategy: str
     balancer: str
-    chunks: int
+    chunks: int | str  # the spec's K, or "auto" (each task's K is in schedule.chunks)
     tasks: tuple[UnitTask, ...]
-    schedule: bal.Schedule
+    schedule: bal.Schedule  # this boundary's share of its window's joint schedule, timed alone
     senders: tuple[int, ...]  # chosen sender rank per task
     steps: tuple[Step, ...]  # lowered, ordered by task start
+    window: int = 0  # index into Plan.windows
 
     @property
     def src(self) -> int:
@@ -93,6 +102,7 @@ class Boundary:
             "strategy": self.strategy,
             "balancer": self.balancer,
             "chunks": self.chunks,
+            "window": self.window,
             "makespan_s": self.makespan_s,
             "lower_bound_s": self.lower_bound_s,
             "num_steps": len(self.steps),
@@ -103,6 +113,7 @@ class Boundary:
                     "receivers": list(task.receivers),
                     "sender": self.senders[i],
                     "bytes": task.bytes,
+                    "chunks": self.schedule.chunks[i],
                     "start_s": self.schedule.start_s[i],
                     "seconds": self.schedule.seconds[i],
                 }
@@ -117,9 +128,16 @@ class Plan:
     placement: Placement
     boundaries: tuple[Boundary, ...]
     schedules: dict[int, tuple[Action, ...]]
-    nic_bytes_per_s: float
+    network: NetworkModel
     split_backward: bool = False
     weight_delay: dict[int, int] = field(default_factory=dict)
+    windows: tuple[Window, ...] = ()
+    stage_costs: dict[int, StageCost] = field(default_factory=dict)  # what sized the weight delays
+    costs_measured: bool = False
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.network.nic_bytes_per_s
 
     def mesh(self, stage: int) -> Mesh:
         return self.placement.mesh(stage)
@@ -129,6 +147,30 @@ class Plan:
             if b.key == key:
                 return b
         raise KeyError(f"no boundary {key} in plan {self.job.name!r}")
+
+    @functools.cached_property
+    def _programs(self) -> dict[int, dict[int, RankProgram]]:
+        return {}  # boundary index -> rank -> program, filled on first use
+
+    def program(self, boundary: Boundary, rank: int) -> RankProgram:
+        """What `rank` sends and receives for one microbatch of `boundary`, in order (meshjob.program).
+        Ordered on plain links: a token bucket changes how fast, not in which order."""
+        index = self.boundaries.index(boundary)
+        if index not in self._programs:
+            plain = replace(self.network, burst_bytes=0.0)
+            self._programs[index] = rank_programs(boundary.steps, self.placement.host_of, plain, ITEMSIZE)
+        return self._programs[index].get(rank, RankProgram(rank, (), (), ()))
+
+    def host_bytes_per_step(self) -> dict[int, tuple[int, int]]:
+        """Bytes each host's NIC sends and receives in one training step (every boundary runs once
+        per microbatch): host index -> (egress, ingress)."""
+        total: dict[int, list[int]] = {}
+        for b in self.boundaries:
+            for host, (out, into) in nic_bytes(b.steps, self.placement.host_of, ITEMSIZE).items():
+                pair = total.setdefault(host, [0, 0])
+                pair[0] += out * self.job.training.microbatches
+                pair[1] += into * self.job.training.microbatches
+        return {h: (o, i) for h, (o, i) in sorted(total.items())}
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON: the plan's one fingerprint. Ranks that built their plan on
@@ -142,8 +184,10 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The `meshjob plan --json` contract (placement, boundaries, schedules) plus hosts, meshes,
-        world size and the schedule settings."""
+        world size, the network (model, windows, per-host bytes per step), the costs and the
+        schedule settings."""
         placement = self.placement
+        microbatches = self.job.training.microbatches
         return {
             "job": self.job.name,
             "world_size": placement.world_size,
@@ -157,6 +201,16 @@ class Plan:
                 for s, m in ((s, self.mesh(s)) for s in range(len(self.job.stages)))
             ],
             "placement": placement.to_json(),
+            "network": {
+                "model": self.network.to_json(),
+                "windows": [w.to_json() for w in self.windows],
+                "hosts": [{"host": placement.hosts[h].name, "egress_bytes": out, "ingress_bytes": into,
+                           "egress_s": out / self.nic_bytes_per_s, "ingress_s": into / self.nic_bytes_per_s}
+                          for h, (out, into) in self.host_bytes_per_step().items()],
+                "per": f"step ({microbatches} microbatches)",
+            },
+            "costs": {"measured": self.costs_measured,
+                      "stages": {str(s): c.to_json() for s, c in sorted(self.stage_costs.items())}},
             "boundaries": [b.to_json() for b in self.boundaries],
             "schedule": {
                 "kind": self.job.schedule.kind,
@@ -164,6 +218,7 @@ class Plan:
                 "split_backward": self.split_backward,
                 "weight_delay": {str(s): d for s, d in sorted(self.weight_delay.items())},
                 "peak_stashed": {str(s): n for s, n in peak_stashed(self.schedules).items()},
+                "stash_bound": stash_bound(len(self.job.stages), microbatches),
             },
             "schedules": {str(s): [str(a) for a in actions] for s, actions in sorted(self.schedules.items())},
         }
@@ -173,29 +228,57 @@ def _sha256(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _host_tasks(tasks: Sequence[UnitTask], host_of: Callable[[int], int]) -> list[bal.HostTask]:
-    def hosts(ranks: Sequence[int]) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(host_of(r) for r in ranks))
+# ------------------------------------------------------------------------------ boundaries
+@dataclass(frozen=True)
+class _Edge:
+    """One direction of an edge, decomposed: what a window balances."""
 
-    return [bal.HostTask(hosts(t.senders), hosts(t.receivers), t.bytes) for t in tasks]
+    key: BoundaryKey
+    shape: tuple[int, ...]
+    send: ShardingSpec
+    recv: ShardingSpec
+    tasks: tuple[UnitTask, ...]
+    host_tasks: tuple[HostTask, ...]
 
 
-def _receivers_per_host(tasks: Sequence[UnitTask], host_of: Callable[[int], int]) -> int:
-    most = 1
-    for task in tasks:
-        counts: dict[int, int] = {}
-        for rank in task.receivers:
-            counts[host_of(rank)] = counts.get(host_of(rank), 0) + 1
-        most = max([most] + list(counts.values()))
-    return most
+def host_task(task: UnitTask, host_of: Callable[[int], int]) -> HostTask:
+    """A unit task lifted to hosts: its holders' hosts, its receivers' hosts (first-seen order,
+    the order the lowering chains them in) with their device counts, and how finely it can be cut."""
+    senders = tuple(dict.fromkeys(host_of(r) for r in task.senders))
+    devices: dict[int, int] = {}
+    for r in task.receivers:
+        devices[host_of(r)] = devices.get(host_of(r), 0) + 1
+    return HostTask(senders, tuple(devices), task.bytes, tuple(devices.values()),
+                    max(slice_shape(task.slice)))
+
+
+def _decompose(key: BoundaryKey, shape: tuple[int, ...], src: tuple[Mesh, ShardingSpec],
+               dst: tuple[Mesh, ShardingSpec], host_of: Callable[[int], int]) -> _Edge:
+    (src_mesh, send), (dst_mesh, recv) = src, dst
+    tasks = tuple(decompose(shape, src_mesh, send, dst_mesh, recv, ITEMSIZE))
+    return _Edge(key, shape, send, recv, tasks, tuple(host_task(t, host_of) for t in tasks))
+
+
+def _directions(job: TrainingJob, placement: Placement) -> list[_Edge]:
+    shape = tuple(job.activation_shape())
+    out: list[_Edge] = []
+    for e in job.edges:
+        forward = BoundaryKey(e.src, e.dst, e.tensor)
+        send, recv = ShardingSpec.parse(e.send, len(shape)), ShardingSpec.parse(e.recv, len(shape))
+        src, dst = (placement.mesh(e.src), send), (placement.mesh(e.dst), recv)
+        out.append(_decompose(forward, shape, src, dst, placement.host_of))
+        out.append(_decompose(forward.backward(), shape, dst, src, placement.host_of))
+    return out
 
 
 def lower_in_start_order(tasks: Sequence[UnitTask], schedule: bal.Schedule, host_of: Callable[[int], int],
-                         strategy: str, chunks: int) -> tuple[tuple[int, ...], tuple[Step, ...]]:
-    """(sender rank per task, the lowered steps in task-start order). On the balancer's sender host the
-    holder with the fewest bytes to send so far sends: spreads a host's sends over its devices.
-    Decided in start order, so it is deterministic."""
-    load: dict[int, int] = {}
+                         strategy: str, load: dict[int, int] | None = None
+                         ) -> tuple[tuple[int, ...], tuple[Step, ...]]:
+    """(sender rank per task, the lowered steps in task-start order), each task cut into its
+    schedule.chunks. On the balancer's sender host the holder with the fewest bytes to send so far
+    sends (`load`: rank -> bytes, carried across the boundaries of a window): spreads a host's
+    sends over its devices. Decided in start order, so it is deterministic."""
+    load = {} if load is None else load
     chosen: dict[int, int] = {}
     steps: list[Step] = []
     for i in sorted(range(len(tasks)), key=lambda i: (schedule.start_s[i], i)):
@@ -206,8 +289,41 @@ def lower_in_start_order(tasks: Sequence[UnitTask], schedule: bal.Schedule, host
         rank = min(holders, key=lambda r: (load.get(r, 0), r))
         load[rank] = load.get(rank, 0) + tasks[i].bytes
         chosen[i] = rank
+        chunks = schedule.chunks[i] if schedule.chunks else 1
         steps += lower(tasks[i], i, rank, strategy, chunks, host_of, len(steps))
     return tuple(chosen[i] for i in range(len(tasks))), tuple(steps)
+
+
+def _plan_windows(edges: Sequence[_Edge], groups: Sequence[tuple[str, tuple[int, ...]]],
+                  resharding: ReshardingSpec, host_of: Callable[[int], int], network: NetworkModel,
+                  seed: int) -> tuple[list[Boundary], list[Window]]:
+    """Balance each window of `edges` jointly, then lower every boundary from its share."""
+    spec = resharding
+    tasks = [e.host_tasks for e in edges]
+    shares: dict[int, bal.Schedule] = {}
+    windows: list[Window] = []
+    for name, members in groups:
+        window, share = balance_window(name, members, tasks, spec.balancer, spec.strategy, network, spec.chunks,
+                                       spec.budget_seconds, seed)
+        windows.append(window)
+        shares.update(share)
+    out: list[Boundary] = [None] * len(edges)  # type: ignore[list-item]
+    for w, window in enumerate(windows):
+        load: dict[int, int] = {}  # per-rank send bytes across the window
+        for b in window.boundaries:
+            e = edges[b]
+            senders, steps = lower_in_start_order(e.tasks, shares[b], host_of, spec.strategy, load)
+            out[b] = Boundary(key=e.key, shape=e.shape, send=e.send, recv=e.recv, strategy=spec.strategy,
+                              balancer=spec.balancer, chunks=spec.chunks, tasks=e.tasks, schedule=shares[b],
+                              senders=senders, steps=steps, window=w)
+    return out, windows
+
+
+def _boundaries(job: TrainingJob, placement: Placement, network: NetworkModel
+                ) -> tuple[list[Boundary], list[Window]]:
+    edges = _directions(job, placement)
+    groups = window_groups(job.schedule.kind, [e.key.grad for e in edges])
+    return _plan_windows(edges, groups, job.resharding, placement.host_of, network, job.training.seed)
 
 
 def plan_boundary(
@@ -217,72 +333,55 @@ def plan_boundary(
     dst: tuple[Mesh, ShardingSpec],
     resharding: ReshardingSpec,
     host_of: Callable[[int], int],
-    nic_bytes_per_s: float,
+    nic_bytes_per_s: float = 1e9 / 8,
     seed: int = 0,
+    network: NetworkModel | None = None,
 ) -> Boundary:
-    """Decompose, balance and lower one transfer of a tensor of `shape` from (mesh, layout) `src` to `dst`.
-    The plan's boundaries come from here, and so do the benchmarks' and tests' that need no whole job."""
-    (src_mesh, send), (dst_mesh, recv) = src, dst
-    tasks = tuple(decompose(shape, src_mesh, send, dst_mesh, recv, ITEMSIZE))
-    host_tasks = _host_tasks(tasks, host_of)
-    chunks = resharding.chunks if isinstance(resharding.chunks, int) else auto_chunks(
-        max((t.bytes for t in tasks), default=1), max((len(t.receiver_hosts) for t in host_tasks), default=1),
-        nic_bytes_per_s)
-    schedule = bal.balance(
-        host_tasks,
-        resharding.balancer,
-        resharding.strategy,
-        chunks,
-        nic_bytes_per_s,
-        budget_s=resharding.budget_seconds,
-        seed=seed,
-        receiver_devices_per_host=_receivers_per_host(tasks, host_of),
-    )
-    senders, steps = lower_in_start_order(tasks, schedule, host_of, resharding.strategy, chunks)
-    return Boundary(
-        key=key, shape=shape, send=send, recv=recv, strategy=resharding.strategy, balancer=resharding.balancer,
-        chunks=chunks, tasks=tasks, schedule=schedule, senders=senders, steps=steps,
-    )
+    """Decompose, balance and lower one transfer of a tensor of `shape` from (mesh, layout) `src` to
+    `dst`, alone (a window of one boundary), on `network` (default: the standard model at
+    `nic_bytes_per_s`). For the benchmarks and tests that need no whole job; build_plan balances a
+    job's boundaries together."""
+    network = network or NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+    edge = _decompose(key, shape, src, dst, host_of)
+    (boundary,), _ = _plan_windows([edge], [(STEP, (0,))], resharding, host_of, network, seed)
+    return boundary
 
 
-def build_boundary(job: TrainingJob, placement: Placement, key: BoundaryKey, send: str, recv: str,
-                   nic_bytes_per_s: float) -> Boundary:
-    shape = tuple(job.activation_shape())
-    return plan_boundary(key, shape, (placement.mesh(key.src), ShardingSpec.parse(send, len(shape))),
-                         (placement.mesh(key.dst), ShardingSpec.parse(recv, len(shape))), job.resharding,
-                         placement.host_of, nic_bytes_per_s, job.training.seed)
+# ------------------------------------------------------------------------------ weight delays
+def _sends_gradients(boundaries: Sequence[Boundary], stage: int) -> bool:
+    return any(b.is_backward and b.src == stage for b in boundaries)
 
 
-def _boundaries(job: TrainingJob, placement: Placement, nic_bytes_per_s: float) -> list[Boundary]:
-    out: list[Boundary] = []
-    for edge in job.edges:
-        forward = BoundaryKey(edge.src, edge.dst, edge.tensor)
-        out.append(build_boundary(job, placement, forward, edge.send, edge.recv, nic_bytes_per_s))
-        out.append(build_boundary(job, placement, forward.backward(), edge.recv, edge.send, nic_bytes_per_s))
-    return out
+def _fixed_delay(mode: str | int) -> int | None:
+    """The delay a spelled-out mode asks for (on = 1, N = N), None for auto."""
+    if mode == "on":
+        return 1
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return mode
+    return None
 
 
-def weight_grad_seconds(job: TrainingJob, stage: int, cost: CostModel) -> float:
-    """One microbatch's W on one stage: half of the backward, which is backward_factor forwards."""
-    st = job.stages[stage]
-    forward = cost.forward_s(st.layers[1] - st.layers[0], job.training.microbatch_size, st.tensor_parallel,
-                           st.data_parallel)
-    return forward * cost.backward_factor / 2
-
-
-def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], cost: CostModel) -> tuple[bool, dict[int, int]]:
+def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], costs: Mapping[int, StageCost]
+                  ) -> tuple[bool, dict[int, int]]:
     """(split_backward, W's each stage delays) for job.schedule.weightGradDelay."""
     mode = job.schedule.weight_grad_delay
-    if mode == "off":
+    if mode in ("off", 0):
         return False, {}
-    cap = max(0, job.training.microbatches - 1)
+    num_stages, microbatches = len(job.stages), job.training.microbatches
+    cap = max(0, microbatches - 1)
+    fixed = _fixed_delay(mode)
+    edges = _edges(job)
     delays: dict[int, int] = {}
-    for stage in range(len(job.stages)):
-        comm_s = sum(b.makespan_s for b in boundaries if b.is_backward and b.src == stage)
-        if mode == "on":
-            delays[stage] = min(1, cap) if any(b.is_backward and b.src == stage for b in boundaries) else 0
+    for stage in range(num_stages):
+        if not _sends_gradients(boundaries, stage):
+            delays[stage] = 0
+        elif fixed is not None:
+            delays[stage] = min(fixed, cap)
         else:
-            delays[stage] = weight_delay_for(comm_s, weight_grad_seconds(job, stage, cost), cap)
+            comm_s = sum(b.makespan_s for b in boundaries if b.is_backward and b.src == stage)
+            room = max_delay_within(job.schedule.kind, stage, num_stages, microbatches, edges,
+                                    stash_bound(num_stages, microbatches))
+            delays[stage] = weight_delay_for(comm_s, costs[stage].weight_grad_s, min(cap, room))
     return True, delays
 
 
@@ -290,20 +389,27 @@ def _edges(job: TrainingJob) -> list[tuple[int, int, str]]:
     return [(e.src, e.dst, e.tensor) for e in job.edges]
 
 
+# ------------------------------------------------------------------------------ the plan
 def build_plan(
     job: TrainingJob,
     hosts: Sequence[Host] | None = None,
     nic_bytes_per_s: float = 1e9 / 8,
     cost: CostModel | None = None,
+    network: NetworkModel | None = None,
 ) -> Plan:
-    """Place, decompose, balance, lower and schedule. Raises PlacementError when the hosts
-    cannot hold the job; the same inputs always give the same plan."""
-    if not nic_bytes_per_s > 0:
-        raise ValueError(f"nic_bytes_per_s must be > 0, got {nic_bytes_per_s}")
-    cost = cost or CostModel(nic_bytes_per_s=nic_bytes_per_s)
+    """Place, decompose, balance, lower and schedule. `network` (default: the standard model at
+    `nic_bytes_per_s`) is what the balancers optimise; `cost` supplies the per-stage compute times
+    that size the weight-gradient delay (default: the formula; measured ones with --calibrate).
+    Raises PlacementError when the hosts cannot hold the job; the same inputs always give the same plan."""
+    if network is None:
+        if not nic_bytes_per_s > 0:
+            raise ValueError(f"nic_bytes_per_s must be > 0, got {nic_bytes_per_s}")
+        network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+    cost = cost or CostModel(network=network)
     placement = place(job, default_hosts(job) if hosts is None else hosts)
-    boundaries = _boundaries(job, placement, nic_bytes_per_s)
-    split, delays = weight_delays(job, boundaries, cost)
+    boundaries, windows = _boundaries(job, placement, network)
+    stage_costs = cost.stage_costs(job)
+    split, delays = weight_delays(job, boundaries, stage_costs)
     edges = _edges(job)
     microbatches = job.training.microbatches
     lists = generate(job.schedule.kind, len(job.stages), microbatches, edges, split, delays)
@@ -313,8 +419,10 @@ def build_plan(
         placement=placement,
         boundaries=tuple(boundaries),
         schedules={s: tuple(actions) for s, actions in lists.items()},
-        nic_bytes_per_s=nic_bytes_per_s,
+        network=network,
         split_backward=split,
         weight_delay=delays,
+        windows=tuple(windows),
+        stage_costs=stage_costs,
+        costs_measured=cost.measured,
     )
-

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from meshjob.costs import CostModel
+from meshjob.network import NetworkModel
 from meshjob.placement import Host, dump_hosts, load_hosts
 from meshjob.plan import Plan, build_plan
-from meshjob.simulate import CostModel
 from meshjob.spec import TrainingJob, load_job
 
 JOB_FILE = "job.yaml"
@@ -37,18 +38,19 @@ class PlanInputs:
 
     job: TrainingJob
     hosts: tuple[Host, ...] | None = None  # None: the smallest cluster of identical hosts that fits
-    nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S
-    cost: CostModel = field(default_factory=CostModel)
+    nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S  # wins over the cost model's network rate
+    cost: CostModel = field(default_factory=CostModel)  # compute costs and the network model
 
     @classmethod
     def of(cls, job: TrainingJob, hosts: Sequence[Host] | None = None,
            nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S) -> PlanInputs:
         """With the cost model build_plan assumes for this NIC rate."""
         return cls(job, None if hosts is None else tuple(hosts), nic_bytes_per_s,
-                   CostModel(nic_bytes_per_s=nic_bytes_per_s))
+                   CostModel(network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s)))
 
     def build(self) -> Plan:
-        return build_plan(self.job, self.hosts, nic_bytes_per_s=self.nic_bytes_per_s, cost=self.cost)
+        network = dataclasses.replace(self.cost.network, nic_bytes_per_s=self.nic_bytes_per_s)
+        return build_plan(self.job, self.hosts, network=network, cost=self.cost)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def render(inputs: PlanInputs, plan: Plan) -> dict[str, str]:
     """The files of the ConfigMap beside the job manifest: hosts.yaml and plan.json."""
     if inputs.hosts is None:
         raise ValueError("render: the inputs must name the hosts the plan was placed on")
-    doc = {"nic_bytes_per_s": inputs.nic_bytes_per_s, "cost_model": dataclasses.asdict(inputs.cost),
+    doc = {"nic_bytes_per_s": inputs.nic_bytes_per_s, "cost_model": inputs.cost.to_json(),
            "digest": plan.digest(), "sections": plan.section_digests()}
     return {HOSTS_FILE: dump_hosts(inputs.hosts), PLAN_FILE: json.dumps(doc, sort_keys=True)}
 
@@ -100,5 +102,5 @@ def load(job_path: str, hosts_path: str, plan_path: str) -> tuple[PlanInputs, Re
     """The inputs and the digest the operator rendered (SpecError names a bad job or hosts file)."""
     doc = _plan_doc(plan_path)
     inputs = PlanInputs(load_job(job_path), load_hosts(hosts_path) if hosts_path else None,
-                        float(doc["nic_bytes_per_s"]), CostModel(**doc["cost_model"]))
+                        float(doc["nic_bytes_per_s"]), CostModel.from_json(doc["cost_model"]))
     return inputs, RenderedDigest(str(doc["digest"]), dict(doc["sections"]), plan_path)

@@ -156,27 +156,56 @@ def generate(
     for stage, delay in delays.items():
         if delay < 0:
             raise ScheduleError(f"weight_delay[{stage}] = {delay} must be >= 0")
-    schedules: dict[int, list[Action]] = {}
-    for stage in range(num_stages):
-        delay = delays.get(stage, 0)
-        actions: list[Action] = []
-        pending_w: list[int] = []  # microbatches whose W waits behind later I's
-        for compute, mb in compute_order(kind, stage, num_stages, microbatches):
-            if compute == "F":
-                actions += _recvs_f(stage, mb, edge_list)
-                actions.append(Action("F", mb))
-                actions += _sends_f(stage, mb, edge_list)
-                continue
-            actions += _recvs_b(stage, mb, edge_list)
-            actions.append(Action("I" if split_backward else "B", mb))
-            actions += _sends_b(stage, mb, edge_list)
-            if split_backward:
-                pending_w.append(mb)
-                while len(pending_w) > delay:
-                    actions.append(Action("W", pending_w.pop(0)))
-        actions += [Action("W", mb) for mb in pending_w]  # drain the delayed weight gradients
-        schedules[stage] = actions
-    return schedules
+    return {stage: stage_actions(kind, stage, num_stages, microbatches, edge_list, split_backward,
+                                 delays.get(stage, 0))
+            for stage in range(num_stages)}
+
+
+def stage_actions(kind: str, stage: int, num_stages: int, microbatches: int, edges: Sequence[Edge],
+                  split_backward: bool, delay: int) -> list[Action]:
+    """One stage's action list (edges already checked and sorted)."""
+    actions: list[Action] = []
+    pending_w: list[int] = []  # microbatches whose W waits behind later I's
+    for compute, mb in compute_order(kind, stage, num_stages, microbatches):
+        if compute == "F":
+            actions += _recvs_f(stage, mb, edges)
+            actions.append(Action("F", mb))
+            actions += _sends_f(stage, mb, edges)
+            continue
+        actions += _recvs_b(stage, mb, edges)
+        actions.append(Action("I" if split_backward else "B", mb))
+        actions += _sends_b(stage, mb, edges)
+        if split_backward:
+            pending_w.append(mb)
+            while len(pending_w) > delay:
+                actions.append(Action("W", pending_w.pop(0)))
+    actions += [Action("W", mb) for mb in pending_w]  # drain the delayed weight gradients
+    return actions
+
+
+def stash_bound(num_stages: int, microbatches: int) -> int:
+    """Eager-1F1B's stage-0 peak, min(M, 2S - 1): the most any stage may stash when W's are delayed."""
+    return min(microbatches, 2 * num_stages - 1)
+
+
+def max_delay_within(kind: str, stage: int, num_stages: int, microbatches: int, edges: Iterable[Edge],
+                     bound: int) -> int:
+    """The largest weight delay that keeps the stage's peak stash at or below `bound` (or at its
+    undelayed peak, when that is higher already). The peak grows with the delay: binary search."""
+    edge_list = _check_edges(edges, num_stages)
+
+    def peak(delay: int) -> int:
+        return peak_stashed_stage(stage_actions(kind, stage, num_stages, microbatches, edge_list, True, delay))
+
+    limit = max(bound, peak(0))
+    lo, hi = 0, max(0, microbatches - 1)  # peak(lo) <= limit always; find the last such delay
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def weight_delay_for(comm_s: float, w_compute_s: float, cap: int) -> int:

@@ -1,11 +1,12 @@
 """A discrete-event model of a Plan: predicts step time, bubbles and resharding time at any scale.
 
 Two levels, both deterministic and pure:
-- `simulate_transfer(steps, host_of, cost)`: the lowered point-to-point steps of one boundary over host NICs.
-  Each host NIC is two FIFO resources (out and in, full duplex); a cross-host step occupies its source host's
-  out-link and its destination host's in-link for nbytes / bandwidth, starting when its dependencies are done
-  and both links are free. Intra-host steps use a per-host fast link. This reproduces the strategies' cost
-  formulas (e.g. broadcast: t + (A-1)t/K) and the contention between tasks that share a host.
+- `simulate_transfer(steps, host_of, network)`: the lowered point-to-point steps of one boundary over the
+  links of meshjob.network's model (full duplex: each host NIC is two FIFO resources, out and in; half
+  duplex: one). A cross-host step occupies its source host's out-link and its destination host's in-link for
+  nbytes / bandwidth plus the per-message cost, starting when its dependencies are done and both links are
+  free. Intra-host steps use a per-host local link. This reproduces the strategies' cost formulas (e.g.
+  broadcast: t + (A-1)t/K) and the contention between tasks that share a link.
   With `burst_bytes` > 0 each link is a token bucket like `tc tbf` (the emulated cluster's NICs): bytes
   within the bucket leave at line rate, the rest at the NIC rate. Real NICs: burst 0.
 - `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
@@ -20,60 +21,44 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from meshjob.boundary import BoundaryKey
+from meshjob.costs import CostModel, StageCost
+from meshjob.network import Link, NetworkModel
 from meshjob.resharding import Step
 from meshjob.schedule import Action
 
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds per unit of work; `meshjob simulate --calibrate` measures layer_forward_s and backward_factor
-    with a short forward/backward of the model on this machine (meshjob_trainer.calibrate)."""
-
-    nic_bytes_per_s: float = 1e9 / 8
-    intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
-    layer_forward_s: float = 2.5e-4  # one layer, one sample, unsharded
-    backward_factor: float = 2.0  # B = I + W, each about one forward
-    itemsize: int = 4
-    burst_bytes: float = 0.0  # token bucket per NIC direction (tc tbf's burst); 0 = a plain link
-    line_bytes_per_s: float = 10e9 / 8  # how fast a burst leaves (the veth / wire under the shaper)
-
-    def forward_s(self, layers: int, samples: int, tp_degree: int, dp_degree: int) -> float:
-        """One microbatch of `samples` on one device of a stage: data parallel splits the samples,
-        tensor parallel splits each layer's work."""
-        return self.layer_forward_s * layers * samples / max(1, tp_degree * dp_degree)
-
-
-
-Link = tuple[int, str]  # (host, "out" | "in" | "local")
+__all__ = ["CostModel", "Link", "StageCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
 
 
 class Links:
-    """FIFO links, each optionally a token bucket: `send` books `nbytes` on all of `links` together."""
+    """FIFO links of the network model, each NIC link optionally a token bucket: `book` holds
+    `nbytes` on all of `links` together. `messages` > 0 adds the network's per-message cost."""
 
-    def __init__(self, cost: CostModel):
-        self.cost = cost
+    def __init__(self, network: NetworkModel):
+        self.network = network
         self.free: dict[Link, float] = {}  # when the link's last booking ends
         self.tokens: dict[Link, tuple[float, float]] = {}  # link -> (tokens, at time)
 
     def _seconds(self, link: Link, nbytes: float, start: float) -> float:
-        c = self.cost
+        n = self.network
         if link[1] == "local":
-            return nbytes / c.intra_host_bytes_per_s
-        if c.burst_bytes <= 0:
-            return nbytes / c.nic_bytes_per_s
-        tokens, at = self.tokens.get(link, (c.burst_bytes, 0.0))
-        tokens = min(c.burst_bytes, tokens + (start - at) * c.nic_bytes_per_s)
-        return max(nbytes / c.line_bytes_per_s, (nbytes - tokens) / c.nic_bytes_per_s)
+            return nbytes / n.intra_host_bytes_per_s
+        if n.burst_bytes <= 0:
+            return nbytes / n.nic_bytes_per_s
+        tokens, at = self.tokens.get(link, (n.burst_bytes, 0.0))
+        tokens = min(n.burst_bytes, tokens + (start - at) * n.nic_bytes_per_s)
+        return max(nbytes / n.line_bytes_per_s, (nbytes - tokens) / n.nic_bytes_per_s)
 
-    def book(self, links: Sequence[Link], nbytes: Sequence[float], ready: float) -> tuple[float, float]:
+    def book(self, links: Sequence[Link], nbytes: Sequence[float], ready: float,
+             messages: int = 0) -> tuple[float, float]:
         """(start, end) of a transfer of nbytes[i] over links[i], all starting together."""
         start = max([ready] + [self.free.get(link, 0.0) for link in links])
-        end = start + max((self._seconds(link, n, start) for link, n in zip(links, nbytes)), default=0.0)
+        seconds = max((self._seconds(link, n, start) for link, n in zip(links, nbytes)), default=0.0)
+        end = start + seconds + messages * self.network.message_s
         for link, n in zip(links, nbytes):
             self.free[link] = end
-            if self.cost.burst_bytes > 0 and link[1] != "local":
-                tokens, at = self.tokens.get(link, (self.cost.burst_bytes, 0.0))
-                tokens = min(self.cost.burst_bytes, tokens + (start - at) * self.cost.nic_bytes_per_s) - n
+            if self.network.burst_bytes > 0 and link[1] != "local":
+                tokens, at = self.tokens.get(link, (self.network.burst_bytes, 0.0))
+                tokens = min(self.network.burst_bytes, tokens + (start - at) * self.network.nic_bytes_per_s) - n
                 self.tokens[link] = (tokens, start)  # negative: still owed, refilled at the NIC rate
         return start, end
 
@@ -82,12 +67,15 @@ class Links:
 class TransferResult:
     makespan_s: float
     finish_s: Mapping[int, float]  # step id -> finish time
+    start_s: Mapping[int, float]  # step id -> when it took its links
     nic_busy_s: Mapping[Link, float]  # (host, "out"|"in") -> busy seconds
     nic_bytes: Mapping[Link, int]  # (host, "out"|"in") -> bytes through that NIC direction
 
 
-def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost: CostModel) -> TransferResult:
-    """Run one boundary's steps over FIFO NIC links; steps become ready when their `after` steps finish."""
+def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], network: NetworkModel,
+                      itemsize: int = 4) -> TransferResult:
+    """Run one boundary's steps over FIFO links; steps become ready when their `after` steps finish.
+    Each step is one message: its bytes plus the network's per-message cost."""
     by_id = {s.id: s for s in steps}
     waiting = {s.id: len(s.after) for s in steps}
     dependents: dict[int, list[int]] = {}
@@ -97,21 +85,23 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost
     order = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
     ready: list[tuple[float, int, int]] = [(0.0, order[s.id], s.id) for s in steps if not s.after]
     heapq.heapify(ready)
-    links = Links(cost)
+    links = Links(network)
     busy: dict[Link, float] = {}
     moved: dict[Link, int] = {}
     finish: dict[int, float] = {}
+    began: dict[int, float] = {}
     while ready:
         t_ready, _, sid = heapq.heappop(ready)
         step = by_id[sid]
         src_h, dst_h = host_of(step.src), host_of(step.dst)
-        nbytes = 1 if step.signal else step.nbytes(cost.itemsize)
-        used = [(src_h, "local")] if src_h == dst_h else [(src_h, "out"), (dst_h, "in")]
-        start, end = links.book(used, [nbytes] * len(used), t_ready)
+        nbytes = 1 if step.signal else step.nbytes(itemsize)
+        used = [network.link(src_h, "local")] if src_h == dst_h else \
+            list(dict.fromkeys((network.link(src_h, "out"), network.link(dst_h, "in"))))
+        start, end = links.book(used, [nbytes] * len(used), t_ready, messages=1)
         for link in used:
             busy[link] = busy.get(link, 0.0) + end - start
             moved[link] = moved.get(link, 0) + nbytes
-        finish[sid] = end
+        finish[sid], began[sid] = end, start
         for nxt in dependents.get(sid, ()):
             waiting[nxt] -= 1
             if waiting[nxt] == 0:
@@ -122,7 +112,7 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], cost
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
     makespan = max(finish.values(), default=0.0)
     nic = {k for k in busy if k[1] != "local"}
-    return TransferResult(makespan, finish, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
+    return TransferResult(makespan, finish, began, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
 
 
 @dataclass
@@ -180,7 +170,7 @@ def simulate_pipeline(
     stats = {s: StageStats() for s in schedules}
     pos = {s: 0 for s in schedules}
     sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
-    links = Links(cost)
+    links = Links(cost.network)
     remaining = sum(len(v) for v in schedules.values())
     while remaining:
         progressed = False
@@ -228,29 +218,27 @@ def simulate_pipeline(
 
 
 def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
-    """Per stage: F, B, I, W seconds for one microbatch from its layer count and parallel degrees."""
+    """Per stage: F, B, I, W seconds for one microbatch (measured, or from layers and parallel degrees)."""
     out: dict[tuple[int, str], float] = {}
-    for i, st in enumerate(plan.job.stages):
-        f = cost.forward_s(st.layers[1] - st.layers[0], plan.job.training.microbatch_size, st.tensor_parallel,
-                           st.data_parallel)
-        b = f * cost.backward_factor
-        out[(i, "F")], out[(i, "B")], out[(i, "I")], out[(i, "W")] = f, b, b / 2, b / 2
+    for i, c in cost.stage_costs(plan.job).items():
+        out[(i, "F")], out[(i, "B")], out[(i, "I")], out[(i, "W")] = (c.forward_s, c.backward_s, c.input_grad_s,
+                                                                       c.weight_grad_s)
     return out
 
 
 def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, tuple[float, Mapping[Link, float]]]:
     """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
     (token buckets act across transfers, in the pipeline simulation)."""
-    plain = replace(cost, burst_bytes=0.0)
+    plain = replace(cost.network, burst_bytes=0.0)
     out = {}
     for b in plan.boundaries:
-        res = simulate_transfer(b.steps, plan.placement.host_of, plain)
+        res = simulate_transfer(b.steps, plan.placement.host_of, plain, cost.itemsize)
         out[b.key] = (res.makespan_s, dict(res.nic_bytes))
     return out
 
 
 def simulate_plan(plan, cost: CostModel | None = None) -> PipelineResult:
-    cost = cost or CostModel(nic_bytes_per_s=plan.nic_bytes_per_s)
+    cost = cost or CostModel(network=plan.network)
     return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
 
 
@@ -260,7 +248,7 @@ def bubble_1f1b(stages: int, microbatches: int) -> float:
 
 
 def broadcast_time(t: float, hosts: int, chunks: int) -> float:
-    """Seed 000 §3.1: T_bc = t + (A-1) t / K."""
+    """Zhuang et al., 2022, §3.1: T_bc = t + (A-1) t / K."""
     return t + (hosts - 1) * t / chunks
 
 

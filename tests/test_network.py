@@ -1,11 +1,76 @@
-"""The one network model: per-message cost and the chunk count it implies."""
+"""The one network model: what a unit task costs and holds, and the chunk count it implies."""
 import pytest
 
-from meshjob.network import MAX_AUTO_CHUNKS, auto_chunks
+from meshjob.network import MAX_AUTO_CHUNKS, HostTask, NetworkModel, auto_chunks
 
 RATE = 1.25e8  # 1 gbit
+BW = 1000.0  # bytes per second: t = bytes / 1000
+PAPER = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15)  # bytes only
 
 
+def seconds(task, strategy, chunks=6, network=PAPER, sender=0):
+    return network.task_cost(task, sender, strategy, chunks).seconds
+
+
+# ---------------------------------------------------------------- the paper's formulas (bytes only)
+@pytest.mark.parametrize("strategy, expected", [
+    ("send_recv", 2 * 4 * 3.0),                  # A*B*t
+    ("local_allgather", 2 * 3.0),                # A*t
+    ("global_allgather", 3.0 + 7 * 3.0 / 8),     # scatter t, ring (N-1)t/N: the paper's 2t for large N
+    ("broadcast", 3.0 + 1 * 3.0 / 6),            # t + (A-1)t/K
+    ("signal", 2 / BW),                          # 1 byte per hop of the chain
+])
+def test_task_seconds_follow_the_strategy_formulas(strategy, expected):
+    task = HostTask((0,), (1, 2), 3000, receiver_devices=(4, 4))
+    assert seconds(task, strategy) == pytest.approx(expected)
+
+
+def test_a_sender_on_a_receiving_host_does_not_count_that_host():
+    assert seconds(HostTask((0, 1), (1, 2), 3000), "send_recv", 1, sender=1) == pytest.approx(3.0)
+    local = PAPER.task_cost(HostTask((1,), (1,), 3000, (2,)), 1, "broadcast", 4)
+    assert local.links == () and local.seconds == pytest.approx(0.0, abs=1e-9)  # intra-host only
+
+
+def test_global_allgather_to_one_host_costs_one_transfer():
+    assert seconds(HostTask((0,), (1,), 3000, (4,)), "global_allgather", 1) == pytest.approx(3.0)
+
+
+def test_each_message_adds_the_per_message_cost():
+    timed = NetworkModel(nic_bytes_per_s=BW, message_s=0.1, intra_host_bytes_per_s=1e15)
+    task = HostTask((0,), (1, 2, 3), 4000)
+    assert seconds(task, "broadcast", 4, timed) == pytest.approx((4 + 3 - 1) * (1.0 + 0.1))
+    assert seconds(task, "send_recv", 1, timed) == pytest.approx(3 * (4.0 + 0.1))
+
+
+def test_copies_inside_a_host_take_the_local_links_time():
+    local = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=2 * BW)
+    task = HostTask((0,), (1,), 4000, receiver_devices=(3,))
+    # K=1: 4 s to the head of host 1, then two local copies of 2 s each
+    assert seconds(task, "broadcast", 1, local) == pytest.approx(4.0 + 2 * 2.0)
+
+
+# ---------------------------------------------------------------- links a task holds
+def test_a_chain_holds_the_senders_out_link_each_receivers_in_link_and_the_forwarders_out_links():
+    cost = PAPER.task_cost(HostTask((0,), (1, 2), 3000), 0, "broadcast", 1)
+    assert dict((link, (off, busy)) for link, off, busy in cost.holds()) == {
+        (0, "out"): (0.0, 3.0), (1, "in"): (0.0, 3.0), (1, "out"): (3.0, 3.0), (2, "in"): (3.0, 3.0)}
+
+
+def test_half_duplex_holds_every_host_of_the_task_for_its_whole_duration():
+    half = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15, duplex="half")
+    cost = half.task_cost(HostTask((0,), (1, 2), 3000), 0, "broadcast", 1)
+    assert cost.holds() == (((0, "nic"), 0.0, 6.0), ((1, "nic"), 0.0, 6.0), ((2, "nic"), 0.0, 6.0))
+
+
+def test_every_held_link_is_released_by_the_end_of_the_task():
+    task = HostTask((0,), (1, 2, 3), 3000, receiver_devices=(2, 1, 3))
+    timed = NetworkModel(nic_bytes_per_s=BW, message_s=0.05, intra_host_bytes_per_s=4 * BW)
+    for strategy in ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal"):
+        cost = timed.task_cost(task, 0, strategy, 5)
+        assert cost.links and all(off + busy <= cost.seconds + 1e-12 for _, off, busy in cost.holds())
+
+
+# ---------------------------------------------------------------- chunks: auto
 def chain_seconds(nbytes: int, hops: int, k: int, message_s: float) -> float:
     return (k + hops - 1) * (nbytes / RATE / k + message_s)
 
@@ -27,3 +92,21 @@ def test_auto_chunks_grow_with_bytes_and_hosts_and_shrink_with_the_message_cost(
     assert auto_chunks(16 * 2**20, 2, RATE) < auto_chunks(16 * 2**20, 4, RATE)
     assert auto_chunks(16 * 2**20, 4, RATE, 1e-3) < auto_chunks(16 * 2**20, 4, RATE, 1e-5)
     assert auto_chunks(16 * 2**20, 4, RATE, 0.0) == MAX_AUTO_CHUNKS
+
+
+def test_chunks_never_exceed_what_the_slice_can_be_cut_into():
+    task = HostTask((0,), (1, 2, 3), 64 * 2**20, max_chunks=8)
+    assert NetworkModel().task_cost(task, 0, "broadcast", "auto").chunks == 8
+    assert NetworkModel().task_cost(task, 0, "broadcast", 64).chunks == 8
+
+
+# ---------------------------------------------------------------- bad models
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nic_bytes_per_s": 0}, "nic_bytes_per_s 0 is invalid: a positive number of bytes per second"),
+    ({"message_s": -1e-6}, "message_s -1e-06 is invalid: a number >= 0"),
+    ({"duplex": "simplex"}, "duplex 'simplex' is invalid: one of full, half"),
+    ({"in_flight_per_link": 0}, "in_flight_per_link 0 is invalid: an integer >= 1"),
+])
+def test_a_bad_network_model_is_rejected_naming_field_value_and_what_is_allowed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NetworkModel(**kwargs)

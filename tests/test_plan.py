@@ -167,19 +167,37 @@ def test_makespan_is_at_least_the_lower_bound() -> None:
             assert b.strategy == strategy
 
 
-def test_chunks_auto_takes_k_from_the_network_model_and_an_integer_forces_it() -> None:
-    from meshjob.network import auto_chunks
+def test_chunks_auto_takes_each_tasks_k_from_the_network_model_and_an_integer_forces_it() -> None:
+    from meshjob.network import NetworkModel
+    from meshjob.plan import host_task
+    from meshjob.window import with_shares
 
-    auto = build_plan(make_job(resharding={"chunks": "auto"}))
-    for b in auto.boundaries:
-        hops = max(len({auto.placement.host_of(r) for r in t.receivers}) for t in b.tasks)
-        assert b.chunks == auto_chunks(max(t.bytes for t in b.tasks), hops, auto.nic_bytes_per_s)
-    assert {b.chunks for b in build_plan(make_job(resharding={"chunks": 3})).boundaries} == {3}
+    network = NetworkModel(message_s=20e-6)
+    job = make_job(model={"hidden": 1024},
+                   stages=[{"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
+                           {"layers": [2, 4], "mesh": [2, 1], "tensorParallelDim": 0}],  # replicated on 2 hosts
+                   resharding={"chunks": "auto"})
+    auto = build_plan(job, network=network)
+    (step,) = auto.windows
+    balanced = with_shares([host_task(t, auto.placement.host_of) for b in auto.boundaries for t in b.tasks])
+    for i, task in enumerate(balanced):
+        best = network.task_cost(task, step.schedule.sender_host[i], "broadcast", "auto").chunks
+        assert step.schedule.chunks[i] == best
+    assert all(b.chunks == "auto" for b in auto.boundaries)
+    # a chain to 2 hosts is cut finer than one hop whose head copies to its host's other device
+    assert set(step.schedule.chunks) == {5, 2}
+    forced = build_plan(utransformer_job(resharding={"chunks": 3}))
+    assert {k for b in forced.boundaries for k in b.schedule.chunks} == {3}
+    assert all(len({s.region for s in b.steps if s.task == 0 and s.src == b.senders[0]}) == 3
+               for b in forced.boundaries)
 
 
 def test_a_slower_nic_scales_the_makespan() -> None:
-    fast = build_plan(make_job(), nic_bytes_per_s=1e9)
-    slow = build_plan(make_job(), nic_bytes_per_s=1e8)
+    from meshjob.network import NetworkModel
+
+    bytes_only = {"message_s": 0.0, "intra_host_bytes_per_s": 1e18}
+    fast = build_plan(make_job(), network=NetworkModel(nic_bytes_per_s=1e9, **bytes_only))
+    slow = build_plan(make_job(), network=NetworkModel(nic_bytes_per_s=1e8, **bytes_only))
     for f, s in zip(fast.boundaries, slow.boundaries):
         assert s.makespan_s == pytest.approx(10 * f.makespan_s)
 
@@ -225,7 +243,10 @@ def test_weight_delay_auto_grows_with_communication_time() -> None:
     fast = build_plan(job, nic_bytes_per_s=1e15)
     slow = build_plan(job, nic_bytes_per_s=1e3)
     assert fast.weight_delay == {0: 0, 1: 1}  # any communication at all needs one W to cover it
-    assert slow.weight_delay == {0: 0, 1: job.training.microbatches - 1}  # capped at M - 1
+    # capped where stage 1's stash would pass eager-1F1B's stage-0 bound min(M, 2S-1) = 3:
+    # it warms up with 1 forward, so it may keep 2 delayed W's
+    assert slow.weight_delay == {0: 0, 1: 2}
     doc = slow.to_json()["schedule"]
-    assert doc["weight_delay"] == {"0": 0, "1": 3}
-    assert doc["split_backward"] is True
+    assert doc["weight_delay"] == {"0": 0, "1": 2}
+    assert doc["split_backward"] is True and doc["stash_bound"] == 3
+    assert doc["peak_stashed"] == {"0": 3, "1": 3}

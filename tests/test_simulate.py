@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from meshjob.boundary import BoundaryKey
+from meshjob.network import NetworkModel
 from meshjob.resharding import Step
 from meshjob.schedule import Action, generate
 from meshjob.simulate import (
@@ -15,7 +16,7 @@ from meshjob.simulate import (
 )
 
 MiB = 2**20
-COST = CostModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15)
+COST = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=0.0)  # bytes only
 
 
 def host_of_rank(rank: int) -> int:
@@ -69,6 +70,24 @@ def test_signal_steps_cost_one_byte():
     signal = [Step(id=s.id, task=s.task, src=s.src, dst=s.dst, region=s.region, after=s.after, scope=s.scope,
                    signal=True) for s in steps]
     assert simulate_transfer(signal, host_of_rank, COST).makespan_s == pytest.approx(3 / COST.nic_bytes_per_s)
+
+
+def test_every_message_pays_the_per_message_cost_on_its_links():
+    timed = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=1e-3)
+    nbytes, hosts, chunks = 64 * MiB, 3, 16
+    result = simulate_transfer(chain_steps(hosts, chunks, nbytes), host_of_rank, timed)
+    per_chunk = nbytes / chunks / timed.nic_bytes_per_s + 1e-3
+    assert result.makespan_s == pytest.approx((chunks + hosts - 1) * per_chunk)
+
+
+def test_half_duplex_makes_a_host_send_and_receive_one_after_the_other():
+    half = NetworkModel(nic_bytes_per_s=100 * MiB, message_s=0.0, duplex="half")
+    nbytes = 8 * MiB
+    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+             Step(id=1, task=1, src=1, dst=0, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)]
+    t = nbytes / half.nic_bytes_per_s
+    assert simulate_transfer(steps, host_of_rank, half).makespan_s == pytest.approx(2 * t)
+    assert simulate_transfer(steps, host_of_rank, COST).makespan_s == pytest.approx(t)
 
 
 def test_a_step_waiting_on_a_missing_step_is_reported():
@@ -134,6 +153,7 @@ def test_calibration_measures_positive_costs_and_the_cli_uses_them():
                           "--json"], capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(out.stdout)
     assert report["cost_model"]["layer_forward_s"] != CostModel().layer_forward_s
+    assert report["cost_model"]["measured"] is True
     assert report["step_s"] > 0
 
 
@@ -158,7 +178,7 @@ def test_cli_rejects_a_bad_nic_rate_with_exit_2():
 
 
 def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_rate():
-    cost = CostModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9)
+    cost = NetworkModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9, message_s=0.0)
     steps = [Step(id=i, task=i, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)
              for i in range(2)]  # 80 kB each
     result = simulate_transfer(steps, host_of_rank, cost)
@@ -170,4 +190,5 @@ def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_
 
 def test_without_a_bucket_the_nic_rate_applies_from_the_first_byte():
     steps = [Step(id=0, task=0, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)]
-    assert simulate_transfer(steps, host_of_rank, CostModel(nic_bytes_per_s=1e6)).makespan_s == pytest.approx(0.08)
+    plain = NetworkModel(nic_bytes_per_s=1e6, message_s=0.0)
+    assert simulate_transfer(steps, host_of_rank, plain).makespan_s == pytest.approx(0.08)

@@ -136,17 +136,19 @@ TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's default tbf burst "128kb" (tc 
 def simulate_measured(job: TrainingJob, m: Measured, nic_rate: str, emulated: bool) -> float:
     """The simulator's step time for the same plan, its compute cost calibrated from this run's
     measured per-stage compute, its NICs the emulated ones (rate and tbf burst)."""
+    from meshjob.network import NetworkModel
     from meshjob.plan import build_plan
     from meshjob.simulate import CostModel, simulate_plan
 
-    cost = CostModel(nic_bytes_per_s=parse_rate(nic_rate), burst_bytes=TBF_BURST_BYTES if emulated else 0.0)
+    network = NetworkModel(nic_bytes_per_s=parse_rate(nic_rate), burst_bytes=TBF_BURST_BYTES if emulated else 0.0)
+    cost = CostModel(network=network)
     per_layer = []
     for i, st in enumerate(job.stages):
         work = (st.layers[1] - st.layers[0]) * job.training.microbatch_size / (st.tensor_parallel * st.data_parallel)
         per_mb = m.stages[i]["compute_s_per_step"] / job.training.microbatches
         per_layer.append(per_mb / (1 + cost.backward_factor) / work)
-    cost = replace(cost, layer_forward_s=statistics.mean(per_layer))
-    plan = build_plan(job, nic_bytes_per_s=cost.nic_bytes_per_s)
+    cost = replace(cost, layer_forward_s=statistics.mean(per_layer), measured=True)
+    plan = build_plan(job, nic_bytes_per_s=cost.nic_bytes_per_s)  # the plan that ran (default costs)
     return simulate_plan(plan, cost).step_s
 
 

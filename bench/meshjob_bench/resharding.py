@@ -31,10 +31,11 @@ from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
+from meshjob.network import NetworkModel
 from meshjob.plan import Boundary, plan_boundary
 from meshjob.resharding import UnitTask, decompose
 from meshjob.sharding import ShardingSpec
-from meshjob.simulate import CostModel, simulate_transfer
+from meshjob.simulate import simulate_transfer
 from meshjob.spec import ReshardingSpec
 from meshjob.units import parse_rate
 
@@ -54,14 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench/results", help="folder for resharding.json and PNGs")
     parser.add_argument("--size-mib", type=float, default=None, help="tensor size (default 16, quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 1)")
-    parser.add_argument("--chunks", default=None, help="broadcast K values, comma separated (default 4,16,64)")
+    parser.add_argument("--chunks", default=None,
+                        help="broadcast K values, comma separated, auto = per task from the network model "
+                             "(default 4,16,64,auto)")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
 
 
 @dataclass(frozen=True)
 class Variant:
     strategy: str
-    chunks: int
+    chunks: int | str  # K, or "auto"
     balancer: str
 
     @property
@@ -121,14 +124,20 @@ def physical_limit(tasks: Sequence[UnitTask], host_of: Callable[[int], int], nic
 
 
 def variant_boundary(case: Case, variant: Variant, index: int, host_of: Callable[[int], int],
-                     nic_bytes_per_s: float) -> Boundary:
-    """The plan layer's boundary for one variant: senders and order from its balancer, lowered steps."""
+                     network: NetworkModel) -> Boundary:
+    """The plan layer's boundary for one variant: senders, order and chunks from its balancer on the
+    network model, lowered steps."""
     resharding = ReshardingSpec(variant.strategy, variant.chunks, variant.balancer, budget_seconds=0.5)
     return plan_boundary(BoundaryKey(0, 1, f"v{index}"), case.shape, (case.src_mesh, case.send),
-                         (case.dst_mesh, case.recv), resharding, host_of, nic_bytes_per_s)
+                         (case.dst_mesh, case.recv), resharding, host_of, network=network)
 
 
-def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_per_s: float,
+def balancer_chunks(chunks: Sequence[int | str]) -> int | str:
+    """The K the balancers are compared at: auto when it runs, else the largest K."""
+    return "auto" if "auto" in chunks else max(int(k) for k in chunks)
+
+
+def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_bytes_per_s: float,
                 layout: Layout) -> list[Case]:
     numel = size_bytes // ITEMSIZE
     cols = 1024 if not quick else 256
@@ -152,10 +161,11 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int], nic_bytes_p
         c.variants += [Variant("broadcast", k, MAIN_BALANCER) for k in chunks]
         c.variants.append(Variant("signal", 1, MAIN_BALANCER))
         if c.section == "many_to_many":
-            c.variants += [Variant("broadcast", max(chunks), b) for b in BALANCERS if b != MAIN_BALANCER]
-        c.boundaries = [variant_boundary(c, v, i, layout.host_of, nic_bytes_per_s) for i, v in enumerate(c.variants)]
-        cost = CostModel(nic_bytes_per_s=nic_bytes_per_s)
-        c.simulated_s = [simulate_transfer(b.steps, layout.host_of, cost).makespan_s for b in c.boundaries]
+            k = balancer_chunks(chunks)
+            c.variants += [Variant("broadcast", k, b) for b in BALANCERS if b != MAIN_BALANCER]
+        network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+        c.boundaries = [variant_boundary(c, v, i, layout.host_of, network) for i, v in enumerate(c.variants)]
+        c.simulated_s = [simulate_transfer(b.steps, layout.host_of, network).makespan_s for b in c.boundaries]
     return cases
 
 
@@ -213,7 +223,7 @@ class Row:
     section: str
     case: str
     strategy: str
-    chunks: int
+    chunks: int | str
     balancer: str
     label: str
     seconds: float  # median over repetitions of (last end - first start) over participating ranks
@@ -355,7 +365,7 @@ def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
             paths.append(_bars(sec, lambda r: r.label, labels, title, os.path.join(out_dir, fig_name),
                                {"fontsize": 7, "ncol": 2}))
     bal = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"]
-    kmax = max((r.chunks for r in bal), default=0)
+    kmax = balancer_chunks([r.chunks for r in bal]) if bal else 0
     bal = [r for r in bal if r.chunks == kmax]
     if bal:
         paths.append(_bars(bal, lambda r: r.balancer, BALANCERS, f"Fig. 8-style: balancers, broadcast K={kmax} "
@@ -380,18 +390,19 @@ def main(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
     size_mib = args.size_mib if args.size_mib is not None else (1.0 if quick else 16.0)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
-    chunk_text = args.chunks or ("16" if quick else "4,16,64")
+    chunk_text = args.chunks or ("16" if quick else "4,16,64,auto")
     errors = []
     try:
         nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
         errors.append(FieldError("--nic-rate", args.nic_rate, str(err).split("is invalid: ", 1)[-1]))
     try:
-        chunks = [int(k) for k in chunk_text.split(",")]
-        if any(k < 1 for k in chunks):
+        chunks = [k if k == "auto" else int(k) for k in chunk_text.split(",")]
+        if any(k != "auto" and k < 1 for k in chunks):
             raise ValueError
     except ValueError:
-        errors.append(FieldError("--chunks", chunk_text, "comma-separated positive integers, e.g. 4,16,64"))
+        errors.append(FieldError("--chunks", chunk_text,
+                                 "comma-separated positive integers or auto, e.g. 4,16,64,auto"))
     if size_mib <= 0:
         errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
     if repeats < 1:
@@ -424,8 +435,9 @@ def main(args: argparse.Namespace) -> int:
     print_summary(summary, title)
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
+    model = NetworkModel(nic_bytes_per_s=nic_bytes_per_s).to_json()  # what planned_* and simulated_s assume
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
-           "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
+           "network_model": model, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs}
     path = os.path.join(args.out, "resharding.json")

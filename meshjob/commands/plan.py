@@ -1,8 +1,10 @@
-"""`meshjob plan job.yaml [--hosts hosts.yaml] [--json] [--nic-rate 1gbit]`: show the plan.
+"""`meshjob plan job.yaml [--hosts hosts.yaml] [--json] [--nic-rate 1gbit] [--calibrate]`: show the plan.
 
-Readable tables by default (placement; each boundary's unit tasks with sender, receivers, bytes
-and start; makespan vs lower bound; each stage's action list), or one JSON object with --json
-(the contract tools rely on, see Plan.to_json). Bad manifests, hosts files and rates exit 2 with the field named.
+Readable tables by default (placement; the network: per-host egress/ingress bytes per step and each
+balancing window's joint makespan vs its lower bound; each boundary's unit tasks with sender,
+receivers, bytes, chunks and start; makespan vs lower bound; each stage's weight-gradient delay,
+peak stash and action list), or one JSON object with --json (the contract tools rely on, see
+Plan.to_json). Bad manifests, hosts files and rates exit 2 with the field named.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from meshjob.commands import costs as cost_options
 
 HELP = "show the plan for a TrainingJob: placement, resharding tasks, schedules"
 MAX_TASK_ROWS = 64  # per boundary in the table; --json always has every task
@@ -20,24 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", metavar="HOSTS_YAML",
                    help="cluster: a list of {name, devices, rack} (default: the smallest cluster of "
                         "identical hosts with topology.devicesPerHost devices)")
-    p.add_argument("--nic-rate", default="1gbit", help="NIC rate per host, tc style (default 1gbit)")
+    cost_options.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (the plan contract)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.errors import UsageError
     from meshjob.placement import load_hosts
     from meshjob.plan import build_plan
     from meshjob.spec import load_job
-    from meshjob.units import parse_rate
 
-    try:
-        nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    network = cost_options.network_from_args(args)
     job = load_job(args.job)
     hosts = load_hosts(args.hosts) if args.hosts else None
-    plan = build_plan(job, hosts, nic_bytes_per_s=nic_bytes_per_s)
+    plan = build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network))
     doc = plan.to_json()
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
@@ -72,9 +71,12 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
 
     console = Console(width=max(120, Console().width))
     schedule = doc["schedule"]
+    model = doc["network"]["model"]
     console.print(
-        f"[bold]{doc['job']}[/]: {doc['world_size']} ranks on {len(doc['hosts'])} hosts, NIC {nic_rate}, "
-        f"schedule {schedule['kind']} (weight-grad delay {schedule['weight_grad_delay']})"
+        f"[bold]{doc['job']}[/]: {doc['world_size']} ranks on {len(doc['hosts'])} hosts, NIC {nic_rate} "
+        f"({model['duplex']} duplex, {model['message_s'] * 1e6:g} µs per message), "
+        f"schedule {schedule['kind']} (weight-grad delay {schedule['weight_grad_delay']}, "
+        f"{'measured' if doc['costs']['measured'] else 'default'} compute costs)"
     )
 
     placement = Table(title="Placement (mesh rows on hosts)")
@@ -84,6 +86,7 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
         placement.add_row(str(row["stage"]), str(row["row"]), row["host"], row["rack"] or "-",
                           ", ".join(map(str, row["devices"])), ", ".join(map(str, row["local_devices"])))
     console.print(placement)
+    print_network(console, doc)
 
     summary = Table(title="Boundaries (cross-mesh resharding)")
     for col in ("boundary", "send", "recv", "strategy", "balancer", "tasks", "makespan", "lower bound", "ratio"):
@@ -99,22 +102,48 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
         tasks = sorted(enumerate(b["tasks"]), key=lambda it: (it[1]["start_s"], it[0]))
         table = Table(title=f"{b['key']}: unit tasks by start "
                             f"(makespan {_ms(b['makespan_s'])}, lower bound {_ms(b['lower_bound_s'])})")
-        for col in ("task", "slice", "sender", "holders", "receivers", "bytes", "start", "seconds"):
-            table.add_column(col, justify="right" if col in ("task", "bytes", "start", "seconds") else "left")
+        for col in ("task", "slice", "sender", "holders", "receivers", "bytes", "chunks", "start", "seconds"):
+            table.add_column(col, justify="right" if col in ("task", "bytes", "chunks", "start", "seconds")
+                             else "left")
         for index, task in tasks[:MAX_TASK_ROWS]:
             table.add_row(str(index), _slice(task["slice"]), str(task["sender"]),
                           ", ".join(map(str, task["senders"])), ", ".join(map(str, task["receivers"])),
-                          _bytes(task["bytes"]), _ms(task["start_s"]), _ms(task["seconds"]))
+                          _bytes(task["bytes"]), str(task["chunks"]), _ms(task["start_s"]), _ms(task["seconds"]))
         if len(tasks) > MAX_TASK_ROWS:
             table.caption = f"{len(tasks) - MAX_TASK_ROWS} more tasks: see --json"
         console.print(table)
 
-    actions = Table(title="Schedules (per-stage action lists)")
+    actions = Table(title=f"Schedules (per-stage action lists; stash bound min(M, 2S-1) = "
+                          f"{schedule['stash_bound']})")
     actions.add_column("stage")
-    actions.add_column("peak stashed", justify="right")
+    actions.add_column("W ms", justify="right")
     actions.add_column("W delay", justify="right")
+    actions.add_column("peak stashed", justify="right")
     actions.add_column("actions")
     for stage, items in doc["schedules"].items():
-        actions.add_row(stage, str(schedule["peak_stashed"][stage]),
-                        str(schedule["weight_delay"].get(stage, 0)), " ".join(items))
+        actions.add_row(stage, f"{doc['costs']['stages'][stage]['W'] * 1e3:.3f}",
+                        str(schedule["weight_delay"].get(stage, 0)), str(schedule["peak_stashed"][stage]),
+                        " ".join(items))
     console.print(actions)
+
+
+def print_network(console: Any, doc: dict[str, Any]) -> None:
+    """Per-host NIC bytes per step, and each window's joint makespan against its lower bound."""
+    from rich.table import Table
+
+    net = doc["network"]
+    hosts = Table(title=f"Network: NIC bytes per {net['per']}, and their time at the NIC rate")
+    for col in ("host", "egress", "ingress", "egress time", "ingress time"):
+        hosts.add_column(col, justify="left" if col == "host" else "right")
+    for row in net["hosts"]:
+        hosts.add_row(row["host"], _bytes(row["egress_bytes"]), _bytes(row["ingress_bytes"]), _ms(row["egress_s"]),
+                      _ms(row["ingress_s"]))
+    console.print(hosts)
+    windows = Table(title="Balancing windows (one microbatch of every boundary in the window, jointly)")
+    for col in ("window", "boundaries", "tasks", "balancer", "joint makespan", "lower bound", "ratio"):
+        windows.add_column(col, justify="left" if col in ("window", "balancer") else "right")
+    for w in net["windows"]:
+        windows.add_row(w["name"], str(len(w["boundaries"])), str(w["tasks"]),
+                        w["balancer"] + ("" if w["finished"] else " (budget)"), _ms(w["makespan_s"]),
+                        _ms(w["lower_bound_s"]), f"{w['ratio']:.2f}" if w["ratio"] is not None else "-")
+    console.print(windows)
