@@ -61,7 +61,7 @@ def lower_bound(tasks: Sequence[HostTask], network: NetworkModel) -> float:
 # search may not stop at a different point on a busier machine. budget_s is converted with these
 # rates, measured on a 2-core development machine (about one CPU second of work per budget second,
 # on the network model's links: `meshjob bench planner` shows the planning times).
-DFS_NODES_PER_SECOND = 60_000
+DFS_WORK_PER_SECOND = 150_000  # nodes visited + (class, sender) candidates evaluated
 GREEDY_TASK_TRIES_PER_SECOND = 4_000  # tries x tasks
 
 
@@ -207,7 +207,7 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     some optimal schedule has this form). The search ends early when a schedule meets the lower
     bound (proved optimal). Returns the best found and whether the search finished.
     """
-    max_nodes = work_budget(budget_s, DFS_NODES_PER_SECOND)
+    max_work = work_budget(budget_s, DFS_WORK_PER_SECOND)
     members = p.classes()
     count = [len(m) for m in members]
     rep = [m[0] for m in members]
@@ -229,10 +229,11 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     free: dict[Link, float] = {}
     path: list[tuple[int, int]] = []  # (class, sender)
     makespan = 0.0
-    nodes = 0
+    work = 0  # nodes + candidates: a node's cost grows with the classes and senders it weighs
     finished = True
 
     def children() -> list[tuple[float, float, int, int]]:
+        nonlocal work
         out = []
         for c, n in enumerate(count):
             if n:
@@ -240,6 +241,7 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
                 for s in p.senders[i]:
                     est = p.earliest(i, s, free)
                     out.append((est + p.duration[i][s], est, c, s))
+        work += len(out)
         if not out:
             return out
         first = min(out)
@@ -264,8 +266,8 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
                 makespan = old_makespan
             continue
         stack[-1] = (kids, k + 1, undo)
-        nodes += 1
-        if nodes >= max_nodes:
+        work += 1
+        if work >= max_work:
             finished = False
             break
         end, est, c, s = kids[k]

@@ -7,8 +7,8 @@ nothing else about the network, so the plan optimises the problem that runs:
   are, and as `tc tbf` on both ends of each emulated host's veth is);
 - copies between devices of one host use a separate intra-host link (`intra_host_bytes_per_s`);
 - every message (one chunk of one point-to-point step) costs `message_s` on its link on top of its
-  bytes: the syscalls, framing and the receiver's wake-up of one send. It is what makes chunks cost
-  something, so `chunks: auto` can pick K.
+  bytes (`intra_message_s` inside a host): the syscalls, framing and the receiver's wake-up of one
+  send. It is what makes chunks cost something, so `chunks: auto` can pick K.
 
 `duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
 kept for the ablation in `meshjob bench planner` only.
@@ -31,10 +31,14 @@ from meshjob.resharding import STRATEGIES
 DUPLEX = ("full", "half")
 Link = tuple[int, str]  # (host, "out" | "in") full duplex, (host, "nic") half duplex, (host, "local")
 
-# Per-message cost on the emulated cluster (gloo point-to-point between network namespaces over a
-# tbf-shaped veth, 2 cores): the slope of a one-hop transfer's time over its number of chunks,
-# measured by `meshjob bench message-cost` (bench/results/message_cost.json).
-DEFAULT_MESSAGE_S = 50e-6
+# Per-message costs on the emulated cluster (gloo point-to-point, 2 in flight, 2 shared cores): the
+# slope of a one-hop transfer's time over its number of chunks (4 MiB in 1..256 chunks), measured by
+# `meshjob bench message-cost` (bench/results/message_cost.json; median of 5 rounds): 21 µs between
+# network namespaces over a 1 gbit tbf-shaped veth (rounds 15-30 µs; 20 µs also reproduces earlier chain
+# measurements on this cluster, e.g. 64 MiB to 4 hosts in 256 chunks at 1.07 L), 38 µs between two ranks of
+# one namespace (loopback, rounds 33-59 µs), where no wire time hides a message's own cost.
+DEFAULT_MESSAGE_S = 20e-6
+DEFAULT_INTRA_MESSAGE_S = 40e-6
 MAX_AUTO_CHUNKS = 256  # beyond this, chunks gain < 1% at every size measured, and each is a plan step
 MAX_CHUNKS = 1 << 30  # no cap from the slice's shape
 
@@ -84,6 +88,7 @@ class NetworkModel:
     nic_bytes_per_s: float = 1e9 / 8  # per host and direction
     message_s: float = DEFAULT_MESSAGE_S
     intra_host_bytes_per_s: float = 8e9 / 8  # shared memory / NVLink: far faster than the NIC
+    intra_message_s: float = DEFAULT_INTRA_MESSAGE_S
     duplex: str = "full"
     burst_bytes: float = 0.0  # a token bucket per NIC link (tc tbf's burst); 0 = a plain link
     line_bytes_per_s: float = 10e9 / 8  # how fast a burst leaves (the veth / wire under the shaper)
@@ -96,7 +101,7 @@ class NetworkModel:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
-        for name in ("message_s", "burst_bytes"):
+        for name in ("message_s", "intra_message_s", "burst_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
@@ -118,11 +123,12 @@ class NetworkModel:
 
     def local_s(self, nbytes: float) -> float:
         """One message between devices of one host."""
-        return nbytes / self.intra_host_bytes_per_s + self.message_s
+        return nbytes / self.intra_host_bytes_per_s + self.intra_message_s
 
     def to_json(self) -> dict[str, object]:
         return {"nic_bytes_per_s": self.nic_bytes_per_s, "message_s": self.message_s,
-                "intra_host_bytes_per_s": self.intra_host_bytes_per_s, "duplex": self.duplex,
+                "intra_host_bytes_per_s": self.intra_host_bytes_per_s, "intra_message_s": self.intra_message_s,
+                "duplex": self.duplex,
                 "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
                 "in_flight_per_link": self.in_flight_per_link}
 

@@ -14,8 +14,9 @@ from meshjob.sharding import ShardingSpec
 
 BW = 1000.0  # bytes per second: t = bytes / 1000
 # The paper's setting: bytes only (no per-message cost, free intra-host copies)
-FULL = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15)
-HALF = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15, duplex="half")
+BYTES_ONLY = {"nic_bytes_per_s": BW, "message_s": 0.0, "intra_message_s": 0.0, "intra_host_bytes_per_s": 1e15}
+FULL = NetworkModel(**BYTES_ONLY)
+HALF = NetworkModel(**BYTES_ONLY, duplex="half")
 
 
 # ---------------------------------------------------------------- invariants of every schedule

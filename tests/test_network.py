@@ -5,7 +5,8 @@ from meshjob.network import MAX_AUTO_CHUNKS, HostTask, NetworkModel, auto_chunks
 
 RATE = 1.25e8  # 1 gbit
 BW = 1000.0  # bytes per second: t = bytes / 1000
-PAPER = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15)  # bytes only
+BYTES_ONLY = {"nic_bytes_per_s": BW, "message_s": 0.0, "intra_message_s": 0.0, "intra_host_bytes_per_s": 1e15}
+PAPER = NetworkModel(**BYTES_ONLY)  # the paper's setting: bytes only
 
 
 def seconds(task, strategy, chunks=6, network=PAPER, sender=0):
@@ -36,14 +37,14 @@ def test_global_allgather_to_one_host_costs_one_transfer():
 
 
 def test_each_message_adds_the_per_message_cost():
-    timed = NetworkModel(nic_bytes_per_s=BW, message_s=0.1, intra_host_bytes_per_s=1e15)
+    timed = NetworkModel(nic_bytes_per_s=BW, message_s=0.1, intra_host_bytes_per_s=1e15, intra_message_s=0.0)
     task = HostTask((0,), (1, 2, 3), 4000)
     assert seconds(task, "broadcast", 4, timed) == pytest.approx((4 + 3 - 1) * (1.0 + 0.1))
     assert seconds(task, "send_recv", 1, timed) == pytest.approx(3 * (4.0 + 0.1))
 
 
 def test_copies_inside_a_host_take_the_local_links_time():
-    local = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=2 * BW)
+    local = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_message_s=0.0, intra_host_bytes_per_s=2 * BW)
     task = HostTask((0,), (1,), 4000, receiver_devices=(3,))
     # K=1: 4 s to the head of host 1, then two local copies of 2 s each
     assert seconds(task, "broadcast", 1, local) == pytest.approx(4.0 + 2 * 2.0)
@@ -57,7 +58,7 @@ def test_a_chain_holds_the_senders_out_link_each_receivers_in_link_and_the_forwa
 
 
 def test_half_duplex_holds_every_host_of_the_task_for_its_whole_duration():
-    half = NetworkModel(nic_bytes_per_s=BW, message_s=0.0, intra_host_bytes_per_s=1e15, duplex="half")
+    half = NetworkModel(**BYTES_ONLY, duplex="half")
     cost = half.task_cost(HostTask((0,), (1, 2), 3000), 0, "broadcast", 1)
     assert cost.holds() == (((0, "nic"), 0.0, 6.0), ((1, "nic"), 0.0, 6.0), ((2, "nic"), 0.0, 6.0))
 

@@ -195,7 +195,7 @@ def test_chunks_auto_takes_each_tasks_k_from_the_network_model_and_an_integer_fo
 def test_a_slower_nic_scales_the_makespan() -> None:
     from meshjob.network import NetworkModel
 
-    bytes_only = {"message_s": 0.0, "intra_host_bytes_per_s": 1e18}
+    bytes_only = {"message_s": 0.0, "intra_message_s": 0.0, "intra_host_bytes_per_s": 1e18}
     fast = build_plan(make_job(), network=NetworkModel(nic_bytes_per_s=1e9, **bytes_only))
     slow = build_plan(make_job(), network=NetworkModel(nic_bytes_per_s=1e8, **bytes_only))
     for f, s in zip(fast.boundaries, slow.boundaries):

@@ -16,7 +16,8 @@ from meshjob.simulate import (
 )
 
 MiB = 2**20
-COST = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=0.0)  # bytes only
+BYTES_ONLY = {"message_s": 0.0, "intra_message_s": 0.0}
+COST = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, **BYTES_ONLY)
 
 
 def host_of_rank(rank: int) -> int:
@@ -81,7 +82,7 @@ def test_every_message_pays_the_per_message_cost_on_its_links():
 
 
 def test_half_duplex_makes_a_host_send_and_receive_one_after_the_other():
-    half = NetworkModel(nic_bytes_per_s=100 * MiB, message_s=0.0, duplex="half")
+    half = NetworkModel(nic_bytes_per_s=100 * MiB, duplex="half", **BYTES_ONLY)
     nbytes = 8 * MiB
     steps = [Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
              Step(id=1, task=1, src=1, dst=0, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)]
@@ -178,7 +179,7 @@ def test_cli_rejects_a_bad_nic_rate_with_exit_2():
 
 
 def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_rate():
-    cost = NetworkModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9, message_s=0.0)
+    cost = NetworkModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9, **BYTES_ONLY)
     steps = [Step(id=i, task=i, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)
              for i in range(2)]  # 80 kB each
     result = simulate_transfer(steps, host_of_rank, cost)
@@ -190,5 +191,5 @@ def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_
 
 def test_without_a_bucket_the_nic_rate_applies_from_the_first_byte():
     steps = [Step(id=0, task=0, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)]
-    plain = NetworkModel(nic_bytes_per_s=1e6, message_s=0.0)
+    plain = NetworkModel(nic_bytes_per_s=1e6, **BYTES_ONLY)
     assert simulate_transfer(steps, host_of_rank, plain).makespan_s == pytest.approx(0.08)
