@@ -186,10 +186,13 @@ async def test_deletion_leaves_owned_children_to_the_garbage_collector(cluster, 
     pods = await wait_pods(cluster, tag, 2)
     uid = (await cluster.job(tag, tag))["metadata"]["uid"]
     await delete_and_wait(cluster, tag)
-    if cluster.real:  # kube-controller-manager's garbage collector follows the owner references
-        await wait_pods(cluster, tag, 0, timeout=30)
-        await eventually(lambda: _absent(cluster, "configmaps", f"{tag}-plan", tag), timeout=30, what="configmap gone")
-        await eventually(lambda: _absent(cluster, "services", tag, tag), timeout=30, what="service gone")
+    if cluster.real:
+        # kube-controller-manager's garbage collector follows the owner references. It learns of a CRD's kind
+        # at its discovery resync (every 30 s), so on a loaded machine the first job deleted may wait that long
+        # and more before its children go.
+        await wait_pods(cluster, tag, 0, timeout=120)
+        await eventually(lambda: _absent(cluster, "configmaps", f"{tag}-plan", tag), timeout=60, what="configmap gone")
+        await eventually(lambda: _absent(cluster, "services", tag, tag), timeout=60, what="service gone")
     else:  # kmock has no garbage collector: the children are owned, so a real cluster removes them
         for pod in pods:
             owner = pod["metadata"]["ownerReferences"][0]
