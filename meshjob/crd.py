@@ -37,6 +37,8 @@ def field_schema(f: FieldSchema) -> dict[str, Any]:
         out["pattern"] = f.pattern
     if f.min_length is not None:
         out["minLength"] = f.min_length
+    if f.max_length is not None:
+        out["maxLength"] = f.max_length
     if f.min_items is not None:
         out["minItems"] = f.min_items
     if f.max_items is not None:
@@ -53,8 +55,10 @@ def field_schema(f: FieldSchema) -> dict[str, Any]:
 def int_or_string_schema(f: FieldSchema) -> dict[str, Any]:
     """IntOrString without a type (structural rule). `pattern` checks only strings and `minimum`
     only numbers, in OpenAPI as in JSON Schema, so together they admit the named strings and the
-    integers in range and nothing else (no CEL, no anyOf needed: loads on Kubernetes 1.20)."""
-    out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+    integers in range; the anyOf Kubernetes allows beside x-kubernetes-int-or-string refuses the
+    rest (without it the API server stores `true`, which unquoted `on` becomes). No CEL: loads on
+    Kubernetes 1.20."""
+    out: dict[str, Any] = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
     if f.description:
         out["description"] = f.description
     out["pattern"] = "^(" + "|".join(re.escape(s) for s in f.enum or ()) + ")$"

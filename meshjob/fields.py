@@ -26,7 +26,7 @@ INT_OR_STRING = "int-or-string"  # an integer (minimum/maximum) or one of `enum`
 class FieldSchema:
     attr: str  # dataclass attribute (snake_case)
     yaml: str  # manifest name (camelCase)
-    type: str  # JSON type: integer | number | string | boolean | object | array, or int-or-string
+    type: str  # JSON type: integer | number | string | boolean | object | array | int-or-string
     required: bool = False
     nullable: bool = False
     default: Any = None  # dataclass default (None when required)
@@ -36,12 +36,14 @@ class FieldSchema:
     enum: tuple[str, ...] | None = None  # int-or-string: the strings allowed beside integers
     pattern: str | None = None
     min_length: int | None = None
+    max_length: int | None = None
     min_items: int | None = None
     max_items: int | None = None
     items: FieldSchema | None = None  # element schema of an array
     model: type | None = None  # nested dataclass of an object (or of array elements)
     preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
     description: str = ""
+    legacy: tuple[tuple[Any, str], ...] = ()  # refused values, each with what to write instead
 
 
 def camel(name: str) -> str:
@@ -58,7 +60,7 @@ def schema_for_type(attr: str, hint: Any, owner: str, renames: Mapping[str, str]
         inner = next(a for a in args if a is not type(None))
         return dataclasses.replace(schema_for_type(attr, inner, owner, renames), nullable=True)
     if origin in (typing.Union, types.UnionType) and set(args) == {int, str}:
-        return FieldSchema(attr, yaml_name, INT_OR_STRING)  # Kubernetes IntOrString, e.g. chunks: auto | 16
+        return FieldSchema(attr, yaml_name, INT_OR_STRING)
     if hint is bool:
         return FieldSchema(attr, yaml_name, "boolean")
     if hint is int:
@@ -92,9 +94,9 @@ def build_table(cls: type, rules: Mapping[tuple[str, str], Mapping[str, Any]], r
             continue
         schema = schema_for_type(f.name, hints[f.name], cls.__name__, renames)
         extra = dict(rules.get((cls.__name__, f.name), {}))
-        if "item_minimum" in extra:
-            schema = dataclasses.replace(schema, items=dataclasses.replace(
-                schema.items, minimum=extra.pop("item_minimum")))
+        item_bounds = {k: extra.pop(f"item_{k}") for k in ("minimum", "maximum") if f"item_{k}" in extra}
+        if item_bounds:
+            schema = dataclasses.replace(schema, items=dataclasses.replace(schema.items, **item_bounds))
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -154,12 +156,12 @@ class FieldReader:
 
     def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
         """The checked (converted) value, or the field default after recording an error."""
-        if f.type in ("integer", "number", "string", "boolean", INT_OR_STRING):
+        if f.type in SCALARS:
             problem = check_scalar(f, value)
             if problem is not None:
                 self.fail(path, value, problem)
                 return f.default
-            return float(value) if f.type == "number" else value
+            return plain_scalar(f, value)
         if f.type == "object" and f.preserve_unknown:
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
                 self.fail(path, value, "a mapping with string keys (k8s ResourceRequirements)")
@@ -203,20 +205,35 @@ def describe(f: FieldSchema) -> str:
     if f.type == "object":
         return "a mapping"
     if f.type == INT_OR_STRING:
-        number = describe(dataclasses.replace(f, type="integer", enum=None))
-        return f"{' or '.join(f.enum or ())} or {number}"
+        return " or ".join(f.enum or ()) + " or " + _number_words("an integer", f)
     if f.enum is not None:
         return "one of " + ", ".join(f.enum)
-    words = {"integer": "an integer", "number": "a number", "string": "a string",
-             "boolean": "true or false"}[f.type]
-    if f.minimum is not None and f.maximum is not None:
-        words += f" in {_num(f.minimum)}..{_num(f.maximum)}"
-    elif f.minimum is not None:
+    if f.type == "string":
+        return _string_words(f)
+    words = {"integer": "an integer", "number": "a number", "boolean": "true or false"}[f.type]
+    return _number_words(words, f)
+
+
+def _number_words(words: str, f: FieldSchema) -> str:
+    if f.minimum is not None and f.maximum is not None and not f.exclusive_minimum:
+        return f"{words} in {_num(f.minimum)}..{_num(f.maximum)}"
+    if f.minimum is not None:
         words += f" {'>' if f.exclusive_minimum else '>='} {_num(f.minimum)}"
+    if f.maximum is not None:
+        words += f"{' and' if f.minimum is not None else ''} <= {_num(f.maximum)}"
+    return words
+
+
+def _string_words(f: FieldSchema) -> str:
+    words = "a string"
+    if f.min_length and f.max_length is not None:
+        words += f" of {f.min_length} to {f.max_length} characters"
+    elif f.min_length:
+        words += f" of at least {f.min_length} character(s)"
+    elif f.max_length is not None:
+        words += f" of at most {f.max_length} characters"
     if f.pattern is not None:
         words += f" matching {f.pattern}"
-    if f.min_length:
-        words = f"a string of at least {f.min_length} character(s)"
     return words
 
 
@@ -224,32 +241,38 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+SCALARS = ("integer", "number", "string", "boolean", INT_OR_STRING)
+
+
+def _integral(value: Any) -> bool:
+    """An int, or a float with an integral value (JSON and Kubernetes do not tell 1e3 from 1000)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or isinstance(value, float) and value.is_integer()
+
+
+def plain_scalar(f: FieldSchema, value: Any) -> Any:
+    """A checked scalar in its Python type: integers as int (1e3 -> 1000), numbers as float."""
+    if f.type == "number":
+        return float(value)
+    if f.type in ("integer", INT_OR_STRING) and isinstance(value, float):
+        return int(value)
+    return value
+
+
 def check_scalar(f: FieldSchema, value: Any) -> str | None:
     """None when a scalar value fits its schema, else what is allowed (in words)."""
-    if f.type == INT_OR_STRING:
-        if isinstance(value, str):
-            return None if value in (f.enum or ()) else describe(f)
-        problem = check_scalar(dataclasses.replace(f, type="integer", enum=None), value)
-        return None if problem is None else describe(f)
-    if f.type == "integer":
-        if not isinstance(value, int) or isinstance(value, bool):
+    for old, instead in f.legacy:
+        if type(value) is type(old) and value == old:
+            return f"{describe(f)}; {old!r} is no longer accepted: {instead}"
+    if f.type == INT_OR_STRING and isinstance(value, str) or f.type == "string":
+        return _check_string(f, value)
+    if f.type in ("integer", INT_OR_STRING):
+        if not _integral(value):
             return describe(f)
     elif f.type == "number":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             return describe(f)
-    elif f.type == "string":
-        if isinstance(value, bool) and f.enum is not None and set(f.enum) & {"on", "off"}:
-            # YAML 1.1 reads unquoted on/off as booleans
-            return describe(f) + " (quote on/off in YAML: unquoted they are booleans)"
-        if not isinstance(value, str):
-            return describe(f)
-        if f.enum is not None and value not in f.enum:
-            return describe(f)
-        if f.pattern is not None and not re.match(f.pattern, value):
-            return describe(f)
-        if f.min_length is not None and len(value) < f.min_length:
-            return describe(f)
-        return None
     elif f.type == "boolean":
         return None if isinstance(value, bool) else describe(f)
     else:
@@ -257,5 +280,19 @@ def check_scalar(f: FieldSchema, value: Any) -> str | None:
     if f.minimum is not None and (value < f.minimum or (f.exclusive_minimum and value == f.minimum)):
         return describe(f)
     if f.maximum is not None and value > f.maximum:
+        return describe(f)
+    return None
+
+
+def _check_string(f: FieldSchema, value: Any) -> str | None:
+    if not isinstance(value, str):
+        return describe(f)
+    if f.enum is not None and value not in f.enum:
+        return describe(f)
+    if f.max_length is not None and len(value) > f.max_length:
+        return describe(f)
+    if f.pattern is not None and not re.match(f.pattern, value):
+        return describe(f)
+    if f.min_length is not None and len(value) < f.min_length:
         return describe(f)
     return None

@@ -15,19 +15,20 @@ Global ranks run stage by stage, row-major over each mesh.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.mesh import Mesh
-from meshjob.spec import TrainingJob
+from meshjob.safeyaml import load_one, read_text, source_name
+from meshjob.spec import MAX_DEVICES_PER_HOST, MAX_NAME, TrainingJob
 
 MAX_SEARCH_NODES = 200_000  # backtracking budget; beyond it the cluster is reported as too small
+MAX_CLUSTER_HOSTS = 5000  # hosts in a hosts file: Kubernetes' largest supported cluster (5000 nodes)
 
 
 @dataclass(frozen=True)
@@ -304,11 +305,9 @@ def load_hosts(path: str | Path) -> tuple[Host, ...]:
     """hosts.yaml: a list of {name, devices, rack} or {hosts: [...]}; SpecError names the field."""
     source = str(path)
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise SpecError([FieldError("--hosts", source, f"a readable YAML file ({err.strerror})")]) from err
-    except yaml.YAMLError as err:
-        raise SpecError([FieldError("--hosts", source, f"valid YAML ({err})")]) from err
+        doc = load_one(read_text(source, "hosts file"), source_name(source), "hosts")
+    except SpecError as err:  # say which option the file came from
+        raise SpecError([dataclasses.replace(e, path=f"--hosts {e.path}") for e in err.errors]) from None
     return parse_hosts(doc)
 
 
@@ -319,8 +318,8 @@ def parse_hosts(doc: Any) -> tuple[Host, ...]:
         if unknown:
             raise SpecError([FieldError(unknown[0], doc[unknown[0]], "only the key 'hosts' is allowed at the top")])
         doc = doc.get("hosts")
-    if not isinstance(doc, list) or not doc:
-        raise SpecError([FieldError(prefix, doc, "a non-empty list of {name, devices, rack}")])
+    if not isinstance(doc, list) or not doc or len(doc) > MAX_CLUSTER_HOSTS:
+        raise SpecError([FieldError(prefix, doc, f"a list of 1 to {MAX_CLUSTER_HOSTS} {{name, devices, rack}}")])
     errors: list[FieldError] = []
     hosts: list[Host] = []
     for i, item in enumerate(doc):
@@ -331,10 +330,10 @@ def parse_hosts(doc: Any) -> tuple[Host, ...]:
         for key in sorted(set(item) - {"name", "devices", "rack"}):
             errors.append(FieldError(f"{path}.{key}", item[key], "only name, devices and rack are allowed"))
         name, devices, rack = item.get("name"), item.get("devices"), item.get("rack", "")
-        if not isinstance(name, str) or not name:
-            errors.append(FieldError(f"{path}.name", name, "a non-empty string"))
-        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 0:
-            errors.append(FieldError(f"{path}.devices", devices, "an integer >= 0"))
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            errors.append(FieldError(f"{path}.name", name, f"a string of 1 to {MAX_NAME} characters"))
+        if not isinstance(devices, int) or isinstance(devices, bool) or not 0 <= devices <= MAX_DEVICES_PER_HOST:
+            errors.append(FieldError(f"{path}.devices", devices, f"an integer in 0..{MAX_DEVICES_PER_HOST}"))
         if rack is None:
             rack = ""
         if not isinstance(rack, (str, int)) or isinstance(rack, bool):

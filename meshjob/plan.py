@@ -11,15 +11,15 @@ Tasks are lowered, in start order, into point-to-point steps from the chosen sen
 sender host, the holder with the fewest bytes so far across the window sends). Schedules come from
 job.schedule; the plan is validated and deterministic.
 
-Weight-grad delay (job.schedule.weightGradDelay), with the backward split into I and W:
-  off / 0  backward not split (B)
-  on / N   each stage that sends gradients delays min(1 or N, M - 1) W's
-  auto     each stage delays the least number of W's whose compute covers the gradient transfers
-           it sends (§4 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al.,
-           2022): ceil(comm / W), comm = the summed makespans of those backward
-           boundaries, W = the stage's weight-gradient time from the cost model, measured with
-           --calibrate), and never so many that its peak stash exceeds eager-1F1B's stage-0 bound
-           min(M, 2S - 1) (or its own undelayed peak, where that is higher already).
+Weight-grad delay (job.schedule.weightGradDelay, auto or a number of microbatches N):
+  0     backward not split (B)
+  N     split into I and W; each stage that sends gradients delays min(N, M - 1) W's
+  auto  split; each stage delays the least number of W's whose compute covers the gradient transfers
+        it sends (§4 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al.,
+        2022): ceil(comm / W), comm = the summed makespans of those backward
+        boundaries, W = the stage's weight-gradient time from the cost model, measured with
+        --calibrate), and never so many that its peak stash exceeds eager-1F1B's stage-0 bound
+        min(M, 2S - 1) (or its own undelayed peak, where that is higher already).
 """
 from __future__ import annotations
 
@@ -352,24 +352,15 @@ def _sends_gradients(boundaries: Sequence[Boundary], stage: int) -> bool:
     return any(b.is_backward and b.src == stage for b in boundaries)
 
 
-def _fixed_delay(mode: str | int) -> int | None:
-    """The delay a spelled-out mode asks for (on = 1, N = N), None for auto."""
-    if mode == "on":
-        return 1
-    if isinstance(mode, int) and not isinstance(mode, bool):
-        return mode
-    return None
-
-
 def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], costs: Mapping[int, StageCost]
                   ) -> tuple[bool, dict[int, int]]:
     """(split_backward, W's each stage delays) for job.schedule.weightGradDelay."""
     mode = job.schedule.weight_grad_delay
-    if mode in ("off", 0):
+    if mode == 0:
         return False, {}
     num_stages, microbatches = len(job.stages), job.training.microbatches
     cap = max(0, microbatches - 1)
-    fixed = _fixed_delay(mode)
+    fixed = mode if isinstance(mode, int) else None  # N, or None for auto
     edges = _edges(job)
     delays: dict[int, int] = {}
     for stage in range(num_stages):

@@ -26,15 +26,51 @@ from meshjob.balance import BALANCERS
 from meshjob.errors import FieldError, SpecError
 from meshjob.fields import FieldReader, FieldSchema, build_table, unknown_field
 from meshjob.resharding import STRATEGIES
+from meshjob.safeyaml import check_tree, load_documents, read_text, source_name
 from meshjob.schedule import SCHEDULE_KINDS
 
 MODEL_KINDS = ("gpt", "utransformer")
-WEIGHT_GRAD_DELAY = ("off", "on", "auto")
-CHUNKS_AUTO = ("auto",)
+AUTO = "auto"
+CHUNKS_AUTO = (AUTO,)
 CLEAN_POD_POLICIES = ("All", "Running", "None")
-MAX_MESH_DIMS = 3
-MAX_STAGE_DEVICES = 4096  # keeps per-device planning (tiles, placement) bounded
 ACTIVATION = "activation"
+
+# Upper bounds of every count. Real deployments stay far inside them (the largest published runs:
+# Llama 3 405B on 16,384 GPUs in 2,048 hosts, pipeline depth 16; Megatron's 1T model with 128
+# layers, hidden 25,600, pipeline depth 64; vocabularies up to 256k; contexts up to 1M tokens).
+# They exist so that every input costs bounded time and memory: the parser checks them before any
+# work that grows with them, and the CRD carries them as maximum/maxItems/maxLength so the API
+# server refuses the same values.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 65536
+MAX_HEADS = 1024
+MAX_VOCAB = 2**20
+MAX_SEQ_LEN = 2**20
+MAX_STEPS = 10**8
+MAX_GLOBAL_BATCH = 2**20
+MAX_MICROBATCHES = 4096
+MAX_SEED = 2**32 - 1  # the trainer derives per-tensor seeds from it; numpy's range
+MAX_DEVICES_PER_HOST = 1024  # devices may be CPU cores: hosts with a few hundred exist
+MAX_STAGES = 128
+MAX_MESH_DIMS = 3
+MAX_MESH_DIM = 4096
+MAX_STAGE_DEVICES = 4096  # devices in one stage's mesh: per-device planning (tiles) stays bounded
+MAX_JOB_HOSTS = 1024  # mesh rows (hosts) of all stages together: placement grows with their square
+MAX_WORLD_SIZE = 16384  # devices of all stages together
+MAX_SCHEDULE_CELLS = 16384  # stages x microbatches: the size of the per-stage action lists
+MAX_EDGES = MAX_STAGES - 1 + MAX_LAYERS // 2  # the chain plus every utransformer skip edge
+MAX_CHUNKS = 4096
+MAX_BUDGET_SECONDS = 60.0
+INT32_MAX = 2**31 - 1  # Kubernetes stores these fields as int32 (Job backoffLimit, ttl...)
+# ... and these as int64 (activeDeadlineSeconds). The API server reads a CRD's maximum as a float64
+# and compares integers with it converted back to int64: 2^63 - 1 rounds up to 2^63, which wraps to
+# -2^63 and refuses everything. 2^63 - 1024 is the largest float64 below 2^63.
+INT64_MAX = 2**63 - 1024
+MAX_NAME = 253  # a DNS-1123 subdomain (service account, scheduler, queue names)
+MAX_LABEL_KEY = 317  # prefix (253) + "/" + name (63)
+MAX_PATH = 4096  # PATH_MAX
+MAX_IMAGE = 1024
+MAX_LAYOUT = 32  # a sharding spec such as "S01,R,S2"
 
 
 @dataclass(frozen=True)
@@ -116,7 +152,7 @@ class ReshardingSpec:
 @dataclass(frozen=True)
 class ScheduleSpec:
     kind: str = "eager-1f1b"
-    weight_grad_delay: str = "auto"  # YAML: weightGradDelay
+    weight_grad_delay: int | str = AUTO  # YAML: weightGradDelay; "auto" or W's to delay (0: no split)
 
 
 @dataclass(frozen=True)
@@ -184,68 +220,100 @@ class TrainingJob:
 
 RENAMES = {"src": "from", "dst": "to"}
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-NAT_INT = {"minimum": 0}
-POS_INT = {"minimum": 1}
 TENSOR_NAME = r"^(activation|skip[0-9]+)$"
 
-# (dataclass name, attribute) -> FieldSchema keywords (item_minimum: bound of array elements)
+
+def count(maximum: int, minimum: int = 1, why: str = "") -> dict[str, Any]:
+    """An integer field in minimum..maximum; `why` says where the bound comes from."""
+    return {"minimum": minimum, "maximum": maximum, "description": why}
+
+
+def chars(max_length: int, min_length: int | None = None, why: str = "") -> dict[str, Any]:
+    return {"min_length": min_length, "max_length": max_length, "description": why}
+
+
+# The old on/off spellings of weightGradDelay, and the booleans YAML makes of them unquoted
+OLD_WEIGHT_GRAD_DELAY = (
+    ("off", "write 0 (no delay: the backward is not split)"),
+    ("on", "write 1 (one delayed W per stage) or auto"),
+    (False, "false is what YAML makes of unquoted off/no: write 0 (no delay)"),
+    (True, "true is what YAML makes of unquoted on/yes: write 1 (one delayed W per stage) or auto"),
+)
+
+# (dataclass name, attribute) -> FieldSchema keywords (item_minimum/item_maximum: bounds of array
+# elements; legacy: refused values with what to write instead)
 RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("ModelSpec", "kind"): {"enum": MODEL_KINDS, "description": "gpt: a decoder stack; utransformer: "
                             "layer i also feeds layer L-1-i (skip connections)"},
-    ("ModelSpec", "layers"): POS_INT | {"description": "transformer blocks (L)"},
-    ("ModelSpec", "hidden"): POS_INT,
-    ("ModelSpec", "heads"): POS_INT | {"description": "attention heads; divides hidden"},
-    ("ModelSpec", "vocab"): POS_INT,
-    ("ModelSpec", "seq_len"): POS_INT,
-    ("CheckpointSpec", "every"): NAT_INT | {"description": "steps between checkpoints; 0 = never"},
-    ("TrainingSpec", "steps"): POS_INT,
-    ("TrainingSpec", "global_batch"): POS_INT | {"description": "sequences per step"},
-    ("TrainingSpec", "microbatches"): POS_INT | {"description": "pipeline microbatches per step; "
-                                                 "divides globalBatch"},
+    ("ModelSpec", "layers"): count(MAX_LAYERS, why="transformer blocks (L); at most 1024, 8x the deepest "
+                                   "published model (128)"),
+    ("ModelSpec", "hidden"): count(MAX_HIDDEN, why="model width; at most 65536 (the widest published: 25600)"),
+    ("ModelSpec", "heads"): count(MAX_HEADS, why="attention heads; divides hidden; at most 1024"),
+    ("ModelSpec", "vocab"): count(MAX_VOCAB, why="vocabulary size; at most 2^20 (the largest published: 256k)"),
+    ("ModelSpec", "seq_len"): count(MAX_SEQ_LEN, why="tokens per sequence; at most 2^20 (1M-token contexts)"),
+    ("CheckpointSpec", "every"): count(MAX_STEPS, 0, "steps between checkpoints; 0 = never"),
+    ("CheckpointSpec", "path"): chars(MAX_PATH, why="directory of the checkpoints"),
+    ("TrainingSpec", "steps"): count(MAX_STEPS, why="optimizer steps; at most 10^8"),
+    ("TrainingSpec", "global_batch"): count(MAX_GLOBAL_BATCH, why="sequences per step; at most 2^20"),
+    ("TrainingSpec", "microbatches"): count(MAX_MICROBATCHES, why=(
+        f"pipeline microbatches per step; divides globalBatch; at most {MAX_MICROBATCHES}, and stages x "
+        f"microbatches at most {MAX_SCHEDULE_CELLS} (the size of the schedules)")),
     ("TrainingSpec", "learning_rate"): {"minimum": 0, "exclusive_minimum": True},
-    ("TrainingSpec", "seed"): NAT_INT,
-    ("TopologySpec", "devices_per_host"): POS_INT,
-    ("TopologySpec", "host_label"): {"min_length": 1},
-    ("TopologySpec", "device_resource"): {"description": "resource requested per device: cpu or "
-                                          "nvidia.com/gpu"},
-    ("StageSpec", "layers"): {"item_minimum": 0, "description": "half-open [first, last) layer range"},
-    ("StageSpec", "mesh"): {"item_minimum": 1, "min_items": 1, "max_items": MAX_MESH_DIMS,
-                            "description": "device mesh shape; dim 0 runs across hosts, the "
-                            "rest within a host"},
-    ("StageSpec", "data_parallel_dim"): NAT_INT | {"description": "mesh dim the batch is sharded over"},
-    ("StageSpec", "tensor_parallel_dim"): NAT_INT | {"description": "mesh dim of tensor parallelism"},
-    ("EdgeSpec", "src"): NAT_INT | {"description": "source stage"},
-    ("EdgeSpec", "dst"): NAT_INT | {"description": "destination stage"},
-    ("EdgeSpec", "send"): {"required": False, "description": "sharding spec of the activation as sent (default: the "
-                           "source stage's natural layout)"},
-    ("EdgeSpec", "recv"): {"required": False, "description": "sharding spec as received (default: the destination "
-                           "stage's natural layout)"},
-    ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME},
+    ("TrainingSpec", "seed"): count(MAX_SEED, 0, "random seed; 0..2^32-1"),
+    ("TopologySpec", "devices_per_host"): count(MAX_DEVICES_PER_HOST, why="devices of one host; at most 1024"),
+    ("TopologySpec", "host_label"): chars(MAX_LABEL_KEY, 1, "node label naming the host"),
+    ("TopologySpec", "rack_label"): chars(MAX_LABEL_KEY, why="node label naming the rack or zone"),
+    ("TopologySpec", "device_resource"): chars(MAX_LABEL_KEY, why="resource requested per device: cpu or "
+                                              "nvidia.com/gpu"),
+    ("StageSpec", "layers"): {"item_minimum": 0, "item_maximum": MAX_LAYERS,
+                              "description": "half-open [first, last) layer range"},
+    ("StageSpec", "mesh"): {"item_minimum": 1, "item_maximum": MAX_MESH_DIM, "min_items": 1,
+                            "max_items": MAX_MESH_DIMS, "description": (
+                                f"device mesh shape; dim 0 runs across hosts, the rest within a host; at "
+                                f"most {MAX_STAGE_DEVICES} devices per stage, {MAX_WORLD_SIZE} devices and "
+                                f"{MAX_JOB_HOSTS} hosts (dim 0 summed over the stages) per job")},
+    ("StageSpec", "data_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim the batch is sharded over"),
+    ("StageSpec", "tensor_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim of tensor parallelism"),
+    ("EdgeSpec", "src"): count(MAX_STAGES - 1, 0, "source stage"),
+    ("EdgeSpec", "dst"): count(MAX_STAGES - 1, 0, "destination stage"),
+    ("EdgeSpec", "send"): {"required": False, "max_length": MAX_LAYOUT, "description": "sharding spec of the "
+                           "activation as sent (default: the source stage's natural layout)"},
+    ("EdgeSpec", "recv"): {"required": False, "max_length": MAX_LAYOUT, "description": "sharding spec as "
+                           "received (default: the destination stage's natural layout)"},
+    ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME, "max_length": MAX_LAYOUT},
     ("ReshardingSpec", "strategy"): {"enum": STRATEGIES},
-    ("ReshardingSpec", "chunks"): POS_INT | {"enum": CHUNKS_AUTO, "description": "K: chunks of the broadcast "
-                                             "chain; auto: from the bytes, receiving hosts and "
-                                             "the network's per-message cost"},
+    ("ReshardingSpec", "chunks"): count(MAX_CHUNKS, why="K: chunks of the broadcast chain, at most 4096; auto: "
+                                        "from the bytes, receiving hosts and the network's per-message cost")
+                                  | {"enum": CHUNKS_AUTO},
     ("ReshardingSpec", "balancer"): {"enum": BALANCERS},
     ("ReshardingSpec", "budget_seconds"): {"minimum": 0, "exclusive_minimum": True,
-                                           "description": "planning time budget of dfs"},
+                                           "maximum": MAX_BUDGET_SECONDS,
+                                           "description": "planning time budget of dfs; at most 60"},
     ("ScheduleSpec", "kind"): {"enum": SCHEDULE_KINDS},
-    ("ScheduleSpec", "weight_grad_delay"): {"enum": WEIGHT_GRAD_DELAY},
-    ("RunPolicy", "backoff_limit"): NAT_INT,
-    ("RunPolicy", "active_deadline_seconds"): NAT_INT,
-    ("RunPolicy", "ttl_seconds_after_finished"): NAT_INT,
+    ("ScheduleSpec", "weight_grad_delay"): {
+        "enum": (AUTO,), "minimum": 0, "maximum": MAX_MICROBATCHES - 1, "legacy": OLD_WEIGHT_GRAD_DELAY,
+        "description": "auto (each stage delays as many weight-gradient computations as cover its "
+                       "gradient communication) or a number N of microbatches (each stage that sends "
+                       "gradients delays N, at most microbatches - 1); 0 = no delay (the backward is "
+                       "not split)"},
+    ("RunPolicy", "backoff_limit"): count(INT32_MAX, 0, "gang restarts before the job fails (int32)"),
+    ("RunPolicy", "active_deadline_seconds"): count(INT64_MAX, 0, "seconds the job may run (int64)"),
+    ("RunPolicy", "ttl_seconds_after_finished"): count(INT32_MAX, 0, "seconds a finished job is kept (int32)"),
     ("RunPolicy", "clean_pod_policy"): {"enum": CLEAN_POD_POLICIES},
-    ("MetricsSpec", "port"): {"minimum": 1, "maximum": 65535},
-    ("TrainingJob", "image"): {"min_length": 1},
-    ("TrainingJob", "stages"): {"min_items": 1, "required": True, "description": "one disjoint device mesh per "
-                                "pipeline stage, in layer order"},
-    ("TrainingJob", "edges"): {"description": "optional layout overrides of the model's edges (the "
-                               "stage chain plus utransformer skip edges)"},
+    ("MetricsSpec", "port"): count(65535, why="metrics port of local rank 0 (local rank r: port + r)"),
+    ("TrainingJob", "image"): chars(MAX_IMAGE, 1, "trainer image"),
+    ("TrainingJob", "stages"): {"min_items": 1, "max_items": MAX_STAGES, "required": True,
+                                "description": f"one disjoint device mesh per pipeline stage, in layer order; "
+                                f"at most {MAX_STAGES} (the deepest published pipeline: 64)"},
+    ("TrainingJob", "edges"): {"max_items": MAX_EDGES, "description": "optional layout overrides of the "
+                               "model's edges (the stage chain plus utransformer skip edges)"},
     ("TrainingJob", "resources"): {"description": "k8s ResourceRequirements per device"},
     ("TrainingJob", "scheduling"): {"description": "operator: gang scheduling (PodGroup), Kueue "
                                     "queue and topology level"},
-    ("TrainingJob", "service_account_name"): {"min_length": 1,
-                                              "description": "operator: service account of the pods"},
-    ("SchedulingSpec", "topology_level"): {"description": "node label for Kueue's required topology"},
+    ("TrainingJob", "service_account_name"): chars(MAX_NAME, 1, "operator: service account of the pods"),
+    ("SchedulingSpec", "scheduler_name"): chars(MAX_NAME),
+    ("SchedulingSpec", "queue"): chars(MAX_NAME),
+    ("SchedulingSpec", "topology_level"): chars(MAX_LABEL_KEY, why="node label for Kueue's required topology"),
 }
 # TrainingJob fields that live in metadata, not in spec
 METADATA_ATTRS = ("name", "namespace")
@@ -373,6 +441,23 @@ def _check_stages(r: FieldReader, job: TrainingJob) -> None:
                f"a range ending at spec.model.layers ({m.layers}): stages cover every layer")
 
 
+def _check_size(r: FieldReader, job: TrainingJob) -> None:
+    """Bounds on the whole job: devices, hosts and schedule size grow with several fields at once."""
+    if not r.clean("spec.stages"):
+        return
+    world = sum(st.size for st in job.stages)
+    if world > MAX_WORLD_SIZE:
+        r.fail("spec.stages", f"{world} devices", f"at most {MAX_WORLD_SIZE} devices in all stages' meshes")
+    hosts = sum(st.mesh[0] for st in job.stages)
+    if hosts > MAX_JOB_HOSTS:
+        r.fail("spec.stages", f"{hosts} hosts", f"at most {MAX_JOB_HOSTS} hosts (mesh dim 0) in all stages")
+    cells = len(job.stages) * job.training.microbatches
+    if r.clean("spec.training.microbatches") and cells > MAX_SCHEDULE_CELLS:
+        r.fail("spec.training.microbatches", job.training.microbatches,
+               f"at most {MAX_SCHEDULE_CELLS // len(job.stages)} with {len(job.stages)} stages (stages x "
+               f"microbatches at most {MAX_SCHEDULE_CELLS})")
+
+
 def _resolve_edges(r: FieldReader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
     """The model's edges (defaults) with the user's layout overrides applied and checked."""
     defaults = default_edges(job.model, job.stages)
@@ -440,12 +525,21 @@ def _check_layout(r: FieldReader, path: str, text: str | None, natural: str, sta
             r.errors.append(problem)
             r.bad.add(problem.path)
         return natural
-    coarser = sharding.ShardingSpec.parse(natural, ndim=len(shape))
-    if not sharding.at_least_as_sharded(spec, coarser, stage.mesh, shape):
+    if not _nests(str(spec), natural, stage.mesh, shape):
         r.fail(path, text, f"a layout at least as sharded as the {role} stage {index}'s natural "
                f"layout {natural} (its tiles must nest in those tiles)")
         return natural
     return str(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nests(finer: str, coarser: str, mesh: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether layout `finer`'s tiles nest in `coarser`'s. It walks every device of the mesh and
+    up to 640 edges may ask it about the same few layouts: remembered."""
+    from meshjob import sharding
+
+    return sharding.at_least_as_sharded(sharding.ShardingSpec.parse(finer, len(shape)),
+                                        sharding.ShardingSpec.parse(coarser, len(shape)), mesh, shape)
 
 
 def _reason(err: Exception) -> str:
@@ -462,7 +556,10 @@ TOP_LEVEL = ("apiVersion", "kind", "metadata", "spec", "status")
 
 
 def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
-    """Validate a whole TrainingJob document; raise SpecError with every problem at once."""
+    """Validate a whole TrainingJob document; raise SpecError with every problem at once. Any
+    document is safe to pass: one nested too deep or too large (meshjob.safeyaml.LIMITS) is refused
+    before it is read."""
+    check_tree(doc)
     r = _reader()
     if not isinstance(doc, Mapping):
         raise SpecError([FieldError("document", doc, "a TrainingJob mapping with apiVersion, kind, "
@@ -485,6 +582,7 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     _check_model(r, job.model)
     _check_training(r, job.training)
     _check_stages(r, job)
+    _check_size(r, job)
     if r.clean("spec.stages", "spec.model", "spec.training"):
         job = dataclasses.replace(job, edges=_resolve_edges(r, job, raw_edges))
     if r.errors:
@@ -508,28 +606,43 @@ def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:
     return (name if isinstance(name, str) else ""), (namespace if isinstance(namespace, str) else "default")
 
 
+def load_jobs(path: str) -> list[TrainingJob]:
+    """Every TrainingJob of a YAML file ("-": standard input), one per document; SpecError names
+    the document of each problem."""
+    return parse_yaml_all(read_text(path, "TrainingJob manifest"), source_name(path))
+
+
 def load_job(path: str) -> TrainingJob:
-    """Read YAML from a file and parse_job() it (YAML errors become SpecError too)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError([FieldError(path, None, f"a readable UTF-8 YAML file ({err})")]) from None
-    return parse_yaml(text, source=path)
+    """The one TrainingJob of a YAML file ("-": standard input), for commands that run one job."""
+    return parse_yaml(read_text(path, "TrainingJob manifest"), source_name(path))
+
+
+def parse_yaml_all(text: str, source: str = "<string>") -> list[TrainingJob]:
+    """parse_job() of every document (meshjob.safeyaml: bounded, kubectl's scalars, no duplicate
+    keys); empty documents are skipped as kubectl skips them."""
+    docs = load_documents(text, source)
+    if not docs:
+        raise SpecError([FieldError(source, "no document", "at least one TrainingJob document")])
+    jobs: list[TrainingJob] = []
+    errors: list[FieldError] = []
+    for i, doc in enumerate(docs):
+        try:
+            jobs.append(parse_job(doc))
+        except SpecError as err:
+            prefix = f"{source} document {i + 1}: " if len(docs) > 1 else ""
+            errors += [dataclasses.replace(e, path=prefix + e.path) for e in err.errors]
+    if errors:
+        raise SpecError(errors)
+    return jobs
 
 
 def parse_yaml(text: str, source: str = "<string>") -> TrainingJob:
-    """parse_job() of one YAML document; syntax errors name source:line:column."""
-    import yaml
-
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
-        problem = getattr(err, "problem", None) or str(err)
-        raise SpecError([FieldError(where, problem, "valid YAML (one TrainingJob document)")]) from None
-    return parse_job(doc)
+    """parse_job() of a YAML stream that holds exactly one document."""
+    docs = load_documents(text, source)
+    if len(docs) != 1:
+        raise SpecError([FieldError(source, f"{len(docs)} documents", "exactly one TrainingJob document "
+                                    "(this command runs one job; meshjob plan takes several)")])
+    return parse_job(docs[0])
 
 
 def _to_plain(cls: type, obj: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ ONE_HOST_JOB = {  # 2 stages x 2 ranks on one 4-device host: the smallest job a 
         "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
                    {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 1}],
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy", "budgetSeconds": 0.5},
-        "schedule": {"kind": "1f1b", "weightGradDelay": "off"},
+        "schedule": {"kind": "1f1b", "weightGradDelay": 0},
     },
 }
 

@@ -193,7 +193,7 @@ SCENARIO_JOB = {
         "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
                    {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 0, "tensorParallelDim": 1}],
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
-        "schedule": {"kind": "1f1b", "weightGradDelay": "off"},
+        "schedule": {"kind": "1f1b", "weightGradDelay": 0},
         "runPolicy": {"backoffLimit": 3, "cleanPodPolicy": "All"},
     },
 }

@@ -149,3 +149,77 @@ def test_plan_calibrate_measures_the_costs_that_size_the_plan() -> None:
     default = json.loads(meshjob("plan", str(ROOT / "examples" / "gpt-demo.yaml"), "--json").stdout)
     assert doc["costs"]["stages"] != default["costs"]["stages"]
     assert doc["schedule"]["weight_delay"].keys() == default["schedule"]["weight_delay"].keys()
+
+
+# --- manifests read like kubectl reads them, and safely -----------------------------------------
+
+def billion_laughs() -> str:
+    """300 bytes that stand for 9**9 strings once every alias is expanded."""
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    return "\n".join(lines) + "\n"
+
+
+def test_plan_dash_reads_the_manifest_from_stdin() -> None:
+    result = subprocess.run([sys.executable, "-m", "meshjob.cli", "plan", "-", "--json"], input=TINY.read_text(),
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["job"] == "tiny"
+
+
+def test_plan_of_a_multi_document_file_prints_one_plan_per_document(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    second = TINY.read_text().replace("name: tiny", "name: tiny-two")
+    path = tmp_path / "two.yaml"
+    path.write_text(TINY.read_text() + "---\n" + second)
+    assert main(["plan", str(path), "--json"]) == 0
+    assert [doc["job"] for doc in json.loads(capsys.readouterr().out)] == ["tiny", "tiny-two"]
+
+
+def test_plan_of_a_multi_document_file_names_the_bad_document(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(TINY.read_text() + "---\n" + TINY.read_text().replace("layers: 2,", "layers: 0,"))
+    assert main(["plan", str(path)]) == 2
+    assert f"{path} document 2: spec.model.layers: 0 is invalid" in capsys.readouterr().err
+
+
+def test_plan_names_a_duplicate_key_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(TINY.read_text().replace("  topology: {devicesPerHost: 2}\n",
+                                             "  topology: {devicesPerHost: 2, devicesPerHost: 4}\n"))
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:8:" in err and "'spec.topology.devicesPerHost' is invalid: each key once" in err
+
+
+def test_plan_reads_exponent_floats_like_kubectl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lr.yaml"
+    path.write_text(TINY.read_text().replace("learningRate: 1.0e-3", "learningRate: 1e-3"))
+    assert "learningRate: 1e-3" in path.read_text()
+    assert main(["plan", str(path), "--json"]) == 0
+
+
+def test_plan_refuses_unquoted_on_for_weight_grad_delay_saying_what_to_write(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "on.yaml"
+    path.write_text(TINY.read_text().replace("weightGradDelay: 0", "weightGradDelay: on"))
+    assert main(["plan", str(path)]) == 2
+    assert "spec.schedule.weightGradDelay: True is invalid: auto or an integer in 0..4095; True is no longer " \
+           "accepted: true is what YAML makes of unquoted on/yes: write 1" in capsys.readouterr().err
+
+
+def test_plan_alias_bomb_exits_2_fast_with_a_short_message(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(billion_laughs())
+    result = meshjob("plan", str(path))  # the subprocess' own timeout (60 s) fails the test on a hang
+    assert result.returncode == 2
+    assert "at most 100000 values" in result.stderr and len(result.stderr) < 1000
+
+
+def test_plan_500_levels_of_nesting_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text(TINY.read_text() + "  resources: " + "[" * 500 + "]" * 500 + "\n")
+    result = meshjob("plan", str(path))
+    assert result.returncode == 2
+    assert "levels of nesting" in result.stderr and "Traceback" not in result.stderr

@@ -100,8 +100,10 @@ def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
     # a structural schema prunes unknown fields: what meshjob_operator/render.py reads must be declared
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["scheduling"]["properties"] == {
-        "gang": {"type": "boolean"}, "schedulerName": {"type": "string"}, "queue": {"type": "string"},
-        "topologyLevel": {"type": "string", "description": "node label for Kueue's required topology"}}
+        "gang": {"type": "boolean"}, "schedulerName": {"type": "string", "maxLength": 253},
+        "queue": {"type": "string", "maxLength": 253},
+        "topologyLevel": {"type": "string", "description": "node label for Kueue's required topology",
+                          "maxLength": 317}}
     assert props["serviceAccountName"]["type"] == "string"
 
 
@@ -115,7 +117,6 @@ def test_enums_come_from_the_plan_layers_single_definitions():
     assert props["resharding"]["properties"]["strategy"]["enum"] == list(STRATEGIES)
     assert props["resharding"]["properties"]["balancer"]["enum"] == list(BALANCERS)
     assert props["schedule"]["properties"]["kind"]["enum"] == list(SCHEDULE_KINDS)
-    assert props["schedule"]["properties"]["weightGradDelay"]["enum"] == list(spec.WEIGHT_GRAD_DELAY)
     assert props["runPolicy"]["properties"]["cleanPodPolicy"]["enum"] == list(spec.CLEAN_POD_POLICIES)
 
 
@@ -127,7 +128,8 @@ def test_minimums_maximums_and_required_fields():
     assert stage["properties"]["mesh"]["items"]["minimum"] == 1
     assert (stage["properties"]["mesh"]["minItems"], stage["properties"]["mesh"]["maxItems"]) == (1, 3)
     assert props["edges"]["items"]["required"] == ["from", "to"]
-    assert props["metrics"]["properties"]["port"] == {"type": "integer", "minimum": 1, "maximum": 65535}
+    assert (props["metrics"]["properties"]["port"]["minimum"], props["metrics"]["properties"]["port"]["maximum"]) \
+        == (1, 65535)
     assert props["resharding"]["properties"]["budgetSeconds"]["exclusiveMinimum"] is True
     assert props["runPolicy"]["properties"]["backoffLimit"]["minimum"] == 0
 
@@ -191,6 +193,13 @@ def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> subpro
     return subprocess.run(["kubectl", *args], env=env, input=stdin, capture_output=True, text=True, timeout=30)
 
 
+def install_crd(env: dict[str, str]) -> None:
+    created = kubectl(env, "apply", "-f", str(COMMITTED[0]))
+    assert created.returncode == 0, created.stderr
+    ready = kubectl(env, "wait", "--for=condition=Established", "--timeout=20s", "crd/trainingjobs.meshjob.io")
+    assert ready.returncode == 0, ready.stderr
+
+
 @pytest.mark.slow
 def test_real_apiserver_establishes_the_crd_and_serves_the_examples(apiserver):
     created = kubectl(apiserver, "apply", "-f", str(COMMITTED[0]))
@@ -216,9 +225,7 @@ def test_real_apiserver_establishes_the_crd_and_serves_the_examples(apiserver):
 
 @pytest.mark.slow
 def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(apiserver):
-    assert kubectl(apiserver, "apply", "-f", str(COMMITTED[0])).returncode == 0
-    assert kubectl(apiserver, "wait", "--for=condition=Established", "--timeout=20s",
-                   "crd/trainingjobs.meshjob.io").returncode == 0
+    install_crd(apiserver)
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     doc["spec"]["resharding"]["strategy"] = "bcast"
     doc["spec"]["metrics"]["port"] = 0
@@ -243,9 +250,7 @@ def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(a
 
 @pytest.mark.slow
 def test_real_apiserver_takes_chunks_as_auto_or_a_positive_integer(apiserver):
-    assert kubectl(apiserver, "apply", "-f", str(COMMITTED[0])).returncode == 0
-    assert kubectl(apiserver, "wait", "--for=condition=Established", "--timeout=20s",
-                   "crd/trainingjobs.meshjob.io").returncode == 0
+    install_crd(apiserver)
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     for i, chunks in enumerate(("auto", 8, "many", 0)):
         doc["metadata"]["name"] = f"tiny-{i}"
@@ -254,3 +259,49 @@ def test_real_apiserver_takes_chunks_as_auto_or_a_positive_integer(apiserver):
         assert (made.returncode == 0) == (chunks in ("auto", 8)), (chunks, made.stderr)
         if made.returncode:
             assert "spec.resharding.chunks" in made.stderr
+
+
+@pytest.mark.slow
+def test_real_apiserver_enforces_the_bounds_parse_job_enforces(apiserver):
+    install_crd(apiserver)
+    tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    bad = [("model", "layers", spec.MAX_LAYERS + 1), ("model", "seqLen", 2**63),
+           ("runPolicy", "activeDeadlineSeconds", 10**39), ("runPolicy", "backoffLimit", 2**31),
+           ("schedule", "weightGradDelay", True), ("schedule", "weightGradDelay", 5000),
+           ("schedule", "weightGradDelay", "on"), ("training", "microbatches", spec.MAX_MICROBATCHES + 1)]
+    for section, key, value in bad:
+        doc = json.loads(json.dumps(tiny))
+        doc["spec"].setdefault(section, {})[key] = value
+        refused = kubectl(apiserver, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(doc))
+        assert refused.returncode != 0 and f"spec.{section}.{key}" in refused.stderr, (key, value)
+        with pytest.raises(spec.SpecError, match=f"spec.{section}.{key}"):
+            spec.parse_job(doc)
+    good = json.loads(json.dumps(tiny))
+    good["spec"]["schedule"]["weightGradDelay"] = 3
+    good["spec"]["runPolicy"] = {"activeDeadlineSeconds": spec.INT64_MAX}
+    made = kubectl(apiserver, "create", "-f", "-", stdin=json.dumps(good))
+    assert made.returncode == 0, made.stderr
+    stored = json.loads(kubectl(apiserver, "get", "tj", "tiny", "-o", "json").stdout)
+    assert spec.parse_job(stored).schedule.weight_grad_delay == 3
+    assert stored["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.INT64_MAX
+
+
+# scalars whose reading differs between YAML 1.1 (PyYAML), YAML 1.2 and kubectl (go-yaml v2)
+TRICKY_SCALARS = ("{a: 1e400, b: 100000000000000000000000000000000000000000, e: 0b101, f: +12, g: -0x10, "
+                  "h: 1.0e+3, i: 2001-12-14T21:59:43.10-05:00, j: Yes, k: ON, l: NO, m: ~, n: Null, p: 1:30, "
+                  "q: 0., r: -.5e1, s: 1_000.5, t: 0o, u: 0x, v: 00, w: -0b11, x: '12', z: !!str 12, "
+                  "aa: !!int '13', ab: 12e, ac: 1e+3, ad: 0777, ae: 08, af: .5, ag: 1E3, ah: y, 3: three}")
+
+
+@pytest.mark.slow
+def test_meshjob_reads_yaml_scalars_as_kubectl_sends_them(apiserver):
+    """spec.resources keeps unknown fields, so the server returns exactly what kubectl sent."""
+    from meshjob.safeyaml import load_documents
+
+    install_crd(apiserver)
+    text = (ROOT / "examples" / "tiny.yaml").read_text() + f"  resources: {TRICKY_SCALARS}\n"
+    sent = kubectl(apiserver, "create", "--dry-run=server", "-o", "json", "-f", "-", stdin=text)
+    assert sent.returncode == 0, sent.stderr
+    ours = load_documents(text)[0]
+    assert json.loads(sent.stdout)["spec"]["resources"] == ours["spec"]["resources"]
+    assert json.loads(sent.stdout)["spec"]["training"]["learningRate"] == ours["spec"]["training"]["learningRate"]

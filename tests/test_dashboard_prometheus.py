@@ -99,7 +99,7 @@ spec:
     - {layers: [0, 1], mesh: [1, 2], tensorParallelDim: 1}
     - {layers: [1, 2], mesh: [2, 1], dataParallelDim: 0}
   resharding: {strategy: broadcast, chunks: 2, balancer: greedy, budgetSeconds: 0.5}
-  schedule: {kind: eager-1f1b, weightGradDelay: "off"}
+  schedule: {kind: eager-1f1b, weightGradDelay: 0}
   metrics: {port: 9400}
 """
 

@@ -32,7 +32,7 @@ STAGES = [
 WEIGHT_ATOL = LR / 50
 
 
-def make_job(kind: str, schedule: str, weight_grad_delay: str, stages=STAGES, steps: int = STEPS,
+def make_job(kind: str, schedule: str, weight_grad_delay: int | str, stages=STAGES, steps: int = STEPS,
              global_batch: int = 8, microbatches: int = 4, checkpoint_every: int = 0,
              edges: list | None = None) -> TrainingJob:
     checkpoint = {"every": checkpoint_every, "path": "/unused/train_rank/takes/a/directory"}
@@ -61,14 +61,14 @@ def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None)
 
 @functools.lru_cache(maxsize=None)
 def reference(kind: str) -> ReferenceResult:
-    return reference_for_job(make_job(kind, "gpipe", "off"))
+    return reference_for_job(make_job(kind, "gpipe", 0))
 
 
 def pipeline_losses(results: list[TrainResult]) -> list[list[float]]:
     return [r.losses for r in results if r.losses]
 
 
-SCHEDULES = [("gpipe", "off"), ("1f1b", "off"), ("eager-1f1b", "off"), ("eager-1f1b", "on")]
+SCHEDULES = [("gpipe", 0), ("1f1b", 0), ("eager-1f1b", 0), ("eager-1f1b", 1)]
 
 
 @pytest.mark.slow
@@ -76,7 +76,7 @@ SCHEDULES = [("gpipe", "off"), ("1f1b", "off"), ("eager-1f1b", "off"), ("eager-1
 @pytest.mark.parametrize("schedule,delay", SCHEDULES)
 def test_pipelined_training_matches_the_single_process_reference(kind, schedule, delay):
     job = make_job(kind, schedule, delay)
-    if delay == "on":  # the plan must really split the backward and delay weight gradients
+    if delay:  # the plan must really split the backward and delay weight gradients
         plan = build_plan(job)
         assert plan.split_backward and any(d > 0 for d in plan.weight_delay.values())
     results = run_job(job)
@@ -100,7 +100,7 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
     stages = STAGES[:3] + [{"layers": [6, 8], "mesh": [1, 2], "tensorParallelDim": 1}]
     edges = [{"from": 0, "to": 1, "send": "RS1R", "recv": "S0RR"},
              {"from": 2, "to": 3, "send": "RRR", "recv": "RS1R"}]
-    results = run_job(make_job("gpt", "1f1b", "off", stages=stages, edges=edges))
+    results = run_job(make_job("gpt", "1f1b", 0, stages=stages, edges=edges))
     ref = reference("gpt")
     for reported in pipeline_losses(results):
         assert reported == pytest.approx(ref.losses, abs=1e-5)
@@ -111,7 +111,7 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
 
 def test_the_comparison_tolerance_is_far_below_what_training_changes():
     """Guards the test above: the weights move much more than WEIGHT_ATOL in training."""
-    job = make_job("gpt", "gpipe", "off")
+    job = make_job("gpt", "gpipe", 0)
     initial = dict(StageModule(job.model, 0, 8, job.training.seed).named_parameters())
     moved = max((reference("gpt").weights[n] - p.detach()).abs().max().item() for n, p in initial.items())
     assert moved > 20 * WEIGHT_ATOL
@@ -124,7 +124,7 @@ def test_reference_loss_goes_down_on_the_equivalence_job():
 
 @pytest.mark.slow
 def test_tied_embedding_copies_stay_equal_on_first_and_last_stage():
-    results = run_job(make_job("gpt", "1f1b", "off", steps=3))
+    results = run_job(make_job("gpt", "1f1b", 0, steps=3))
     copies = [r.params["wte.weight"][0] for r in results if r.stage in (0, 3)]
     assert len(copies) == 4
     for copy in copies[1:]:
@@ -133,10 +133,10 @@ def test_tied_embedding_copies_stay_equal_on_first_and_last_stage():
 
 @pytest.mark.slow
 def test_resuming_from_a_checkpoint_continues_exactly_like_an_uninterrupted_run(tmp_path):
-    whole = run_job(make_job("utransformer", "eager-1f1b", "on", steps=6))
-    first = make_job("utransformer", "eager-1f1b", "on", steps=3, checkpoint_every=3)
+    whole = run_job(make_job("utransformer", "eager-1f1b", 1, steps=6))
+    first = make_job("utransformer", "eager-1f1b", 1, steps=3, checkpoint_every=3)
     run_job(first, checkpoint_dir=str(tmp_path))
-    resumed = run_job(make_job("utransformer", "eager-1f1b", "on", steps=6, checkpoint_every=3),
+    resumed = run_job(make_job("utransformer", "eager-1f1b", 1, steps=6, checkpoint_every=3),
                       checkpoint_dir=str(tmp_path))
 
     assert {r.start_step for r in resumed} == {3}

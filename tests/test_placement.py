@@ -160,7 +160,9 @@ def test_load_hosts_reads_a_list_or_a_hosts_mapping(tmp_path: Path) -> None:
         ("hosts: []", r"hosts: \[\]"),
         ("nodes: []", r"nodes: \[\]"),
         ("- [n0, 2]", r"hosts\[0\]: \['n0', 2\]"),
-        ("hosts: [", r"--hosts: .*valid YAML"),
+        ("hosts: [", r"--hosts .*hosts.yaml:\d+:\d+: .*valid YAML"),
+        ("- {name: n0, devices: 2, devices: 3}", r"hosts.yaml:1:\d+: .*given twice"),
+        ("- {name: n0, devices: 5000}", r"hosts\[0\]\.devices: 5000 .*0\.\.1024"),
     ],
 )
 def test_load_hosts_rejects_bad_files_naming_the_field(tmp_path: Path, text: str, field: str) -> None:
@@ -171,7 +173,7 @@ def test_load_hosts_rejects_bad_files_naming_the_field(tmp_path: Path, text: str
 
 
 def test_load_hosts_names_a_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match=r"--hosts: .*nope.yaml"):
+    with pytest.raises(SpecError, match=r"--hosts .*nope.yaml"):
         load_hosts(tmp_path / "nope.yaml")
 
 

@@ -31,7 +31,7 @@ BASE: dict[str, Any] = {
             {"layers": [2, 4], "mesh": [2, 1], "dataParallelDim": 0},
         ],
         "resharding": {"strategy": "broadcast", "chunks": 4, "balancer": "greedy", "budgetSeconds": 0.2},
-        "schedule": {"kind": "eager-1f1b", "weightGradDelay": "off"},
+        "schedule": {"kind": "eager-1f1b", "weightGradDelay": 0},
     },
 }
 
@@ -217,12 +217,12 @@ def edges_of(job) -> list[tuple[int, int, str]]:
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "eager-1f1b"])
-@pytest.mark.parametrize("delay", ["off", "on", "auto"])
-def test_plan_schedules_validate_for_every_kind_and_delay_mode(kind: str, delay: str) -> None:
+@pytest.mark.parametrize("delay", [0, 1, 2, "auto"])
+def test_plan_schedules_validate_for_every_kind_and_delay_mode(kind: str, delay: int | str) -> None:
     job = utransformer_job(schedule={"kind": kind, "weightGradDelay": delay})
     plan = build_plan(job)
     validate(plan.schedules, edges_of(job), job.training.microbatches, plan.split_backward)
-    assert plan.split_backward == (delay != "off")
+    assert plan.split_backward == (delay != 0)
 
 
 def test_eager_schedule_warmup_follows_the_formula_in_the_plan() -> None:
@@ -233,9 +233,20 @@ def test_eager_schedule_warmup_follows_the_formula_in_the_plan() -> None:
         assert computes.index("B") == warmup_forwards("eager-1f1b", stage, 3, job.training.microbatches)
 
 
-def test_weight_delay_on_delays_one_w_on_stages_that_send_gradients() -> None:
-    plan = build_plan(make_job(schedule={"weightGradDelay": "on"}))
+def test_weight_delay_n_delays_n_ws_on_stages_that_send_gradients() -> None:
+    plan = build_plan(make_job(schedule={"weightGradDelay": 1}))
     assert plan.weight_delay == {0: 0, 1: 1}
+    assert build_plan(make_job(schedule={"weightGradDelay": 2})).weight_delay == {0: 0, 1: 2}
+
+
+def test_weight_delay_n_is_capped_at_microbatches_minus_one() -> None:
+    job = make_job(schedule={"weightGradDelay": 4000})
+    assert build_plan(job).weight_delay == {0: 0, 1: job.training.microbatches - 1}
+
+
+def test_weight_delay_0_does_not_split_the_backward() -> None:
+    plan = build_plan(make_job(schedule={"weightGradDelay": 0}))
+    assert plan.split_backward is False and plan.weight_delay == {}
 
 
 def test_weight_delay_auto_grows_with_communication_time() -> None:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from meshjob.errors import FieldError, SpecError
-from meshjob.spec import (EdgeSpec, StageSpec, TrainingJob, job_to_dict, load_job, natural_layout,
+from meshjob.spec import (EdgeSpec, StageSpec, TrainingJob, job_to_dict, load_job, load_jobs, natural_layout,
                           parse_job, parse_yaml)
 
 DESIGN_EXAMPLE = """
@@ -180,8 +180,8 @@ BAD = [
     ("model-typo", [("spec.model.hiden", 1)], "spec.model.hiden", 1, "did you mean 'hidden'"),
     ("spec-not-mapping", [("spec", [1])], "spec", [1], "a mapping with fields"),
     ("model-kind", [("spec.model.kind", "bert")], "spec.model.kind", "bert", "one of gpt, utransformer"),
-    ("layers-zero", [("spec.model.layers", 0)], "spec.model.layers", 0, "an integer >= 1"),
-    ("heads-string", [("spec.model.heads", "eight")], "spec.model.heads", "eight", "an integer >= 1"),
+    ("layers-zero", [("spec.model.layers", 0)], "spec.model.layers", 0, "an integer in 1..1024"),
+    ("heads-string", [("spec.model.heads", "eight")], "spec.model.heads", "eight", "an integer in 1..1024"),
     ("heads-divide-hidden", [("spec.model.heads", 7)], "spec.model.heads", 7,
      "a divisor of spec.model.hidden (256)"),
     ("bool-is-no-integer", [("spec.training.steps", True)], "spec.training.steps", True, "an integer"),
@@ -192,8 +192,8 @@ BAD = [
      "fast", "a number > 0"),
     ("checkpoint-path-needed", [("spec.training.checkpoint.path", "")], "spec.training.checkpoint.path",
      "", "non-empty path when spec.training.checkpoint.every > 0"),
-    ("image-empty", [("spec.image", "")], "spec.image", "", "at least 1 character"),
-    ("stages-empty", [("spec.stages", [])], "spec.stages", [], "at least 1"),
+    ("image-empty", [("spec.image", "")], "spec.image", "", "a string of 1 to 1024 characters"),
+    ("stages-empty", [("spec.stages", [])], "spec.stages", [], "a list of 1 to 128 items"),
     ("stages-missing", [("spec.stages", DELETE)], "spec.stages", None, "required"),
     ("stage-gap", [("spec.stages[1].layers", [5, 8])], "spec.stages[1].layers", [5, 8],
      "[4, n) with 4 < n <= 8"),
@@ -206,12 +206,14 @@ BAD = [
     ("layers-not-a-pair", [("spec.stages[0].layers", [0])], "spec.stages[0].layers", [0], "exactly 2"),
     ("stage-layers-missing", [("spec.stages[0].layers", DELETE)], "spec.stages[0].layers", None, "required"),
     ("mesh-four-dims", [("spec.stages[0].mesh", [1, 1, 1, 1])], "spec.stages[0].mesh", [1, 1, 1, 1],
-     "a list of 1 to 3 items, each an integer >= 1"),
-    ("mesh-zero-dim", [("spec.stages[0].mesh", [0, 2])], "spec.stages[0].mesh[0]", 0, "an integer >= 1"),
+     "a list of 1 to 3 items, each an integer in 1..4096"),
+    ("mesh-zero-dim", [("spec.stages[0].mesh", [0, 2])], "spec.stages[0].mesh[0]", 0, "an integer in 1..4096"),
     ("mesh-exceeds-host", [("spec.stages[0].mesh", [1, 4])], "spec.stages[0].mesh", [1, 4],
      "spec.topology.devicesPerHost (2)"),
-    ("mesh-too-large", [("spec.stages[1].mesh", [5000, 1])], "spec.stages[1].mesh", [5000, 1],
+    ("mesh-too-large", [("spec.stages[1].mesh", [4096, 2])], "spec.stages[1].mesh", [4096, 2],
      "at most 4096 devices"),
+    ("mesh-dim-too-large", [("spec.stages[1].mesh", [5000, 1])], "spec.stages[1].mesh[0]", 5000,
+     "an integer in 1..4096"),
     ("dp-dim-out-of-range", [("spec.stages[1].dataParallelDim", 2)], "spec.stages[1].dataParallelDim", 2,
      "a mesh dim in 0..1"),
     ("dp-equals-tp", [("spec.stages[0].dataParallelDim", 1)], "spec.stages[0].tensorParallelDim", 1,
@@ -224,19 +226,29 @@ BAD = [
      "one of send_recv, local_allgather, global_allgather, broadcast, signal"),
     ("balancer", [("spec.resharding.balancer", "random")], "spec.resharding.balancer", "random",
      "one of naive, load_balance, dfs, greedy"),
-    ("chunks-zero", [("spec.resharding.chunks", 0)], "spec.resharding.chunks", 0, "auto or an integer >= 1"),
+    ("chunks-zero", [("spec.resharding.chunks", 0)], "spec.resharding.chunks", 0, "auto or an integer in 1..4096"),
     ("chunks-word", [("spec.resharding.chunks", "max")], "spec.resharding.chunks", "max",
-     "auto or an integer >= 1"),
+     "auto or an integer in 1..4096"),
     ("budget-negative", [("spec.resharding.budgetSeconds", -1)], "spec.resharding.budgetSeconds", -1,
      "a number > 0"),
     ("schedule-kind", [("spec.schedule.kind", "interleaved")], "spec.schedule.kind", "interleaved",
      "one of gpipe, 1f1b, eager-1f1b"),
+    ("weight-grad-delay-old-off", [("spec.schedule.weightGradDelay", "off")],
+     "spec.schedule.weightGradDelay", "off", "'off' is no longer accepted: write 0"),
+    ("weight-grad-delay-old-on", [("spec.schedule.weightGradDelay", "on")],
+     "spec.schedule.weightGradDelay", "on", "'on' is no longer accepted: write 1 (one delayed W per stage) or auto"),
     ("weight-grad-delay-unquoted-off", [("spec.schedule.weightGradDelay", False)],
-     "spec.schedule.weightGradDelay", False, "quote on/off"),
+     "spec.schedule.weightGradDelay", False, "false is what YAML makes of unquoted off/no: write 0"),
+    ("weight-grad-delay-unquoted-on", [("spec.schedule.weightGradDelay", True)],
+     "spec.schedule.weightGradDelay", True, "true is what YAML makes of unquoted on/yes: write 1"),
+    ("weight-grad-delay-negative", [("spec.schedule.weightGradDelay", -1)],
+     "spec.schedule.weightGradDelay", -1, "auto or an integer in 0..4095"),
+    ("weight-grad-delay-word", [("spec.schedule.weightGradDelay", "always")],
+     "spec.schedule.weightGradDelay", "always", "auto or an integer in 0..4095"),
     ("clean-pod-policy", [("spec.runPolicy.cleanPodPolicy", "Always")], "spec.runPolicy.cleanPodPolicy",
      "Always", "one of All, Running, None"),
     ("backoff-negative", [("spec.runPolicy.backoffLimit", -1)], "spec.runPolicy.backoffLimit", -1,
-     "an integer >= 0"),
+     "an integer in 0..2147483647"),
     ("suspend-not-bool", [("spec.runPolicy.suspend", "yes")], "spec.runPolicy.suspend", "yes", "true or false"),
     ("port-range", [("spec.metrics.port", 70000)], "spec.metrics.port", 70000, "an integer in 1..65535"),
     ("scheduling-gang-not-bool", [("spec.scheduling", {"gang": "yes"})], "spec.scheduling.gang", "yes",
@@ -344,6 +356,63 @@ def test_missing_file_is_a_spec_error_naming_it(tmp_path):
 def test_parse_yaml_of_several_documents_is_a_spec_error():
     with pytest.raises(SpecError):
         parse_yaml(DESIGN_EXAMPLE + "\n---\n" + DESIGN_EXAMPLE)
+
+
+def test_learning_rate_1e_minus_3_is_a_float_as_kubectl_reads_it():
+    job = parse_yaml(DESIGN_EXAMPLE.replace("learningRate: 3.0e-4", "learningRate: 1e-3"))
+    assert job.training.learning_rate == 0.001
+
+
+def test_weight_grad_delay_is_auto_or_a_number_of_microbatches():
+    for value, expected in (("auto", "auto"), ("0", 0), ("3", 3), ("'auto'", "auto")):
+        job = parse_yaml(DESIGN_EXAMPLE.replace("weightGradDelay: auto", f"weightGradDelay: {value}"))
+        assert job.schedule.weight_grad_delay == expected
+
+
+@pytest.mark.parametrize("written, hint", [("on", "write 1 (one delayed W per stage) or auto"),
+                                           ("off", "write 0 (no delay"), ("'on'", "write 1"),
+                                           ("'off'", "write 0"), ("yes", "write 1"), ("no", "write 0")])
+def test_old_weight_grad_delay_spellings_are_refused_saying_what_to_write(written, hint):
+    with pytest.raises(SpecError) as info:
+        parse_yaml(DESIGN_EXAMPLE.replace("weightGradDelay: auto", f"weightGradDelay: {written}"))
+    [error] = info.value.errors
+    assert error.path == "spec.schedule.weightGradDelay" and hint in error.allowed
+
+
+def test_load_jobs_reads_one_job_per_document(tmp_path):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(DESIGN_EXAMPLE + "---\n" + DESIGN_EXAMPLE.replace("name: gpt-demo", "name: second"))
+    assert [job.name for job in load_jobs(str(path))] == ["gpt-demo", "second"]
+
+
+def test_load_jobs_names_the_document_of_each_problem(tmp_path):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(DESIGN_EXAMPLE + "---\n" + DESIGN_EXAMPLE.replace("heads: 8", "heads: 7"))
+    with pytest.raises(SpecError) as info:
+        load_jobs(str(path))
+    assert [e.path for e in info.value.errors] == [f"{path} document 2: spec.model.heads"]
+
+
+def test_load_job_refuses_several_documents_saying_plan_takes_them(tmp_path):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(DESIGN_EXAMPLE + "---\n" + DESIGN_EXAMPLE)
+    with pytest.raises(SpecError, match="2 documents.*exactly one TrainingJob document.*meshjob plan"):
+        load_job(str(path))
+
+
+def test_dash_reads_the_manifest_from_stdin(monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(DESIGN_EXAMPLE.encode())))
+    assert load_job("-") == parse_job(base())
+
+
+def test_a_file_that_is_not_utf8_is_a_spec_error_naming_it(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(SpecError, match="UTF-8"):
+        load_job(str(path))
 
 
 def test_trainingjob_helpers_count_ranks_and_find_layer_stages():

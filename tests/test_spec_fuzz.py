@@ -7,16 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshjob.crd import open_api_schema
 from meshjob.errors import SpecError
+from meshjob.safeyaml import load_documents
 from meshjob.spec import TrainingJob, job_to_dict, parse_job, parse_yaml
 
 EXAMPLE_TEXTS = [p.read_text() for p in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))]
-EXAMPLES = [yaml.safe_load(t) for t in EXAMPLE_TEXTS]
+EXAMPLES = [load_documents(t)[0] for t in EXAMPLE_TEXTS]
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -30,7 +30,15 @@ def with_nulls(schema: Any) -> Any:
     return schema
 
 
-SCHEMA = jsonschema.Draft4Validator(with_nulls(open_api_schema()))
+def kubernetes_integer(checker: Any, value: Any) -> bool:
+    """Kubernetes reads JSON numbers with an integral value (1e3, 2.0) as integers; Draft 4 does not."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+KubernetesValidator = jsonschema.validators.extend(
+    jsonschema.Draft4Validator,
+    type_checker=jsonschema.Draft4Validator.TYPE_CHECKER.redefine("integer", kubernetes_integer))
+SCHEMA = KubernetesValidator(with_nulls(open_api_schema()))
 
 # values that sit near the rules (small ints, layouts, enum words) as well as arbitrary ones
 scalars = st.one_of(
@@ -99,7 +107,7 @@ def test_edited_yaml_text_is_accepted_or_rejected_with_spec_error(text, at, cut,
     except SpecError as err:
         assert err.errors
         return
-    check_accepted(job, yaml.safe_load(edited))
+    check_accepted(job, load_documents(edited)[0])
 
 
 @FUZZ

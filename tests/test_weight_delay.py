@@ -89,5 +89,5 @@ def test_measured_costs_for_the_wrong_number_of_stages_are_refused():
 
 
 def test_a_spelled_out_delay_is_taken_as_asked_capped_at_m_minus_1():
-    job = with_schedule(load_job("examples/gpt-demo.yaml"), "eager-1f1b", "on")
+    job = with_schedule(load_job("examples/gpt-demo.yaml"), "eager-1f1b", 1)
     assert build_plan(job).weight_delay == {0: 0, 1: 1, 2: 1, 3: 1}

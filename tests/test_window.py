@@ -55,7 +55,7 @@ def test_joint_shares_keep_the_joint_sender_choice_and_are_timed_alone():
 
 def test_gpipe_balances_forward_and_backward_boundaries_in_separate_windows():
     doc = job_to_dict(pair_job())
-    doc["spec"]["schedule"] = {"kind": "gpipe", "weightGradDelay": "off"}
+    doc["spec"]["schedule"] = {"kind": "gpipe", "weightGradDelay": 0}
     plan = build_plan(parse_job(doc))
     assert [w.name for w in plan.windows] == [FORWARD, BACKWARD]
     assert all(plan.boundaries[i].is_backward == (w.name == BACKWARD) for w in plan.windows for i in w.boundaries)

@@ -30,11 +30,11 @@ from meshjob.api import API_VERSION, KIND
 from meshjob.spec import TrainingJob, parse_job
 from meshjob.units import parse_rate
 
-VARIANTS: dict[str, dict[str, str]] = {  # name -> schedule kind, weight-grad delay, strategy
-    "1f1b": {"kind": "1f1b", "delay": "off", "strategy": "broadcast"},
-    "eager-1f1b": {"kind": "eager-1f1b", "delay": "off", "strategy": "broadcast"},
-    "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": "on", "strategy": "broadcast"},
-    "signal": {"kind": "eager-1f1b", "delay": "off", "strategy": "signal"},
+VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-grad delay, strategy
+    "1f1b": {"kind": "1f1b", "delay": 0, "strategy": "broadcast"},
+    "eager-1f1b": {"kind": "eager-1f1b", "delay": 0, "strategy": "broadcast"},
+    "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": 1, "strategy": "broadcast"},
+    "signal": {"kind": "eager-1f1b", "delay": 0, "strategy": "signal"},
 }
 MODELS = ("gpt", "utransformer")
 

@@ -4,7 +4,10 @@ Readable tables by default (placement; the network: per-host egress/ingress byte
 balancing window's joint makespan vs its lower bound; each boundary's unit tasks with sender,
 receivers, bytes, chunks and start; makespan vs lower bound; each stage's weight-gradient delay,
 peak stash and action list), or one JSON object with --json (the contract tools rely on, see
-Plan.to_json). Bad manifests, hosts files and rates exit 2 with the field named.
+Plan.to_json). `-` reads the manifest from standard input. A file of several YAML documents
+(`---`) holds one job per document: every job is checked first, then each is planned; --json then
+prints a JSON list of plans, in document order. Bad manifests, hosts files and rates exit 2 with
+the field (and the document) named.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ MAX_TASK_ROWS = 64  # per boundary in the table; --json always has every task
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="TrainingJob manifest (YAML)")
+    p.add_argument("job", help="TrainingJob manifest (YAML; - reads standard input; one job per document)")
     p.add_argument("--hosts", metavar="HOSTS_YAML",
                    help="cluster: a list of {name, devices, rack} (default: the smallest cluster of "
                         "identical hosts with topology.devicesPerHost devices)")
@@ -31,18 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshjob.placement import load_hosts
     from meshjob.plan import build_plan
-    from meshjob.spec import load_job
+    from meshjob.spec import load_jobs
 
     network = cost_options.network_from_args(args)
-    job = load_job(args.job)
+    jobs = load_jobs(args.job)
     hosts = load_hosts(args.hosts) if args.hosts else None
-    plan = build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network))
-    doc = plan.to_json()
+    docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
+            for job in jobs]
     if args.json:
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_tables(doc, args.nic_rate)
+        for doc in docs:
+            print_tables(doc, args.nic_rate)
     return 0
 
 

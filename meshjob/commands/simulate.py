@@ -11,7 +11,7 @@ HELP = "predict step time, bubbles and resharding time of a plan at any scale"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="TrainingJob manifest (YAML)")
+    p.add_argument("job", help="TrainingJob manifest (YAML, one document; - reads standard input)")
     p.add_argument("--hosts", type=int, default=None,
                    help="spread the job over this many hosts (each stage's mesh dim 0 grows; data parallel)")
     cost_options.add_arguments(p)

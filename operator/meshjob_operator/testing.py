@@ -90,7 +90,7 @@ def job_body(name: str, namespace: str = "default", *, hosts: int = 2, devices_p
         "topology": {"devicesPerHost": devices_per_host},
         "stages": stages,
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
-        "schedule": {"kind": "1f1b", "weightGradDelay": "off"},
+        "schedule": {"kind": "1f1b", "weightGradDelay": 0},
         "runPolicy": {"backoffLimit": 2, "cleanPodPolicy": "All", **(run_policy or {})},
     }
     spec.update(spec_overrides)
