@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -28,7 +29,7 @@ HELPS: dict[str, str] = {
     "plan": "show the plan for a TrainingJob: placement, resharding tasks, schedules",
     "crd": "print the TrainingJob CustomResourceDefinition generated from the spec model",
     "run": "run a TrainingJob on this machine on an emulated cluster",
-    "bench": "benchmarks: resharding strategies, pipeline schedules, planner",
+    "bench": "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing",
     "simulate": "predict step time, bubbles and resharding time of a plan at any scale",
     "worker": "one trainer process per device (what a trainer pod runs)",
     "operator": "the Kubernetes operator (kopf)",
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`meshjob plan x --json | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
+        return 141
 
 
 if __name__ == "__main__":

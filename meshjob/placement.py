@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.mesh import Mesh
-from meshjob.safeyaml import load_one, read_text, source_name
+from meshjob.safeyaml import dump_yaml, load_one, read_text, source_name
 from meshjob.spec import MAX_DEVICES_PER_HOST, MAX_NAME, TrainingJob
 
 MAX_SEARCH_NODES = 200_000  # backtracking budget; beyond it the cluster is reported as too small
@@ -298,7 +298,7 @@ def default_hosts(job: TrainingJob) -> tuple[Host, ...]:
 
 def dump_hosts(hosts: Sequence[Host]) -> str:
     """hosts.yaml as load_hosts reads it back (the operator's ConfigMap carries the hosts it placed on)."""
-    return yaml.safe_dump([{"name": h.name, "devices": h.devices, "rack": h.rack} for h in hosts], sort_keys=False)
+    return dump_yaml([{"name": h.name, "devices": h.devices, "rack": h.rack} for h in hosts])
 
 
 def load_hosts(path: str | Path) -> tuple[Host, ...]:

@@ -369,29 +369,60 @@ def load_one(text: str, source: str, what: str, limits: Limits = LIMITS) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# Writing YAML that reads back the same
+
+
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper quotes only the strings its own YAML 1.1 rules would misread; `0o17`,
+    `1e3` or `y` went out plain and came back as numbers or booleans here (and under kubectl)."""
+
+    def represent_str(self, data: str) -> yaml.ScalarNode:
+        plain = resolve_plain(data)
+        keeps = isinstance(plain, str) and plain == data
+        return self.represent_scalar("tag:yaml.org,2002:str", data, style=None if keeps else '"')
+
+
+_Dumper.add_representer(str, _Dumper.represent_str)
+
+
+def dump_yaml(doc: Any, sort_keys: bool = False) -> str:
+    """YAML text of plain values that load_documents (and kubectl) read back as the same values."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=sort_keys, allow_unicode=True, default_flow_style=False)
+
+
+# ---------------------------------------------------------------------------------------------
 # Documents that arrive parsed
 
 
 def check_tree(doc: Any, path: str = "document", limits: Limits = LIMITS) -> None:
     """SpecError when an already-parsed document nests deeper than limits.max_depth or holds more
     than limits.max_nodes values (shared and cyclic references count each time they are reached,
-    so a cycle is refused, never followed). Iterative: no recursion, whatever the input."""
-    stack: list[tuple[Any, int, str]] = [(doc, 0, path)]
-    nodes = 0
+    so a cycle is refused, never followed). Iterative: no recursion, whatever the input; paths are
+    only worked out for the error."""
+    if not isinstance(doc, (dict, list, tuple)):
+        return
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    nodes = 1
     while stack:
-        node, depth, where = stack.pop()
-        nodes += 1
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        nodes += len(children)
         if nodes > limits.max_nodes:
             raise SpecError([FieldError(path, "a document", f"at most {limits.max_nodes} values")])
-        if isinstance(node, dict):
-            children = ((v, f"{where}.{short_text(str(k), 40)}") for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            children = ((v, f"{where}[{i}]") for i, v in enumerate(node))
-        else:
-            continue
-        if nodes + len(node) > limits.max_nodes:
-            raise SpecError([FieldError(path, "a document", f"at most {limits.max_nodes} values")])
-        if depth >= limits.max_depth:
-            raise SpecError([FieldError(where, "a deeper value", f"at most {limits.max_depth} levels "
-                                        f"of nesting")])
-        stack.extend((child, depth + 1, sub) for child, sub in children)
+        if depth >= limits.max_depth and children:
+            raise SpecError([FieldError(_path_to(doc, node, path), "a deeper value",
+                                        f"at most {limits.max_depth} levels of nesting")])
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+
+
+def _path_to(doc: Any, target: Any, path: str) -> str:
+    """The path of the first container that is `target` (depth-first, as check_tree found it)."""
+    stack: list[tuple[Any, str]] = [(doc, path)]
+    while stack:
+        node, where = stack.pop()
+        if node is target:
+            return where
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend((child, f"{where}.{short_text(str(key), 40)}" if isinstance(node, dict) else f"{where}[{key}]")
+                     for key, child in items if isinstance(child, (dict, list, tuple)))
+    return path

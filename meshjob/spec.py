@@ -19,7 +19,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from meshjob.api import API_VERSION, KIND, TRAINER_METRICS_PORT
 from meshjob.balance import BALANCERS
@@ -323,6 +323,21 @@ METADATA_ATTRS = ("name", "namespace")
 def schema_of(cls: type) -> tuple[FieldSchema, ...]:
     """The field table of one dataclass of the model (metadata fields of TrainingJob excluded)."""
     return build_table(cls, RULES, RENAMES, METADATA_ATTRS if cls is TrainingJob else ())
+
+
+def bounded_fields(cls: type = TrainingJob, path: str = "spec") -> Iterator[tuple[str, FieldSchema]]:
+    """(path, schema) of every scalar with a maximum or a maximum length; a list's elements appear
+    as its first one (spec.stages[0].mesh[0]). Tests and the fuzz benchmark walk the bounds with it."""
+    for f in schema_of(cls):
+        sub = f"{path}.{f.yaml}"
+        if f.type == "object" and f.model is not None:
+            yield from bounded_fields(f.model, sub)
+        elif f.type == "array" and f.model is not None:
+            yield from bounded_fields(f.model, f"{sub}[0]")
+        elif f.type == "array":
+            yield f"{sub}[0]", f.items
+        elif f.maximum is not None or f.max_length is not None:
+            yield sub, f
 
 
 def _reader() -> FieldReader:

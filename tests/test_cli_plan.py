@@ -223,3 +223,9 @@ def test_plan_500_levels_of_nesting_exit_2_without_a_traceback(tmp_path: Path) -
     result = meshjob("plan", str(path))
     assert result.returncode == 2
     assert "levels of nesting" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_piped_into_a_reader_that_stops_early_prints_no_traceback() -> None:
+    script = f"{sys.executable} -m meshjob.cli plan {TINY} --json | head -c 10 >/dev/null"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr

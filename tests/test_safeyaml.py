@@ -230,3 +230,15 @@ def test_error_values_are_truncated():
 def test_error_paths_from_huge_keys_are_truncated():
     error = refusal("k" * 100_000 + ": 1\n" + "k" * 100_000 + ": 2\n")
     assert len(str(error)) < 400
+
+
+def test_dump_yaml_reads_back_the_same_values_where_pyyaml_would_not():
+    import yaml
+
+    from meshjob.safeyaml import dump_yaml
+
+    doc = {"y": "y", "on": "on", "octal": "0o17", "exp": "1e3", "dot": ".5", "empty": "", "date": "2001-12-14",
+           "plain": "gpt", "n": 3, "f": 0.001, "b": False, "none": None, "list": ["n", "S0RR", "0777"]}
+    assert load_documents(yaml.safe_dump(doc)) != [doc]  # PyYAML writes y, 0o17 and 1e3 plain
+    assert load_documents(dump_yaml(doc)) == [doc]
+    assert "plain: gpt" in dump_yaml(doc)  # ordinary strings stay unquoted

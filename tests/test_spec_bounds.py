@@ -5,34 +5,19 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from meshjob import spec
 from meshjob.crd import open_api_schema
 from meshjob.errors import SpecError
-from meshjob.fields import FieldSchema
 from meshjob.safeyaml import load_documents
-from meshjob.spec import parse_job, schema_of
+from meshjob.spec import bounded_fields, parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_DEMO = load_documents((ROOT / "examples" / "gpt-demo.yaml").read_text())[0]
 CPU_SECONDS = 2.0  # a refusal by a bound takes milliseconds; the unbounded work took minutes
-
-
-def bounded_fields(cls: type = spec.TrainingJob, path: str = "spec") -> Iterator[tuple[str, FieldSchema]]:
-    """(path, schema) of every scalar with a maximum or max_length, lists as their first element."""
-    for f in schema_of(cls):
-        sub = f"{path}.{f.yaml}"
-        if f.type == "object" and f.model is not None:
-            yield from bounded_fields(f.model, sub)
-        elif f.type == "array" and f.model is not None:
-            yield from bounded_fields(f.model, f"{sub}[0]")
-        elif f.type == "array":
-            yield f"{sub}[0]", f.items
-        elif f.maximum is not None or f.max_length is not None:
-            yield sub, f
 
 
 BOUNDED = dict(bounded_fields())

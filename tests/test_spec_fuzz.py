@@ -14,6 +14,7 @@ from meshjob.crd import open_api_schema
 from meshjob.errors import SpecError
 from meshjob.safeyaml import load_documents
 from meshjob.spec import TrainingJob, job_to_dict, parse_job, parse_yaml
+from meshjob_bench.fuzz import locations
 
 EXAMPLE_TEXTS = [p.read_text() for p in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))]
 EXAMPLES = [load_documents(t)[0] for t in EXAMPLE_TEXTS]
@@ -51,16 +52,6 @@ values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8) | st.sampled_from(
         ["from", "to", "send", "recv", "layers", "mesh", "dataParallelDim", "tensor"]), inner, max_size=3)),
     max_leaves=8)
-
-
-def locations(node: Any) -> list[tuple[Any, Any]]:
-    """Every (container, key) inside a document."""
-    out: list[tuple[Any, Any]] = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
-    for key, child in items:
-        out.append((node, key))
-        out.extend(locations(child))
-    return out
 
 
 @st.composite

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Mapping
 
-import yaml
 from kubernetes.utils.quantity import format_quantity, parse_quantity
 
-from meshjob.plan import Plan
 from meshjob import rendered
+from meshjob.plan import Plan
+from meshjob.safeyaml import dump_yaml
 from meshjob.spec import TrainingJob
 
 from meshjob_operator import names
@@ -64,7 +64,7 @@ def configmap(meta: JobMeta, spec: Mapping[str, Any], inputs: rendered.PlanInput
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _metadata(meta, names.configmap_name(meta.name)),
-        "data": {rendered.JOB_FILE: yaml.safe_dump(manifest, sort_keys=True), **rendered.render(inputs, plan)},
+        "data": {rendered.JOB_FILE: dump_yaml(manifest, sort_keys=True), **rendered.render(inputs, plan)},
     }
 
 
