@@ -15,7 +15,7 @@ ONE_DEVICE_STAGES = [{"layers": [2 * s, 2 * s + 2], "mesh": [1, 1]} for s in ran
 MICROBATCHES = 8
 
 
-def measured_peaks(schedule: str, delay: str) -> tuple[dict[int, int], object]:
+def measured_peaks(schedule: str, delay: int | str) -> tuple[dict[int, int], object]:
     job = make_job("gpt", schedule, delay, stages=ONE_DEVICE_STAGES, steps=1,
                    global_batch=MICROBATCHES, microbatches=MICROBATCHES)
     results = run_job(job)
@@ -25,7 +25,7 @@ def measured_peaks(schedule: str, delay: str) -> tuple[dict[int, int], object]:
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["eager-1f1b", "1f1b", "gpipe"])
 def test_peak_stashed_activations_per_stage_equal_the_warmup_count(schedule):
-    peaks, _ = measured_peaks(schedule, "off")
+    peaks, _ = measured_peaks(schedule, 0)
     assert peaks == {s: warmup_forwards(schedule, s, 4, MICROBATCHES) for s in range(4)}
 
 
@@ -36,7 +36,7 @@ def test_eager_1f1b_warmup_is_the_papers_bound():
 
 @pytest.mark.slow
 def test_delayed_weight_gradients_keep_stashes_alive_as_the_action_list_says():
-    peaks, plan = measured_peaks("eager-1f1b", "on")
+    peaks, plan = measured_peaks("eager-1f1b", 1)
     assert any(d > 0 for d in plan.weight_delay.values())
     assert peaks == {s: peak_stashed_stage(plan.schedules[s]) for s in range(4)}
     # a delayed W keeps one more microbatch's graph alive on the stages that delay
