@@ -175,13 +175,16 @@ def test_a_forked_child_does_not_keep_the_metrics_port(metrics):
 
     port = metrics.serve(0, addr="127.0.0.1")
     go_r, go_w = os.pipe()
+    started_r, started_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: close() must not wait for a serving thread it does not have
+        os.write(started_w, b"x")  # the at-fork hooks have run: the parent may check the port
         signal.alarm(10)
         metrics.close()
         os.read(go_r, 1)  # live on until the parent has checked the port
         os._exit(0)
     try:
+        os.read(started_r, 1)  # on a busy machine the child may not have run at all yet
         metrics.close()
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -190,6 +193,8 @@ def test_a_forked_child_does_not_keep_the_metrics_port(metrics):
     finally:
         os.write(go_w, b"x")
         _, status = os.waitpid(pid, 0)
+        os.close(started_r)
+        os.close(started_w)
         os.close(go_r)
         os.close(go_w)
     assert os.waitstatus_to_exitcode(status) == 0
