@@ -74,21 +74,6 @@ async def test_transient_api_errors_are_retried_until_the_job_converges(cluster,
     assert len(attempts) == 2 and status["hosts"] == 2 and len(pods) == 2
 
 
-async def test_a_permanent_api_error_is_not_retried(cluster, operator):
-    attempts = _failing(cluster, "POST", "configmaps", 403, times=None)
-    await h.add_nodes(cluster, "denied", 2)
-    await cluster.create_job(h.scenario_job("denied"))
-
-    async def warned():
-        return [e for e in await cluster.events("denied") if e.get("reason") == "ApiError"] or None
-    events = await testing.eventually(warned, what="a Warning Event ApiError")
-    assert "HTTP 403" in events[0]["message"]
-    tried = len(attempts)
-    await asyncio.sleep(2.0)  # a retry storm would show here
-    assert len(attempts) == tried == 1
-    assert await cluster.pods("denied", "denied") == []
-
-
 async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
     import os
     import sys

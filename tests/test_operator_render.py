@@ -312,16 +312,33 @@ def test_status_draft_patches_only_what_changed_and_deletes_cleared_fields():
 
 @pytest.mark.parametrize("status, temporary", [(409, True), (429, True), (500, True), (503, True), (504, True),
                                                (400, False), (403, False), (404, False), (422, False)])
-def test_api_errors_map_to_kopf_retry_or_no_retry(status, temporary):
-    import kopf
+def test_api_errors_say_whether_they_pass_by_themselves(status, temporary):
+    from meshjob_operator.kube import ApiError
 
-    from meshjob_operator.kube import ApiError, as_kopf_error
+    assert ApiError(status, "POST", "/api/v1/namespaces/x/pods", "boom").temporary is temporary
 
-    err = as_kopf_error(ApiError(status, "POST", "/api/v1/namespaces/x/pods", "boom"), delay=4.0)
-    assert isinstance(err, kopf.TemporaryError if temporary else kopf.PermanentError)
-    assert f"HTTP {status}" in str(err)
-    if temporary:
-        assert err.delay == 4.0
+
+def test_an_api_error_keeps_the_servers_reason_and_message():
+    from meshjob_operator.kube import _api_error
+
+    text = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+                       "message": 'pods "j-host-0" is forbidden: exceeded quota: zero'})
+    err = _api_error(403, "POST", "/api/v1/namespaces/x/pods", text)
+    assert (err.status, err.reason, err.message) == (403, "Forbidden", 'pods "j-host-0" is forbidden: exceeded quota: zero')
+    assert _api_error(502, "GET", "/x", "<html>bad gateway</html>").reason == "HTTP502"
+
+
+def test_retries_back_off_exponentially_up_to_a_cap():
+    from meshjob_operator.handlers import MAX_BACKOFF_S, backoff_s
+
+    assert [backoff_s(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 8]
+    assert backoff_s(50) == MAX_BACKOFF_S
+
+
+def test_a_bad_resource_quantity_is_an_invalid_spec():
+    body = job_body("demo", resources={"requests": {"memory": "2 gigs"}})
+    with pytest.raises(SpecError, match=r"spec.resources.requests.memory: '2 gigs' is invalid"):
+        validate(body)
 
 
 def _operator_args(*argv: str):

@@ -349,3 +349,31 @@ async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
         pods = await wait_pods(cluster, tag, 2)
         assert {p["spec"]["serviceAccountName"] for p in pods} == {"team-trainer"}
         await delete_and_wait(cluster, tag)
+
+
+async def test_a_refused_api_call_blocks_the_job_visibly_until_it_goes_through(cluster, operator):
+    """A ResourceQuota of zero pods (on kmock: a 403 on the pods): within 30 s condition Blocked
+    with the API's reason and message, a Warning Event and a metric; the job's loop keeps retrying, so once
+    pods are allowed it proceeds and Blocked clears."""
+    tag = "quota"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    refusal = await cluster.forbid_pods(tag)
+    await cluster.create_job(scenario_job(tag))
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Blocked").get("status") == "True", "Blocked",
+                               timeout=30)
+    blocked = condition(status, "Blocked")
+    assert blocked["reason"] == "Forbidden" and refusal in blocked["message"]
+    assert f"/api/v1/namespaces/{tag}/pods refused (HTTP 403 Forbidden)" in blocked["message"]
+
+    async def warned() -> list[dict] | None:
+        return [e for e in await cluster.events(tag) if e.get("reason") == "Blocked"] or None
+    assert refusal in (await eventually(warned, what="a Warning Event Blocked"))[0]["message"]
+    assert STATE.metrics.api_errors.labels(namespace=tag, trainingjob=tag, code="403")._value.get() >= 1
+    if cluster.real:  # (kmock refuses every listing of these pods, the test's own too)
+        assert await cluster.pods(tag, tag) == []
+    await cluster.allow_pods(tag)
+    await wait_pods(cluster, tag, 2, timeout=45)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Blocked").get("status") == "False", "unblocked")
+    assert condition(status, "Blocked")["reason"] == "Unblocked"
+    await delete_and_wait(cluster, tag)

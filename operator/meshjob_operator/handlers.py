@@ -20,7 +20,7 @@ from meshjob.errors import SpecError
 
 from meshjob_operator import names
 from meshjob_operator.certs import webhook_server
-from meshjob_operator.kube import ApiError, Connection, Kube, as_kopf_error, kopf_connection
+from meshjob_operator.kube import ApiError, Connection, Kube, kopf_connection
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
 from meshjob_operator.wakeups import Wakeups, wait_any
@@ -159,24 +159,28 @@ def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> N
 
 
 @kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)
-async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, retry: int,
+async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped,
                   logger: logging.Logger, node_index: kopf.Index, **_: Any) -> None:
-    """The job's reconcile loop; API errors go to kopf: 409/5xx retried with backoff, others not."""
+    """The job's reconcile loop. It never stops on an API error: errors that pass by themselves are
+    retried with backoff; the others also show as condition Blocked, an Event and a metric."""
     STATE.node_index = node_index
     key = (namespace, name)
     wakeup = STATE.wakeups.register(key)
     reconciler = STATE.reconciler
     assert reconciler is not None, "startup() creates the reconciler"
+    failures = 0
     try:
         while not stopped:
             wakeup.clear()
             try:
                 recheck = await reconciler.reconcile(namespace, name)
+                failures = 0
             except ApiError as err:
+                failures += 1
+                recheck = backoff_s(failures)
+                logger.warning(f"{err}; retrying in {recheck:.0f} s")
                 if not err.temporary:
-                    _emit_safe(reconciler, namespace, name, err)
-                raise as_kopf_error(err, delay=min(MAX_BACKOFF_S, 2.0 ** retry)) from err
-            retry = 0
+                    await _report_blocked(reconciler, namespace, name, err, logger)
             if key in reconciler.unschedulable:
                 STATE.wakeups.waiting_for_nodes.add(key)
             else:
@@ -187,13 +191,17 @@ async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, retry:
         STATE.wakeups.unregister(key)
 
 
-def _emit_safe(reconciler: Reconciler, namespace: str, name: str, err: ApiError) -> None:
-    body = {"apiVersion": names.API_VERSION, "kind": names.KIND,
-            "metadata": {"name": name, "namespace": namespace}}
+def backoff_s(failures: int) -> float:
+    """1, 2, 4, ... seconds after consecutive failures, at most MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, 2.0 ** (failures - 1))
+
+
+async def _report_blocked(reconciler: Reconciler, namespace: str, name: str, err: ApiError,
+                          logger: logging.Logger) -> None:
     try:
-        kopf.warn(body, reason="ApiError", message=str(err)[:1000])
-    except Exception:  # an event is best effort; the error itself is logged by kopf
-        pass
+        await reconciler.blocked(namespace, name, err)
+    except ApiError as again:  # even the status write is refused: the log is all that is left
+        logger.error(f"cannot report {err} on the job: {again}")
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL)

@@ -5,7 +5,7 @@ plain CRUD on pods, services, configmaps, nodes and the job, on plain dicts (the
 builds, the bodies kopf hands over). Why not a generated client: operator/README.md ("API client").
 Credentials are the kubernetes package's (kubeconfig incl. exec plugins, or the in-cluster
 service account) and are asked for on every request, so a rotated in-cluster token is picked up.
-API errors map onto kopf's retry model: 409/429/5xx are temporary, the rest permanent.
+API errors say whether they pass by themselves (409/429/5xx) or need someone to act (the rest).
 """
 from __future__ import annotations
 
@@ -25,20 +25,15 @@ TEMPORARY_CODES = frozenset({409, 429, 500, 502, 503, 504})
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, method: str, path: str, message: str):
-        self.status = status
+    def __init__(self, status: int, method: str, path: str, message: str, reason: str = ""):
+        self.status, self.method, self.path, self.message = status, method, path, message
+        self.reason = reason or f"HTTP{status}"  # the API's Status.reason: Forbidden, Invalid, ...
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
 
     @property
     def temporary(self) -> bool:
+        """409 (conflict), 429 and 5xx pass by themselves; anything else needs someone to act."""
         return self.status in TEMPORARY_CODES
-
-
-def as_kopf_error(err: ApiError, delay: float) -> kopf.TemporaryError | kopf.PermanentError:
-    """409 (conflict), 429 and 5xx are worth retrying with backoff; anything else is not."""
-    if err.temporary:
-        return kopf.TemporaryError(str(err), delay=delay)
-    return kopf.PermanentError(str(err))
 
 
 def load_configuration(kubeconfig: str | None = None) -> Any:
@@ -108,6 +103,17 @@ class Connection:
         return cls(server=config.host.rstrip("/"), ssl_context=context, headers=lambda: _auth_headers(config))
 
 
+def _api_error(status: int, method: str, path: str, text: str) -> ApiError:
+    """The API server's Status (message and reason) as an ApiError; any other body as the message."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return ApiError(status, method, path, text[:500])
+    return ApiError(status, method, path, str(body.get("message", text))[:500], str(body.get("reason") or ""))
+
+
 class Kube:
     """CRUD on the resources the operator touches; paths are built here, bodies elsewhere."""
 
@@ -141,11 +147,7 @@ class Kube:
                                                 params=params) as resp:
                     text = await resp.text()
                     if resp.status >= 400:
-                        try:
-                            message = json.loads(text).get("message", text)
-                        except (ValueError, AttributeError):
-                            message = text
-                        raise ApiError(resp.status, method, path, str(message)[:500])
+                        raise _api_error(resp.status, method, path, text)
                     return json.loads(text) if text else None
             except aiohttp.ClientError as err:  # connection refused/reset: the server may come back
                 raise ApiError(503, method, path, f"connection error: {err}") from err

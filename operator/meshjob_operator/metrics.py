@@ -25,6 +25,11 @@ class OperatorMetrics:
             "meshjob_operator_pod_creation_latency_seconds",
             "From the reconcile deciding a host pod is missing to the API server accepting it",
             registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.api_errors = Counter(
+            "meshjob_operator_api_errors_total",
+            "API calls for a TrainingJob refused for a reason that does not pass by itself (quota, admission "
+            "policy, RBAC, an invalid child): the job is Blocked until the next attempt succeeds",
+            ["namespace", "trainingjob", "code"], registry=self.registry)
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
 

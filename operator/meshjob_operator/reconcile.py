@@ -23,7 +23,7 @@ from meshjob.spec import TrainingJob, parse_job
 
 from meshjob_operator import lifecycle, names, render
 from meshjob_operator.assign import host_pods, status_placement
-from meshjob_operator.kube import Kube
+from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.nodes import describe_cluster, hosts_of, node_infos
 from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
@@ -57,6 +57,7 @@ def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
     SpecError naming every bad field. A job without spec.image runs the operator's trainer image."""
     job = parse_job(manifest(body))
+    render.resources(job, 1)  # spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
         job = dataclasses.replace(job, image=default_image)
@@ -337,11 +338,31 @@ class Reconciler:
         if await self.kube.create_if_absent(body, "pods"):
             self.metrics.pod_creation_latency.observe(time.perf_counter() - started)
 
+    async def blocked(self, namespace: str, name: str, err: ApiError) -> None:
+        """A call for the job was refused for a reason that needs someone to act (quota, admission, RBAC, an
+        invalid child): condition Blocked with the API's reason and message, a Warning Event when that is
+        news, a metric. The job's loop retries with backoff; the next reconcile that gets through clears it."""
+        self.metrics.api_errors.labels(namespace=namespace, trainingjob=name, code=str(err.status)).inc()
+        body = await self.kube.get_job(namespace, name)
+        if body is None:
+            return
+        message = f"{err.method} {err.path} refused (HTTP {err.status} {err.reason}): {err.message}"
+        draft = Draft(body.get("status") or {})
+        old = get_condition(draft.conditions, "Blocked") or {}
+        draft.condition("Blocked", True, err.reason, message, self.clock())
+        patch = draft.changes()
+        if patch:
+            await self.kube.patch_job_status(namespace, name, patch)
+        if old.get("status") != "True" or old.get("message") != message:
+            self.emit(body, "Warning", "Blocked", message)
+
     async def _write(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft,
                      override: Mapping[str, Any] | None = None) -> None:
         if override:
             for key, value in override.items():
                 draft[key] = value
+        # every API call of this reconcile so far went through
+        draft.clear("Blocked", "Unblocked", "the API server accepts the job's requests again", self.clock())
         patch = draft.changes()
         if patch:
             await self.kube.patch_job_status(meta.namespace, meta.name, patch)

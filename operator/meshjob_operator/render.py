@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from kubernetes.utils.quantity import format_quantity, parse_quantity
 
 from meshjob import rendered
+from meshjob.errors import FieldError, SpecError
 from meshjob.plan import Plan
 from meshjob.safeyaml import dump_yaml
 from meshjob.spec import TrainingJob
@@ -123,7 +124,7 @@ def scale_quantity(value: str | int | float, factor: int, path: str = "quantity"
     try:
         scaled = parse_quantity(text) * factor
     except ValueError:
-        raise ValueError(f"{path}: {value!r} is invalid: a Kubernetes quantity such as 2, 500m, 4Gi") from None
+        raise SpecError([FieldError(path, value, "a Kubernetes quantity such as 2, 500m, 4Gi")]) from None
     suffix = text.lstrip("+-.0123456789")
     try:
         in_unit = format_quantity(scaled, suffix)[:-len(suffix)] if suffix else str(scaled)

@@ -7,7 +7,8 @@ from typing import Any, Iterable, Mapping
 
 from meshjob_operator import names
 
-CONDITION_TYPES = ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended", "Unschedulable")
+CONDITION_TYPES = ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended", "Unschedulable",
+                   "Blocked")
 
 PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")

@@ -169,6 +169,15 @@ class Cluster:
     async def finish_deletions(self, namespace: str = "default") -> None:
         """Play the kubelet for terminating pods (none on kmock: deletion is immediate there)."""
 
+    async def forbid_pods(self, namespace: str) -> str:
+        """From now on the operator's requests for pods in `namespace` are refused with 403 Forbidden;
+        returns the API's message (or a part of it)."""
+        raise NotImplementedError
+
+    async def allow_pods(self, namespace: str) -> None:
+        """Undo forbid_pods."""
+        raise NotImplementedError
+
     async def events(self, namespace: str = "default") -> list[dict[str, Any]]:
         found = await self.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")
         return (found or {}).get("items") or []
@@ -178,6 +187,21 @@ class Cluster:
 
 
 class KmockCluster(Cluster):
+    forbidden: set[str]  # namespaces where pod creation is refused (forbid_pods)
+
+    async def forbid_pods(self, namespace: str) -> str:
+        """kmock stores even a create it answers with an error, so the listing is what is refused here."""
+        self.forbidden.add(namespace)
+        return KMOCK_REFUSAL
+
+    async def allow_pods(self, namespace: str) -> None:
+        self.forbidden.discard(namespace)
+
+    def _refused(self, request: Any) -> bool:
+        path = str(request.url).split("?")[0]
+        return request.method.upper() == "GET" and any(path.endswith(f"/namespaces/{ns}/pods")
+                                                        for ns in self.forbidden)
+
     def _stamp(self, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.setdefault("metadata", {})
         meta.setdefault("uid", str(uuid.uuid4()))
@@ -206,6 +230,9 @@ KMOCK_RESOURCES = [  # (resource, kind, namespaced, subresources)
 ]
 
 
+KMOCK_REFUSAL = 'pods is forbidden: User "kmock" cannot list resource "pods" in the namespace'
+
+
 def _kubeconfig(server: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Config", "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": server}}],
@@ -231,6 +258,8 @@ async def kmock_cluster() -> AsyncIterator[KmockCluster]:
         cluster.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(str(server.url).rstrip("/"))))
         cluster.kube = Kube(Connection.load(str(cluster.kubeconfig)))
         cluster.emulator = emulator  # type: ignore[attr-defined]  (fault injection in tests)
+        cluster.forbidden = set()
+        emulator[cluster._refused] << kmock.KubernetesError(status=403, reason="Forbidden", message=KMOCK_REFUSAL)
         try:
             yield cluster
         finally:
@@ -367,6 +396,21 @@ class EnvtestCluster(Cluster):
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         return self.envtest.kubectl(*args, input=input, check=check)
+
+    async def forbid_pods(self, namespace: str) -> str:
+        """A ResourceQuota of zero pods, once the controller manager has counted its usage."""
+        await self.create(f"/api/v1/namespaces/{namespace}/resourcequotas", {
+            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "zero-pods"},
+            "spec": {"hard": {"pods": "0"}}})
+
+        async def counted() -> bool:
+            quota = await self.kube.get(namespace, "resourcequotas", "zero-pods")
+            return bool(((quota or {}).get("status") or {}).get("hard"))
+        await eventually(counted, timeout=30, what=f"the ResourceQuota of namespace {namespace} counted")
+        return "exceeded quota: zero-pods"
+
+    async def allow_pods(self, namespace: str) -> None:
+        await self.kube.delete(f"/api/v1/namespaces/{namespace}/resourcequotas/zero-pods")
 
 
 @contextlib.asynccontextmanager
