@@ -173,7 +173,7 @@ def instantiate(expr: str, variables: dict[str, str]) -> str:
 # --- a real kube-apiserver with an audit log -------------------------------------------------
 
 # meshjob_operator.testing's envtest, every request audited (the chart's RBAC is checked against the log)
-Envtest = functools.partial(testing.Envtest, controller_manager=False, service_account_admission=False, audit=True)
+Envtest = functools.partial(testing.Envtest, audit=True)
 envtest_dir = testing.envtest_assets
 
 

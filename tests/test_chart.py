@@ -34,8 +34,6 @@ NON_DEFAULT = {
                  "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
     "serviceAccount": {"name": "meshjob-op", "annotations": {"example.com/role": "x"}},
-    "trainer": {"serviceAccount": {"name": "mj-trainer-sa", "annotations": {"example.com/role": "t"}},
-                "namespaces": ["team-a", "team-c"]},
 }
 
 
@@ -128,8 +126,7 @@ def test_every_rendered_manifest_validates(values):
 
 def test_default_render_has_exactly_the_core_objects():
     kinds = sorted(d["kind"] for d in manifests(render()))
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
-                     "ServiceAccount", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
 
 
 def test_optional_objects_appear_only_behind_their_flags():
@@ -176,8 +173,7 @@ def test_default_values_satisfy_the_schema():
     ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "interval"),
     ({"service": {"type": "Ingress"}}, "type"),
     ({"grafana": {"dashboard": {"enabled": True, "labelValue": 1}}}, "labelValue"),
-    ({"trainer": {"serviceAccount": {"create": True, "name": "Trainer_SA"}}}, "name"),
-    ({"trainer": {"namespaces": ["Team A"]}}, "namespaces"),
+    ({"trainer": {"serviceAccount": {"create": True}}}, "trainer"),
     ({"operator": {"webhook": {"enabled": True, "certSecret": 7}}}, "certSecret"),
 ])
 def test_schema_rejects_bad_values_naming_the_field(values, path):
@@ -514,113 +510,16 @@ def test_webhook_with_several_replicas_needs_a_cert_secret():
     assert "operator.webhook.certSecret is required" in str(err.value)
 
 
-# --- the trainer's ServiceAccount: annotate its own pod, nothing more ---------------------
+# --- trainer pods: no API access, so nothing for them in the chart -----------------------
 
-# meshjob_trainer/status.py's client calls -> the verb on pods each needs
-TRAINER_POD_CALLS = {"patch_namespaced_pod": "patch", "read_namespaced_pod": "get"}
-
-
-def needed_by_trainer_source() -> set[tuple[str, str, str]]:
-    needed = set()
-    tree = ast.parse((ROOT / "trainer" / "meshjob_trainer" / "status.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and ast.unparse(node.func.value) == "self.api":
-            assert node.func.attr in TRAINER_POD_CALLS, \
-                f"status.py:{node.lineno}: api.{node.func.attr} is new: add its verb and review trainer-rbac.yaml"
-            needed.add(("", "pods", TRAINER_POD_CALLS[node.func.attr]))
-    return needed
-
-
-def trainer_objects(docs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """namespace -> kind -> the trainer ServiceAccount / Role / RoleBinding there."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    operator_sa = deployment_of(docs)["spec"]["template"]["spec"]["serviceAccountName"]
-    for doc in docs:
-        if doc["kind"] in ("Role", "RoleBinding") or (doc["kind"] == "ServiceAccount"
-                                                      and doc["metadata"]["name"] != operator_sa):
-            out.setdefault(doc["metadata"]["namespace"], {})[doc["kind"]] = doc
-    return out
-
-
-def deployment_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (dep,) = by_kind(docs, "Deployment")
-    return dep
-
-
-@pytest.mark.parametrize("values, namespaces", [({}, ["meshjob-system"]), (NON_DEFAULT, ["team-a", "team-c"]),
-                                                ({"operator": {"namespaces": ["x", "y"]}}, ["x", "y"])],
-                         ids=["default", "listed", "operator-namespaces"])
-def test_trainer_service_account_and_role_exist_in_every_job_namespace(values, namespaces):
-    docs = manifests(render(values))
-    objects = trainer_objects(docs)
-    assert sorted(objects) == namespaces
-    (container,) = deployment_of(docs)["spec"]["template"]["spec"]["containers"]
-    (flag,) = [a for a in container["args"] if a.startswith("--trainer-service-account=")]
-    name = flag.split("=", 1)[1]
-    for namespace, kinds in objects.items():
-        assert sorted(kinds) == ["Role", "RoleBinding", "ServiceAccount"], namespace
-        assert kinds["ServiceAccount"]["metadata"]["name"] == name
-        binding = kinds["RoleBinding"]
-        assert binding["roleRef"]["name"] == kinds["Role"]["metadata"]["name"]
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
-
-
-def test_trainer_role_grants_exactly_what_the_trainer_source_calls():
-    needed = needed_by_trainer_source()
-    assert needed, "meshjob_trainer/status.py patches its pod's annotations"
-    for namespace, kinds in trainer_objects(manifests(render(NON_DEFAULT))).items():
-        rules = kinds["Role"]["rules"]
-        granted_ = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
-                    for v in rule["verbs"]}
-        assert granted_ == needed, namespace
-
-
-def test_trainer_service_account_can_be_left_to_the_namespace_default():
-    docs = manifests(render({"trainer": {"serviceAccount": {"create": False}}}))
+def test_the_chart_gives_trainer_pods_no_account_role_or_binding():
+    """Trainers report nothing through the API (the operator reads their metrics), and their pods carry no
+    token: the chart creates no Role or RoleBinding at all, one ServiceAccount (the operator's)."""
+    docs = manifests(render(NON_DEFAULT))
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
-    (container,) = deployment_of(docs)["spec"]["template"]["spec"]["containers"]
-    assert not any(a.startswith("--trainer-service-account") for a in container["args"])
-    existing = render({"trainer": {"serviceAccount": {"create": False, "name": "team-trainer"}}})
-    (container,) = deployment_of(manifests(existing))["spec"]["template"]["spec"]["containers"]
-    assert "--trainer-service-account=team-trainer" in container["args"]
-
-
-@pytest.mark.slow
-def test_the_trainer_service_account_may_annotate_its_pod_on_a_real_kube_apiserver(tmp_path):
-    """The chart's trainer ServiceAccount/Role/RoleBinding on a real kube-apiserver (RBAC on): the trainer's
-    own reporting code (meshjob_trainer/status.py) patches its pod's checkpoint annotation as that account;
-    listing pods is forbidden."""
-    import kubernetes
-
-    from meshjob_trainer.status import PodStatus
-    from prometheus_harness import Envtest, envtest_dir
-
-    assets = envtest_dir()
-    if assets is None:
-        pytest.skip("needs a real kube-apiserver: set KUBEBUILDER_ASSETS (tests/run.sh does)")
-    docs = manifests(render({}, namespace="jobs"))
-    objects = trainer_objects(docs)["jobs"]
-    name = objects["ServiceAccount"]["metadata"]["name"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-host-0", "namespace": "jobs"},
-           "spec": {"serviceAccountName": name, "containers": [{"name": "trainer", "image": "x"}]}}
-    with Envtest(assets, tmp_path) as envtest:
-        envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "jobs"}}])
-        envtest.apply([objects["ServiceAccount"], objects["Role"], objects["RoleBinding"], pod])
-        kubeconfig = envtest.token_kubeconfig("jobs", name, tmp_path / "trainer.kubeconfig")
-        client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
-        try:
-            api = kubernetes.client.CoreV1Api(client)
-            status = PodStatus(pod_name="demo-host-0", namespace="jobs", api=api)
-            status.checkpoint(7)
-            assert not status._failed, "the trainer's patch was refused"
-            annotations = json.loads(envtest.kubectl("-n", "jobs", "get", "pod", "demo-host-0", "-o", "json").stdout)
-            assert annotations["metadata"]["annotations"]["meshjob.io/checkpoint-step"] == "7"
-            with pytest.raises(kubernetes.client.ApiException) as denied:
-                api.list_namespaced_pod("jobs")
-            assert denied.value.status == 403
-        finally:
-            client.close()
+    (account,) = by_kind(docs, "ServiceAccount")
+    (operator,) = by_kind(docs, "Deployment")
+    assert account["metadata"]["name"] == operator["spec"]["template"]["spec"]["serviceAccountName"]
 
 
 @pytest.mark.slow

@@ -75,8 +75,8 @@ def test_names_group_version_and_scope():
 def test_status_subresource_and_printer_columns():
     assert version()["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version()["additionalPrinterColumns"]}
-    assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Hosts": ".status.hosts",
-                       "Restarts": ".status.restarts", "Age": ".metadata.creationTimestamp"}
+    assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Progress": ".status.progress.percent",
+                       "Hosts": ".status.hosts", "Restarts": ".status.restarts", "Age": ".metadata.creationTimestamp"}
 
 
 def test_schema_is_structural_every_node_has_a_type():
@@ -148,7 +148,7 @@ def test_chunks_is_an_int_or_string_of_auto_or_a_positive_integer():
 def test_status_schema_fields_and_preserved_unknown_fields():
     status = open_api_schema()["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
-    assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "step", "checkpointStep",
+    assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "step", "checkpointStep", "progress",
                                          "startTime", "completionTime", "placement", "pods",
                                          "observedGeneration"}
     assert set(status["properties"]["conditions"]["items"]["properties"]) == {
@@ -223,7 +223,7 @@ def test_real_apiserver_establishes_the_crd_and_serves_the_examples(apiserver):
         stored = spec.parse_job(item)
         assert stored == spec.parse_job(spec.job_to_dict(stored))
     table = kubectl(apiserver, "get", "tj")
-    assert table.stdout.split("\n")[0].split() == ["NAME", "PHASE", "STEP", "HOSTS", "RESTARTS", "AGE"]
+    assert table.stdout.split("\n")[0].split() == ["NAME", "PHASE", "STEP", "PROGRESS", "HOSTS", "RESTARTS", "AGE"]
 
 
 @pytest.mark.slow
@@ -239,13 +239,14 @@ def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(a
     doc["spec"]["scheduling"] = {"gang": True, "queue": "team-q"}
     assert kubectl(apiserver, "create", "-f", "-", stdin=json.dumps(doc)).returncode == 0
     status = {"status": {"phase": "Running", "step": 2, "hosts": 2, "restarts": 0,
+                         "progress": {"step": 2, "total": 4, "percent": 50, "eta": "2026-01-01T00:00:00Z"},
                          "placement": [{"stage": 0, "host": "h0", "node": "n0", "devices": [0, 1]}],
                          "pods": {"tiny-h0": "Running"}, "kopf": {"progress": {}}}}
     patched = kubectl(apiserver, "patch", "tj", "tiny", "--subresource=status", "--type=merge",
                       "-p", json.dumps(status))
     assert patched.returncode == 0, patched.stderr
     row = kubectl(apiserver, "get", "tj", "tiny", "--no-headers").stdout.split()
-    assert row[:5] == ["tiny", "Running", "2", "2", "0"]
+    assert row[:6] == ["tiny", "Running", "2", "50", "2", "0"]
     stored = json.loads(kubectl(apiserver, "get", "tj", "tiny", "-o", "json").stdout)
     assert stored["status"]["kopf"] == {"progress": {}}  # preserved, not pruned
     assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team-q"}  # operator fields kept

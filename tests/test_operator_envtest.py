@@ -6,6 +6,8 @@ sets it to ../shared/envtest); ServiceAccount admission is on, as on every real 
 """
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 
@@ -190,3 +192,28 @@ async def test_self_signed_webhook_rejects_an_invalid_spec_at_kubectl_apply(clus
             assert await cluster.job(tag, tag) is None
     finally:
         await cluster.kube.delete(config_path)
+
+
+async def test_a_trainer_pods_identity_can_modify_no_other_object(cluster):
+    """Trainer pods run as their namespace's default ServiceAccount, with no token mounted
+    (automountServiceAccountToken: false); even that identity, impersonated, is refused every change:
+    patching another pod (its image), creating a pod, deleting the job."""
+    import json
+
+    tag = "identity"
+    await h.prepare_namespace(cluster, tag)
+    await h.add_nodes(cluster, tag, 2)
+    async with testing.running_operator(cluster):
+        await cluster.create_job(h.scenario_job(tag))
+        pods = await h.wait_pods(cluster, tag, 2)
+        assert all(p["spec"]["automountServiceAccountToken"] is False for p in pods)
+        assert {p["spec"].get("serviceAccountName", "default") for p in pods} == {"default"}
+        trainer = f"--as=system:serviceaccount:{tag}:default"
+        other = pods[1]["metadata"]["name"]
+        image = json.dumps({"spec": {"containers": [{"name": "trainer", "image": "evil"}]}})
+        attempts = [("patch", "pod", other, "-p", image), ("label", "pod", other, "meshjob.io/job-name-"),
+                    ("delete", "trainingjob", tag, "--wait=false"), ("run", "intruder", "--image=evil")]
+        for attempt in attempts:
+            result = await asyncio.to_thread(cluster.kubectl, trainer, "-n", tag, *attempt, check=False)
+            assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (attempt, result.stderr)
+        await h.delete_and_wait(cluster, tag)

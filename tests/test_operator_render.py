@@ -19,7 +19,7 @@ from meshjob_operator.assign import host_pods, status_placement
 from meshjob_operator.nodes import describe_cluster, hosts_of, node_info, node_infos
 from meshjob_operator.render import scale_quantity
 from meshjob_operator.reconcile import Draft, manifest, validate
-from meshjob_operator.status import PodView, progress, set_condition
+from meshjob_operator.status import PodView, set_condition
 
 from meshjob_operator.testing import job_body, node_body
 
@@ -127,21 +127,17 @@ def test_metrics_port_names_fit_the_15_character_limit_for_16_local_ranks():
     assert all(len(n) <= 15 for n in names_)
 
 
-def test_pod_without_a_service_account_in_the_spec_runs_as_the_operators_trainer_account():
+def test_trainer_pods_carry_no_service_account_token():
+    """Trainers need no API access: a trainer can change nothing in the cluster."""
     body, job, plan, pods = _rendered(hosts=2)
-    pod = render.pod(META, job, pods[0], pods, default_service_account="meshjob-trainer")
-    assert pod["spec"]["serviceAccountName"] == "meshjob-trainer"
+    spec = render.pod(META, job, pods[0], pods)["spec"]
+    assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
 
 
-def test_spec_service_account_name_wins_over_the_operators_trainer_account():
+def test_a_service_account_the_spec_names_is_the_pods_identity_with_its_token():
     body, job, plan, pods = _rendered(hosts=2, serviceAccountName="team-sa")
-    pod = render.pod(META, job, pods[0], pods, default_service_account="meshjob-trainer")
-    assert job.service_account_name == "team-sa" and pod["spec"]["serviceAccountName"] == "team-sa"
-
-
-def test_no_service_account_anywhere_leaves_the_namespace_default():
-    body, job, plan, pods = _rendered(hosts=2)
-    assert "serviceAccountName" not in render.pod(META, job, pods[0], pods)["spec"]
+    spec = render.pod(META, job, pods[0], pods)["spec"]
+    assert spec["serviceAccountName"] == "team-sa" and spec["automountServiceAccountToken"] is True
 
 
 def test_headless_service_publishes_not_ready_pods_for_rendezvous():
@@ -282,8 +278,8 @@ def test_condition_transition_time_moves_only_when_the_status_flips():
         set_condition([], "Exploded", True, "x", "y", NOW)
 
 
-def _pod(index: int, phase: str, deleting: bool = False, step=None) -> PodView:
-    return PodView(name=f"demo-host-{index}", index=index, phase=phase, deleting=deleting, owner_uid="u", step=step)
+def _pod(index: int, phase: str, deleting: bool = False) -> PodView:
+    return PodView(name=f"demo-host-{index}", index=index, phase=phase, deleting=deleting, owner_uid="u")
 
 
 @pytest.mark.parametrize("policy, expected", [("All", [0, 1, 2]), ("Running", [1, 2]), ("None", [])])
@@ -292,8 +288,35 @@ def test_clean_pod_policy_picks_pods_to_delete(policy, expected):
     assert [p.index for p in lifecycle.cleanup_targets(pods, policy)] == expected
 
 
-def test_gang_progress_is_the_slowest_pods_step():
-    assert progress([_pod(0, "Running", step=7), _pod(1, "Running", step=5), _pod(2, "Running")]) == (5, None)
+def test_progress_is_read_from_a_trainers_metrics_exposition():
+    from meshjob_operator import progress
+
+    text = ('meshjob_step{trainingjob="demo",stage="0"} 40.0\n'
+            'meshjob_last_checkpoint_step{trainingjob="demo",stage="0"} 30.0\n'
+            '# TYPE meshjob_step_seconds histogram\n'
+            'meshjob_step_seconds_bucket{le="+Inf",trainingjob="demo",stage="0"} 40.0\n'
+            'meshjob_step_seconds_count{trainingjob="demo",stage="0"} 40.0\n'
+            'meshjob_step_seconds_sum{trainingjob="demo",stage="0"} 20.0\n')
+    reading = progress.parse(text)
+    assert reading == progress.Reading(step=40, checkpoint_step=30, mean_step_s=0.5)
+    assert progress.status(reading, 100, NOW) == {"step": 40, "total": 100, "percent": 40,
+                                                  "eta": "2026-01-01T12:00:30Z"}  # 60 steps x 0.5 s
+    assert progress.parse("") == progress.Reading()
+
+
+def test_the_trainers_own_exporter_has_what_the_operator_reads():
+    """A contract test: the trainer's metrics (meshjob_trainer.metrics) as the operator parses them."""
+    from prometheus_client import generate_latest
+
+    from meshjob_operator import progress
+    from meshjob_trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics("demo", 0, "host-0", 0)
+    metrics.record_step(0.25, 128, 2.0, step=3)
+    metrics.record_step(0.75, 128, 1.5, step=4)
+    metrics.record_checkpoint(0.1, 4)
+    reading = progress.parse(generate_latest(metrics.registry).decode())
+    assert reading == progress.Reading(step=4, checkpoint_step=4, mean_step_s=0.5)
 
 
 def test_success_needs_every_expected_pod():
@@ -362,7 +385,6 @@ def test_operator_cli_defaults_watch_the_whole_cluster_with_metrics_and_webhook(
     (("--peering", "p", "--standalone"), "--peering and --standalone exclude each other"),
     (("--webhook-cert", "c.pem"), "--webhook-cert needs its partner: give both --webhook-cert and --webhook-key"),
     (("--webhook-key", "k.pem"), "--webhook-key needs its partner"),
-    (("--trainer-service-account", "Trainer_SA"), "--trainer-service-account='Trainer_SA' is invalid: a ServiceAccount"),
 ])
 def test_operator_cli_rejects_bad_flags_naming_them(argv, message):
     cli, args = _operator_args(*argv)

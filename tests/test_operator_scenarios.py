@@ -10,16 +10,20 @@ test_operator_kmock.py (fault injection) and test_operator_envtest.py (peering, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
+from meshjob import api
 from meshjob_operator import names
 from meshjob_operator.handlers import STATE
+from meshjob_operator.status import parse_time
 from meshjob_operator.testing import (Cluster, OperatorThread, envtest_assets, envtest_cluster, eventually,
-                                      kmock_cluster, running_operator)
+                                      free_port, kmock_cluster, running_operator)
 
 from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
                               wait_pods, wait_status)
@@ -27,7 +31,6 @@ from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, e
 ASSETS = envtest_assets()
 CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
     ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
-TRAINER_SERVICE_ACCOUNT = "meshjob-trainer"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
 
@@ -79,23 +82,52 @@ async def test_create_makes_pinned_pods_with_env_service_configmap_and_owner(clu
     await delete_and_wait(cluster, tag)
 
 
+@contextlib.contextmanager
+def trainer_exporter(step: int, checkpoint_step: int, step_seconds: float) -> Iterator[int]:
+    """A Prometheus exporter on 127.0.0.1 with what global rank 0 serves (the names of meshjob.api)."""
+    registry = CollectorRegistry()
+    labels = {"trainingjob": "x", "stage": "0"}
+    Gauge(api.STEP_METRIC, "step", list(labels), registry=registry).labels(**labels).set(step)
+    Gauge(api.CHECKPOINT_STEP_METRIC, "ckpt", list(labels), registry=registry).labels(**labels).set(checkpoint_step)
+    histogram = Histogram(api.STEP_SECONDS_METRIC, "time", list(labels), registry=registry).labels(**labels)
+    for _ in range(step):
+        histogram.observe(step_seconds)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
 async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_deletes(cluster, operator):
+    """The operator reads step, checkpoint step and progress from global rank 0's metrics endpoint (pod 0's
+    IP, spec.metrics.port); all pods Succeeded: the job too, its pods cleaned up, then deleted by its TTL."""
     tag = "success"
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
-    await cluster.create_job(scenario_job(tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"}))
-    pods = await wait_pods(cluster, tag, 2)
-    for step, pod in zip((7, 5), pods):
-        await cluster.set_pod_phase(pod["metadata"]["name"], "Running", tag,
-                              annotations={names.STEP_ANNOTATION: str(step), names.CHECKPOINT_ANNOTATION: "4"})
-    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 5, "Running at step 5")
+    with trainer_exporter(step=7, checkpoint_step=4, step_seconds=2.0) as port:
+        body = scenario_job(tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"},
+                            metrics={"port": port})
+        body["spec"]["training"]["steps"] = 10
+        await cluster.create_job(body)
+        pods = await wait_pods(cluster, tag, 2)
+        for pod in pods:
+            await cluster.set_pod_phase(pod["metadata"]["name"], "Running", tag, ip="127.0.0.1")
+        status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 7,
+                                   "Running at step 7")
     assert status["checkpointStep"] == 4 and condition(status, "Running")["status"] == "True"
+    progress = status["progress"]
+    assert (progress["step"], progress["total"], progress["percent"]) == (7, 10, 70)
+    assert 5 <= (parse_time(progress["eta"]) - parse_time(condition(status, "Running")["lastTransitionTime"])
+                 ).total_seconds() <= 60  # 3 steps of 2 s from about now
     assert set(status["pods"].values()) == {"Running"}
     for pod in pods:
         await cluster.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag)
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Succeeded", "Succeeded")
     assert status["completionTime"] and condition(status, "Succeeded")["reason"] == "AllPodsSucceeded"
-    assert condition(status, "Running")["status"] == "False"
+    assert condition(status, "Running")["status"] == "False" and status["progress"]["percent"] == 100
     await wait_pods(cluster, tag, 0)  # cleanPodPolicy All
     await eventually(lambda: job_gone(cluster, tag), timeout=20, what="job deleted by ttlSecondsAfterFinished")
 
@@ -313,42 +345,39 @@ async def install_podgroup_crd(cluster: Cluster) -> None:
                                 "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s")
 
 
-async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster):
+async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster, operator):
     """spec.scheduling (part of the CRD: a real API server keeps it) gives a PodGroup, the gang scheduler,
-    Kueue labels; the operator's trainer ServiceAccount goes on pods whose spec names none."""
+    Kueue labels; the pods carry no service-account token."""
     tag = "gang"
     await prepare_namespace(cluster, tag)
-    await create_service_account(cluster, tag, TRAINER_SERVICE_ACCOUNT)
     await install_podgroup_crd(cluster)
     await add_nodes(cluster, tag, 2)
-    async with running_operator(cluster, config={"trainer_service_account": TRAINER_SERVICE_ACCOUNT}):
-        await cluster.create_job(scenario_job(tag, scheduling={"gang": True, "queue": "team"}))
-        stored = await cluster.job(tag, tag)
-        assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team"}  # not pruned
-        pods = await wait_pods(cluster, tag, 2)
-        group = await cluster.kube.request("GET", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{tag}/podgroups/{tag}")
-        assert group["spec"]["minMember"] == 2
-        assert [o["uid"] for o in group["metadata"]["ownerReferences"]] == [stored["metadata"]["uid"]]
-        for pod in pods:
-            assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
-            assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == tag
-            assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
-            assert pod["spec"]["serviceAccountName"] == TRAINER_SERVICE_ACCOUNT
-        await delete_and_wait(cluster, tag)
+    await cluster.create_job(scenario_job(tag, scheduling={"gang": True, "queue": "team"}))
+    stored = await cluster.job(tag, tag)
+    assert stored["spec"]["scheduling"] == {"gang": True, "queue": "team"}  # not pruned
+    pods = await wait_pods(cluster, tag, 2)
+    group = await cluster.kube.request("GET", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{tag}/podgroups/{tag}")
+    assert group["spec"]["minMember"] == 2
+    assert [o["uid"] for o in group["metadata"]["ownerReferences"]] == [stored["metadata"]["uid"]]
+    for pod in pods:
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == tag
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+        assert pod["spec"]["automountServiceAccountToken"] is False
+    await delete_and_wait(cluster, tag)
 
 
-async def test_spec_service_account_name_wins_over_the_trainer_account(cluster):
-    """spec.serviceAccountName (kept by a real API server) wins over the operator's trainer account."""
+async def test_a_service_account_the_spec_names_is_the_pods_identity(cluster, operator):
+    """spec.serviceAccountName (kept by a real API server; ServiceAccount admission finds it there)."""
     tag = "ownsa"
     await prepare_namespace(cluster, tag)
     await create_service_account(cluster, tag, "team-trainer")
     await add_nodes(cluster, tag, 2)
-    async with running_operator(cluster, config={"trainer_service_account": TRAINER_SERVICE_ACCOUNT}):
-        await cluster.create_job(scenario_job(tag, serviceAccountName="team-trainer"))
-        assert (await cluster.job(tag, tag))["spec"]["serviceAccountName"] == "team-trainer"
-        pods = await wait_pods(cluster, tag, 2)
-        assert {p["spec"]["serviceAccountName"] for p in pods} == {"team-trainer"}
-        await delete_and_wait(cluster, tag)
+    await cluster.create_job(scenario_job(tag, serviceAccountName="team-trainer"))
+    assert (await cluster.job(tag, tag))["spec"]["serviceAccountName"] == "team-trainer"
+    pods = await wait_pods(cluster, tag, 2)
+    assert {p["spec"]["serviceAccountName"] for p in pods} == {"team-trainer"}
+    await delete_and_wait(cluster, tag)
 
 
 async def test_a_refused_api_call_blocks_the_job_visibly_until_it_goes_through(cluster, operator):

@@ -4,12 +4,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 
 from meshjob.api import OPERATOR_METRICS_PORT
 
 HELP = "the Kubernetes operator (kopf)"
-_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="webhook serving certificate (PEM; default: a self-signed one made at start-up)")
     parser.add_argument("--webhook-key", default=None, help="webhook serving key (PEM; with --webhook-cert)")
     parser.add_argument("--webhook-ca", default=None, help="CA bundle the API server trusts the webhook by (PEM)")
-    parser.add_argument("--trainer-service-account", metavar="NAME",
-                        default=os.environ.get("MESHJOB_TRAINER_SERVICE_ACCOUNT") or None,
-                        help="ServiceAccount of trainer pods whose job sets no spec.serviceAccountName (it may "
-                             "get/patch pods so the trainer can report its step; env MESHJOB_TRAINER_SERVICE_ACCOUNT)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -53,9 +47,6 @@ def _check(args: argparse.Namespace) -> None:
         given = "--webhook-cert" if args.webhook_cert else "--webhook-key"
         raise SystemExit(f"meshjob operator: {given} needs its partner: give both --webhook-cert and --webhook-key "
                          "(or neither, for a self-signed certificate)")
-    if args.trainer_service_account is not None and not _DNS_SUBDOMAIN.fullmatch(args.trainer_service_account):
-        raise SystemExit(f"meshjob operator: --trainer-service-account={args.trainer_service_account!r} is invalid: "
-                         "a ServiceAccount name (lower-case letters, digits, '-' and '.', at most 253)")
     if args.peering and args.standalone:
         raise SystemExit("meshjob operator: --peering and --standalone exclude each other")
 
@@ -72,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                   webhook_addr=args.webhook_addr, webhook_port=args.webhook_port,
                                   webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
                                   webhook_key=args.webhook_key, webhook_ca=args.webhook_ca,
-                                  kubeconfig=args.kubeconfig, peering=args.peering,
-                                  trainer_service_account=args.trainer_service_account)
+                                  kubeconfig=args.kubeconfig, peering=args.peering)
     kopf.configure(verbose=args.verbose)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,

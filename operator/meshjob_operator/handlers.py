@@ -45,9 +45,6 @@ class OperatorConfig:
     webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
-    # trainer pods without spec.serviceAccountName run as this one (None: the namespace's default)
-    trainer_service_account: str | None = field(
-        default_factory=lambda: os.environ.get("MESHJOB_TRAINER_SERVICE_ACCOUNT") or None)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -99,8 +96,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
-    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes,
-                                  trainer_service_account=cfg.trainer_service_account)
+    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes)
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
         STATE.metrics.serve(cfg.metrics_port)
         STATE.metrics_served = True
@@ -111,6 +107,7 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
 async def cleanup(**_: Any) -> None:
     if STATE.reconciler is not None:
         await STATE.reconciler.kube.close()
+        await STATE.reconciler.scraper.close()
 
 
 @kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)

@@ -1,8 +1,8 @@
 """Deterministic names and labels of a TrainingJob's children (the basis of create-if-absent)."""
 from __future__ import annotations
 
-from meshjob.api import (API_VERSION, CHECKPOINT_ANNOTATION, GROUP, HOST_INDEX_LABEL, JOB_LABEL,  # noqa: F401
-                         KIND, MASTER_PORT, PLURAL, STEP_ANNOTATION, VERSION)
+from meshjob.api import (API_VERSION, GROUP, HOST_INDEX_LABEL, JOB_LABEL, KIND, MASTER_PORT, PLURAL,  # noqa: F401
+                         VERSION)
 
 CONFIG_DIR = "/etc/meshjob"
 

@@ -21,18 +21,18 @@ from meshjob.placement import Host, parse_hosts
 from meshjob.rendered import PlanInputs
 from meshjob.spec import TrainingJob, parse_job
 
-from meshjob_operator import lifecycle, names, render
+from meshjob_operator import lifecycle, names, progress, render
 from meshjob_operator.assign import host_pods, status_placement
 from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.nodes import describe_cluster, hosts_of, node_infos
 from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
                                      TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
-                                     parse_time, progress, set_condition, timestamp)
+                                     parse_time, set_condition, timestamp)
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
-MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "startTime",
-           "completionTime", "placement", "pods", "observedGeneration")
+MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "progress",
+           "startTime", "completionTime", "placement", "pods", "observedGeneration")
 RESTART_RECHECK_S = 1.0
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
@@ -117,8 +117,8 @@ class Reconciler:
     unschedulable: set[tuple[str, str]] = field(default_factory=set)  # jobs to re-check when Nodes change
     # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
     nodes: Callable[[], list[Mapping[str, Any]]] | None = None
-    # ServiceAccount for trainer pods without spec.serviceAccountName (allowed to annotate their pod)
-    trainer_service_account: str | None = None
+    scraper: progress.Scraper = field(default_factory=progress.Scraper)  # trainers' metrics endpoints
+    _read_at: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> monotonic time of last reading
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
@@ -132,6 +132,7 @@ class Reconciler:
         body = await self.kube.get_job(namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self.metrics.job_phase(namespace, name, None)
+            self._read_at.pop((namespace, name), None)
             return None
         now = self.clock()
         meta = render.JobMeta.of(body)
@@ -203,6 +204,8 @@ class Reconciler:
         expected = int(draft["hosts"] or 0)
         if pods and lifecycle.all_succeeded(pods, expected):
             draft["phase"] = SUCCEEDED
+            steps = job.training.steps  # every step is done: the trainers exit only then
+            draft["step"], draft["progress"] = steps, {"step": steps, "total": steps, "percent": 100}
             draft["completionTime"] = timestamp(now)
             draft.condition("Succeeded", True, "AllPodsSucceeded", f"all {expected} host pod(s) succeeded", now)
             draft.clear("Running", "Succeeded", "the job has finished", now)
@@ -227,14 +230,33 @@ class Reconciler:
             draft.clear("Restarting", "Running", "all host pods are running again", now)
         elif draft["phase"] not in (RESTARTING,):
             draft["phase"] = CREATED if is_true(draft.conditions, "Created") else PENDING
-        step, checkpoint = progress(pods)
-        draft["step"], draft["checkpointStep"] = step, checkpoint
+        next_reading = await self._read_progress(job, pods, draft, now)
         await self._write(meta, body, draft)
+        deadline = None
         if policy.active_deadline_seconds is not None and draft["startTime"]:
-            return lifecycle.seconds_left(parse_time(draft["startTime"]), policy.active_deadline_seconds, now)
-        return None
+            deadline = lifecycle.seconds_left(parse_time(draft["startTime"]), policy.active_deadline_seconds, now)
+        return min((t for t in (deadline, next_reading) if t is not None), default=None)
 
     # --- steps ---------------------------------------------------------------------------
+    async def _read_progress(self, job: TrainingJob, pods: list[PodView], draft: Draft,
+                             now: datetime.datetime) -> float | None:
+        """While the gang runs: step, checkpointStep and progress from global rank 0's metrics endpoint
+        (local rank 0 of host pod 0), at most every progress.INTERVAL_S; returns when to read again."""
+        first = pods[0] if pods else None
+        if draft["phase"] != RUNNING or first is None or first.index != 0 or not first.ip:
+            return None
+        key, clock = (job.namespace, job.name), time.monotonic()
+        since = clock - self._read_at.get(key, -progress.INTERVAL_S)
+        if since < progress.INTERVAL_S:
+            return progress.INTERVAL_S - since
+        self._read_at[key] = clock
+        reading = await self.scraper.read(first.ip, job.metrics.port)
+        if reading is not None and reading.step is not None:
+            draft["step"], draft["progress"] = reading.step, progress.status(reading, job.training.steps, now)
+        if reading is not None and reading.checkpoint_step is not None:
+            draft["checkpointStep"] = reading.checkpoint_step
+        return progress.INTERVAL_S
+
     async def _own_pods(self, meta: render.JobMeta, draft: Draft) -> list[PodView]:
         """This job's host pods; pods left by an older job of the same name, or beyond the host count, go."""
         ours, stale = [], []
@@ -322,8 +344,7 @@ class Reconciler:
                 pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups")
 
         have = {p.index for p in pods}
-        await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted,
-                                                           default_service_account=self.trainer_service_account))
+        await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted))
                                for hp in wanted if hp.index not in have))
         draft["hosts"] = len(wanted)
         draft["placement"] = status_placement(plan.placement.to_json(), node_of_host)

@@ -161,12 +161,12 @@ def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
              "protocol": "TCP"} for rank in range(devices)]
 
 
-def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...], *,
-        default_service_account: str | None = None) -> dict[str, Any]:
+def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...]) -> dict[str, Any]:
     """One trainer pod: `meshjob worker` for the devices the plan uses on its host.
 
-    The pod runs as spec.serviceAccountName, else as `default_service_account` (the operator's
-    --trainer-service-account: allowed to annotate its own pod), else the namespace's default."""
+    Trainers need no API access (the operator reads their progress from their metrics endpoint), so
+    the pod carries no service-account token: a trainer can change nothing in the cluster. A job
+    that names spec.serviceAccountName (an identity for its data, e.g. workload identity) gets it."""
     name = names.pod_name(meta.name, host_pod.index)
     metadata = _metadata(meta, name, host_pod.index)
     metadata["annotations"] = {"meshjob.io/devices": str(host_pod.devices),
@@ -209,9 +209,9 @@ def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod,
         "containers": [container],
         "volumes": volumes,
     }
-    service_account = job.service_account_name or default_service_account
-    if service_account:
-        pod_spec["serviceAccountName"] = service_account
+    if job.service_account_name:
+        pod_spec["serviceAccountName"] = job.service_account_name
+    pod_spec["automountServiceAccountToken"] = bool(job.service_account_name)
     scheduling = job.scheduling
     if scheduling.gang:
         pod_spec["schedulerName"] = scheduling.scheduler_name or DEFAULT_GANG_SCHEDULER

@@ -75,27 +75,16 @@ class PodView:
     deleting: bool
     owner_uid: str
     message: str = ""
-    step: int | None = None
-    checkpoint_step: int | None = None
+    ip: str = ""  # status.podIP: where its metrics endpoint is
 
     @classmethod
     def of(cls, pod: Mapping[str, Any], index: int) -> "PodView":
         meta = pod.get("metadata", {})
         st = pod.get("status") or {}
         owners = [o.get("uid", "") for o in meta.get("ownerReferences") or [] if o.get("kind") == names.KIND]
-        annotations = meta.get("annotations") or {}
         return cls(name=meta["name"], index=index, phase=st.get("phase") or "Pending",
                    deleting=bool(meta.get("deletionTimestamp")), owner_uid=owners[0] if owners else "",
-                   message=_failure_message(st),
-                   step=_int_or_none(annotations.get(names.STEP_ANNOTATION)),
-                   checkpoint_step=_int_or_none(annotations.get(names.CHECKPOINT_ANNOTATION)))
-
-
-def _int_or_none(text: Any) -> int | None:
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        return None
+                   message=_failure_message(st), ip=st.get("podIP") or "")
 
 
 def _failure_message(pod_status: Mapping[str, Any]) -> str:
@@ -105,11 +94,3 @@ def _failure_message(pod_status: Mapping[str, Any]) -> str:
         if term:
             parts.append(f"container {cs.get('name')} exited {term.get('exitCode')} {term.get('reason', '')}".strip())
     return "; ".join(p for p in parts if p)
-
-
-def progress(pods: Iterable[PodView]) -> tuple[int | None, int | None]:
-    """(step, checkpoint step) the whole gang has reached: the minimum over pods that report one."""
-    pods = list(pods)
-    steps = [p.step for p in pods if p.step is not None]
-    ckpts = [p.checkpoint_step for p in pods if p.checkpoint_step is not None]
-    return (min(steps) if steps else None, min(ckpts) if ckpts else None)

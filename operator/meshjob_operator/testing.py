@@ -149,22 +149,20 @@ class Cluster:
     async def pods(self, job: str, namespace: str = "default") -> list[dict[str, Any]]:
         return sorted(await self.kube.list_pods(namespace, job), key=lambda p: p["metadata"]["name"])
 
-    async def set_pod_phase(self, pod: str, phase: str, namespace: str = "default", *,
-                            annotations: dict[str, str] | None = None, exit_code: int = 1,
-                            reason: str | None = None) -> None:
-        """Play the kubelet: report a pod's phase (and the trainer's progress annotations)."""
+    async def set_pod_phase(self, pod: str, phase: str, namespace: str = "default", *, ip: str | None = None,
+                            exit_code: int = 1, reason: str | None = None) -> None:
+        """Play the kubelet: report a pod's phase (and its IP, where its metrics endpoint is)."""
         status: dict[str, Any] = {"phase": phase}
+        if ip:
+            status["podIP"], status["podIPs"] = ip, [{"ip": ip}]
         if reason:
             status["reason"] = reason
         if phase == "Failed":
             status["containerStatuses"] = [{"name": "trainer", "ready": False, "restartCount": 0, "image": "x",
                                             "imageID": "", "state": {"terminated": {"exitCode": exit_code,
                                                                                    "reason": "Error"}}}]
-        path = f"/api/v1/namespaces/{namespace}/pods/{pod}"
-        await self.kube.request("PATCH", path + "/status", {"status": status}, content_type=MERGE_PATCH)
-        if annotations:
-            await self.kube.request("PATCH", path, {"metadata": {"annotations": annotations}},
-                                    content_type=MERGE_PATCH)
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
+        await self.kube.request("PATCH", path, {"status": status}, content_type=MERGE_PATCH)
 
     async def finish_deletions(self, namespace: str = "default") -> None:
         """Play the kubelet for terminating pods (none on kmock: deletion is immediate there)."""

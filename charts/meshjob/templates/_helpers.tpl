@@ -54,23 +54,3 @@ release: {{ .root.Values.monitoring.release | quote }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
-
-{{/* ServiceAccount of trainer pods (empty: none configured, the namespace's default is used). */}}
-{{- define "meshjob.trainerServiceAccountName" -}}
-{{- if .Values.trainer.serviceAccount.create }}
-{{- default (printf "%s-trainer" (include "meshjob.fullname" .) | trunc 63 | trimSuffix "-") .Values.trainer.serviceAccount.name }}
-{{- else }}
-{{- .Values.trainer.serviceAccount.name }}
-{{- end }}
-{{- end }}
-
-{{/* Namespaces where trainer pods run, as a JSON list: trainer.namespaces, else the operator's, else the release's. */}}
-{{- define "meshjob.trainerNamespaces" -}}
-{{- if .Values.trainer.namespaces }}
-{{- toJson .Values.trainer.namespaces }}
-{{- else if .Values.operator.namespaces }}
-{{- toJson .Values.operator.namespaces }}
-{{- else }}
-{{- toJson (list .Release.Namespace) }}
-{{- end }}
-{{- end }}
