@@ -13,6 +13,13 @@ PLURAL = "trainingjobs"
 SINGULAR = "trainingjob"
 SHORT_NAMES = ("tj",)
 
+# A job's children are named <job> (the headless Service: a DNS-1035 label) and <job>-host-<index> (pods,
+# whose hostname is their name: a DNS label of at most 63 characters); a name fits up to 10,000 hosts.
+HOST_POD_INFIX = "-host-"
+MAX_HOST_INDEX_DIGITS = 4
+JOB_NAME_MAX_LENGTH = 63 - len(HOST_POD_INFIX) - MAX_HOST_INDEX_DIGITS
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
 # labels and annotations on a job's children
 JOB_LABEL = f"{GROUP}/job-name"
 HOST_INDEX_LABEL = f"{GROUP}/host-index"

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from meshjob.api import API_VERSION, KIND, TRAINER_METRICS_PORT
+from meshjob.api import API_VERSION, JOB_NAME_MAX_LENGTH, JOB_NAME_PATTERN, KIND, TRAINER_METRICS_PORT
 from meshjob.balance import BALANCERS
 from meshjob.errors import FieldError, SpecError
 from meshjob.fields import FieldReader, FieldSchema, build_table, unknown_field
@@ -87,6 +87,7 @@ class ModelSpec:
 class CheckpointSpec:
     every: int = 0  # 0 = never
     path: str = ""
+    volume: Mapping[str, Any] | None = None  # operator only: a Kubernetes volume source mounted at `path`
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,41 @@ class SchedulingSpec:
 
 
 @dataclass(frozen=True)
+class ContainerTemplate:
+    """podTemplate.spec.containers[]: merged into the trainer container (operator only)."""
+    name: str
+    env: tuple[Mapping[str, Any], ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()  # YAML: envFrom
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()  # YAML: volumeMounts
+    resources: Mapping[str, Any] = field(default_factory=dict)  # per pod, beside spec.resources (per device)
+
+
+@dataclass(frozen=True)
+class PodTemplateMetadata:
+    labels: Mapping[str, Any] = field(default_factory=dict)
+    annotations: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PodTemplateSpec:
+    """The PodSpec fields a job may add to its trainer pods (operator only; merged by meshjob_operator)."""
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, Any] = field(default_factory=dict)  # YAML: nodeSelector
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    priority_class_name: str | None = None  # YAML: priorityClassName
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()  # YAML: imagePullSecrets
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    containers: tuple[ContainerTemplate, ...] = ()
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """spec.podTemplate: a PodTemplateSpec fragment, as Kubeflow and JobSet users write one."""
+    metadata: PodTemplateMetadata = field(default_factory=PodTemplateMetadata)
+    spec: PodTemplateSpec = field(default_factory=PodTemplateSpec)
+
+
+@dataclass(frozen=True)
 class TrainingJob:
     name: str
     namespace: str = "default"
@@ -195,6 +231,7 @@ class TrainingJob:
     resources: Mapping[str, Any] = field(default_factory=dict)  # k8s ResourceRequirements per device
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)  # operator only
     service_account_name: str | None = None  # YAML: serviceAccountName; operator only
+    pod_template: PodTemplate = field(default_factory=PodTemplate)  # YAML: podTemplate; operator only
 
     def activation_shape(self) -> tuple[int, int, int]:
         """(microbatch size, seq, hidden): the tensor every edge carries."""
@@ -314,7 +351,18 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("SchedulingSpec", "scheduler_name"): chars(MAX_NAME),
     ("SchedulingSpec", "queue"): chars(MAX_NAME),
     ("SchedulingSpec", "topology_level"): chars(MAX_LABEL_KEY, why="node label for Kueue's required topology"),
+    ("CheckpointSpec", "volume"): {"description": "operator: the volume mounted at path, a Kubernetes volume "
+                                   "source such as {persistentVolumeClaim: {claimName: ckpt}} (no hostPath)"},
+    ("TrainingJob", "pod_template"): {"description": "operator: labels, annotations and PodSpec fields merged "
+                                      "onto every trainer pod"},
+    ("PodTemplateSpec", "containers"): {"description": "the trainer container's extra env, envFrom, "
+                                        "volumeMounts and resources (per pod)"},
+    ("ContainerTemplate", "name"): {"enum": ("trainer",), "description": "the container the fields go to"},
+    ("PodTemplateSpec", "priority_class_name"): chars(MAX_NAME, 1),
 }
+NAME_RULE = (f"a DNS-1035 label of at most {JOB_NAME_MAX_LENGTH} characters: lowercase letters, digits and "
+             "'-', starting with a letter and ending with a letter or digit (the job's Service is named "
+             "<name> and its pods <name>-host-<index>)")
 # TrainingJob fields that live in metadata, not in spec
 METADATA_ATTRS = ("name", "namespace")
 
@@ -613,8 +661,8 @@ def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:
         r.fail("metadata", meta, "a mapping with name (and optionally namespace)")
         return "", "default"
     name = meta.get("name")
-    if not isinstance(name, str) or len(name) > 63 or not DNS1123_LABEL.match(name):
-        r.fail("metadata.name", name, allowed)
+    if not isinstance(name, str) or len(name) > JOB_NAME_MAX_LENGTH or not re.match(JOB_NAME_PATTERN, name):
+        r.fail("metadata.name", name, NAME_RULE)
     namespace = meta.get("namespace", "default")
     if not isinstance(namespace, str) or len(namespace) > 63 or not DNS1123_LABEL.match(namespace):
         r.fail("metadata.namespace", namespace, allowed)

@@ -92,7 +92,8 @@ def test_schema_has_no_cel_rules_so_it_loads_on_kubernetes_1_20():
 def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert set(props) == {"image", "model", "training", "topology", "stages", "edges", "resharding",
-                          "schedule", "runPolicy", "metrics", "resources", "scheduling", "serviceAccountName"}
+                          "schedule", "runPolicy", "metrics", "resources", "scheduling", "serviceAccountName",
+                          "podTemplate"}
     assert set(props["model"]["properties"]) == {"kind", "layers", "hidden", "heads", "vocab", "seqLen"}
     assert set(props["edges"]["items"]["properties"]) == {"from", "to", "send", "recv", "tensor"}
 
@@ -106,6 +107,19 @@ def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
         "topologyLevel": {"type": "string", "description": "node label for Kueue's required topology",
                           "maxLength": 317}}
     assert props["serviceAccountName"]["type"] == "string"
+    template = props["podTemplate"]["properties"]
+    assert set(template["metadata"]["properties"]) == {"labels", "annotations"}
+    assert set(template["spec"]["properties"]) == {"tolerations", "nodeSelector", "affinity", "priorityClassName",
+                                                   "imagePullSecrets", "volumes", "containers"}
+    assert template["spec"]["properties"]["containers"]["items"]["properties"]["name"]["enum"] == ["trainer"]
+    volume = props["training"]["properties"]["checkpoint"]["properties"]["volume"]
+    assert volume["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_the_schema_refuses_names_no_child_could_carry():
+    """The API server checks metadata.name before any webhook: <name>-host-<index> must stay a DNS label."""
+    name = open_api_schema()["properties"]["metadata"]["properties"]["name"]
+    assert name["maxLength"] == 53 and name["pattern"].startswith("^[a-z]")
 
 
 def test_enums_come_from_the_plan_layers_single_definitions():

@@ -217,3 +217,17 @@ async def test_a_trainer_pods_identity_can_modify_no_other_object(cluster):
             result = await asyncio.to_thread(cluster.kubectl, trainer, "-n", tag, *attempt, check=False)
             assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (attempt, result.stderr)
         await h.delete_and_wait(cluster, tag)
+
+
+@pytest.mark.parametrize("name", ["g" * 60, "1gpt"], ids=["60-characters", "starts-with-a-digit"])
+async def test_a_name_no_child_could_carry_is_refused_at_kubectl_apply(cluster, tmp_path, name):
+    """No operator, no webhook: the CRD's schema itself refuses it (its Service is <name>, a DNS-1035 label;
+    its pods <name>-host-<index>, whose hostname is a DNS label of at most 63 characters)."""
+    import yaml
+
+    body = h.scenario_job("default")
+    body["metadata"]["name"] = name
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(body))
+    result = await asyncio.to_thread(cluster.kubectl, "apply", "-f", str(tmp_path / "job.yaml"), check=False)
+    assert result.returncode != 0 and "metadata.name" in result.stderr, result.stderr
+    assert await cluster.job(name, "default") is None

@@ -172,8 +172,10 @@ BAD = [
     # id, mutations (path, value), expected path, expected value, words in "allowed"
     ("api-version", [("apiVersion", "meshjob.io/v1")], "apiVersion", "meshjob.io/v1", "meshjob.io/v1alpha1"),
     ("kind", [("kind", "Job")], "kind", "Job", "TrainingJob"),
-    ("name-not-dns1123", [("metadata.name", "Gpt_Demo")], "metadata.name", "Gpt_Demo", "DNS-1123"),
-    ("name-missing", [("metadata.name", DELETE)], "metadata.name", None, "DNS-1123"),
+    ("name-not-dns1035", [("metadata.name", "Gpt_Demo")], "metadata.name", "Gpt_Demo", "DNS-1035"),
+    ("name-starts-with-a-digit", [("metadata.name", "1gpt")], "metadata.name", "1gpt", "starting with a letter"),
+    ("name-too-long-for-its-pods", [("metadata.name", "g" * 54)], "metadata.name", "g" * 54, "at most 53"),
+    ("name-missing", [("metadata.name", DELETE)], "metadata.name", None, "DNS-1035"),
     ("namespace", [("metadata.namespace", "NS!")], "metadata.namespace", "NS!", "DNS-1123"),
     ("top-level-typo", [("sepc2", 1)], "sepc2", 1, "did you mean 'spec'"),
     ("spec-typo", [("spec.stagse", [])], "spec.stagse", [], "did you mean 'stages'"),
