@@ -20,6 +20,12 @@ MAX_HOST_INDEX_DIGITS = 4
 JOB_NAME_MAX_LENGTH = 63 - len(HOST_POD_INFIX) - MAX_HOST_INDEX_DIGITS
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
+
+def pod_name(job: str, index: int) -> str:
+    """The job's host pod of node rank `index`."""
+    return f"{job}{HOST_POD_INFIX}{index}"
+
+
 # labels and annotations on a job's children
 JOB_LABEL = f"{GROUP}/job-name"
 HOST_INDEX_LABEL = f"{GROUP}/host-index"

@@ -309,6 +309,8 @@ def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterato
                 body = node(n, 2)
                 envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
                                 "-p", json.dumps({"status": body["status"]}))
+                # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
+                envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
             wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
             scenario.play_kubelet("Running")
             wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,

@@ -8,6 +8,7 @@ import re
 import pytest
 import yaml
 
+from meshjob.cluster import host_pods
 from meshjob.errors import SpecError
 from meshjob.placement import Host
 from meshjob.plan import build_plan
@@ -15,13 +16,10 @@ from meshjob.rendered import PlanInputs, RenderedDigest
 from meshjob.spec import parse_job
 
 from meshjob_operator import lifecycle, names, render
-from meshjob_operator.assign import host_pods, status_placement
-from meshjob_operator.nodes import describe_cluster, hosts_of, node_info, node_infos
 from meshjob_operator.render import scale_quantity
 from meshjob_operator.reconcile import Draft, manifest, validate
-from meshjob_operator.status import PodView, set_condition
-
-from meshjob_operator.testing import job_body, node_body
+from meshjob_operator.status import PodView, set_condition, status_placement
+from meshjob_operator.testing import job_body
 
 META = render.JobMeta(name="demo", namespace="team-a", uid="uid-123")
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -210,44 +208,6 @@ def test_the_operator_reads_scheduling_and_service_account_from_the_parsed_job()
     assert job.scheduling.gang and job.service_account_name == "team-sa"
 
 
-def test_ready_schedulable_labelled_nodes_become_hosts_with_whole_devices():
-    topology = parse_job(manifest(job_body("x"))).topology
-    node = node_body("n1", 3, rack="r1")
-    node["status"]["allocatable"]["cpu"] = "3500m"
-    info = node_info(node, topology)
-    assert (info.name, info.host, info.rack, info.devices, info.usable) == ("n1", "n1", "r1", 3, True)
-    assert hosts_of([info]) == (Host("n1", 3, "r1"),)
-
-
-@pytest.mark.parametrize("change, problem", [
-    (dict(ready=False), "not Ready"),
-    (dict(unschedulable=True), "unschedulable (cordoned)"),
-    (dict(devices=0), "no allocatable cpu"),
-    (dict(host_label="other/label"), "no label kubernetes.io/hostname"),
-])
-def test_unusable_nodes_are_left_out_with_the_reason(change, problem):
-    topology = parse_job(manifest(job_body("x"))).topology
-    args = {"devices": 2, **change}
-    info = node_info(node_body("n1", args.pop("devices"), **args), topology)
-    assert not info.usable and problem in info.problem
-    assert hosts_of([info]) == ()
-    assert f"n1 ({info.problem})" in describe_cluster([info], topology)
-
-
-def test_node_order_does_not_change_the_hosts():
-    topology = parse_job(manifest(job_body("x"))).topology
-    nodes = [node_body(n, 2) for n in ("c", "a", "b")]
-    assert hosts_of(node_infos(nodes, topology)) == hosts_of(node_infos(list(reversed(nodes)), topology))
-
-
-def test_gpu_nodes_are_counted_by_the_device_resource():
-    spec = job_body("x")
-    spec["spec"]["topology"]["deviceResource"] = "nvidia.com/gpu"
-    topology = parse_job(manifest(spec)).topology
-    assert node_info(node_body("g1", 8, resource="nvidia.com/gpu"), topology).devices == 8
-    assert not node_info(node_body("c1", 8), topology).usable
-
-
 def test_status_placement_names_the_node_of_each_mesh_row():
     body, job, plan, pods = _rendered(hosts=2)
     rows = status_placement(plan.placement.to_json(), {"node-0": "kube-node-0", "node-1": "kube-node-1"})
@@ -309,12 +269,13 @@ def test_the_trainers_own_exporter_has_what_the_operator_reads():
     from prometheus_client import generate_latest
 
     from meshjob_operator import progress
+    from meshjob_trainer.events import CheckpointWritten, StepFinished
     from meshjob_trainer.metrics import TrainerMetrics
 
     metrics = TrainerMetrics("demo", 0, "host-0", 0)
-    metrics.record_step(0.25, 128, 2.0, step=3)
-    metrics.record_step(0.75, 128, 1.5, step=4)
-    metrics.record_checkpoint(0.1, 4)
+    metrics.emit(StepFinished(stage=0, step=3, seconds=0.25, tokens=128, loss=2.0))
+    metrics.emit(StepFinished(stage=0, step=4, seconds=0.75, tokens=128, loss=1.5))
+    metrics.emit(CheckpointWritten(stage=0, step=4, seconds=0.1))
     reading = progress.parse(generate_latest(metrics.registry).decode())
     assert reading == progress.Reading(step=4, checkpoint_step=4, mean_step_s=0.5)
 

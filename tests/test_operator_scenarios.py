@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 from typing import Any, Iterator
 
 import pytest
 import pytest_asyncio
+import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from meshjob import api
@@ -406,3 +409,40 @@ async def test_a_refused_api_call_blocks_the_job_visibly_until_it_goes_through(c
     status = await wait_status(cluster, tag, lambda s: condition(s, "Blocked").get("status") == "False", "unblocked")
     assert condition(status, "Blocked")["reason"] == "Unblocked"
     await delete_and_wait(cluster, tag)
+
+
+async def test_meshjob_plan_cluster_shows_the_placement_the_operator_makes(cluster, operator, tmp_path):
+    """The issue's case: topology.devicesPerHost 2 on Nodes that allocate 4, plus a tainted node the job does not
+    tolerate. `meshjob plan --cluster` (reading the same Nodes through the kubeconfig) prints the pods the operator
+    creates: same names, nodes and devices; the tainted node is left out with the reason."""
+    tag = "plancluster"
+    await prepare_namespace(cluster, tag)
+    for i in range(4):
+        taints = [{"key": "dedicated", "value": "other-team", "effect": "NoSchedule"}] if i == 1 else None
+        await cluster.add_node(f"{tag}-n{i}", 4, resource=f"example.com/{tag}", taints=taints)
+    body = scenario_job(tag, hosts=3, devices=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(body))
+    planned = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
+                                                       "--cluster", "--kubeconfig", str(cluster.kubeconfig)],
+                                      capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    await cluster.create_job(body)
+    pods = await wait_pods(cluster, tag, 3)
+    made = [{"name": p["metadata"]["name"], "node": pinned_node(p),
+             "devices": int(p["metadata"]["annotations"]["meshjob.io/devices"])} for p in pods]
+    assert [{k: p[k] for k in ("name", "node", "devices")} for p in plan["cluster"]["pods"]] == made
+    assert {p["devices"] for p in made} == {2} and f"{tag}-n1" not in {p["node"] for p in made}
+    (left_out,) = [n for n in plan["cluster"]["nodes"] if n["problem"] and n["name"].startswith(tag)]
+    assert left_out["name"] == f"{tag}-n1" and "taint dedicated=other-team:NoSchedule not tolerated" in left_out["problem"]
+    status = await wait_status(cluster, tag, lambda s: s.get("placement"), "placement in status")
+    assert [(r["stage"], r["node"], r["devices"]) for r in status["placement"]] == \
+        [(r["stage"], r["host"], r["devices"]) for r in plan["placement"]]  # host label = node name here
+    await delete_and_wait(cluster, tag)
+
+
+def pinned_node(pod: dict[str, Any]) -> str:
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (value,) = term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+    return value

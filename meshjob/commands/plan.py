@@ -1,4 +1,4 @@
-"""`meshjob plan job.yaml [--hosts hosts.yaml] [--json] [--nic-rate 1gbit] [--calibrate]`: show the plan.
+"""`meshjob plan job.yaml [--hosts hosts.yaml | --cluster] [--json] [--nic-rate 1gbit] [--calibrate]`: show the plan.
 
 Readable tables by default (placement; the network: per-host egress/ingress bytes per step and each
 balancing window's joint makespan vs its lower bound; each boundary's unit tasks with sender,
@@ -27,20 +27,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", metavar="HOSTS_YAML",
                    help="cluster: a list of {name, devices, rack} (default: the smallest cluster of "
                         "identical hosts with topology.devicesPerHost devices)")
+    p.add_argument("--cluster", action="store_true",
+                   help="place on the Nodes of the cluster the kubeconfig names (read-only), with the function "
+                        "the operator calls: the pods it would create and the nodes it would leave out")
+    p.add_argument("--kubeconfig", metavar="FILE", help="with --cluster: kubeconfig (default $KUBECONFIG, then "
+                                                       "~/.kube/config)")
+    p.add_argument("--context", help="with --cluster: a context of the kubeconfig")
     cost_options.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (the plan contract)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshjob.errors import UsageError
     from meshjob.placement import load_hosts
     from meshjob.plan import build_plan
     from meshjob.spec import load_jobs
 
+    if args.cluster and args.hosts:
+        raise UsageError("--cluster and --hosts exclude each other: the cluster's Nodes are the hosts")
+    if not args.cluster and (args.kubeconfig or args.context):
+        raise UsageError("--kubeconfig and --context go with --cluster")
     network = cost_options.network_from_args(args)
     jobs = load_jobs(args.job)
-    hosts = load_hosts(args.hosts) if args.hosts else None
-    docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
-            for job in jobs]
+    if args.cluster:
+        _operator_costs_only(args, network)
+        nodes = read_nodes(args.kubeconfig, args.context)
+        docs = [plan_on_cluster(job, nodes, network.nic_bytes_per_s) for job in jobs]
+    else:
+        hosts = load_hosts(args.hosts) if args.hosts else None
+        docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
+                for job in jobs]
     if args.json:
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -48,6 +64,55 @@ def run(args: argparse.Namespace) -> int:
         for doc in docs:
             print_tables(doc, args.nic_rate)
     return 0
+
+
+def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
+    """--cluster prints what the operator runs, and the operator plans with the default network model at
+    its NIC rate: other cost options would print a plan it does not run."""
+    from meshjob.errors import UsageError
+    from meshjob.network import NetworkModel
+
+    if args.calibrate or network != NetworkModel(nic_bytes_per_s=network.nic_bytes_per_s):
+        raise UsageError("--cluster shows the operator's plan, made with the default network model at a NIC rate: "
+                         "it takes --nic-rate, not --calibrate, --duplex or --message-us")
+
+
+def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], nic_bytes_per_s: float) -> dict[str, Any]:
+    """The plan on these Nodes, as the operator makes it, plus "cluster": its pods and every node's verdict."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    from meshjob.cluster import plan_on_nodes, pods_json
+
+    _, plan, infos = plan_on_nodes(job, nodes, parse_quantity, nic_bytes_per_s)
+    doc = plan.to_json()
+    doc["cluster"] = {"pods": pods_json(job, plan, infos),
+                      "nodes": [{"name": i.name, "host": i.host, "devices": i.devices, "problem": i.problem}
+                                for i in infos]}
+    return doc
+
+
+def read_nodes(kubeconfig: str | None, context: str | None) -> list[dict[str, Any]]:
+    """The cluster's Nodes as the API returns them (JSON), read through the kubeconfig."""
+    from meshjob.errors import UsageError
+
+    try:  # only this path needs the client: the plan layer never imports it
+        import kubernetes
+    except ImportError:
+        raise UsageError("--cluster needs the kubernetes package: pip install kubernetes") from None
+    try:
+        client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context,
+                                                          persist_config=False)
+    except (kubernetes.config.ConfigException, OSError, TypeError) as err:
+        raise UsageError(f"--cluster: cannot load the kubeconfig ({kubeconfig or 'default'}): {err}") from None
+    try:
+        answer = kubernetes.client.CoreV1Api(client).list_node(_preload_content=False, _request_timeout=30)
+        return json.loads(answer.data)["items"]
+    except kubernetes.client.ApiException as err:
+        raise UsageError(f"--cluster: listing Nodes was refused: HTTP {err.status} {err.reason}") from None
+    except Exception as err:  # noqa: BLE001 - unreachable server, TLS: say so, exit 2
+        raise UsageError(f"--cluster: cannot reach the API server: {type(err).__name__}: {err}") from None
+    finally:
+        client.close()
 
 
 def _ms(seconds: float) -> str:
@@ -91,6 +156,8 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
                           ", ".join(map(str, row["devices"])), ", ".join(map(str, row["local_devices"])))
     console.print(placement)
     print_network(console, doc)
+    if "cluster" in doc:
+        print_cluster(console, doc["cluster"])
 
     summary = Table(title="Boundaries (cross-mesh resharding)")
     for col in ("boundary", "send", "recv", "strategy", "balancer", "tasks", "makespan", "lower bound", "ratio"):
@@ -151,3 +218,18 @@ def print_network(console: Any, doc: dict[str, Any]) -> None:
                         w["balancer"] + ("" if w["finished"] else " (budget)"), _ms(w["makespan_s"]),
                         _ms(w["lower_bound_s"]), f"{w['ratio']:.2f}" if w["ratio"] is not None else "-")
     console.print(windows)
+
+
+def print_cluster(console: Any, cluster: dict[str, Any]) -> None:
+    """What the operator creates on the cluster's Nodes, and the nodes it leaves out (with why)."""
+    from rich.table import Table
+
+    pods = Table(title="Pods the operator creates (one per host)")
+    for col in ("pod", "node", "devices", "stages"):
+        pods.add_column(col)
+    for pod in cluster["pods"]:
+        pods.add_row(pod["name"], pod["node"], str(pod["devices"]), ", ".join(map(str, pod["stages"])))
+    console.print(pods)
+    for node in cluster["nodes"]:
+        if node["problem"]:
+            console.print(f"left out: node {node['name']}: {node['problem']}")

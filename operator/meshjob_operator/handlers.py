@@ -220,7 +220,7 @@ def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
     return {NODES_KEY: {
         "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
-        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+        "spec": {"unschedulable": bool(spec.get("unschedulable")), "taints": list(spec.get("taints") or [])},
         "status": {"allocatable": dict(status.get("allocatable") or {}),
                    "conditions": [{"type": c.get("type"), "status": c.get("status")}
                                   for c in status.get("conditions") or []]},

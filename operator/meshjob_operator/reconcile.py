@@ -15,20 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import yaml
+from kubernetes.utils.quantity import parse_quantity
 
+from meshjob.cluster import host_pods, node_infos, plan_on_nodes
 from meshjob.errors import PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
 from meshjob.rendered import PlanInputs
 from meshjob.spec import TrainingJob, parse_job
 
 from meshjob_operator import lifecycle, names, progress, render
-from meshjob_operator.assign import host_pods, status_placement
 from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
-from meshjob_operator.nodes import describe_cluster, hosts_of, node_infos
 from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
                                      TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
-                                     parse_time, set_condition, timestamp)
+                                     parse_time, set_condition, status_placement, timestamp)
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
 MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "progress",
@@ -310,17 +310,20 @@ class Reconciler:
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                                pods: list[PodView], now: datetime.datetime) -> bool:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
-        infos = node_infos(nodes, job.topology)
-        node_of_host = {i.host: i.name for i in infos if i.host}
-        # surviving pods keep their placement; a fresh (re)start places on the nodes there are now
+        node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}
+        # surviving pods keep their placement; a fresh (re)start places on the nodes there are now,
+        # with the function `meshjob plan --cluster` calls
         hosts = await self._hosts_in_use(meta) if pods else None
         fresh = hosts is None
         try:
-            inputs = PlanInputs.of(job, hosts if hosts is not None else hosts_of(infos))
-            plan = await asyncio.to_thread(inputs.build)
+            if fresh:
+                inputs, plan, _ = await asyncio.to_thread(plan_on_nodes, job, nodes, parse_quantity)
+            else:
+                inputs = PlanInputs.of(job, hosts)
+                plan = await asyncio.to_thread(inputs.build)
         except PlacementError as err:
             self.unschedulable.add((meta.namespace, meta.name))
-            message = f"{err} (cluster: {describe_cluster(infos, job.topology)})"
+            message = str(err)
             if draft.condition("Unschedulable", True, "InsufficientDevices", message, now):
                 self.emit(body, "Warning", "Unschedulable", message)
             draft["phase"] = PENDING

@@ -12,13 +12,13 @@ from typing import Any, Mapping
 from kubernetes.utils.quantity import format_quantity, parse_quantity
 
 from meshjob import rendered
+from meshjob.cluster import HostPod, world_size
 from meshjob.errors import FieldError, SpecError
 from meshjob.plan import Plan
 from meshjob.safeyaml import dump_yaml
 from meshjob.spec import TrainingJob
 
 from meshjob_operator import names
-from meshjob_operator.assign import HostPod, world_size
 
 RUN_AS_USER = 1000
 DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"

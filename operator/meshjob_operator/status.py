@@ -94,3 +94,9 @@ def _failure_message(pod_status: Mapping[str, Any]) -> str:
         if term:
             parts.append(f"container {cs.get('name')} exited {term.get('exitCode')} {term.get('reason', '')}".strip())
     return "; ".join(p for p in parts if p)
+
+
+def status_placement(placement_rows: list[dict[str, Any]], node_of_host: dict[str, str]) -> list[dict[str, Any]]:
+    """status.placement from Placement.to_json(): one entry per mesh row, with the Node it landed on."""
+    return [{"stage": row["stage"], "host": row["host"], "node": node_of_host.get(row["host"], ""),
+             "devices": list(row["devices"])} for row in placement_rows]

@@ -385,6 +385,16 @@ class EnvtestCluster(Cluster):
         if self.envtest.service_account_admission:
             await asyncio.to_thread(self.envtest.wait_for_default_service_account, name)
 
+    async def add_node(self, name: str, devices: int, **kwargs: Any) -> None:
+        """Also plays the node lifecycle controller (not run here): the API server taints a new Node
+        not-ready, and a Ready node loses that taint."""
+        await super().add_node(name, devices, **kwargs)
+        if kwargs.get("ready", True):
+            node = await self.kube.request("GET", f"/api/v1/nodes/{name}")
+            taints = [t for t in node["spec"].get("taints") or [] if t.get("key") != "node.kubernetes.io/not-ready"]
+            await self.kube.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": taints or None}},
+                                    content_type=MERGE_PATCH)
+
     async def finish_deletions(self, namespace: str = "default") -> None:
         found = await self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
         for pod in (found or {}).get("items") or []:
