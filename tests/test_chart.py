@@ -329,7 +329,9 @@ def test_committed_dashboard_is_what_the_generator_writes():
 def test_notes_say_how_to_apply_an_example_job_that_exists():
     notes = render()["meshjob/templates/NOTES.txt"]
     assert "kubectl apply -f examples/" in notes
-    for name in re.findall(r"examples/([\w.-]+\.yaml)", notes):
+    named = re.findall(r"examples/([\w./-]+\.yaml)", notes)
+    assert "gpt-demo.yaml" in named and "kubernetes/gpt-demo-checkpoints.yaml" in named
+    for name in named:
         assert (ROOT / "examples" / name).is_file(), name
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import pathlib
 import re
 
 import pytest
@@ -425,3 +426,120 @@ def test_the_api_client_asks_for_credentials_on_every_request_so_rotated_tokens_
     config.refresh_api_key_hook = rotate
     assert _auth_headers(config) == {"Authorization": "Bearer first"}
     assert _auth_headers(config) == {"Authorization": "Bearer second"}
+
+
+# --- spec.podTemplate and the checkpoint volume ----------------------------------------------------
+
+TEMPLATE = {
+    "metadata": {"labels": {"team": "vision", names.JOB_LABEL: "not-mine"}, "annotations": {"owner": "ana"}},
+    "spec": {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"pool": "gpu"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["h100"]}]},
+            {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["a100"]}]}]}},
+            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "priorityClassName": "training-high",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
+        "containers": [{"name": "trainer", "env": [{"name": "HF_HOME", "value": "/data/hf"}],
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        "resources": {"limits": {"memory": "8Gi"}}}],
+    },
+}
+
+
+def test_the_pod_template_is_merged_onto_every_trainer_pod():
+    body, job, plan, pods = _rendered(hosts=2, podTemplate=TEMPLATE)
+    pod = render.pod(META, job, pods[1], pods)
+    spec, (trainer,) = pod["spec"], pod["spec"]["containers"]
+    assert pod["metadata"]["labels"]["team"] == "vision" and pod["metadata"]["annotations"]["owner"] == "ana"
+    assert pod["metadata"]["labels"][names.JOB_LABEL] == "demo"  # the operator's own keys win
+    assert spec["tolerations"] == TEMPLATE["spec"]["tolerations"] and spec["nodeSelector"] == {"pool": "gpu"}
+    assert spec["priorityClassName"] == "training-high" and spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}} in spec["volumes"]
+    assert {"name": "config", "configMap": {"name": "demo-plan"}} in spec["volumes"]
+    assert trainer["env"][-1] == {"name": "HF_HOME", "value": "/data/hf"} and "MASTER_ADDR" in _env(pod)
+    assert {"name": "data", "mountPath": "/data"} in trainer["volumeMounts"]
+    assert trainer["resources"]["limits"]["memory"] == "8Gi" and trainer["resources"]["requests"]["cpu"] == "2"
+
+
+def test_the_host_pin_is_added_to_every_required_node_affinity_term():
+    body, job, plan, pods = _rendered(hosts=2, podTemplate=TEMPLATE)
+    affinity = render.pod(META, job, pods[1], pods)["spec"]["affinity"]
+    pin = {"key": "kubernetes.io/hostname", "operator": "In", "values": [pods[1].host]}
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][-1] for t in terms] == [pin, pin]
+    assert [t["matchExpressions"][0]["values"] for t in terms] == [["h100"], ["a100"]]
+    assert "podAntiAffinity" in affinity
+
+
+@pytest.mark.parametrize("template, path, allowed", [
+    ({"spec": {"volumes": [{"name": "scratch", "hostPath": {"path": "/data"}}]}},
+     "spec.podTemplate.spec.volumes[0].hostPath", "no hostPath"),
+    ({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}, "spec.podTemplate.spec.volumes[0].name",
+     "a name the operator does not use"),
+    ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [{"name": "x", "mountPath": "/etc/meshjob"}]}]}},
+     "spec.podTemplate.spec.containers[trainer].volumeMounts", "a mount path the operator does not use"),
+    ({"spec": {"containers": [{"name": "trainer", "env": [{"name": "MASTER_ADDR", "value": "evil"}]}]}},
+     "spec.podTemplate.spec.containers[trainer].env", "a variable the operator does not set"),
+    ({"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]}},
+     "spec.podTemplate.spec.containers[trainer].resources.requests", "spec.topology.deviceResource"),
+    ({"metadata": {"labels": {"replicas": 3}}}, "spec.podTemplate.metadata['replicas']", "a string"),
+])
+def test_a_template_the_merge_cannot_take_is_an_invalid_spec_naming_the_field(template, path, allowed):
+    with pytest.raises(SpecError) as err:
+        validate(job_body("demo", podTemplate=template))
+    assert path in str(err.value) and allowed in str(err.value)
+
+
+def test_only_the_trainer_container_can_be_templated():
+    with pytest.raises(SpecError, match=r"spec.podTemplate.spec.containers\[0\].name: 'sidecar' is invalid: one of trainer"):
+        validate(job_body("demo", podTemplate={"spec": {"containers": [{"name": "sidecar"}]}}))
+
+
+@pytest.mark.parametrize("volume, allowed", [({"hostPath": {"path": "/ckpt"}}, "no hostPath"),
+                                             ({"emptyDir": {}, "nfs": {"server": "x"}}, "exactly one volume source")])
+def test_a_checkpoint_volume_is_one_source_and_never_a_host_path(volume, allowed):
+    body = job_body("demo")
+    body["spec"]["training"]["checkpoint"]["volume"] = volume
+    with pytest.raises(SpecError, match=allowed):
+        validate(body)
+
+
+def test_checkpoints_go_to_the_volume_the_spec_names_else_an_empty_dir_never_a_host_path():
+    body, job, plan, pods = _rendered(hosts=2)
+    volumes = {v["name"]: v for v in render.pod(META, job, pods[0], pods)["spec"]["volumes"]}
+    assert volumes["checkpoint"] == {"name": "checkpoint", "emptyDir": {}}
+    body["spec"]["training"]["checkpoint"]["volume"] = {"persistentVolumeClaim": {"claimName": "ckpt"}}
+    job = validate(body)
+    pod = render.pod(META, job, pods[0], pods)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["checkpoint"] == {"name": "checkpoint", "persistentVolumeClaim": {"claimName": "ckpt"}}
+    assert {"name": "checkpoint", "mountPath": "/ckpt"} in pod["spec"]["containers"][0]["volumeMounts"]
+    assert pod["spec"]["securityContext"]["fsGroup"] == render.RUN_AS_USER  # the non-root trainer may write
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "examples").glob("*.yaml")))
+def test_every_example_renders_pods_that_pass_pod_security_restricted(example):
+    from pod_security import restricted_violations
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / example).read_text())
+    job = validate(doc)
+    plan = build_plan(job)
+    pods = host_pods(plan.placement)
+    for host_pod in pods:
+        assert restricted_violations(render.pod(render.JobMeta.of(doc), job, host_pod, pods)) == []
+
+
+def test_the_restricted_checks_catch_what_the_profile_forbids():
+    """The checker fails a pod that breaks the profile: a host path, root, a privileged container."""
+    from pod_security import restricted_violations
+
+    body, job, plan, pods = _rendered(hosts=2)
+    pod = render.pod(META, job, pods[0], pods)
+    pod["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}})
+    pod["spec"]["securityContext"]["runAsUser"] = 0
+    pod["spec"]["containers"][0]["securityContext"]["privileged"] = True
+    found = restricted_violations(pod)
+    assert "volume h: hostPath" in found and "pod: runAsUser 0" in found and "container trainer: privileged" in found

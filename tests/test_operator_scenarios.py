@@ -446,3 +446,36 @@ def pinned_node(pod: dict[str, Any]) -> str:
     term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     (value,) = term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
     return value
+
+
+async def test_pod_template_tolerations_and_volumes_reach_the_pods_on_tolerated_nodes(cluster, operator):
+    """spec.podTemplate's tolerations, nodeSelector, volumes and the trainer's mounts and env, and the checkpoint
+    PVC, are on every pod the API server stored (a real one validates them); the nodes the job may use are
+    the tainted pool it tolerates, not the untainted node its nodeSelector excludes."""
+    tag = "template"
+    await prepare_namespace(cluster, tag)
+    gpu = [{"key": "pool", "value": "gpu", "effect": "NoSchedule"}]
+    for i in range(2):
+        await cluster.add_node(f"{tag}-n{i}", 2, resource=f"example.com/{tag}", taints=gpu, labels={"pool": "gpu"})
+    await cluster.add_node(f"{tag}-cpu", 2, resource=f"example.com/{tag}", labels={"pool": "cpu"})
+    template = {"metadata": {"labels": {"team": "vision"}},
+                "spec": {"tolerations": [{"key": "pool", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+                         "nodeSelector": {"pool": "gpu"},
+                         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
+                         "containers": [{"name": "trainer", "env": [{"name": "DATA", "value": "/data"}],
+                                         "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}]}}
+    body = scenario_job(tag, podTemplate=template)
+    body["spec"]["training"]["checkpoint"]["volume"] = {"persistentVolumeClaim": {"claimName": "checkpoints"}}
+    await cluster.create_job(body)
+    pods = await wait_pods(cluster, tag, 2)
+    assert {pinned_node(p) for p in pods} == {f"{tag}-n0", f"{tag}-n1"}
+    for pod in pods:
+        spec, (trainer,) = pod["spec"], pod["spec"]["containers"]
+        assert pod["metadata"]["labels"]["team"] == "vision" and spec["nodeSelector"] == {"pool": "gpu"}
+        assert template["spec"]["tolerations"][0].items() <= spec["tolerations"][0].items()
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "datasets"}
+        assert volumes["checkpoint"]["persistentVolumeClaim"] == {"claimName": "checkpoints"}
+        assert {"name": "data", "mountPath": "/data", "readOnly": True} in trainer["volumeMounts"]
+        assert {"name": "DATA", "value": "/data"} in trainer["env"]
+    await delete_and_wait(cluster, tag)

@@ -57,7 +57,7 @@ def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
     SpecError naming every bad field. A job without spec.image runs the operator's trainer image."""
     job = parse_job(manifest(body))
-    render.resources(job, 1)  # spec.resources holds Kubernetes quantities
+    render.check_pod_template(job)  # also: spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
         job = dataclasses.replace(job, image=default_image)
@@ -354,7 +354,10 @@ class Reconciler:
         draft["pods"] = {**{names.pod_name(meta.name, hp.index): "Pending" for hp in wanted}, **(draft["pods"] or {})}
         if not draft["startTime"]:
             draft["startTime"] = timestamp(now)
-        draft.condition("Created", True, "PodsCreated", f"{len(wanted)} host pod(s) created", now)
+        if draft.condition("Created", True, "PodsCreated", f"{len(wanted)} host pod(s) created", now) \
+                and job.training.checkpoint.every and job.training.checkpoint.volume is None:
+            self.emit(body, "Warning", "EphemeralCheckpoints", "checkpoints go to an emptyDir that a gang restart "
+                      "loses: set spec.training.checkpoint.volume (e.g. a PersistentVolumeClaim)")
         return True
 
     async def _create_pod(self, body: dict[str, Any]) -> None:

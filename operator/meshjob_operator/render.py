@@ -18,11 +18,10 @@ from meshjob.plan import Plan
 from meshjob.safeyaml import dump_yaml
 from meshjob.spec import TrainingJob
 
-from meshjob_operator import names
+from meshjob_operator import names, podtemplate
 
 RUN_AS_USER = 1000
 DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"
-CHECKPOINT_HOST_ROOT = "/var/lib/meshjob"
 
 
 @dataclass(frozen=True)
@@ -146,13 +145,6 @@ def resources(job: TrainingJob, devices: int) -> dict[str, Any]:
     return out
 
 
-def _checkpoint_volume(meta: JobMeta) -> dict[str, Any]:
-    # the pod is pinned to its host, so a host directory survives a gang restart (a PVC would need
-    # a spec field the model does not have yet)
-    return {"name": "checkpoint", "hostPath": {"path": f"{CHECKPOINT_HOST_ROOT}/{meta.namespace}/{meta.name}",
-                                                "type": "DirectoryOrCreate"}}
-
-
 def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
     """One port per local rank: rank r of the pod serves on spec.metrics.port + r (trainer/worker).
 
@@ -162,11 +154,32 @@ def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
 
 
 def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...]) -> dict[str, Any]:
-    """One trainer pod: `meshjob worker` for the devices the plan uses on its host.
+    """One trainer pod: `meshjob worker` for the devices the plan uses on its host, pinned to that host,
+    with spec.podTemplate merged in (meshjob_operator/podtemplate.py).
 
     Trainers need no API access (the operator reads their progress from their metrics endpoint), so
     the pod carries no service-account token: a trainer can change nothing in the cluster. A job
     that names spec.serviceAccountName (an identity for its data, e.g. workload identity) gets it."""
+    return podtemplate.merge(_own_pod(meta, job, host_pod, pods), job, _pin(job, host_pod))
+
+
+def check_pod_template(job: TrainingJob) -> None:
+    """SpecError naming what spec.podTemplate or the checkpoint volume would clash with (validate())."""
+    host = HostPod(index=0, host="host", rack="", devices=1, stages=(0,))
+    own = _own_pod(JobMeta(job.name, job.namespace, ""), job, host, (host,))
+    (trainer,) = own["spec"]["containers"]
+    podtemplate.check(job, owned_volumes={v["name"] for v in own["spec"]["volumes"]},
+                      owned_mounts={m["mountPath"] for m in trainer["volumeMounts"]},
+                      owned_env={e["name"] for e in trainer["env"]},
+                      owned_resources={k for kind in trainer["resources"].values() for k in kind})
+
+
+def _pin(job: TrainingJob, host_pod: HostPod) -> dict[str, Any]:
+    return {"key": job.topology.host_label, "operator": "In", "values": [host_pod.host]}
+
+
+def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...]) -> dict[str, Any]:
+    """The pod without the job's template."""
     name = names.pod_name(meta.name, host_pod.index)
     metadata = _metadata(meta, name, host_pod.index)
     metadata["annotations"] = {"meshjob.io/devices": str(host_pod.devices),
@@ -180,7 +193,7 @@ def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod,
     ]
     if job.training.checkpoint.path:
         mounts.append({"name": "checkpoint", "mountPath": job.training.checkpoint.path})
-        volumes.append(_checkpoint_volume(meta))
+        volumes.append(podtemplate.checkpoint_volume(job))
     container = {
         "name": "trainer",
         "image": job.image,
@@ -203,7 +216,7 @@ def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod,
         "subdomain": names.service_name(meta.name),
         "enableServiceLinks": False,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": job.topology.host_label, "operator": "In", "values": [host_pod.host]}]}]}}},
+            {"matchExpressions": [_pin(job, host_pod)]}]}}},
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
