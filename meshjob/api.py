@@ -37,6 +37,10 @@ STEP_METRIC = "meshjob_step"  # gauge: last completed training step
 CHECKPOINT_STEP_METRIC = "meshjob_last_checkpoint_step"  # gauge: step of the newest checkpoint
 STEP_SECONDS_METRIC = "meshjob_step_seconds"  # histogram: wall time of a step
 
+# trainer exit codes that no restart can cure (`meshjob worker` exits 2 on an invalid job or command line);
+# any other failure (1: a rank failed, 128+N: killed by signal N) may pass and is retried as a gang restart
+PERMANENT_EXIT_CODES = frozenset({2})
+
 # ports
 MASTER_PORT = 29500  # torch.distributed rendezvous (torchrun's default)
 TRAINER_METRICS_PORT = 9400  # spec.metrics.port's default; local rank r serves on it + r

@@ -128,6 +128,8 @@ def status_schema() -> dict[str, Any]:
             "conditions": {"type": "array", "items": condition},
             "hosts": _integer("hosts (pods) the job runs on"),
             "restarts": _integer("gang restarts so far"),
+            "disruptions": _integer("gang restarts after evictions and preemptions (not counted toward "
+                                    "runPolicy.backoffLimit)"),
             "step": _integer("last completed training step"),
             "checkpointStep": _integer("step of the last checkpoint"),
             "progress": {"type": "object", "description": "read from the trainers' metrics while the job runs",

@@ -162,7 +162,7 @@ def test_chunks_is_an_int_or_string_of_auto_or_a_positive_integer():
 def test_status_schema_fields_and_preserved_unknown_fields():
     status = open_api_schema()["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
-    assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "step", "checkpointStep", "progress",
+    assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "disruptions", "step", "checkpointStep", "progress",
                                          "startTime", "completionTime", "placement", "pods",
                                          "observedGeneration"}
     assert set(status["properties"]["conditions"]["items"]["properties"]) == {

@@ -123,8 +123,9 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
                     proc.kill()
 
 
-async def test_admission_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluster, tmp_path):
-    """kubectl apply itself shows the plan layer's message (kept last: it registers a webhook)."""
+async def test_admission_webhook_rejects_an_invalid_spec_and_an_edit_of_a_started_job_at_kubectl_apply(
+        cluster, tmp_path):
+    """kubectl apply itself shows the plan layer's message, and refuses changing a started job's stages."""
     import asyncio
     import subprocess
 
@@ -136,10 +137,12 @@ async def test_admission_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluste
                "webhook_ca": str(pki / "ca.crt")}
     tag = "webhook"
     await h.prepare_namespace(cluster, tag)
-    bad, good = h.scenario_job(tag), h.scenario_job(tag)
+    await h.add_nodes(cluster, tag, 3)
+    bad, good, edited = h.scenario_job(tag), h.scenario_job(tag), h.scenario_job(tag, hosts=3)
     bad["spec"]["stages"][1]["layers"] = [1, 3]
-    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
-    (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
+    edited["spec"]["training"] = good["spec"]["training"]
+    for name, body in (("bad", bad), ("good", good), ("edited", edited)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(body))
     config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
     try:
         async with testing.running_operator(cluster, webhook=webhook):
@@ -156,6 +159,12 @@ async def test_admission_webhook_rejects_an_invalid_spec_at_kubectl_apply(cluste
             assert await cluster.job(tag, tag) is None
             accepted = await asyncio.to_thread(apply, "good.yaml")
             assert accepted.returncode == 0, accepted.stderr
+            await h.wait_status(cluster, tag, lambda s: h.condition(s, "Created").get("status") == "True", "Created")
+            refused = await asyncio.to_thread(apply, "edited.yaml")
+            assert refused.returncode != 0 and "denied the request" in refused.stderr
+            assert "spec.stages cannot change once the job has started" in refused.stderr
+            assert len((await cluster.job(tag, tag))["spec"]["stages"][1]["mesh"]) == 2
+            assert (await cluster.job(tag, tag))["spec"]["stages"][1]["mesh"][0] == 1
             await h.delete_and_wait(cluster, tag)
     finally:
         await cluster.kube.delete(config_path)

@@ -141,7 +141,8 @@ async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(clus
     await add_nodes(cluster, tag, 2)
     await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 1, "cleanPodPolicy": "All"}))
     first = await wait_pods(cluster, tag, 2)
-    before = STATE.metrics.restarts._value.get()
+    failures = STATE.metrics.restarts.labels(namespace=tag, trainingjob=tag, reason="failure")
+    before = failures._value.get()  # the registry outlives one operator: kmock's run counts too
     await cluster.set_pod_phase(first[1]["metadata"]["name"], "Failed", tag)
     status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
     assert condition(status, "Restarting")["status"] == "True"
@@ -149,7 +150,7 @@ async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(clus
     second = await wait_pods(cluster, tag, 2, phase="Pending")
     if cluster.real:  # recreated, not kept: new uids
         assert {p["metadata"]["uid"] for p in second}.isdisjoint({p["metadata"]["uid"] for p in first})
-    assert STATE.metrics.restarts._value.get() == before + 1
+    assert failures._value.get() == before + 1
     await cluster.set_pod_phase(second[0]["metadata"]["name"], "Failed", tag)
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed after backoffLimit")
     failed = condition(status, "Failed")
@@ -312,20 +313,87 @@ async def test_restart_is_counted_once_across_operator_restart(cluster):
         await delete_and_wait(cluster, tag)
 
 
-async def test_a_deleted_pod_restarts_the_gang(cluster, operator):
-    """A host pod deleted by someone else (eviction, drain) breaks the gang: restart all of it."""
+async def test_a_pod_deleted_by_someone_else_restarts_the_gang_without_consuming_backoff_limit(cluster, operator):
+    """A host pod deleted by someone else (the eviction API, a drain, a preemption) breaks the gang: restart
+    all of it, even with runPolicy.backoffLimit 0, since a disruption is not a failure of the job."""
     tag = "evicted"
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
-    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 3}))
+    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 0}))
     pods = await wait_pods(cluster, tag, 2)
     await wait_status(cluster, tag, lambda s: len(s.get("pods") or {}) == 2, "pods recorded")
     await cluster.kube.delete_pod(tag, pods[1]["metadata"]["name"])
     status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
-    assert f"pod {tag}-host-1 disappeared" in condition(status, "Restarting")["message"]
+    restarting = condition(status, "Restarting")
+    assert f"pod {tag}-host-1 disappeared" in restarting["message"] and restarting["reason"] == "PodDisrupted"
+    assert status["disruptions"] == 1 and status["phase"] != "Failed"
     await wait_pods(cluster, tag, 2)
     await asyncio.sleep(0.5)
     assert (await cluster.job(tag, tag))["status"]["restarts"] == 1  # the planned deletions are not counted again
+    await delete_and_wait(cluster, tag)
+
+
+async def test_an_evicted_pod_does_not_consume_backoff_limit_but_a_failure_does(cluster, operator):
+    tag = "kubeletevict"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 0, "cleanPodPolicy": "None"}))
+    first = await wait_pods(cluster, tag, 2)
+    await cluster.set_pod_phase(first[0]["metadata"]["name"], "Failed", tag, reason="Evicted")
+    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart")
+    assert status["disruptions"] == 1 and condition(status, "Restarting")["reason"] == "PodDisrupted"
+    assert "not counted toward runPolicy.backoffLimit" in condition(status, "Restarting")["message"]
+    second = await wait_pods(cluster, tag, 2, phase="Pending")
+    await cluster.set_pod_phase(second[1]["metadata"]["name"], "Failed", tag, exit_code=1)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed")
+    assert condition(status, "Failed")["reason"] == "BackoffLimitExceeded"
+    await delete_and_wait(cluster, tag)
+
+
+async def test_a_permanent_exit_code_fails_the_job_at_once_and_tells_kueue(cluster, operator):
+    """Exit code 2 (`meshjob worker`: the job itself is invalid) cannot pass with a restart: Failed at once,
+    whatever runPolicy.backoffLimit says; a Kueue pod group is marked not retriable so its quota is freed."""
+    tag = "permanent"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 5, "cleanPodPolicy": "None"},
+                                          scheduling={"queue": "team"}))
+    pods = await wait_pods(cluster, tag, 2)
+    await cluster.set_pod_phase(pods[1]["metadata"]["name"], "Failed", tag, exit_code=2)
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "PermanentError" and "exit code 2" in failed["message"]
+    assert not status.get("restarts")
+    for pod in await cluster.pods(tag, tag):
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/retriable-in-group"] == "false"
+    await delete_and_wait(cluster, tag)
+
+
+async def test_an_edit_to_a_started_jobs_stages_is_refused_and_the_job_runs_on(cluster, operator):
+    """Without the webhook (or with it down: failurePolicy Ignore) the operator refuses the edit itself:
+    condition EditRefused and a Warning Event, no restart, the ConfigMap keeps the spec the trainers run;
+    spec.runPolicy may still change."""
+    tag = "immutable"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 3)
+    await cluster.create_job(scenario_job(tag))
+    pods = await wait_pods(cluster, tag, 2)
+    await wait_status(cluster, tag, lambda s: condition(s, "Created").get("status") == "True", "Created")
+    started = (await cluster.get("configmaps", f"{tag}-plan", tag))["data"]["job.yaml"]
+    stages = scenario_job(tag, hosts=3)["spec"]["stages"]
+    await cluster.patch_job(tag, {"spec": {"stages": stages, "training": {"globalBatch": 16}}}, tag)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "EditRefused").get("status") == "True", "refused")
+    refused = condition(status, "EditRefused")
+    assert "spec.stages, spec.training cannot change once the job has started" in refused["message"]
+
+    async def warned() -> list[dict] | None:
+        return [e for e in await cluster.events(tag) if e.get("reason") == "EditRefused"] or None
+    assert "spec.stages" in (await eventually(warned, what="a Warning Event EditRefused"))[0]["message"]
+    assert [p["metadata"]["uid"] for p in await cluster.pods(tag, tag)] == [p["metadata"]["uid"] for p in pods]
+    assert (await cluster.get("configmaps", f"{tag}-plan", tag))["data"]["job.yaml"] == started
+    assert (await cluster.job(tag, tag))["status"]["hosts"] == 2 and not status.get("restarts")
+    await cluster.patch_job(tag, {"spec": {"runPolicy": {"suspend": True}}}, tag)
+    await wait_pods(cluster, tag, 0)
     await delete_and_wait(cluster, tag)
 
 

@@ -17,12 +17,15 @@ import kopf
 
 from meshjob.api import OPERATOR_METRICS_PORT
 from meshjob.errors import SpecError
+from meshjob.spec import job_to_dict
 
 from meshjob_operator import names
 from meshjob_operator.certs import webhook_server
 from meshjob_operator.kube import ApiError, Connection, Kube, kopf_connection
+from meshjob_operator.lifecycle import immutable_changes
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
+from meshjob_operator.status import is_true
 from meshjob_operator.wakeups import Wakeups, wait_any
 
 NODES_KEY = "nodes"
@@ -143,16 +146,22 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 # behind) must not block creating, finishing or deleting TrainingJobs; it validates them anyway.
 @kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
 def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> None:
-    """The admission webhook: `kubectl apply` itself shows what is wrong with the spec.
+    """The admission webhook: `kubectl apply` itself shows what is wrong with the spec, and refuses an
+    edit of a started job beside spec.runPolicy (the operator refuses it too, should the webhook be down).
 
     Updates that leave the spec alone (finalizers, annotations) always pass: a job that is invalid
     already must still be deletable."""
     if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
         return
     try:
-        validate(body)
+        job = validate(body)
     except SpecError as err:
         raise kopf.AdmissionError(f"invalid TrainingJob: {err}", code=422) from err
+    if operation == "UPDATE" and old is not None and is_true((old.get("status") or {}).get("conditions") or [], "Created"):
+        changed = immutable_changes(job_to_dict(validate(old))["spec"], job_to_dict(job)["spec"])
+        if changed:
+            raise kopf.AdmissionError(f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy "
+                                      "can): delete and re-create the job to change them", code=422)
 
 
 @kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)

@@ -19,8 +19,10 @@ class OperatorMetrics:
         self.reconcile_duration = Histogram(
             "meshjob_operator_reconcile_duration_seconds", "Time of one reconcile of one TrainingJob",
             registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.restarts = Counter("meshjob_operator_restarts_total", "Gang restarts of TrainingJobs",
-                                registry=self.registry)
+        self.restarts = Counter("meshjob_operator_restarts_total",
+                                "Gang restarts of TrainingJobs, by reason: failure (counts toward backoffLimit) or "
+                                "disruption (an eviction, preemption or deletion by someone else)",
+                                ["namespace", "trainingjob", "reason"], registry=self.registry)
         self.pod_creation_latency = Histogram(
             "meshjob_operator_pod_creation_latency_seconds",
             "From the reconcile deciding a host pod is missing to the API server accepting it",

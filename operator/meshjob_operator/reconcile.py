@@ -21,7 +21,7 @@ from meshjob.cluster import host_pods, node_infos, plan_on_nodes
 from meshjob.errors import PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
 from meshjob.rendered import PlanInputs
-from meshjob.spec import TrainingJob, parse_job
+from meshjob.spec import TrainingJob, job_to_dict, parse_job
 
 from meshjob_operator import lifecycle, names, progress, render
 from meshjob_operator.kube import ApiError, Kube
@@ -31,9 +31,10 @@ from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNI
                                      parse_time, set_condition, status_placement, timestamp)
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
-MANAGED = ("phase", "conditions", "hosts", "restarts", "restartPending", "step", "checkpointStep", "progress",
-           "startTime", "completionTime", "placement", "pods", "observedGeneration")
+MANAGED = ("phase", "conditions", "hosts", "restarts", "disruptions", "restartPending", "step", "checkpointStep",
+           "progress", "startTime", "completionTime", "placement", "pods", "observedGeneration")
 RESTART_RECHECK_S = 1.0
+NOT_RETRIABLE = {"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "false"}}}
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
 
@@ -143,6 +144,7 @@ class Reconciler:
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             return None
 
+        job = await self._refuse_edits(meta, body, draft, job, now)
         if draft["phase"] == FAILED and (get_condition(draft.conditions, "Failed") or {}).get("reason") == "InvalidSpec":
             draft.condition("Failed", False, "SpecValid", "the spec is valid now", now)
             draft["phase"] = PENDING
@@ -178,28 +180,10 @@ class Reconciler:
             draft["restartPending"] = None
             recorded = set()  # the old gang is gone on purpose
 
-        failed = lifecycle.first_failure(pods)
-        vanished = sorted(recorded - {p.name for p in pods})  # deleted or evicted by someone else
-        if failed is not None or vanished:
-            if failed is not None:
-                message = f"pod {failed.name} failed" + (f": {failed.message}" if failed.message else "")
-            else:
-                message = f"pod {vanished[0]} disappeared (deleted or evicted)"
-            restarts = int(draft["restarts"] or 0)
-            if restarts >= policy.backoff_limit:
-                reason_text = f"{message}; {restarts} restart(s) reached runPolicy.backoffLimit={policy.backoff_limit}"
-                return await self._fail(meta, body, draft, job, pods, "BackoffLimitExceeded", reason_text, now)
-            draft["restarts"] = restarts + 1
-            draft["restartPending"] = True
-            draft["phase"] = RESTARTING
-            draft.condition("Restarting", True, "PodFailed", f"{message}: restarting all pods "
-                            f"(restart {restarts + 1} of at most {policy.backoff_limit})", now)
-            draft.clear("Running", "Restarting", message, now)
-            await self._write(meta, body, draft)  # record the restart before deleting anything
-            self.metrics.restarts.inc()
-            self.emit(body, "Warning", "PodFailed", f"{message}: gang restart {restarts + 1}")
-            await self._delete(meta, [p for p in pods if not p.deleting])
-            return RESTART_RECHECK_S
+        vanished = sorted(recorded - {p.name for p in pods})  # deleted, evicted or preempted by someone else
+        broken = lifecycle.gang_break(pods, vanished)
+        if broken is not None:
+            return await self._restart_or_fail(meta, body, draft, job, pods, broken, now)
 
         expected = int(draft["hosts"] or 0)
         if pods and lifecycle.all_succeeded(pods, expected):
@@ -276,8 +260,38 @@ class Reconciler:
     async def _delete(self, meta: render.JobMeta, pods: list[PodView]) -> None:
         await asyncio.gather(*(self.kube.delete_pod(meta.namespace, p.name) for p in pods))
 
+    async def _restart_or_fail(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                               pods: list[PodView], broken: lifecycle.GangBreak, now: datetime.datetime) -> float | None:
+        """A gang restart from the last checkpoint; evictions and preemptions do not count toward
+        runPolicy.backoffLimit, failures do, and a permanent exit code fails the job at once."""
+        limit = job.run_policy.backoff_limit
+        restarts, disruptions = int(draft["restarts"] or 0), int(draft["disruptions"] or 0)
+        if broken.kind == lifecycle.PERMANENT:
+            return await self._fail(meta, body, draft, job, pods, "PermanentError", broken.message, now)
+        counted = restarts - disruptions
+        if broken.kind == lifecycle.FAILURE and counted >= limit:
+            text = f"{broken.message}; {counted} restart(s) after failures reached runPolicy.backoffLimit={limit}"
+            return await self._fail(meta, body, draft, job, pods, "BackoffLimitExceeded", text, now)
+        disrupted = broken.kind == lifecycle.DISRUPTION
+        draft["restarts"], draft["restartPending"], draft["phase"] = restarts + 1, True, RESTARTING
+        if disrupted:
+            draft["disruptions"] = disruptions + 1
+        budget = "not counted toward runPolicy.backoffLimit" if disrupted else \
+            f"failure {counted + 1} of at most {limit} (runPolicy.backoffLimit)"
+        reason = "PodDisrupted" if disrupted else "PodFailed"
+        draft.condition("Restarting", True, reason, f"{broken.message}: restarting all pods ({budget})", now)
+        draft.clear("Running", "Restarting", broken.message, now)
+        await self._write(meta, body, draft)  # record the restart before deleting anything
+        self.metrics.restarts.labels(namespace=meta.namespace, trainingjob=meta.name, reason=broken.kind).inc()
+        self.emit(body, "Warning", reason, f"{broken.message}: gang restart {restarts + 1} ({budget})")
+        await self._delete(meta, [p for p in pods if not p.deleting])
+        return RESTART_RECHECK_S
+
     async def _fail(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                     pods: list[PodView], reason: str, message: str, now: datetime.datetime) -> float | None:
+        if job.scheduling.queue:  # Kueue: a group with a pod marked so is finished, its quota released
+            await asyncio.gather(*(self.kube.patch(meta.namespace, "pods", p.name, NOT_RETRIABLE)
+                                   for p in pods if not p.deleting))
         draft["phase"] = FAILED
         draft["completionTime"] = timestamp(now)
         draft["restartPending"] = None
@@ -299,10 +313,41 @@ class Reconciler:
             return None
         return left
 
+    async def _refuse_edits(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                            now: datetime.datetime) -> TrainingJob:
+        """Once its pods exist a job runs, and resumes from checkpoints of, the spec it started with (kept
+        in its ConfigMap): an edit beside spec.runPolicy is refused (condition EditRefused, a Warning Event)
+        and the job runs on as it was, with the edited runPolicy."""
+        started = await self._started_job(meta) if is_true(draft.conditions, "Created") else None
+        if started is None:
+            return job
+        changed = lifecycle.immutable_changes(job_to_dict(started)["spec"], job_to_dict(job)["spec"])
+        if not changed:
+            draft.clear("EditRefused", "Unchanged", "the spec is the one the job started with", now)
+            return job
+        message = (f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy can): it runs on "
+                   "with the spec it started with; delete and re-create it to change them")
+        old = (get_condition(draft.conditions, "EditRefused") or {}).get("message")
+        draft.condition("EditRefused", True, "ImmutableWhileStarted", message, now)
+        if old != message:
+            self.emit(body, "Warning", "EditRefused", message)
+        return dataclasses.replace(started, run_policy=job.run_policy)
+
+    async def _configmap_data(self, meta: render.JobMeta) -> dict[str, str]:
+        cm = await self.kube.get(meta.namespace, "configmaps", names.configmap_name(meta.name))
+        return dict((cm or {}).get("data") or {})
+
+    async def _started_job(self, meta: render.JobMeta) -> TrainingJob | None:
+        """The job as it started (its ConfigMap's job.yaml), if its ConfigMap holds one the model reads."""
+        text = (await self._configmap_data(meta)).get("job.yaml")
+        try:
+            return parse_job(yaml.safe_load(text)) if text else None
+        except (SpecError, yaml.YAMLError):
+            return None
+
     async def _hosts_in_use(self, meta: render.JobMeta) -> tuple[Host, ...] | None:
         """The hosts the existing pods were placed on (from the job's ConfigMap), if any."""
-        cm = await self.kube.get(meta.namespace, "configmaps", names.configmap_name(meta.name))
-        text = ((cm or {}).get("data") or {}).get("hosts.yaml")
+        text = (await self._configmap_data(meta)).get("hosts.yaml")
         if not text:
             return None
         return parse_hosts(yaml.safe_load(text))
@@ -337,7 +382,7 @@ class Reconciler:
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
         wanted = host_pods(plan.placement)
 
-        cm = render.configmap(meta, body.get("spec") or {}, inputs, plan)
+        cm = render.configmap(meta, job_to_dict(job)["spec"], inputs, plan)  # the spec that runs
         if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
             await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
         await self.kube.create_if_absent(render.service(meta, job), "services")

@@ -8,12 +8,14 @@ from typing import Any, Iterable, Mapping
 from meshjob_operator import names
 
 CONDITION_TYPES = ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended", "Unschedulable",
-                   "Blocked")
+                   "Blocked", "EditRefused")
 
 PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 TERMINAL_PHASES = (SUCCEEDED, FAILED)
 PHASES = (PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+# a pod's status.reason when the kubelet evicted it (node pressure) or the scheduler preempted it
+DISRUPTION_REASONS = ("Evicted", "Preempting", "Preempted", "Shutdown", "NodeShutdown", "Terminated")
 
 
 def timestamp(now: datetime.datetime) -> str:
@@ -76,15 +78,28 @@ class PodView:
     owner_uid: str
     message: str = ""
     ip: str = ""  # status.podIP: where its metrics endpoint is
+    disrupted: bool = False  # evicted or preempted (status.reason, or condition DisruptionTarget)
+    exit_code: int | None = None  # of the trainer container, once it terminated
 
     @classmethod
     def of(cls, pod: Mapping[str, Any], index: int) -> "PodView":
         meta = pod.get("metadata", {})
         st = pod.get("status") or {}
         owners = [o.get("uid", "") for o in meta.get("ownerReferences") or [] if o.get("kind") == names.KIND]
+        disrupted = st.get("reason") in DISRUPTION_REASONS or any(
+            c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in st.get("conditions") or [])
         return cls(name=meta["name"], index=index, phase=st.get("phase") or "Pending",
                    deleting=bool(meta.get("deletionTimestamp")), owner_uid=owners[0] if owners else "",
-                   message=_failure_message(st), ip=st.get("podIP") or "")
+                   message=_failure_message(st), ip=st.get("podIP") or "", disrupted=disrupted,
+                   exit_code=_exit_code(st))
+
+
+def _exit_code(pod_status: Mapping[str, Any]) -> int | None:
+    for cs in pod_status.get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        if cs.get("name") == "trainer" and "exitCode" in terminated:
+            return int(terminated["exitCode"])
+    return None
 
 
 def _failure_message(pod_status: Mapping[str, Any]) -> str:
