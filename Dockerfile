@@ -39,15 +39,14 @@ ENTRYPOINT ["meshjob"]
 CMD ["operator"]
 
 # ---- trainer: `meshjob worker`, one process per device (torch CPU wheel) ----
-# kubernetes: the trainer annotates its own pod with its step (meshjob_trainer/status.py); without the
-# client library that report is silently off.
+# No Kubernetes client: trainers need no API access (the operator reads their progress from their metrics).
 FROM base AS trainer
 # The CPU-only wheel index: torch from the default index pulls the multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
  && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
-      torch==2.13.0 prometheus-client==0.26.0 kubernetes==37.0.2 pyyaml==6.0.3 rich==15.0.0 \
+      torch==2.13.0 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
  && rm -rf /wheels
 USER 10001:10001
 EXPOSE 9400

@@ -29,8 +29,6 @@ def pod_name(job: str, index: int) -> str:
 # labels and annotations on a job's children
 JOB_LABEL = f"{GROUP}/job-name"
 HOST_INDEX_LABEL = f"{GROUP}/host-index"
-STEP_ANNOTATION = f"{GROUP}/step"  # a trainer's last finished step, on its own pod
-CHECKPOINT_ANNOTATION = f"{GROUP}/checkpoint-step"  # the step of its newest checkpoint
 
 # trainer metrics the operator reads for a job's progress (from global rank 0's metrics endpoint)
 STEP_METRIC = "meshjob_step"  # gauge: last completed training step

@@ -64,8 +64,8 @@ def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
 class Prometheus:
     """A real Prometheus scraping `targets` (scrape job -> ["127.0.0.1:port"]) every second.
 
-    honor_labels is on, as in the chart's PodMonitor: trainer metrics carry their own `job` label
-    (the TrainingJob's name), which must not be renamed to exported_job."""
+    honor_labels is on, as in the chart's PodMonitor: trainer metrics carry their own `namespace` label
+    (the TrainingJob's), which must not be renamed to exported_namespace."""
 
     workdir: Path
     targets: dict[str, list[str]]
@@ -162,7 +162,7 @@ def dashboard_queries(path: Path = DASHBOARD) -> list[PanelQuery]:
 
 
 def instantiate(expr: str, variables: dict[str, str]) -> str:
-    """Fill in Grafana template variables ($job, $__rate_interval, ...) as Grafana would."""
+    """Fill in Grafana template variables ($trainingjob, $__rate_interval, ...) as Grafana would."""
     for name in sorted(variables, key=len, reverse=True):  # $__rate_interval before $__rate
         expr = expr.replace("${" + name + "}", variables[name]).replace("$" + name, variables[name])
     if "$" in expr:

@@ -19,12 +19,12 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from prometheus_harness import (DASHBOARD, ROOT, PanelQuery, Prometheus, dashboard_queries, envtest_dir, free_port,
-                                instantiate, operator_scenario)
+from prometheus_harness import (DASHBOARD, JOB_NAME, ROOT, PanelQuery, Prometheus, dashboard_queries, envtest_dir,
+                                free_port, instantiate, operator_scenario)
 
 RULES = ROOT / "charts" / "meshjob" / "rules"
 # Grafana's $__rate_interval; here a window that covers a whole short run.
-VARIABLES = {"job": ".*", "__rate_interval": "2m", "datasource": "prometheus"}
+VARIABLES = {"namespace": ".*", "trainingjob": ".*", "__rate_interval": "2m", "datasource": "prometheus"}
 REQUIRED_PANELS = {
     "Resharding bandwidth per link and strategy", "Resharding time / lower bound", "Step time", "Throughput",
     "Bubble fraction per stage", "Communication/compute overlap per stage", "Loss", "Gang restarts",
@@ -143,7 +143,7 @@ def scraped(tmp_path_factory) -> Iterator[Scraped]:
                 scenario.check()
         result = run_trainer(tmp, trainer_port)
         assert result.returncode == 0, f"meshjob run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        trainer_at = last_sample_time(prom, 'meshjob_step{job="dashboard-demo"}')
+        trainer_at = last_sample_time(prom, 'meshjob_step{trainingjob="dashboard-demo"}')
         yield Scraped(prom, trainer_at, operator_at)
 
 
@@ -177,17 +177,21 @@ def test_nic_bandwidth_is_labelled_with_the_plans_host_names(scraped, tmp_path):
     placement = plan.placement
     receivers = {s.dst for b in plan.boundaries for s in b.steps if s.scope == "cross_host"}
     expected = {placement.hosts[placement.host_of(r)].name for r in receivers}
-    result = scraped.prometheus.query('meshjob_nic_bandwidth_bytes_per_second{job="dashboard-demo"}',
+    result = scraped.prometheus.query('meshjob_nic_bandwidth_bytes_per_second{trainingjob="dashboard-demo"}',
                                       at=scraped.trainer_at)
     assert {r["metric"]["host"] for r in result} == expected
     assert all(float(r["value"][1]) > 0 for r in result)
 
 
 @pytest.mark.slow
-def test_job_variable_lists_the_running_job(scraped):
-    data = scraped.prometheus.api("label/job/values", **{"match[]": "meshjob_info"},
-                                  start=scraped.trainer_at - 600, end=scraped.trainer_at)
-    assert "dashboard-demo" in data
+def test_namespace_and_trainingjob_variables_list_the_running_job(scraped):
+    """The dashboard's variables (label_values of meshjob_info) offer the job and its namespace, so two
+    same-named jobs of two namespaces stay apart."""
+    window = {"start": scraped.trainer_at - 600, "end": scraped.trainer_at}
+    assert "default" in scraped.prometheus.api("label/namespace/values", **{"match[]": "meshjob_info"}, **window)
+    jobs = scraped.prometheus.api("label/trainingjob/values", **{"match[]": 'meshjob_info{namespace=~"default"}'},
+                                  **window)
+    assert "dashboard-demo" in jobs
 
 
 @pytest.mark.slow
@@ -195,5 +199,6 @@ def test_operator_restart_shows_on_the_restarts_panel(scraped):
     if scraped.operator_at is None:
         pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
     (restarts,) = [q for q in dashboard_queries() if q.panel == "Gang restarts"]
-    (value,) = _evaluate(scraped, restarts)
-    assert float(value["value"][1]) >= 1
+    per_job = {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"]["reason"]): float(r["value"][1])
+               for r in _evaluate(scraped, restarts)}
+    assert per_job[("default", JOB_NAME, "failure")] >= 1, per_job  # the scenario's pod failure, named by its job

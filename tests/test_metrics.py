@@ -14,7 +14,7 @@ from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Event
                                     NicBandwidth, PipelineFractions, Resharded, StepFinished, UnitTasks)
 from meshjob_trainer.metrics import TrainerMetrics
 
-ALLOWED_LABELS = {"job", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
+ALLOWED_LABELS = {"trainingjob", "namespace", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
 FORWARD = BoundaryKey(0, 1, "activation")
 
 
@@ -39,18 +39,18 @@ def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(
     metrics.emit(Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2))
     metrics.emit(Resharded(FORWARD, "broadcast", "cross_host", 500, 0.1))
     metrics.emit(Resharded(BoundaryKey(1, 2, "activation"), "send_recv", "intra_host", 7, 0.001))
-    labels = dict(job="gpt-demo", strategy="broadcast", scope="cross_host", boundary="0->1:activation")
+    labels = dict(trainingjob="gpt-demo", namespace="default", strategy="broadcast", scope="cross_host", boundary="0->1:activation")
     assert value(metrics, "meshjob_resharding_bytes_total", **labels) == 1500
     assert value(metrics, "meshjob_resharding_seconds_count", **labels) == 2
     assert value(metrics, "meshjob_resharding_seconds_sum", **labels) == pytest.approx(0.3)
-    assert value(metrics, "meshjob_resharding_bytes_total", job="gpt-demo", strategy="send_recv",
+    assert value(metrics, "meshjob_resharding_bytes_total", trainingjob="gpt-demo", namespace="default", strategy="send_recv",
                  scope="intra_host", boundary="1->2:activation") == 7
 
 
 def test_step_counts_tokens_sets_loss_and_the_step(metrics):
     metrics.emit(StepFinished(1, 1, 0.5, 4096, 2.5))
     metrics.emit(StepFinished(1, 2, 0.7, 4096, 2.25))
-    labels = dict(job="gpt-demo", stage="1")
+    labels = dict(trainingjob="gpt-demo", namespace="default", stage="1")
     assert value(metrics, "meshjob_tokens_total", **labels) == 8192
     assert value(metrics, "meshjob_loss", **labels) == 2.25
     assert value(metrics, "meshjob_step", **labels) == 2
@@ -59,42 +59,42 @@ def test_step_counts_tokens_sets_loss_and_the_step(metrics):
 
 def test_the_step_after_a_resume_counts_from_the_checkpoint(metrics):
     metrics.emit(StepFinished(1, 41, 0.5, 4096, 2.5))
-    assert value(metrics, "meshjob_step", job="gpt-demo", stage="1") == 41
+    assert value(metrics, "meshjob_step", trainingjob="gpt-demo", namespace="default", stage="1") == 41
 
 
 def test_nan_loss_means_this_stage_computes_no_loss(metrics):
     metrics.emit(StepFinished(1, 1, 0.5, 4096, math.nan))
-    assert value(metrics, "meshjob_loss", job="gpt-demo", stage="1") is None
-    assert value(metrics, "meshjob_tokens_total", job="gpt-demo", stage="1") == 4096
+    assert value(metrics, "meshjob_loss", trainingjob="gpt-demo", namespace="default", stage="1") is None
+    assert value(metrics, "meshjob_tokens_total", trainingjob="gpt-demo", namespace="default", stage="1") == 4096
 
 
 def test_pipeline_fractions_are_exported_for_the_given_stage(metrics):
     metrics.emit(PipelineFractions(2, 0.25, 0.75))
-    assert value(metrics, "meshjob_pipeline_bubble_fraction", job="gpt-demo", stage="2") == 0.25
-    assert value(metrics, "meshjob_pipeline_overlap_fraction", job="gpt-demo", stage="2") == 0.75
+    assert value(metrics, "meshjob_pipeline_bubble_fraction", trainingjob="gpt-demo", namespace="default", stage="2") == 0.25
+    assert value(metrics, "meshjob_pipeline_overlap_fraction", trainingjob="gpt-demo", namespace="default", stage="2") == 0.75
 
 
 def test_checkpoints_observe_seconds_and_remember_the_step_written_or_restored(metrics):
     metrics.emit(CheckpointWritten(1, 10, 0.05))
     metrics.emit(CheckpointWritten(1, 20, 0.07))
-    assert value(metrics, "meshjob_last_checkpoint_step", job="gpt-demo", stage="1") == 20
-    assert value(metrics, "meshjob_checkpoint_seconds_count", job="gpt-demo", stage="1") == 2
+    assert value(metrics, "meshjob_last_checkpoint_step", trainingjob="gpt-demo", namespace="default", stage="1") == 20
+    assert value(metrics, "meshjob_checkpoint_seconds_count", trainingjob="gpt-demo", namespace="default", stage="1") == 2
     metrics.emit(CheckpointRestored(1, 10))
-    assert value(metrics, "meshjob_last_checkpoint_step", job="gpt-demo", stage="1") == 10
+    assert value(metrics, "meshjob_last_checkpoint_step", trainingjob="gpt-demo", namespace="default", stage="1") == 10
 
 
 def test_nic_unit_tasks_and_lower_bound_ratio(metrics):
     for event in (NicBandwidth("h1", 1.25e8), UnitTasks("greedy", 4), UnitTasks("greedy", 2),
                   LowerBoundRatio(FORWARD, 1.1)):
         metrics.emit(event)
-    assert value(metrics, "meshjob_nic_bandwidth_bytes_per_second", job="gpt-demo", host="h1") == 1.25e8
-    assert value(metrics, "meshjob_unit_tasks_total", job="gpt-demo", balancer="greedy") == 6
-    assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary="0->1:activation") == 1.1
+    assert value(metrics, "meshjob_nic_bandwidth_bytes_per_second", trainingjob="gpt-demo", namespace="default", host="h1") == 1.25e8
+    assert value(metrics, "meshjob_unit_tasks_total", trainingjob="gpt-demo", namespace="default", balancer="greedy") == 6
+    assert value(metrics, "meshjob_resharding_lower_bound_ratio", trainingjob="gpt-demo", namespace="default", boundary="0->1:activation") == 1.1
 
 
 def test_info_carries_strategy_schedule_balancer_and_mesh_shapes(metrics):
     metrics.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
-    assert value(metrics, "meshjob_info", job="gpt-demo", stage="1", strategy="broadcast", schedule="eager-1f1b",
+    assert value(metrics, "meshjob_info", trainingjob="gpt-demo", namespace="default", stage="1", strategy="broadcast", schedule="eager-1f1b",
                  balancer="greedy", meshes="1x2,2x1", rank="3", host="h1") == 1
 
 
@@ -149,7 +149,7 @@ def test_two_trainers_in_one_process_keep_separate_registries():
     a = TrainerMetrics(job="a", rank=0, host="h0", stage=0)
     b = TrainerMetrics(job="a", rank=1, host="h0", stage=0)
     a.emit(StepFinished(0, 1, 0.1, 10, 1.0))
-    assert b.registry.get_sample_value("meshjob_tokens_total", {"job": "a", "stage": "0"}) is None
+    assert b.registry.get_sample_value("meshjob_tokens_total", {"trainingjob": "a", "namespace": "default", "stage": "0"}) is None
 
 
 def test_serve_exposes_the_metrics_over_http_and_close_frees_the_port(metrics):
@@ -214,7 +214,7 @@ def test_every_boundary_of_the_utransformer_example_is_its_own_series(metrics):
     for i, b in enumerate(plan.boundaries):
         metrics.emit(LowerBoundRatio(b.key, 1.0 + i))
     for i, b in enumerate(plan.boundaries):
-        assert value(metrics, "meshjob_resharding_lower_bound_ratio", job="gpt-demo", boundary=str(b.key)) == 1.0 + i
+        assert value(metrics, "meshjob_resharding_lower_bound_ratio", trainingjob="gpt-demo", namespace="default", boundary=str(b.key)) == 1.0 + i
 
 
 # --- adding a metric: one registration ---------------------------------------------------------
@@ -236,7 +236,7 @@ def test_a_new_metric_is_served_by_a_trainers_exporter(metrics):
     Fanout((metrics,)).emit(QueueDepth(stage=1, depth=5))
     port = metrics.serve(0, addr="127.0.0.1")
     try:
-        assert 'meshjob_test_queue_depth{job="gpt-demo",stage="1"} 5.0' in scrape(port)
+        assert 'meshjob_test_queue_depth{namespace="default",stage="1",trainingjob="gpt-demo"} 5.0' in scrape(port)
     finally:
         metrics.close()
 
@@ -269,5 +269,5 @@ def test_a_new_metric_reaches_meshjob_runs_endpoint_from_forked_ranks():
         text = scrape(feed.port)
     finally:
         feed.close()
-    assert 'meshjob_test_queue_depth{job="tiny",stage="0"} 10.0' in text
-    assert 'meshjob_test_queue_depth{job="tiny",stage="1"} 11.0' in text
+    assert 'meshjob_test_queue_depth{namespace="default",stage="0",trainingjob="tiny"} 10.0' in text
+    assert 'meshjob_test_queue_depth{namespace="default",stage="1",trainingjob="tiny"} 11.0' in text

@@ -229,7 +229,7 @@ def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path
     finally:
         run.proc.send_signal(signal.SIGINT)
         run.wait()
-    assert 'meshjob_loss{job="tiny",stage="1"}' in text
+    assert 'meshjob_loss{namespace="default",stage="1",trainingjob="tiny"}' in text
     assert "meshjob_tokens_total" in text
     nic_hosts = {line.split('host="')[1].split('"')[0] for line in text.splitlines()
                  if line.startswith("meshjob_nic_bandwidth_bytes_per_second{")}
@@ -323,9 +323,9 @@ def test_metrics_feed_labels_nic_bandwidth_with_the_ranks_host_names(feed):
     for host, rate in (("host-0", 1e6), ("host-1", 3e6)):
         feed.on_event(NicBandwidth(host, rate), stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "host-0"}) == 1e6
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "host-1"}) == 3e6
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"job": "tiny", "host": "launcher"}) is None
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-0"}) == 1e6
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-1"}) == 3e6
+    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "launcher"}) is None
 
 
 def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
@@ -334,8 +334,8 @@ def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
     feed.on_event(UnitTasks("greedy", 4), stats)
     feed.on_event(UnitTasks("greedy", 2), stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_resharding_lower_bound_ratio", {"job": "tiny", "boundary": "0->1:activation"}) == 1.25
-    assert get("meshjob_unit_tasks_total", {"job": "tiny", "balancer": "greedy"}) == 6
+    assert get("meshjob_resharding_lower_bound_ratio", {"trainingjob": "tiny", "namespace": "default", "boundary": "0->1:activation"}) == 1.25
+    assert get("meshjob_unit_tasks_total", {"trainingjob": "tiny", "namespace": "default", "balancer": "greedy"}) == 6
 
 
 def test_the_feed_reports_a_step_once_every_rank_finished_it_as_the_last_stage(feed):
@@ -344,7 +344,7 @@ def test_the_feed_reports_a_step_once_every_rank_finished_it_as_the_last_stage(f
         stats.add(rank, event)
         feed.on_event(event, stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_step", {"job": "tiny", "stage": "1"}) == 1
-    assert get("meshjob_step", {"job": "tiny", "stage": "0"}) is None
-    assert get("meshjob_step_seconds_sum", {"job": "tiny", "stage": "1"}) == 0.5  # the slowest rank's time
-    assert get("meshjob_loss", {"job": "tiny", "stage": "1"}) == 3.5
+    assert get("meshjob_step", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 1
+    assert get("meshjob_step", {"trainingjob": "tiny", "namespace": "default", "stage": "0"}) is None
+    assert get("meshjob_step_seconds_sum", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 0.5  # the slowest rank's time
+    assert get("meshjob_loss", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 3.5

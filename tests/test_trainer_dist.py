@@ -38,7 +38,7 @@ def test_worker_settings_are_the_operators_meshjob_variables():
         "MESHJOB_JOB": "/etc/meshjob/job.yaml", "MESHJOB_PLAN": "/etc/meshjob/plan.json", "MESHJOB_METRICS_PORT": "9400",
         "MESHJOB_POD_NAME": "demo-host-0", "MESHJOB_NAMESPACE": "team-a", "UNRELATED": "x"})
     assert settings == WorkerSettings(job_path="/etc/meshjob/job.yaml", plan_path="/etc/meshjob/plan.json",
-                                      metrics_port=9400, pod_name="demo-host-0", namespace="team-a")
+                                      metrics_port=9400, step_log=True)
 
 
 @pytest.mark.parametrize("port", ["http", "0", "70000"])
@@ -224,125 +224,35 @@ def test_worker_refuses_a_plan_other_than_the_rendered_one_naming_both_digests(m
 
 
 @pytest.mark.slow
-def test_worker_with_nproc_trains_the_hosts_ranks_and_checkpoints(monkeypatch, one_host_job, tmp_path):
+def test_worker_with_nproc_trains_the_hosts_ranks_and_checkpoints(monkeypatch, capfd, one_host_job, tmp_path):
     job = one_host_job(steps=2, checkpoint={"every": 2, "path": str(tmp_path / "unused")})
     assert worker_cli(monkeypatch, "--job", job, "--nproc", "4", "--checkpoint-dir", str(tmp_path / "ck"),
                       "--timeout", "30") == 0
     assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == \
         [f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("done", "pt")]
+    # the pod's log: one line per step from the first rank of each of the 2 stages
+    logged = sorted(line.split(":")[0] for line in capfd.readouterr().out.splitlines() if line.startswith("step "))
+    assert logged == ["step 1/2 stage 0", "step 1/2 stage 1", "step 2/2 stage 0", "step 2/2 stage 1"]
 
 
-# -- pod status annotations -----------------------------------------------------------------
+# -- the pod's log: a line per step ------------------------------------------------------------
 
-class RecordingPodApi:
-    """Stands in for kubernetes.client.CoreV1Api in unit tests of PodStatus."""
-
-    def __init__(self, fail: bool = False):
-        self.patches: list[tuple[str, str, dict]] = []
-        self.fail = fail
-
-    def patch_namespaced_pod(self, name, namespace, body, _request_timeout=None):
-        if self.fail:
-            raise ConnectionError("apiserver unreachable")
-        self.patches.append((name, namespace, body["metadata"]["annotations"]))
-
-
-def test_pod_status_is_off_outside_a_pod(tmp_path):
-    from meshjob_trainer.status import PodStatus
-
-    assert not PodStatus.in_pod(WorkerSettings(pod_name="p"), service_account=str(tmp_path)).enabled
-    assert not PodStatus.in_pod(WorkerSettings(), service_account=str(tmp_path)).enabled
-    PodStatus.in_pod(WorkerSettings()).step(3)  # a no-op, no error
-
-
-def test_pod_status_is_off_where_credentials_exist_but_no_cluster_does(tmp_path, monkeypatch, caplog):
-    from meshjob_trainer.status import PodStatus
-
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    (tmp_path / "token").write_text("t")
-    assert not PodStatus.in_pod(WorkerSettings(pod_name="p"), service_account=str(tmp_path)).enabled
-    assert any("pod status reporting off" in r.message for r in caplog.records)
-
-
-def test_pod_status_rate_limits_steps_but_always_sends_checkpoints():
-    from meshjob_trainer.status import PodStatus
-
-    api = RecordingPodApi()
-    status = PodStatus("job-0", "ns", api, min_interval_s=3600)
-    status.step(1)
-    status.step(2)  # within the interval: not sent
-    status.checkpoint(2)
-    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "1"}),
-                           ("job-0", "ns", {"meshjob.io/checkpoint-step": "2", "meshjob.io/step": "2"})]
-
-
-def test_pod_status_never_raises_when_the_apiserver_fails(caplog):
-    from meshjob_trainer.status import PodStatus
-
-    status = PodStatus("job-0", "ns", RecordingPodApi(fail=True), min_interval_s=0)
-    for step in range(3):
-        status.step(step)
-    status.checkpoint(2)
-    assert sum("could not annotate pod ns/job-0" in r.message for r in caplog.records) == 1
-
-
-def test_one_event_reaches_the_metrics_and_the_pods_annotations():
-    from meshjob_trainer.events import CheckpointWritten, Fanout, NicBandwidth, StepFinished
+def test_the_step_log_has_step_of_total_loss_throughput_and_step_time():
+    from meshjob_trainer.events import CheckpointWritten, Fanout, StepFinished
     from meshjob_trainer.metrics import TrainerMetrics
-    from meshjob_trainer.status import PodStatus
+    from meshjob_trainer.steplog import StepLog
 
-    api = RecordingPodApi()
+    lines: list[str] = []
     metrics = TrainerMetrics(job="j", rank=0, host="h", stage=1)
-    events = Fanout((metrics, PodStatus("job-0", "ns", api, min_interval_s=0)))
-    events.emit(StepFinished(stage=1, step=7, seconds=0.5, tokens=128, loss=2.0))
-    events.emit(NicBandwidth("h", 1e6))  # nothing for the pod
-    events.emit(CheckpointWritten(stage=1, step=7, seconds=0.1))
-    assert metrics.registry.get_sample_value("meshjob_step", {"job": "j", "stage": "1"}) == 7
-    assert api.patches == [("job-0", "ns", {"meshjob.io/step": "7"}),
-                           ("job-0", "ns", {"meshjob.io/checkpoint-step": "7", "meshjob.io/step": "7"})]
+    events = Fanout((metrics, StepLog(150, write=lines.append)))
+    events.emit(StepFinished(stage=1, step=12, seconds=0.25, tokens=2048, loss=2.34567))
+    events.emit(CheckpointWritten(stage=1, step=12, seconds=0.1))  # no line
+    events.emit(StepFinished(stage=0, step=13, seconds=0.5, tokens=2048, loss=float("nan")))
+    assert lines == ["step 12/150 stage 1: loss 2.3457, 8192 tokens/s, 0.250 s/step",
+                     "step 13/150 stage 0: loss -, 4096 tokens/s, 0.500 s/step"]
+    assert metrics.registry.get_sample_value("meshjob_step", {"trainingjob": "j", "namespace": "default",
+                                                              "stage": "1"}) == 12
 
 
-async def _annotations_round_trip(cluster) -> dict:
-    """A trainer's PodStatus, through the kubernetes client over HTTP, annotates a pod the server holds."""
-    import asyncio
-
-    from kubernetes import client, config
-
-    from meshjob_trainer.status import PodStatus
-
-    await cluster.create("/api/v1/namespaces/default/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "job-0", "namespace": "default"},
-        "spec": {"containers": [{"name": "trainer", "image": "meshjob/trainer:test"}]}})
-    api = client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
-    status = PodStatus("job-0", "default", api, min_interval_s=0)
-
-    def report() -> None:
-        status.step(3)
-        status.checkpoint(2)
-        api.api_client.close()
-
-    await asyncio.to_thread(report)
-    pod = await cluster.get("pods", "job-0")
-    return pod["metadata"]["annotations"]
-
-
-@pytest.mark.slow
-async def test_pod_status_annotates_its_pod_on_kmock_over_http():
-    from meshjob_operator.testing import kmock_cluster
-
-    async with kmock_cluster() as cluster:
-        annotations = await _annotations_round_trip(cluster)
-    assert annotations["meshjob.io/step"] == "3" and annotations["meshjob.io/checkpoint-step"] == "2"
-
-
-@pytest.mark.slow
-async def test_pod_status_annotates_its_pod_on_a_real_apiserver():
-    from meshjob_operator.testing import envtest_assets, envtest_cluster
-
-    assets = envtest_assets()
-    if assets is None:
-        pytest.skip("KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (tests/run.sh sets it)")
-    async with envtest_cluster(assets) as cluster:
-        annotations = await _annotations_round_trip(cluster)
-    assert annotations["meshjob.io/step"] == "3" and annotations["meshjob.io/checkpoint-step"] == "2"
+def test_meshjob_worker_logs_steps_and_meshjob_run_does_not():
+    assert WorkerSettings.from_env({}).step_log and not WorkerSettings().step_log

@@ -213,7 +213,7 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
             ex.start(boundary.key, 0, local).wait(timeout_s=30)
             return {scope: metrics.registry.get_sample_value(
                 "meshjob_resharding_bytes_total",
-                {"job": "t", "strategy": "send_recv", "scope": scope, "boundary": "0->1:activation"}) or 0.0
+                {"trainingjob": "t", "namespace": "default", "strategy": "send_recv", "scope": scope, "boundary": "0->1:activation"}) or 0.0
                 for scope in ("intra_host", "cross_host")}
         finally:
             shutdown_distributed()
@@ -428,9 +428,9 @@ def recorded_metrics(gang, case: Case, boundary: Boundary):
             local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
             ex.start(boundary.key, 0, local).wait(timeout_s=30)
             get = metrics.registry.get_sample_value
-            return (env.rank, host, get("meshjob_nic_bandwidth_bytes_per_second", {"job": "t", "host": host}),
-                    get("meshjob_resharding_lower_bound_ratio", {"job": "t", "boundary": "0->1:activation"}),
-                    get("meshjob_unit_tasks_total", {"job": "t", "balancer": "load_balance"}))
+            return (env.rank, host, get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "t", "namespace": "default", "host": host}),
+                    get("meshjob_resharding_lower_bound_ratio", {"trainingjob": "t", "namespace": "default", "boundary": "0->1:activation"}),
+                    get("meshjob_unit_tasks_total", {"trainingjob": "t", "namespace": "default", "balancer": "load_balance"}))
         finally:
             shutdown_distributed()
 

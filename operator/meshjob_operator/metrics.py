@@ -5,7 +5,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from meshjob_operator.lifecycle import DISRUPTION, FAILURE
 from meshjob_operator.status import PHASES
+
+RESTART_REASONS = (FAILURE, DISRUPTION)
 
 
 @dataclass
@@ -39,8 +42,13 @@ class OperatorMetrics:
         """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
         key = (namespace, name)
         if phase is None:
-            self._phases.pop(key, None)
+            if self._phases.pop(key, None) is not None:
+                for reason in RESTART_REASONS:  # a deleted job's series go too
+                    self.restarts.remove(namespace, name, reason)
         else:
+            if key not in self._phases:  # series from 0, so that increase() counts a job's first restart
+                for reason in RESTART_REASONS:
+                    self.restarts.labels(namespace=namespace, trainingjob=name, reason=reason)
             self._phases[key] = phase
         counts = {p: 0 for p in PHASES}
         for value in self._phases.values():

@@ -124,8 +124,7 @@ class WorkerSettings:
     plan_path: str = ""  # MESHJOB_PLAN: the operator's rendered plan (inputs and digest) to verify against
     checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
     metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
-    pod_name: str = ""  # MESHJOB_POD_NAME: this pod, whose annotations carry the progress
-    namespace: str = ""  # MESHJOB_NAMESPACE
+    step_log: bool = False  # a line per step from the first rank of each stage (`meshjob worker`: the pod's log)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -134,8 +133,7 @@ class WorkerSettings:
             raise DistError(f"environment MESHJOB_METRICS_PORT={port} is invalid: must be a port in [1, 65535]")
         return cls(job_path=env.get("MESHJOB_JOB", ""), hosts_path=env.get("MESHJOB_HOSTS", ""),
                    plan_path=env.get("MESHJOB_PLAN", ""), checkpoint_dir=env.get("MESHJOB_CHECKPOINT_DIR", ""),
-                   metrics_port=port, pod_name=env.get("MESHJOB_POD_NAME", ""),
-                   namespace=env.get("MESHJOB_NAMESPACE", ""))
+                   metrics_port=port, step_log=True)
 
 
 def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -> None:

@@ -1,8 +1,8 @@
 """The trainer's typed events, the metrics each feeds, and the one interface they travel through.
 
 The training loop, the resharding executor and the checkpoints emit events (frozen dataclasses)
-to one MetricsSink. Its listeners: the Prometheus exporter (metrics.TrainerMetrics), the pod status
-reporter (status.PodStatus) and, under `meshjob run`, the launcher's event pipe, whose far end
+to one MetricsSink. Its listeners: the Prometheus exporter (metrics.TrainerMetrics), the pod's log line
+per step (steplog.StepLog) and, under `meshjob run`, the launcher's event pipe, whose far end
 aggregates them for the progress bar and summary (emulate.progress.RunStats) and exports them
 again on the run's own /metrics (commands.run.MetricsFeed). Nothing is monkeypatched and nothing is
 decoded by hand: the pipe pickles whole events, and every exporter records any event the same way.

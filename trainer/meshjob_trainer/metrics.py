@@ -45,10 +45,11 @@ def _forget_server_in_child(metrics: TrainerMetrics) -> Callable[[], None]:
 class TrainerMetrics:
     """The metrics of one trainer process; `registry` defaults to a fresh private one."""
 
-    job: str
+    job: str  # the TrainingJob: label `trainingjob` (Prometheus keeps `job` for its scrape job)
     rank: int
     host: str
     stage: int
+    namespace: str = "default"  # the TrainingJob's: same-named jobs of two namespaces stay apart
     registry: CollectorRegistry | None = None
     _server: WSGIServer | None = field(default=None, init=False, repr=False)
     _series: dict[str, tuple[Metric, Any]] = field(default_factory=dict, init=False, repr=False)
@@ -58,7 +59,7 @@ class TrainerMetrics:
         if self.registry is None:
             self.registry = CollectorRegistry()
         self.info = Info("meshjob", "Job configuration: strategy, schedule, balancer, mesh shapes",
-                         ["job", "stage"], registry=self.registry)
+                         ["trainingjob", "namespace", "stage"], registry=self.registry)
         for kind in STANDARD_EVENTS:
             for metric in kind.METRICS:
                 self._declare(metric)
@@ -71,7 +72,7 @@ class TrainerMetrics:
                 if known[0] != metric:
                     raise ValueError(f"metric {metric.name} is declared twice, differently: {known[0]} and {metric}")
                 return known[1]
-            labels = ["job", *metric.labels]
+            labels = ["trainingjob", "namespace", *metric.labels]
             if metric.kind == "counter":
                 series = Counter(metric.name, metric.help, labels, registry=self.registry)
             elif metric.kind == "gauge":
@@ -88,7 +89,8 @@ class TrainerMetrics:
             if isinstance(value, float) and math.isnan(value):
                 continue  # "none here", e.g. the loss of a stage that computes none
             labels = {name: str(getattr(event, name)) for name in metric.labels}
-            _RECORD[metric.kind](self._declare(metric).labels(job=self.job, **labels), value)
+            _RECORD[metric.kind](self._declare(metric).labels(trainingjob=self.job, namespace=self.namespace, **labels),
+                                 value)
 
     def serve(self, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> int:
         """Serve /metrics on a daemon thread; returns the bound port (useful with port 0)."""
@@ -118,6 +120,6 @@ class TrainerMetrics:
 
     def set_info(self, strategy: str, schedule: str, balancer: str, meshes: str) -> None:
         """meshes: the stages' mesh shapes, e.g. '1x2,2x1'."""
-        self.info.labels(job=self.job, stage=str(self.stage)).info(
+        self.info.labels(trainingjob=self.job, namespace=self.namespace, stage=str(self.stage)).info(
             {"strategy": strategy, "schedule": schedule, "balancer": balancer, "meshes": meshes,
              "rank": str(self.rank), "host": self.host})

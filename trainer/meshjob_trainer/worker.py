@@ -64,7 +64,8 @@ def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> 
 
     job, plan = setup.job, setup.plan
     host = plan.placement.hosts[plan.placement.host_of(env.rank)].name
-    metrics = TrainerMetrics(job=job.name, rank=env.rank, host=host, stage=plan.placement.stage_of(env.rank))
+    metrics = TrainerMetrics(job=job.name, rank=env.rank, host=host, stage=plan.placement.stage_of(env.rank),
+                             namespace=job.namespace)
     metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
                      ",".join("x".join(map(str, s.mesh)) for s in job.stages))
     if settings.metrics_port is not None:  # ranks sharing a pod (or a machine) take consecutive ports
@@ -94,8 +95,9 @@ def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, even
 def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeout_s: float = DEFAULT_TIMEOUT_S,
                listeners: Sequence[MetricsSink] = ()) -> Any:
     """One rank: returns what the training loop returns (meshjob_trainer.train.TrainResult). Its events
-    go to its Prometheus exporter, its pod's annotations (local rank 0 in a pod) and `listeners`."""
-    from meshjob_trainer.status import PodStatus
+    go to its Prometheus exporter, to a log line per step (the first rank of each stage, with
+    settings.step_log) and to `listeners`."""
+    from meshjob_trainer.steplog import StepLog
     from meshjob_trainer.train import train
 
     check_world_size(env, setup.plan.placement.world_size, setup.job.name)
@@ -104,11 +106,10 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
     try:
         agree_on_plan(setup.plan, env.rank)
         metrics = serve_metrics(env, settings, setup)
-        status = PodStatus.in_pod(settings) if env.local_rank == 0 else PodStatus()  # one reporter per pod
-        events = Fanout((metrics, *([status] if status.enabled else []), *listeners))
-        result = train(make_context(env, settings, setup, events, device_for_backend(backend)))
-        status.flush()
-        return result
+        placement = setup.plan.placement
+        logs = settings.step_log and placement.stage_ranks(placement.stage_of(env.rank))[0] == env.rank
+        events = Fanout((metrics, *([StepLog(setup.job.training.steps)] if logs else []), *listeners))
+        return train(make_context(env, settings, setup, events, device_for_backend(backend)))
     finally:
         if metrics is not None:
             metrics.close()

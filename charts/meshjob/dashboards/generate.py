@@ -1,8 +1,8 @@
 """Writes meshjob.json, the Grafana dashboard, from the panel list below.
 
 Run `python charts/meshjob/dashboards/generate.py` after editing; a test fails when the committed
-JSON differs from what this prints. Queries use two Grafana variables: $job (the TrainingJob label
-of trainer metrics) and $__rate_interval.
+JSON differs from what this prints. Queries use Grafana variables $namespace and $trainingjob (the labels
+every trainer metric and the operator's per-job metrics carry) and $__rate_interval.
 """
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-JOB = 'job=~"$job"'
+JOB = 'namespace=~"$namespace", trainingjob=~"$trainingjob"'
+BY_JOB = "namespace, trainingjob"
+LEGEND = "{{namespace}}/{{trainingjob}}"
 RATE = "$__rate_interval"
 
 
@@ -64,18 +66,18 @@ ROWS: list[tuple[str, list[Panel]]] = [
               unit="s"),
         Panel("Throughput",
               "Tokens trained per second (every rank counts the global batch: max over ranks).",
-              [(f'max by (job) (rate(meshjob_tokens_total{{{JOB}}}[{RATE}]))', "{{job}}")], unit="short"),
+              [(f'max by ({BY_JOB}) (rate(meshjob_tokens_total{{{JOB}}}[{RATE}]))', LEGEND)], unit="short"),
         Panel("Loss", "Training loss of the last step (from the stage that computes it).",
-              [(f'min by (job) (meshjob_loss{{{JOB}}})', "{{job}}")]),
+              [(f'min by ({BY_JOB}) (meshjob_loss{{{JOB}}})', LEGEND)]),
         Panel("Step and last checkpoint",
               "Last completed step and the step of the last checkpoint written.",
-              [(f'max by (job) (meshjob_step{{{JOB}}})', "step {{job}}"),
-               (f'max by (job) (meshjob_last_checkpoint_step{{{JOB}}})', "checkpoint {{job}}")]),
+              [(f'max by ({BY_JOB}) (meshjob_step{{{JOB}}})', f"step {LEGEND}"),
+               (f'max by ({BY_JOB}) (meshjob_last_checkpoint_step{{{JOB}}})', f"checkpoint {LEGEND}")]),
         Panel("Checkpoint time", "Mean wall time of writing a checkpoint.",
-              [(f'sum by (job) (rate(meshjob_checkpoint_seconds_sum{{{JOB}}}[{RATE}])) / '
-                f'sum by (job) (rate(meshjob_checkpoint_seconds_count{{{JOB}}}[{RATE}]))', "{{job}}")], unit="s"),
+              [(f'sum by ({BY_JOB}) (rate(meshjob_checkpoint_seconds_sum{{{JOB}}}[{RATE}])) / '
+                f'sum by ({BY_JOB}) (rate(meshjob_checkpoint_seconds_count{{{JOB}}}[{RATE}]))', LEGEND)], unit="s"),
         Panel("Job configuration", "Strategy, schedule, balancer and mesh shapes of each job.",
-              [(f'max by (job, strategy, schedule, balancer, meshes) (meshjob_info{{{JOB}}})', "")],
+              [(f'max by ({BY_JOB}, strategy, schedule, balancer, meshes) (meshjob_info{{{JOB}}})', "")],
               kind="table"),
     ]),
     ("Pipeline", [
@@ -90,8 +92,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
     ("Operator", [
         Panel("Jobs by phase", "TrainingJobs per phase, as the operator sees them.",
               [("sum by (phase) (meshjob_operator_jobs)", "{{phase}}")]),
-        Panel("Gang restarts", "Gang restarts of TrainingJobs in the last hour.",
-              [("sum(increase(meshjob_operator_restarts_total[1h]))", "restarts")]),
+        Panel("Gang restarts", "Gang restarts of each TrainingJob in the last hour, by reason: failure (counts "
+              "toward runPolicy.backoffLimit) or disruption (an eviction or preemption).",
+              [(f'sum by ({BY_JOB}, reason) (increase(meshjob_operator_restarts_total{{{JOB}}}[1h]))',
+                f"{LEGEND} {{{{reason}}}}")]),
         Panel("Reconcile duration", "95th percentile duration of the operator's handlers.",
               [(f'histogram_quantile(0.95, sum by (le) (rate(meshjob_operator_reconcile_duration_seconds_bucket[{RATE}])))',
                 "p95")], unit="s"),
@@ -122,6 +126,13 @@ def panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
     return body
 
 
+def variable(name: str, label: str, query: str) -> dict:
+    """A query variable over label values (All: any value)."""
+    return {"name": name, "type": "query", "label": label, "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": name}, "definition": query,
+            "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "current": {}, "hide": 0}
+
+
 def dashboard() -> dict:
     panels: list[dict] = []
     panel_id, y = 1, 0
@@ -149,11 +160,8 @@ def dashboard() -> dict:
         "templating": {"list": [
             {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
              "current": {}, "hide": 0},
-            {"name": "job", "type": "query", "label": "TrainingJob",
-             "datasource": {"type": "prometheus", "uid": "${datasource}"},
-             "query": {"query": "label_values(meshjob_info, job)", "refId": "jobs"},
-             "definition": "label_values(meshjob_info, job)",
-             "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "current": {}, "hide": 0},
+            variable("namespace", "Namespace", "label_values(meshjob_info, namespace)"),
+            variable("trainingjob", "TrainingJob", 'label_values(meshjob_info{namespace=~"$namespace"}, trainingjob)'),
         ]},
         "annotations": {"list": []},
         "panels": panels,

@@ -94,7 +94,7 @@ class MetricsFeed:
         last = len(job.stages) - 1
         placement = plan.placement
         hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
-        self.metrics = TrainerMetrics(job=job.name, rank=0, host=hosts, stage=last)
+        self.metrics = TrainerMetrics(job=job.name, rank=0, host=hosts, stage=last, namespace=job.namespace)
         self.metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
                               ",".join("x".join(map(str, s.mesh)) for s in job.stages))
         self.port = self.metrics.serve(port)
