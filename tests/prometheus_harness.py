@@ -273,7 +273,8 @@ def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterato
     (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is deleted.
     The context is entered once the restart happened; on exit the job is deleted and all is stopped."""
     health_port = free_port()
-    docs = chart_docs({"operator": {"metricsPort": metrics_port, "healthPort": health_port}})
+    docs = chart_docs({"operator": {"metricsPort": metrics_port, "healthPort": health_port,
+                                    "webhook": {"port": free_port()}}})  # the chart's webhook is on by default
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]

@@ -32,7 +32,9 @@ NON_DEFAULT = {
                  "image": {"repository": "registry.example/meshjob/operator", "tag": "0.1.0-rc1"},
                  "imagePullSecrets": [{"name": "regcred"}], "extraArgs": ["--verbose"],
                  "nodeSelector": {"kubernetes.io/os": "linux"},
-                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
+                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                 "webhook": {"enabled": True, "certManager": {"enabled": True,
+                                                              "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}}},
     "serviceAccount": {"name": "meshjob-op", "annotations": {"example.com/role": "x"}},
 }
 
@@ -84,6 +86,15 @@ MONITORING_SHAPES = {
         "type": "object", "required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["name", "rules"]}}}}}},
 }
+# cert-manager kinds: no schema ships offline either
+CERT_MANAGER_SHAPES = {
+    "Certificate": {"type": "object", "required": ["spec"], "properties": {"spec": {
+        "type": "object", "required": ["secretName", "dnsNames", "issuerRef"], "properties": {
+            "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            "issuerRef": {"type": "object", "required": ["name", "kind"],
+                          "properties": {"kind": {"enum": ["Issuer", "ClusterIssuer"]}}}}}}},
+    "Issuer": {"type": "object", "required": ["spec"], "properties": {"spec": {"type": "object", "minProperties": 1}}},
+}
 
 
 def validate_manifest(doc: dict[str, Any], crds: dict[str, dict[str, Any]]) -> None:
@@ -91,6 +102,9 @@ def validate_manifest(doc: dict[str, Any], crds: dict[str, dict[str, Any]]) -> N
     if kind in MONITORING_SHAPES:
         assert doc["apiVersion"] == "monitoring.coreos.com/v1"
         jsonschema.validate(doc, MONITORING_SHAPES[kind])
+    elif kind in CERT_MANAGER_SHAPES:
+        assert doc["apiVersion"] == "cert-manager.io/v1"
+        jsonschema.validate(doc, CERT_MANAGER_SHAPES[kind])
     elif kind in crds:
         validate_custom(doc, crds[kind])
     else:
@@ -126,7 +140,7 @@ def test_every_rendered_manifest_validates(values):
 
 def test_default_render_has_exactly_the_core_objects():
     kinds = sorted(d["kind"] for d in manifests(render()))
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "Service", "ServiceAccount"]
 
 
 def test_optional_objects_appear_only_behind_their_flags():
@@ -299,7 +313,7 @@ def test_pod_monitor_port_name_value_moves_the_pattern():
 def test_service_monitor_selects_the_operator_service_port():
     docs = manifests(render(EVERYTHING_ON))
     (sm,) = by_kind(docs, "ServiceMonitor")
-    (svc,) = by_kind(docs, "Service")
+    (svc,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-metrics")]
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     pod_labels = deployment()["spec"]["template"]["metadata"]["labels"]
@@ -421,7 +435,7 @@ def needed_by_operator_source() -> set[tuple[str, str, str]]:
 
 def needed_by_kopf(values: dict[str, Any]) -> set[tuple[str, str, str]]:
     """What kopf itself calls for the chart's operator flags (kopf 1.45: scanning, peering, admission)."""
-    operator = {**{"namespaces": [], "peering": {"enabled": False}, "webhook": {"enabled": False}},
+    operator = {**{"namespaces": [], "peering": {"enabled": False}, "webhook": {"enabled": True}},
                 **values.get("operator", {})}
     needed = {("apiextensions.k8s.io", "customresourcedefinitions", "list"),
               ("apiextensions.k8s.io", "customresourcedefinitions", "watch")}
@@ -430,9 +444,9 @@ def needed_by_kopf(values: dict[str, Any]) -> set[tuple[str, str, str]]:
     if operator["peering"]["enabled"]:
         plural = "kopfpeerings" if operator["namespaces"] else "clusterkopfpeerings"
         needed |= {("kopf.dev", plural, verb) for verb in ("list", "watch", "patch")}
-    if operator["webhook"]["enabled"]:
-        needed |= {("admissionregistration.k8s.io", "validatingwebhookconfigurations", verb)
-                   for verb in ("create", "patch")}
+    if operator["webhook"]["enabled"]:  # kopf manages both kinds of configuration, whatever handlers exist
+        needed |= {("admissionregistration.k8s.io", kind, verb) for verb in ("create", "patch")
+                   for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations")}
     return needed
 
 
@@ -478,7 +492,9 @@ def test_webhook_values_add_its_service_port_arguments_and_rules():
     (container,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     assert "--webhook-host=mj-webhook.meshjob-system.svc" in container["args"]
     assert "--no-webhook" not in container["args"]
-    assert "--no-webhook" in deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--no-webhook" not in deployment()["spec"]["template"]["spec"]["containers"][0]["args"]  # on by default
+    off = deployment({"operator": {"webhook": {"enabled": False}}})
+    assert "--no-webhook" in off["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_webhook_patch_permission_names_only_its_own_configuration():
@@ -486,6 +502,7 @@ def test_webhook_patch_permission_names_only_its_own_configuration():
     rules = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in rules} == {
         ("create",): None, ("patch",): ["trainingjobs.meshjob.io"]}
+    assert all(r["resources"] == ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"] for r in rules)
 
 
 def test_webhook_with_one_replica_serves_a_self_signed_certificate():
@@ -510,6 +527,27 @@ def test_webhook_with_several_replicas_needs_a_cert_secret():
     with pytest.raises(HelmError) as err:
         render(values)
     assert "operator.webhook.certSecret is required" in str(err.value)
+
+
+def test_cert_manager_signs_the_webhook_certificate_for_the_name_the_operator_registers():
+    docs = manifests(render({"operator": {"webhook": {"certManager": {"enabled": True}}}}))
+    (certificate,) = by_kind(docs, "Certificate")
+    (issuer,) = by_kind(docs, "Issuer")  # none named: a self-signed one
+    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"] and issuer["spec"] == {"selfSigned": {}}
+    spec = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    (host,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--webhook-host=")]
+    assert host in certificate["spec"]["dnsNames"]
+    assert "--webhook-ca=/etc/meshjob/webhook-tls/ca.crt" in container["args"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "webhook-tls"]
+    assert volume["secret"]["secretName"] == certificate["spec"]["secretName"]
+
+
+def test_a_named_cert_manager_issuer_is_used_and_none_is_created():
+    docs = manifests(render(NON_DEFAULT))
+    (certificate,) = by_kind(docs, "Certificate")
+    assert certificate["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "corp-ca"}
+    assert not by_kind(docs, "Issuer")
 
 
 # --- trainer pods: no API access, so nothing for them in the chart -----------------------

@@ -54,3 +54,12 @@ release: {{ .root.Values.monitoring.release | quote }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* The webhook's serving Secret: certSecret, else cert-manager's Certificate's; empty: self-signed. */}}
+{{- define "meshjob.webhookSecret" -}}
+{{- if .Values.operator.webhook.certSecret }}
+{{- .Values.operator.webhook.certSecret }}
+{{- else if .Values.operator.webhook.certManager.enabled }}
+{{- printf "%s-webhook-tls" (include "meshjob.fullname" .) }}
+{{- end }}
+{{- end }}
