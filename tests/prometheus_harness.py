@@ -267,71 +267,79 @@ class OperatorScenario:
 
 
 @contextlib.contextmanager
-def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterator[OperatorScenario]:
-    """envtest (audited) + the chart's CRD, ServiceAccount and RBAC + `meshjob operator` with the chart's
-    arguments, authenticated as that ServiceAccount. Then a job's life: created before any node fits
-    (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is deleted.
-    The context is entered once the restart happened; on exit the job is deleted and all is stopped."""
+def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> Iterator[OperatorScenario]:
+    """On a running envtest: the chart's CRDs, operator ServiceAccount and RBAC applied as `helm install`
+    would (release meshjob in meshjob-system), and `meshjob operator` run here with the chart's command line
+    and environment, authenticated as that ServiceAccount; entered once its liveness probe answers."""
     health_port = free_port()
-    docs = chart_docs({"operator": {"metricsPort": metrics_port, "healthPort": health_port,
-                                    "webhook": {"port": free_port()}}})  # the chart's webhook is on by default
+    docs = chart_docs({**values, "operator": {**values.get("operator", {}), "healthPort": health_port,
+                                              "webhook": {"port": free_port()}}})  # free ports: runs may overlap
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    with Envtest(assets, workdir) as envtest:
-        scenario = OperatorScenario(envtest, service_account, workdir / "operator.log")
-        for crd in sorted((CHART / "crds").glob("*.yaml")):
-            envtest.kubectl("apply", "-f", str(crd))
-        envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-        envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
-        envtest.apply([d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")])
-        kubeconfig = envtest.token_kubeconfig(OPERATOR_NAMESPACE, service_account, workdir / "operator.kubeconfig")
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NAMESPACE,
-               "POD_NAME": "meshjob-operator-0"}
-        env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
-        command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"]]
-        scenario.process = subprocess.Popen(command, env=env, stdout=open(scenario.log, "w"),
-                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        try:
-            probe = container["livenessProbe"]["httpGet"]["path"]
+    operator = OperatorScenario(envtest, service_account, workdir / "operator.log")
+    for crd in sorted((CHART / "crds").glob("*.yaml")):
+        envtest.kubectl("apply", "-f", str(crd))
+    envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
+    envtest.apply([d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")])
+    kubeconfig = envtest.token_kubeconfig(OPERATOR_NAMESPACE, service_account, workdir / "operator.kubeconfig")
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NAMESPACE,
+           "POD_NAME": "meshjob-operator-0"}
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"]]
+    operator.process = subprocess.Popen(command, env=env, stdout=open(operator.log, "w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        probe = container["livenessProbe"]["httpGet"]["path"]
 
-            def alive() -> bool:
-                scenario.check()
-                try:
-                    return urllib.request.urlopen(f"http://127.0.0.1:{health_port}{probe}", timeout=2).status == 200
-                except (urllib.error.URLError, OSError):
-                    return False
+        def alive() -> bool:
+            operator.check()
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{health_port}{probe}", timeout=2).status == 200
+            except (urllib.error.URLError, OSError):
+                return False
 
-            wait_until(alive, 60, "the operator's liveness endpoint")
-            envtest.apply([SCENARIO_JOB])
-            time.sleep(2)  # reconciled while no node fits: Unschedulable
-            envtest.apply([node("host-0", 2), node("host-1", 2)])
-            for n in ("host-0", "host-1"):  # the status of a node is its own subresource
-                body = node(n, 2)
-                envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
-                                "-p", json.dumps({"status": body["status"]}))
-                # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
-                envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
-            wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
-            scenario.play_kubelet("Running")
-            wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,
-                       "phase Running")
-            scenario.play_kubelet(fail_one=True)
+        wait_until(alive, 60, "the operator's liveness endpoint")
+        yield operator
+    finally:
+        stop_process(operator.process)
 
-            def restarted() -> bool:
-                scenario.check()
-                scenario.play_kubelet()
-                return int(scenario.job_status().get("restartCount") or scenario.job_status().get("restarts") or 0) >= 1
 
-            wait_until(restarted, 60, "a gang restart", interval_s=0.5)
-            yield scenario
-            envtest.kubectl("delete", "trainingjob", "-n", "default", JOB_NAME, "--wait=false")
+@contextlib.contextmanager
+def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterator[OperatorScenario]:
+    """envtest (audited) + the chart's operator (chart_operator). Then a job's life: created before any node
+    fits (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is
+    deleted. The context is entered once the restart happened; on exit the job is deleted and all is stopped."""
+    with Envtest(assets, workdir) as envtest, \
+            chart_operator(envtest, workdir, {"operator": {"metricsPort": metrics_port}}) as scenario:
+        envtest.apply([SCENARIO_JOB])
+        time.sleep(2)  # reconciled while no node fits: Unschedulable
+        envtest.apply([node("host-0", 2), node("host-1", 2)])
+        for n in ("host-0", "host-1"):  # the status of a node is its own subresource
+            body = node(n, 2)
+            envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
+                            "-p", json.dumps({"status": body["status"]}))
+            # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
+            envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
+        wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
+        scenario.play_kubelet("Running")
+        wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,
+                   "phase Running")
+        scenario.play_kubelet(fail_one=True)
 
-            def deleted() -> bool:
-                scenario.check()
-                scenario.play_kubelet()
-                return envtest.kubectl("get", "trainingjob", "-n", "default", JOB_NAME, check=False).returncode != 0
+        def restarted() -> bool:
+            scenario.check()
+            scenario.play_kubelet()
+            return int(scenario.job_status().get("restartCount") or scenario.job_status().get("restarts") or 0) >= 1
 
-            wait_until(deleted, 60, "the job's deletion", interval_s=0.5)
-        finally:
-            stop_process(scenario.process)
+        wait_until(restarted, 60, "a gang restart", interval_s=0.5)
+        yield scenario
+        envtest.kubectl("delete", "trainingjob", "-n", "default", JOB_NAME, "--wait=false")
+
+        def deleted() -> bool:
+            scenario.check()
+            scenario.play_kubelet()
+            return envtest.kubectl("get", "trainingjob", "-n", "default", JOB_NAME, check=False).returncode != 0
+
+        wait_until(deleted, 60, "the job's deletion", interval_s=0.5)

@@ -331,9 +331,9 @@ class Envtest:
         self.stop()
 
     def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
+                check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
         result = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig or self.kubeconfig}", *args], input=input,
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60, cwd=cwd)
         if check and result.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
         return result
