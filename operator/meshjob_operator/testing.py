@@ -86,7 +86,7 @@ def job_body(name: str, namespace: str = "default", *, hosts: int = 2, devices_p
         "image": "meshjob/trainer:test",
         "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
         "training": {"steps": 3, "globalBatch": 8 * max(1, hosts - 1), "microbatches": 2,
-                     "checkpoint": {"every": 1, "path": "/ckpt"}},
+                     "checkpoint": {"every": 1, "path": "/ckpt", "volume": {"emptyDir": {}}}},
         "topology": {"devicesPerHost": devices_per_host},
         "stages": stages,
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
