@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import yaml
 from kubernetes.utils.quantity import parse_quantity
 
 from meshjob.cluster import host_pods, node_infos, plan_on_nodes
 from meshjob.errors import PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
 from meshjob.rendered import PlanInputs
+from meshjob.safeyaml import load_one
 from meshjob.spec import TrainingJob, job_to_dict, parse_job
 
 from meshjob_operator import lifecycle, names, progress, render
@@ -341,8 +341,8 @@ class Reconciler:
         """The job as it started (its ConfigMap's job.yaml), if its ConfigMap holds one the model reads."""
         text = (await self._configmap_data(meta)).get("job.yaml")
         try:
-            return parse_job(yaml.safe_load(text)) if text else None
-        except (SpecError, yaml.YAMLError):
+            return parse_job(load_one(text, "job.yaml", "TrainingJob")) if text else None
+        except SpecError:
             return None
 
     async def _hosts_in_use(self, meta: render.JobMeta) -> tuple[Host, ...] | None:
@@ -350,7 +350,7 @@ class Reconciler:
         text = (await self._configmap_data(meta)).get("hosts.yaml")
         if not text:
             return None
-        return parse_hosts(yaml.safe_load(text))
+        return parse_hosts(load_one(text, "hosts.yaml", "hosts"))
 
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                                pods: list[PodView], now: datetime.datetime) -> bool:
