@@ -228,6 +228,32 @@ async def test_unschedulable_until_a_node_appears(cluster, operator):
     await delete_and_wait(cluster, tag)
 
 
+async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster, operator):
+    """The operator placed the job, but the scheduler finds no node for one pod (another tenant took the
+    node's memory, say): condition Unschedulable quotes the scheduler's message, with a Warning Event, rather than
+    a phase Created that hides the wait; it clears once the pod is placed."""
+    tag = "podunsched"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.create_job(scenario_job(tag))
+    pod = (await wait_pods(cluster, tag, 2))[1]["metadata"]["name"]
+    why = "0/2 nodes are available: 1 Insufficient memory, 1 node(s) didn't match Pod's node affinity/selector."
+    await cluster.set_pod_scheduled(pod, tag, unschedulable=why)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True",
+                               "Unschedulable")
+    assert condition(status, "Unschedulable")["reason"] == "PodUnschedulable"
+    assert f"pod {pod}: {why}" in condition(status, "Unschedulable")["message"]
+
+    async def warned() -> list[dict] | None:
+        return [e for e in await cluster.events(tag) if e.get("reason") == "Unschedulable"] or None
+    assert why in (await eventually(warned, what="a Warning Event Unschedulable"))[0]["message"]
+    await cluster.set_pod_scheduled(pod, tag)
+    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False",
+                               "scheduled")
+    assert condition(status, "Unschedulable")["reason"] == "Scheduled"
+    await delete_and_wait(cluster, tag)
+
+
 async def test_deletion_leaves_owned_children_to_the_garbage_collector(cluster, operator):
     tag = "delete"
     await prepare_namespace(cluster, tag)

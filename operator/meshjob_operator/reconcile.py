@@ -34,6 +34,8 @@ from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNI
 MANAGED = ("phase", "conditions", "hosts", "restarts", "disruptions", "restartPending", "step", "checkpointStep",
            "progress", "startTime", "completionTime", "placement", "pods", "observedGeneration")
 RESTART_RECHECK_S = 1.0
+POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
+SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
 NOT_RETRIABLE = {"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "false"}}}
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
@@ -208,6 +210,7 @@ class Reconciler:
                 return None
 
         expected = int(draft["hosts"] or 0)
+        self._report_scheduling(body, draft, pods, now)
         if lifecycle.all_running(pods, expected):
             draft["phase"] = RUNNING
             draft.condition("Running", True, "AllPodsRunning", f"all {expected} host pod(s) are running", now)
@@ -222,6 +225,20 @@ class Reconciler:
         return min((t for t in (deadline, next_reading) if t is not None), default=None)
 
     # --- steps ---------------------------------------------------------------------------
+    def _report_scheduling(self, body: Mapping[str, Any], draft: Draft, pods: list[PodView],
+                           now: datetime.datetime) -> None:
+        """Pods the scheduler places nowhere: condition Unschedulable with its message and a Warning Event
+        (the phase alone would say Created while they wait); cleared once every pod is placed."""
+        waiting = [p for p in pods if p.unschedulable and not p.deleting]
+        if waiting:
+            shown = "; ".join(f"pod {p.name}: {p.unschedulable}" for p in waiting[:SHOWN_PODS])
+            more = f" (and {len(waiting) - SHOWN_PODS} more)" if len(waiting) > SHOWN_PODS else ""
+            message = f"the scheduler places {len(waiting)} pod(s) nowhere: {shown}{more}"
+            if draft.condition("Unschedulable", True, POD_UNSCHEDULABLE, message, now):
+                self.emit(body, "Warning", "Unschedulable", message)
+        elif (get_condition(draft.conditions, "Unschedulable") or {}).get("reason") == POD_UNSCHEDULABLE:
+            draft.clear("Unschedulable", "Scheduled", "the scheduler placed every pod", now)
+
     async def _read_progress(self, job: TrainingJob, pods: list[PodView], draft: Draft,
                              now: datetime.datetime) -> float | None:
         """While the gang runs: step, checkpointStep and progress from global rank 0's metrics endpoint

@@ -80,6 +80,7 @@ class PodView:
     ip: str = ""  # status.podIP: where its metrics endpoint is
     disrupted: bool = False  # evicted or preempted (status.reason, or condition DisruptionTarget)
     exit_code: int | None = None  # of the trainer container, once it terminated
+    unschedulable: str = ""  # the scheduler's message while it finds no node for the pod
 
     @classmethod
     def of(cls, pod: Mapping[str, Any], index: int) -> "PodView":
@@ -91,7 +92,16 @@ class PodView:
         return cls(name=meta["name"], index=index, phase=st.get("phase") or "Pending",
                    deleting=bool(meta.get("deletionTimestamp")), owner_uid=owners[0] if owners else "",
                    message=_failure_message(st), ip=st.get("podIP") or "", disrupted=disrupted,
-                   exit_code=_exit_code(st))
+                   exit_code=_exit_code(st), unschedulable=_unschedulable(st))
+
+
+def _unschedulable(pod_status: Mapping[str, Any]) -> str:
+    """Why the scheduler places the pod nowhere (condition PodScheduled False, reason Unschedulable)."""
+    for cond in pod_status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and \
+                cond.get("reason") == "Unschedulable":
+            return cond.get("message") or "the scheduler found no node for it"
+    return ""
 
 
 def _exit_code(pod_status: Mapping[str, Any]) -> int | None:

@@ -164,6 +164,14 @@ class Cluster:
         path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
         await self.kube.request("PATCH", path, {"status": status}, content_type=MERGE_PATCH)
 
+    async def set_pod_scheduled(self, pod: str, namespace: str = "default", *, unschedulable: str = "") -> None:
+        """Play the scheduler: condition PodScheduled, False with reason Unschedulable and its message
+        when `unschedulable` says why the pod fits no node."""
+        cond = ({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+                if unschedulable else {"type": "PodScheduled", "status": "True"})
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
+        await self.kube.request("PATCH", path, {"status": {"conditions": [cond]}}, content_type=MERGE_PATCH)
+
     async def finish_deletions(self, namespace: str = "default") -> None:
         """Play the kubelet for terminating pods (none on kmock: deletion is immediate there)."""
 
