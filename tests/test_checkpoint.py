@@ -1,15 +1,19 @@
-"""Checkpoints: atomic per-rank files, completeness, resume from the newest loadable step,
-refusal of a checkpoint written for another spec."""
+"""Checkpoints: atomic per-rank files, completeness, resume from the newest step every rank can
+load (or a clear error, never a silent fresh start), refusal of a checkpoint written for another
+spec, pruning that leaves `keep` steps of every rank on disk."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from meshjob.spec import load_job
-from meshjob_trainer.checkpoint import Checkpointer, CheckpointMismatch, atomic_write, spec_fingerprint
+from meshjob_trainer.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch, atomic_write, spec_fingerprint,
+                                        survey)
 from meshjob_trainer.dist import WorkerSettings, init_distributed, shutdown_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
@@ -180,3 +184,189 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
     assert [r.start_step for r in resumed] == [2] * 4
     for a, b in zip(straight, resumed):
         assert all(torch.equal(a.params[k][0], b.params[k][0]) for k in a.params)
+
+
+# --- pruning ---------------------------------------------------------------------------------
+
+def bytes_on_disk(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def test_pruning_leaves_keep_steps_of_every_rank_on_disk_after_200_steps(tmp_path):
+    """4 ranks, 200 steps, a checkpoint every 5, keep 3: what stays on disk is exactly the 3 newest
+    steps' files of every rank, however the ranks interleave (each prunes once all have written)."""
+    module, opt = model_and_optimizer(1)
+    ranks = [dataclasses.replace(checkpointer(tmp_path, r, 4), keep=3) for r in range(4)]
+    step_bytes: dict[int, int] = {}
+    for step in range(5, 201, 5):
+        first = step // 5 % 4
+        order = ranks[first:] + ranks[:first]  # a different rank writes and prunes first each time
+        for ck in order:
+            ck.write(step, module, opt)
+        step_bytes[step] = bytes_on_disk(ranks[0].step_dir(step))
+        for ck in order:
+            ck.prune()
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000190", "step-00000195", "step-00000200"]
+    assert bytes_on_disk(root) == step_bytes[190] + step_bytes[195] + step_bytes[200]
+
+
+def test_pruning_removes_an_old_step_a_crash_left_incomplete(tmp_path):
+    module, opt = model_and_optimizer(1)
+    rank0, rank1 = (dataclasses.replace(checkpointer(tmp_path, r, 2), keep=1) for r in (0, 1))
+    rank0.write(2, module, opt)  # rank 1 died before writing step 2
+    for step in (4, 6):
+        for ck in (rank0, rank1):
+            ck.write(step, module, opt)
+        for ck in (rank0, rank1):
+            ck.prune()
+    assert rank0.steps() == [6]
+
+
+@pytest.mark.slow
+def test_pruning_in_a_gang_leaves_keep_steps_of_every_rank_on_disk(gang, tmp_path):
+    """The real thing: 2 ranks with a process group save 200 steps' checkpoints every 5, keep 2."""
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            module, opt = model_and_optimizer(env.rank)
+            ck = dataclasses.replace(checkpointer(tmp_path, env.rank, 2), keep=2)
+            for step in range(5, 201, 5):
+                ck.save(step, module, opt)
+            return ck.steps()
+        finally:
+            shutdown_distributed()
+
+    assert gang(2, target) == [[200, 195], [200, 195]]
+    ck = checkpointer(tmp_path, 0, 2)
+    files = sorted(p.name for p in ck.step_dir(200).iterdir())
+    assert files == ["rank-00000.done", "rank-00000.pt", "rank-00001.done", "rank-00001.pt"]
+    assert bytes_on_disk(tmp_path / "ckpt") == bytes_on_disk(ck.step_dir(200)) + bytes_on_disk(ck.step_dir(195))
+
+
+# --- corruption: every case resumes from the right step or fails clearly, and says which ---------
+
+def saved_steps(tmp_path: Path, steps=(2, 4), world_size: int = 1) -> list[Checkpointer]:
+    """Every rank's checkpoints of `steps`, each step with different weights."""
+    ranks = [checkpointer(tmp_path, r, world_size) for r in range(world_size)]
+    for step in steps:
+        module, opt = model_and_optimizer(step)
+        for ck in ranks:
+            ck.write(step, module, opt)
+    return ranks
+
+
+def flip_a_payload_byte(path: Path) -> None:
+    """Bit rot: same size, one byte of the tensors' bytes changed."""
+    data = bytearray(path.read_bytes())
+    data[-200] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def rewrite_marker_hash(ck: Checkpointer, step: int) -> None:
+    """What a careless `fix` does: recompute the marker's size and hash over the file as it is now."""
+    marker = json.loads(ck.marker_path(step).read_text())
+    data = ck.data_path(step).read_bytes()
+    marker.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    ck.marker_path(step).write_text(json.dumps(marker))
+
+
+def test_a_damaged_newest_file_resumes_from_the_step_before_saying_why(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    flip_a_payload_byte(ck.data_path(4))
+    assert "rank-00000.pt does not match the sha256 in its marker" in ck.problem(4)
+    module, opt = model_and_optimizer(9)
+    assert ck.restore(module, opt) == 2
+    assert torch.equal(module.weight, model_and_optimizer(2)[0].weight)
+
+
+def test_an_unparseable_marker_is_corruption_not_a_different_spec(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    ck.marker_path(4).write_text('{"step": 4, "rank": 0, "fingerp')
+    assert ck.problem(4) == "rank-00000.done is unreadable (JSONDecodeError): the marker is corrupted"
+    assert ck.restore(*model_and_optimizer(9)) == 2  # no CheckpointMismatch
+
+
+def test_a_marker_whose_hash_was_recomputed_over_a_damaged_file_does_not_load(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    flip_a_payload_byte(ck.data_path(4))
+    rewrite_marker_hash(ck, 4)
+    assert "its payload does not match the sha256 it was written with" in ck.problem(4)
+    assert ck.restore(*model_and_optimizer(9)) == 2
+
+
+def test_a_file_copied_into_another_steps_place_does_not_load(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    ck.data_path(4).write_bytes(ck.data_path(2).read_bytes())
+    rewrite_marker_hash(ck, 4)
+    assert "rank-00000.pt was written as step 2, rank 0 of 1, not step 4, rank 0 of 1" in ck.problem(4)
+    assert ck.restore(*model_and_optimizer(9)) == 2
+
+
+def test_a_file_without_the_checkpoint_header_does_not_load(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    ck.data_path(4).write_bytes(b"PK\x03\x04" + b"\0" * 100)  # a bare torch.save zip, say
+    rewrite_marker_hash(ck, 4)
+    assert "has no meshjob-checkpoint header" in ck.problem(4)
+
+
+def test_checkpoints_none_of_which_load_are_a_clear_error_not_a_fresh_start(tmp_path):
+    (ck,) = saved_steps(tmp_path)
+    for step in (2, 4):
+        flip_a_payload_byte(ck.data_path(step))
+    with pytest.raises(CheckpointCorrupt) as err:
+        ck.restore(*model_and_optimizer(9))
+    message = str(err.value)
+    assert "no checkpoint in" in message and "does not start again from step 0" in message
+    assert "step 4: rank-00000.pt does not match the sha256 in its marker" in message
+    assert "step 2: rank-00000.pt does not match" in message
+
+
+def test_survey_finds_the_step_every_rank_can_load_and_why_newer_ones_cannot(tmp_path):
+    ranks = saved_steps(tmp_path, steps=(2, 4, 6), world_size=2)
+    flip_a_payload_byte(ranks[1].data_path(6))
+    ranks[0].marker_path(4).write_text("")
+    found = survey(tmp_path / "ckpt", 2)
+    assert found.resume_step == 2 and not found.corrupt
+    assert found.skipped == ("step 6: rank-00001.pt does not match the sha256 in its marker (damaged after writing)",
+                             "step 4: rank-00000.done is unreadable (JSONDecodeError): the marker is corrupted")
+
+
+def test_survey_of_checkpoints_no_step_of_which_loads_everywhere_is_corrupt(tmp_path):
+    ranks = saved_steps(tmp_path, world_size=2)
+    for step in (2, 4):
+        flip_a_payload_byte(ranks[1].data_path(step))
+    found = survey(tmp_path / "ckpt", 2)
+    assert found.corrupt and found.resume_step is None and len(found.skipped) == 2
+
+
+def test_no_complete_checkpoint_is_a_fresh_start(tmp_path):
+    rank0, _ = saved_steps(tmp_path, steps=(), world_size=2)
+    rank0.write(2, *model_and_optimizer(1))  # rank 1 never wrote one
+    assert rank0.restore(*model_and_optimizer(9)) is None
+    assert not survey(tmp_path / "ckpt", 2).corrupt
+
+
+@pytest.mark.slow
+def test_one_ranks_files_damaged_in_every_step_fail_every_rank_clearly(tmp_path):
+    """Rank 1 cannot load any step; rank 0 could load them all: neither starts again from step 0."""
+    from meshjob_trainer.launch import launch
+
+    ranks = saved_steps(tmp_path, world_size=2)
+    for step in (2, 4):
+        flip_a_payload_byte(ranks[1].data_path(step))
+
+    def target(ctx):
+        init_distributed(ctx.env, timeout_s=20)
+        try:
+            return checkpointer(tmp_path, ctx.env.rank, 2).restore(*model_and_optimizer(9))
+        finally:
+            shutdown_distributed()
+
+    result = launch(2, target, timeout_s=45)
+    assert not result.ok and result.first_failure is not None
+    assert all(r.value is None for r in result.ranks)  # no rank resumed, nor started from step 0
+    error = result.first_failure.error  # the launcher stops the other rank once one has failed
+    assert "CheckpointCorrupt: no checkpoint in" in error
+    assert {0: "step 4: rank 0 can load it; another rank cannot",
+            1: "step 4: rank-00001.pt does not match the sha256 in its marker"}[result.first_failure.rank] in error
