@@ -19,7 +19,7 @@ import yaml
 from meshjob_trainer.emulate.netns import list_netns, netns_available
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.emulate.progress import RunStats
-from meshjob_trainer.events import LowerBoundRatio, NicBandwidth, StepFinished, UnitTasks
+from meshjob_trainer.events import CheckpointRestored, LowerBoundRatio, NicBandwidth, StepFinished, UnitTasks
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "tiny.yaml"
@@ -266,6 +266,52 @@ def test_a_restarted_gang_records_the_step_it_resumed_from():
     stats.restart()
     stats.add(*step_event_of(0, 3, 0.1, loss=1.9))  # the checkpoint held 2 steps
     assert stats.restarts == 1 and stats.resumed_from == [2] and stats.step == 3
+
+
+def test_the_resume_step_is_the_one_the_ranks_restored():
+    stats = RunStats(world_size=2, total_steps=20, resume_step=6)  # what was found before the ranks ran
+    for rank in (0, 1):
+        stats.add(rank, CheckpointRestored(stage=rank, step=4))
+    assert stats.resume_step == 4 and stats.to_json()["resume_step"] == 4
+
+
+def damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-200] ^= 0xFF  # bit rot: same size
+    path.write_bytes(bytes(data))
+
+
+def test_run_refuses_checkpoints_none_of_which_every_rank_can_load_naming_the_damage(tmp_path, start):
+    import torch
+
+    from meshjob_trainer.checkpoint import Checkpointer
+
+    module = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ranks = [Checkpointer(tmp_path / "ckpt", rank, 4, {}) for rank in range(4)]
+    for ck in ranks:
+        ck.write(2, module, optimizer)
+    damage(ranks[3].data_path(2))
+    run = start(job=job_file(tmp_path, steps=4, every=2))
+    assert run.wait() == 2
+    assert "none can be loaded by every rank, and the run does not start again from step 0" in run.err
+    assert "step 2: rank-00003.pt does not match the sha256 in its marker" in run.err
+    run.assert_clean()
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_and_reports_that_step(tmp_path, start):
+    first = start("--no-netns", job=job_file(tmp_path, steps=4, every=2))
+    assert first.wait() == 0, first.err[-3000:]
+    damage(tmp_path / "ckpt" / "step-00000004" / "rank-00001.pt")
+    run = start("--no-netns", job=job_file(tmp_path, steps=6, every=2))
+    assert run.wait() == 0, run.err[-3000:]
+    s = run.summary()
+    assert s["ok"] and s["resume_step"] == 2 and s["steps_completed"] == 6
+    err = " ".join(run.err.split())  # the console wraps long lines
+    assert "skipping a checkpoint that cannot be loaded: step 4: rank-00001.pt does not match" in err
+    assert "resuming from the checkpoint of step 2" in err and "resumed at step 2" in err
+    run.assert_clean()
 
 
 def test_steps_a_checkpoint_holds_count_as_completed():

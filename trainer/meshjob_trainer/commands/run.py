@@ -16,11 +16,11 @@ import time
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from meshjob.errors import UsageError
 from meshjob.units import parse_rate
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.emulate.progress import ProgressView, RunStats, summary_table
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts > 0 and job.training.checkpoint.every <= 0:
         console.print("[yellow]warning:[/] spec.training.checkpoint.every is 0: no checkpoints are "
                       "written, so a restarted gang starts again from step 0")
-    resume = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)
+    resume = _resume_step(console, setup.checkpoint_dir, placement.world_size)
     if resume:
         console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
                       f"(another folder via --checkpoint-dir starts afresh)")
@@ -178,7 +178,11 @@ def run(args: argparse.Namespace) -> int:
 
                 def on_restart(failed: LaunchResult) -> None:
                     assert failed.first_failure is not None
-                    step = _latest_checkpoint(setup.checkpoint_dir, placement.world_size)  # complete ones only
+                    try:
+                        step = _resume_step(console, setup.checkpoint_dir, placement.world_size)
+                    except UsageError as err:  # the new gang's ranks fail saying so
+                        console.print(str(err), markup=False, highlight=False)
+                        step = 0
                     console.print(f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
                                   f"the last checkpoint (step {step})[/]")
                     stats.restart()
@@ -211,14 +215,25 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _latest_checkpoint(directory: str, world_size: int) -> int:
-    """The newest complete checkpoint the ranks will resume from (0: none)."""
+def _resume_step(console: Console, directory: str, world_size: int) -> int:
+    """The step the ranks will resume from (0: none), found as they will find it: the newest complete
+    checkpoint every rank's file of which loads. Newer ones that cannot be loaded are told with the
+    reason. Complete checkpoints none of which loads on every rank are an error (exit 2) before any
+    rank starts; after a failure (restarts) the ranks report it themselves. The summary's
+    resume_step is what the ranks report they restored."""
     if not directory:
         return 0
-    from meshjob_trainer.checkpoint import Checkpointer
+    from meshjob_trainer.checkpoint import survey
 
-    ckpt = Checkpointer(Path(directory), rank=0, world_size=world_size, fingerprint={})
-    return next((s for s in ckpt.steps() if ckpt.is_complete(s)), 0)
+    found = survey(directory, world_size)
+    if found.corrupt:
+        raise UsageError(f"checkpoints in {directory}: none can be loaded by every rank, and the run does not "
+                         f"start again from step 0 over them:\n  " + "\n  ".join(found.skipped)
+                         + f"\nrestore the damaged files from a copy, or move {directory} away to start afresh")
+    for line in found.skipped:
+        console.print(f"[yellow]skipping a checkpoint that cannot be loaded:[/] {line}", highlight=False,
+                      soft_wrap=True)  # one line per step, for logs and grep
+    return found.resume_step or 0
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshjob_trainer.events import (CheckpointWritten, Event, LowerBoundRatio, NicBandwidth, PipelineFractions,
-                                    Resharded, StepFinished, UnitTasks)
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Event, LowerBoundRatio, NicBandwidth,
+                                    PipelineFractions, Resharded, StepFinished, UnitTasks)
 
 
 @dataclass
@@ -82,6 +82,11 @@ class RunStats:
     @_add.register
     def _checkpoint(self, event: CheckpointWritten, rank: int) -> None:
         self.checkpoint_step = event.step
+
+    @_add.register
+    def _restored(self, event: CheckpointRestored, rank: int) -> None:
+        if not self.restarts:  # what the first gang's ranks restored, not what was guessed before they ran
+            self.resume_step = event.step
 
     @_add.register
     def _pipeline(self, event: PipelineFractions, rank: int) -> None:
