@@ -233,12 +233,12 @@ def test_pruning_in_a_gang_leaves_keep_steps_of_every_rank_on_disk(gang, tmp_pat
             ck = dataclasses.replace(checkpointer(tmp_path, env.rank, 2), keep=2)
             for step in range(5, 201, 5):
                 ck.save(step, module, opt)
-            return ck.steps()
         finally:
             shutdown_distributed()
 
-    assert gang(2, target) == [[200, 195], [200, 195]]
+    gang(2, target)  # (while it runs, a step's folder goes when the last rank has pruned it)
     ck = checkpointer(tmp_path, 0, 2)
+    assert ck.steps() == [200, 195]
     files = sorted(p.name for p in ck.step_dir(200).iterdir())
     assert files == ["rank-00000.done", "rank-00000.pt", "rank-00001.done", "rank-00001.pt"]
     assert bytes_on_disk(tmp_path / "ckpt") == bytes_on_disk(ck.step_dir(200)) + bytes_on_disk(ck.step_dir(195))
