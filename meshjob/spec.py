@@ -29,7 +29,14 @@ from meshjob.resharding import STRATEGIES
 from meshjob.safeyaml import check_tree, load_documents, read_text, source_name
 from meshjob.schedule import SCHEDULE_KINDS
 
-MODEL_KINDS = ("gpt", "utransformer")
+MODEL_KINDS = ("gpt", "utransformer", "llama", "custom")
+BUILTIN_MODEL_KINDS = ("gpt", "utransformer", "llama")  # the families with tensor parallelism
+DATA_KINDS = ("synthetic", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+PRECISIONS = ("fp32", "bf16")
+RECOMPUTE = ("none", "full")
+OPTIMIZER_KINDS = ("adamw",)
+MAX_ZERO_STAGE = 1
 AUTO = "auto"
 CHUNKS_AUTO = (AUTO,)
 CLEAN_POD_POLICIES = ("All", "Running", "None")
@@ -71,6 +78,9 @@ MAX_LABEL_KEY = 317  # prefix (253) + "/" + name (63)
 MAX_PATH = 4096  # PATH_MAX
 MAX_IMAGE = 1024
 MAX_LAYOUT = 32  # a sharding spec such as "S01,R,S2"
+MAX_FFN_HIDDEN = 4 * MAX_HIDDEN  # the MLP's inner width: 4 x hidden by default
+MAX_ROPE_THETA = 1e9  # Llama 3 uses 500,000; long-context variants a few million
+MAX_ENTRYPOINT = 512  # "package.module:function"
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,37 @@ class ModelSpec:
     heads: int = 8
     vocab: int = 1024
     seq_len: int = 128  # YAML: seqLen
+    kv_heads: int | None = None  # YAML: kvHeads; llama: key/value heads (grouped-query attention); None: heads
+    ffn_hidden: int | None = None  # YAML: ffnHidden; MLP inner width; None: the family's default (ffn_width)
+    tie_embeddings: bool = True  # YAML: tieEmbeddings; the output head reuses the token embedding
+    rope_theta: float = 10000.0  # YAML: ropeTheta; llama: base of the rotary position embedding
+    entrypoint: str = ""  # custom: "package.module:function" returning the model's parts
+    config: Mapping[str, Any] = field(default_factory=dict, hash=False)  # custom: handed to the entry point
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's inner width: ffnHidden, else 4 x hidden (GELU MLP) or, for llama's SwiGLU,
+        8/3 x hidden (the same parameter count as 4 x hidden with two input matrices) rounded up to
+        a multiple of 64 so that tensor-parallel degrees up to 64 divide it."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.kind == "llama":
+            return 64 * math.ceil(8 * self.hidden / 3 / 64)
+        return 4 * self.hidden
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the token sequences come from: a seeded synthetic bigram chain, or token files in the
+    flat binary format of nanoGPT (a headerless little-endian array of uint16 or uint32 token ids)."""
+    kind: str = "synthetic"
+    path: str = ""  # tokens: the training token file (relative paths: to the working directory)
+    val_path: str = ""  # YAML: valPath; tokens: the validation token file (needed by evalEvery)
+    dtype: str = "uint16"
 
 
 @dataclass(frozen=True)
@@ -91,6 +132,20 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class LrScheduleSpec:
+    """Linear warm-up from 0 to learningRate over warmupSteps, then cosine decay to minLr at the last step."""
+    warmup_steps: int = 0  # YAML: warmupSteps
+    min_lr: float = 0.0  # YAML: minLr
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    kind: str = "adamw"
+    zero_stage: int = 0  # YAML: zeroStage; 1: optimizer state sharded over a stage's data-parallel ranks
+    weight_decay: float = 0.01  # YAML: weightDecay
+
+
+@dataclass(frozen=True)
 class TrainingSpec:
     steps: int = 20
     global_batch: int = 32  # YAML: globalBatch
@@ -98,6 +153,13 @@ class TrainingSpec:
     learning_rate: float = 3.0e-4  # YAML: learningRate
     seed: int = 0
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    precision: str = "fp32"  # bf16: autocast compute, fp32 master weights, fp32 gradient reductions
+    recompute: str = "none"  # full: recompute each block's activations in the backward (per stage: stages[].recompute)
+    grad_clip: float | None = None  # YAML: gradClip; max global gradient norm; None: no clipping
+    lr_schedule: LrScheduleSpec | None = None  # YAML: lrSchedule; None: a constant learningRate
+    eval_every: int = 0  # YAML: evalEvery; steps between validation losses; 0 = never
+    eval_batches: int = 2  # YAML: evalBatches; global batches of validation data per evaluation
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
 
     @property
     def microbatch_size(self) -> int:
@@ -118,6 +180,7 @@ class StageSpec:
     mesh: tuple[int, ...]  # dim 0 across hosts, the rest within a host; 1-3 dims
     data_parallel_dim: int | None = None  # YAML: dataParallelDim
     tensor_parallel_dim: int | None = None  # YAML: tensorParallelDim
+    recompute: str | None = None  # overrides spec.training.recompute for this stage
 
     @property
     def size(self) -> int:
@@ -220,6 +283,7 @@ class TrainingJob:
     namespace: str = "default"
     image: str = "meshjob/trainer:0.1.0"
     model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
     training: TrainingSpec = field(default_factory=TrainingSpec)
     topology: TopologySpec = field(default_factory=TopologySpec)
     stages: tuple[StageSpec, ...] = ()
@@ -242,6 +306,11 @@ class TrainingJob:
         """Total ranks: one per device of every stage's mesh."""
         return sum(s.size for s in self.stages)
 
+    def recompute(self, stage: int) -> str:
+        """none or full: the stage's own setting, else spec.training.recompute."""
+        own = self.stages[stage].recompute
+        return self.training.recompute if own is None else own
+
     def stage_of_layer(self, layer: int) -> int:
         """Index of the stage whose [first, last) range holds `layer`."""
         for i, stage in enumerate(self.stages):
@@ -258,6 +327,9 @@ class TrainingJob:
 RENAMES = {"src": "from", "dst": "to"}
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = r"^(activation|skip[0-9]+)$"
+# a Python import path and the function in it, as setuptools writes entry points
+ENTRYPOINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+MAX_EVAL_BATCHES = 1024  # an evaluation costs evalBatches forward passes of a global batch
 
 
 def count(maximum: int, minimum: int = 1, why: str = "") -> dict[str, Any]:
@@ -281,13 +353,38 @@ OLD_WEIGHT_GRAD_DELAY = (
 # elements; legacy: refused values with what to write instead)
 RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("ModelSpec", "kind"): {"enum": MODEL_KINDS, "description": "gpt: a decoder stack; utransformer: "
-                            "layer i also feeds layer L-1-i (skip connections)"},
+                            "layer i also feeds layer L-1-i (skip connections); llama: RMSNorm, rotary "
+                            "embeddings, SwiGLU, grouped-query attention; custom: the user's model "
+                            "(entrypoint)"},
     ("ModelSpec", "layers"): count(MAX_LAYERS, why="transformer blocks (L); at most 1024, 8x the deepest "
                                    "published model (128)"),
     ("ModelSpec", "hidden"): count(MAX_HIDDEN, why="model width; at most 65536 (the widest published: 25600)"),
     ("ModelSpec", "heads"): count(MAX_HEADS, why="attention heads; divides hidden; at most 1024"),
     ("ModelSpec", "vocab"): count(MAX_VOCAB, why="vocabulary size; at most 2^20 (the largest published: 256k)"),
     ("ModelSpec", "seq_len"): count(MAX_SEQ_LEN, why="tokens per sequence; at most 2^20 (1M-token contexts)"),
+    ("ModelSpec", "kv_heads"): count(MAX_HEADS, why="llama: key/value heads of grouped-query attention; "
+                                     "divides heads (default: heads)"),
+    ("ModelSpec", "ffn_hidden"): count(MAX_FFN_HIDDEN, why="MLP inner width (default: 4 x hidden; llama: 8/3 x "
+                                       "hidden rounded up to a multiple of 64); at most 4 x 65536"),
+    ("ModelSpec", "tie_embeddings"): {"description": "the output head reuses the token embedding "
+                                      "(gpt, utransformer, llama)"},
+    ("ModelSpec", "rope_theta"): {"minimum": 0, "exclusive_minimum": True, "maximum": MAX_ROPE_THETA,
+                                  "description": "llama: base of the rotary position embedding; at most 1e9"},
+    ("ModelSpec", "entrypoint"): chars(MAX_ENTRYPOINT, why="custom: package.module:function returning the "
+                                       "embedding, blocks, head and boundary shape (meshjob_trainer.custom)"),
+    ("ModelSpec", "config"): {"description": "custom: free-form settings handed to the entry point"},
+    ("DataSpec", "kind"): {"enum": DATA_KINDS, "description": "synthetic: a seeded bigram chain; tokens: "
+                           "token files (nanoGPT's flat binary format)"},
+    ("DataSpec", "path"): chars(MAX_PATH, why="tokens: the training token file (relative: to the working "
+                                "directory)"),
+    ("DataSpec", "val_path"): chars(MAX_PATH, why="tokens: the validation token file (needed by evalEvery)"),
+    ("DataSpec", "dtype"): {"enum": TOKEN_DTYPES, "description": "token file element type, little-endian"},
+    ("LrScheduleSpec", "warmup_steps"): count(MAX_STEPS, 0, "steps of linear warm-up; at most steps"),
+    ("LrScheduleSpec", "min_lr"): {"minimum": 0, "description": "floor of the cosine decay; at most learningRate"},
+    ("OptimizerSpec", "kind"): {"enum": OPTIMIZER_KINDS},
+    ("OptimizerSpec", "zero_stage"): count(MAX_ZERO_STAGE, 0, "0: every data-parallel rank holds the whole "
+                                           "optimizer state; 1: each holds 1/DP of it (ZeRO-1)"),
+    ("OptimizerSpec", "weight_decay"): {"minimum": 0, "description": "AdamW's decoupled weight decay"},
     ("CheckpointSpec", "every"): count(MAX_STEPS, 0, "steps between checkpoints; 0 = never"),
     ("CheckpointSpec", "path"): chars(MAX_PATH, why="directory of the checkpoints"),
     ("TrainingSpec", "steps"): count(MAX_STEPS, why="optimizer steps; at most 10^8"),
@@ -297,6 +394,16 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
         f"microbatches at most {MAX_SCHEDULE_CELLS} (the size of the schedules)")),
     ("TrainingSpec", "learning_rate"): {"minimum": 0, "exclusive_minimum": True},
     ("TrainingSpec", "seed"): count(MAX_SEED, 0, "random seed; 0..2^32-1"),
+    ("TrainingSpec", "precision"): {"enum": PRECISIONS, "description": "bf16: autocast compute with fp32 "
+                                    "master weights and fp32 gradient reductions"},
+    ("TrainingSpec", "recompute"): {"enum": RECOMPUTE, "description": "full: keep only each block's input "
+                                    "and recompute its activations in the backward"},
+    ("TrainingSpec", "grad_clip"): {"minimum": 0, "exclusive_minimum": True, "description": "clip the global "
+                                    "gradient norm (every stage and rank) to this value"},
+    ("TrainingSpec", "lr_schedule"): {"description": "linear warm-up, then cosine decay to minLr"},
+    ("TrainingSpec", "eval_every"): count(MAX_STEPS, 0, "steps between validation losses; 0 = never"),
+    ("TrainingSpec", "eval_batches"): count(MAX_EVAL_BATCHES, why="global batches of validation data per "
+                                            "evaluation; at most 1024"),
     ("TopologySpec", "devices_per_host"): count(MAX_DEVICES_PER_HOST, why="devices of one host; at most 1024"),
     ("TopologySpec", "host_label"): chars(MAX_LABEL_KEY, 1, "node label naming the host"),
     ("TopologySpec", "rack_label"): chars(MAX_LABEL_KEY, why="node label naming the rack or zone"),
@@ -311,6 +418,8 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
                                 f"{MAX_JOB_HOSTS} hosts (dim 0 summed over the stages) per job")},
     ("StageSpec", "data_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim the batch is sharded over"),
     ("StageSpec", "tensor_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim of tensor parallelism"),
+    ("StageSpec", "recompute"): {"enum": RECOMPUTE, "description": "this stage's recompute (default: "
+                                 "spec.training.recompute)"},
     ("EdgeSpec", "src"): count(MAX_STAGES - 1, 0, "source stage"),
     ("EdgeSpec", "dst"): count(MAX_STAGES - 1, 0, "destination stage"),
     ("EdgeSpec", "send"): {"required": False, "max_length": MAX_LAYOUT, "description": "sharding spec of the "
@@ -433,8 +542,50 @@ def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[Edge
 
 
 def _check_model(r: FieldReader, m: ModelSpec) -> None:
+    if not r.clean("spec.model.kind"):
+        return
+    if m.kind == "custom":
+        _check_custom_model(r, m)
+        return
+    for key, value in (("entrypoint", m.entrypoint), ("config", m.config)):
+        if r.clean(f"spec.model.{key}") and value:
+            r.fail(f"spec.model.{key}", value, "only with spec.model.kind custom")
     if r.clean("spec.model.heads", "spec.model.hidden") and m.hidden % m.heads:
         r.fail("spec.model.heads", m.heads, f"a divisor of spec.model.hidden ({m.hidden})")
+    if m.kind != "llama":
+        if r.clean("spec.model.kvHeads") and m.kv_heads is not None and m.kv_heads != m.heads:
+            r.fail("spec.model.kvHeads", m.kv_heads, f"unset or equal to spec.model.heads ({m.heads}): "
+                   f"grouped-query attention is a spec.model.kind llama feature")
+        return
+    if r.clean("spec.model.kvHeads", "spec.model.heads") and m.heads % m.key_value_heads:
+        r.fail("spec.model.kvHeads", m.kv_heads, f"a divisor of spec.model.heads ({m.heads})")
+    if r.clean("spec.model.heads", "spec.model.hidden") and m.hidden % m.heads == 0 \
+            and (m.hidden // m.heads) % 2:
+        r.fail("spec.model.heads", m.heads, f"a divisor of spec.model.hidden ({m.hidden}) leaving an even "
+               f"head size: rotary embeddings turn pairs of channels")
+
+
+def _check_custom_model(r: FieldReader, m: ModelSpec) -> None:
+    if r.clean("spec.model.entrypoint") and not re.match(ENTRYPOINT, m.entrypoint):
+        r.fail("spec.model.entrypoint", m.entrypoint, "package.module:function, the function returning "
+               "the model's parts (meshjob_trainer.custom.CustomModel)")
+    if r.clean("spec.model.kvHeads") and m.kv_heads is not None:
+        r.fail("spec.model.kvHeads", m.kv_heads, "unset: a custom model's attention is its own")
+
+
+def _check_data(r: FieldReader, job: TrainingJob) -> None:
+    d, t = job.data, job.training
+    if not r.clean("spec.data.kind"):
+        return
+    if d.kind == "tokens":
+        if r.clean("spec.data.path") and not d.path:
+            r.fail("spec.data.path", d.path, "a token file when spec.data.kind is tokens")
+        if r.clean("spec.data.valPath", "spec.training.evalEvery") and t.eval_every > 0 and not d.val_path:
+            r.fail("spec.data.valPath", d.val_path, "a validation token file when spec.training.evalEvery > 0")
+        return
+    for key, value in (("path", d.path), ("valPath", d.val_path)):
+        if r.clean(f"spec.data.{key}") and value:
+            r.fail(f"spec.data.{key}", value, "only with spec.data.kind tokens (synthetic data needs no file)")
 
 
 def _check_training(r: FieldReader, t: TrainingSpec) -> None:
@@ -445,6 +596,15 @@ def _check_training(r: FieldReader, t: TrainingSpec) -> None:
     if r.clean("spec.training.checkpoint") and t.checkpoint.every > 0 and not t.checkpoint.path:
         r.fail("spec.training.checkpoint.path", t.checkpoint.path,
                "a non-empty path when spec.training.checkpoint.every > 0")
+    s = t.lr_schedule
+    if s is None or not r.clean("spec.training.lrSchedule"):
+        return
+    if r.clean("spec.training.steps") and s.warmup_steps > t.steps:
+        r.fail("spec.training.lrSchedule.warmupSteps", s.warmup_steps,
+               f"at most spec.training.steps ({t.steps})")
+    if r.clean("spec.training.learningRate") and s.min_lr > t.learning_rate:
+        r.fail("spec.training.lrSchedule.minLr", s.min_lr,
+               f"at most spec.training.learningRate ({t.learning_rate})")
 
 
 def _check_stages(r: FieldReader, job: TrainingJob) -> None:
@@ -488,12 +648,8 @@ def _check_stages(r: FieldReader, job: TrainingJob) -> None:
         dp, tp = st.data_parallel_dim, st.tensor_parallel_dim
         if r.clean(f"{p}.dataParallelDim", f"{p}.tensorParallelDim") and dp is not None and dp == tp:
             r.fail(f"{p}.tensorParallelDim", tp, f"a mesh dim other than dataParallelDim ({dp})")
-        if r.clean(f"{p}.tensorParallelDim") and tp is not None and tp < dims:
-            degree = st.mesh[tp]
-            for key, size in (("heads", m.heads), ("hidden", m.hidden)):
-                if r.clean(f"spec.model.{key}") and size % degree:
-                    r.fail(f"{p}.mesh[{tp}]", degree, f"a tensor-parallel degree dividing "
-                           f"spec.model.{key} ({size})")
+        if r.clean(f"{p}.tensorParallelDim", "spec.model.kind") and tp is not None and tp < dims:
+            _check_tensor_parallel(r, m, f"{p}.mesh[{tp}]", st.mesh[tp])
         if r.clean(f"{p}.dataParallelDim", "spec.training") and dp is not None and dp < dims \
                 and t.global_batch % t.microbatches == 0 and t.microbatch_size % st.mesh[dp]:
             r.fail(f"{p}.mesh[{dp}]", st.mesh[dp], f"a data-parallel degree dividing the microbatch "
@@ -519,6 +675,26 @@ def _check_size(r: FieldReader, job: TrainingJob) -> None:
         r.fail("spec.training.microbatches", job.training.microbatches,
                f"at most {MAX_SCHEDULE_CELLS // len(job.stages)} with {len(job.stages)} stages (stages x "
                f"microbatches at most {MAX_SCHEDULE_CELLS})")
+
+
+def tensor_parallel_sizes(m: ModelSpec) -> dict[str, int]:
+    """The model dims a tensor-parallel degree must divide (Megatron: attention heads, the MLP's
+    inner width; llama also key/value heads and the vocabulary of its vocab-parallel embedding)."""
+    sizes = {"heads": m.heads, "hidden": m.hidden, "ffnHidden": m.ffn_width}
+    if m.kind == "llama":
+        sizes |= {"kvHeads": m.key_value_heads, "vocab": m.vocab}
+    return sizes
+
+
+def _check_tensor_parallel(r: FieldReader, m: ModelSpec, path: str, degree: int) -> None:
+    if m.kind not in BUILTIN_MODEL_KINDS:
+        if degree > 1:
+            r.fail(path, degree, f"a tensor-parallel degree of 1: tensor parallelism is for the built-in families "
+                   f"({', '.join(BUILTIN_MODEL_KINDS)}); a custom model runs pipeline and data parallel")
+        return
+    for key, size in tensor_parallel_sizes(m).items():
+        if r.clean(f"spec.model.{key}") and size % degree:
+            r.fail(path, degree, f"a tensor-parallel degree dividing spec.model.{key} ({size})")
 
 
 def _resolve_edges(r: FieldReader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
@@ -643,6 +819,7 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     attrs.pop("edges", None)
     job = TrainingJob(name=name, namespace=namespace, **attrs, edges=())
     _check_model(r, job.model)
+    _check_data(r, job)
     _check_training(r, job.training)
     _check_stages(r, job)
     _check_size(r, job)

@@ -91,10 +91,14 @@ def test_schema_has_no_cel_rules_so_it_loads_on_kubernetes_1_20():
 
 def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
     props = open_api_schema()["properties"]["spec"]["properties"]
-    assert set(props) == {"image", "model", "training", "topology", "stages", "edges", "resharding",
+    assert set(props) == {"image", "model", "data", "training", "topology", "stages", "edges", "resharding",
                           "schedule", "runPolicy", "metrics", "resources", "scheduling", "serviceAccountName",
                           "podTemplate"}
-    assert set(props["model"]["properties"]) == {"kind", "layers", "hidden", "heads", "vocab", "seqLen"}
+    assert set(props["model"]["properties"]) == {"kind", "layers", "hidden", "heads", "vocab", "seqLen", "kvHeads",
+                                                 "ffnHidden", "tieEmbeddings", "ropeTheta", "entrypoint", "config"}
+    assert set(props["data"]["properties"]) == {"kind", "path", "valPath", "dtype"}
+    assert {"precision", "recompute", "gradClip", "lrSchedule", "evalEvery", "evalBatches",
+            "optimizer"} <= set(props["training"]["properties"])
     assert set(props["edges"]["items"]["properties"]) == {"from", "to", "send", "recv", "tensor"}
 
 
