@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("meshjob.commands.plan", "meshjob"),
     "crd": ("meshjob.commands.crd", "meshjob"),
     "simulate": ("meshjob.commands.simulate", "meshjob"),
+    "data": ("meshjob.commands.data", "meshjob"),
     "run": ("meshjob_trainer.commands.run", "meshjob-trainer"),
     "worker": ("meshjob_trainer.commands.worker", "meshjob-trainer"),
     "bench": ("meshjob_bench.cli", "meshjob-bench"),
@@ -31,6 +32,7 @@ HELPS: dict[str, str] = {
     "run": "run a TrainingJob on this machine on an emulated cluster",
     "bench": "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing",
     "simulate": "predict step time, bubbles and resharding time of a plan at any scale",
+    "data": "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]",
     "worker": "one trainer process per device (what a trainer pod runs)",
     "operator": "the Kubernetes operator (kopf)",
 }

@@ -35,10 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", help="with --cluster: a context of the kubeconfig")
     cost_options.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (the plan contract)")
+    p.add_argument("--skip-files", action="store_true",
+                   help="don't check spec.data's token files and spec.model.entrypoint's package on this "
+                        "machine (a plan for a cluster that holds them; implied by --cluster)")
 
 
 def run(args: argparse.Namespace) -> int:
     from meshjob.errors import UsageError
+    from meshjob.inputs import check_jobs_inputs
     from meshjob.placement import load_hosts
     from meshjob.plan import build_plan
     from meshjob.spec import load_jobs
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--kubeconfig and --context go with --cluster")
     network = cost_options.network_from_args(args)
     jobs = load_jobs(args.job)
+    if not (args.skip_files or args.cluster):  # a cluster's pods read their files there, not here
+        check_jobs_inputs(jobs, args.job)
     if args.cluster:
         _operator_costs_only(args, network)
         nodes = read_nodes(args.kubeconfig, args.context)
