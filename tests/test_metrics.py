@@ -10,8 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshjob.boundary import BoundaryKey
-from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Event, Fanout, LowerBoundRatio, Metric,
-                                    NicBandwidth, PipelineFractions, Resharded, StepFinished, UnitTasks)
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, Fanout, GradientNorm,
+                                    LowerBoundRatio, Metric, NicBandwidth, PipelineFractions, Resharded, StepFinished,
+                                    UnitTasks)
 from meshjob_trainer.metrics import TrainerMetrics
 
 ALLOWED_LABELS = {"trainingjob", "namespace", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
@@ -31,7 +32,8 @@ def feed_everything(m: TrainerMetrics) -> None:
     m.set_info("broadcast", "eager-1f1b", "greedy", "1x2,2x1")
     for event in (Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2), NicBandwidth("h1", 1.25e8),
                   UnitTasks("greedy", 4), LowerBoundRatio(FORWARD, 1.1), StepFinished(1, 1, 0.5, 4096, 2.5),
-                  PipelineFractions(1, 0.25, 0.75), CheckpointWritten(1, 10, 0.05)):
+                  PipelineFractions(1, 0.25, 0.75), CheckpointWritten(1, 10, 0.05), Evaluated(1, 10, 2.75),
+                  GradientNorm(1, 1, 0.8)):
         m.emit(event)
 
 
@@ -66,6 +68,15 @@ def test_nan_loss_means_this_stage_computes_no_loss(metrics):
     metrics.emit(StepFinished(1, 1, 0.5, 4096, math.nan))
     assert value(metrics, "meshjob_loss", trainingjob="gpt-demo", namespace="default", stage="1") is None
     assert value(metrics, "meshjob_tokens_total", trainingjob="gpt-demo", namespace="default", stage="1") == 4096
+
+
+def test_validation_loss_and_gradient_norm_are_gauges_of_the_stage(metrics):
+    metrics.emit(Evaluated(1, 10, 2.75))
+    metrics.emit(GradientNorm(1, 10, 0.8))
+    assert value(metrics, "meshjob_validation_loss", job="gpt-demo", stage="1") == 2.75
+    assert value(metrics, "meshjob_gradient_norm", job="gpt-demo", stage="1") == 0.8
+    metrics.emit(Evaluated(1, 20, math.nan))  # a stage without the loss records nothing
+    assert value(metrics, "meshjob_validation_loss", job="gpt-demo", stage="1") == 2.75
 
 
 def test_pipeline_fractions_are_exported_for_the_given_stage(metrics):
@@ -106,8 +117,9 @@ def test_the_standard_series_exist_before_the_first_event(metrics):
 def test_names_have_prefix_and_counters_end_in_total(metrics):
     feed_everything(metrics)
     families = list(metrics.registry.collect())
-    assert len(families) == 14
-    unitless = {"meshjob_loss", "meshjob_step", "meshjob_last_checkpoint_step"}
+    assert len(families) == 16
+    unitless = {"meshjob_loss", "meshjob_step", "meshjob_last_checkpoint_step", "meshjob_validation_loss",
+                "meshjob_gradient_norm"}
     units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio")
     for family in families:
         for sample in family.samples:

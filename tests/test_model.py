@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshjob.spec import ModelSpec, StageSpec, default_edges, skip_pairs
+from meshjob.spec import ModelSpec, StageSpec, TrainingSpec, default_edges, skip_pairs
 from meshjob_trainer.data import BigramData
 from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import train_reference
@@ -67,8 +67,16 @@ def test_different_seeds_give_different_weights():
 def test_first_and_last_stage_hold_the_same_tied_embedding():
     config = ModelSpec("gpt", **TINY)
     first, last = StageModule(config, 0, 3, seed=0), StageModule(config, 3, 6, seed=0)
-    assert torch.equal(first.tied_weight(), last.tied_weight())
-    assert StageModule(config, 0, 6, seed=0).tied_weight() is None  # one copy: nothing to tie
+    [a], [b] = first.tied_weights(), last.tied_weights()
+    assert torch.equal(a, b)
+    assert StageModule(config, 0, 6, seed=0).tied_weights() == []  # one copy: nothing to tie
+
+
+def test_an_untied_head_is_its_own_parameter_on_the_last_stage_only():
+    config = ModelSpec("gpt", **TINY, tie_embeddings=False)
+    first, last = StageModule(config, 0, 3, seed=0), StageModule(config, 3, 6, seed=0)
+    assert first.tied_weights() == last.tied_weights() == []
+    assert "wte.weight" not in dict(last.named_parameters()) and "lm_head.weight" in dict(last.named_parameters())
 
 
 def test_bad_layer_range_names_the_range_and_the_rule():
@@ -102,8 +110,8 @@ def test_data_rejects_a_batch_that_does_not_split_naming_the_field():
 @pytest.mark.parametrize("kind", ["gpt", "utransformer"])
 def test_reference_loss_goes_down(kind):
     config = ModelSpec(kind, **TINY)
-    result = train_reference(config, BigramData(32, 8, 8, seed=0), steps=12, microbatches=2,
-                             learning_rate=1e-2, seed=0)
+    training = TrainingSpec(steps=12, global_batch=8, microbatches=2, learning_rate=1e-2)
+    result = train_reference(StageModule(config, 0, 6, seed=0), BigramData(32, 8, 8, seed=0), training)
     assert result.losses[0] == pytest.approx(torch.log(torch.tensor(32.0)).item(), abs=0.3)
     assert sum(result.losses[-3:]) / 3 < result.losses[0] - 0.2
 

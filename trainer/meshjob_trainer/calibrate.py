@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from meshjob_trainer.model import StageModule
+from meshjob_trainer.families import build_stage
+from meshjob_trainer.numerics import Numerics
 
 
 def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
     """{"layer_forward_s": forward seconds per layer per sample, "backward_factor": backward / forward}."""
     torch.set_num_threads(1)
     config = job.model
-    module = StageModule(config, 0, config.layers, job.training.seed)
+    module = build_stage(config, 0, config.layers, job.training.seed, numerics=Numerics(job.training.precision))
     samples = job.training.microbatch_size
     gen = torch.Generator().manual_seed(job.training.seed)
     tokens = torch.randint(config.vocab, (samples, config.seq_len), generator=gen)

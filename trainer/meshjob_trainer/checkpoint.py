@@ -71,6 +71,7 @@ def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
         "spec.model.kind": m.kind, "spec.model.layers": m.layers, "spec.model.hidden": m.hidden,
         "spec.model.heads": m.heads, "spec.model.vocab": m.vocab, "spec.model.seqLen": m.seq_len,
         "spec.stages": len(job.stages), "worldSize": world_size,
+        **_model_shape_fields(m), **optimizer_layout_fields(job),
     }
     for i, st in enumerate(job.stages):
         fp[f"spec.stages[{i}].layers"] = list(st.layers)
@@ -78,6 +79,21 @@ def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
         fp[f"spec.stages[{i}].dataParallelDim"] = st.data_parallel_dim
         fp[f"spec.stages[{i}].tensorParallelDim"] = st.tensor_parallel_dim
     return fp
+
+
+def _model_shape_fields(m: Any) -> dict[str, Any]:
+    """Model fields beyond the original six that shape tensors, only where they differ from their
+    defaults, so the checkpoints of jobs that leave them unset keep their fingerprint."""
+    fields = {"spec.model.kvHeads": (m.kv_heads, None), "spec.model.ffnHidden": (m.ffn_hidden, None),
+              "spec.model.tieEmbeddings": (m.tie_embeddings, True), "spec.model.entrypoint": (m.entrypoint, "")}
+    return {key: value for key, (value, default) in fields.items() if value != default}
+
+
+def optimizer_layout_fields(job: Any) -> dict[str, Any]:
+    """How optimizer state is split over ranks: ZeRO-1 shards it over each stage's data-parallel ranks
+    (a checkpoint written one way cannot be read the other way). Absent for the default (zeroStage 0)."""
+    stage = job.training.optimizer.zero_stage
+    return {"spec.training.optimizer.zeroStage": stage} if stage else {}
 
 
 def fingerprint_diff(written: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

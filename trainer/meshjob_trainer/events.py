@@ -86,6 +86,11 @@ def one_of(name: str, value: str, allowed: Sequence[str]) -> None:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
 
 
+def _finite_or_nan(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isinf(value):
+        raise ValueError(f"{name}={value!r}: must be a finite number (or nan for 'no loss on this stage')")
+
+
 def _boundary(value: BoundaryKey) -> None:
     if not isinstance(value, BoundaryKey):
         raise ValueError(f"boundary={value!r}: must be a BoundaryKey, e.g. BoundaryKey(0, 1, 'activation')")
@@ -117,8 +122,37 @@ class StepFinished(Event):
         non_negative("seconds", self.seconds)
         non_negative("tokens", self.tokens)
         non_negative("step", self.step)
-        if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
-            raise ValueError(f"loss={self.loss!r}: must be a finite number (or nan for 'no loss on this stage')")
+        _finite_or_nan("loss", self.loss)
+
+
+@dataclass(frozen=True)
+class Evaluated(Event):
+    """The validation loss after `step` steps (spec.training.evalEvery): NaN off the last stage."""
+
+    METRICS = (Metric("meshjob_validation_loss", "Loss on the validation data (spec.data.valPath), last evaluation",
+                      "gauge", "loss", ("stage",)),)
+    stage: int
+    step: int
+    loss: float
+
+    def __post_init__(self) -> None:
+        non_negative("step", self.step)
+        _finite_or_nan("loss", self.loss)
+
+
+@dataclass(frozen=True)
+class GradientNorm(Event):
+    """The global gradient norm of a step, before clipping (spec.training.gradClip), over every stage and rank."""
+
+    METRICS = (Metric("meshjob_gradient_norm", "Global gradient norm of the last step, before clipping", "gauge",
+                      "norm", ("stage",)),)
+    stage: int
+    step: int
+    norm: float
+
+    def __post_init__(self) -> None:
+        non_negative("step", self.step)
+        non_negative("norm", self.norm)
 
 
 @dataclass(frozen=True)

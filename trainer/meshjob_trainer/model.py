@@ -1,10 +1,13 @@
-"""The models, nanoGPT-style: GPT and U-Transformer, cut into pipeline stages by layer range.
+"""The models, nanoGPT-style: GPT and U-Transformer, cut into pipeline stages by layer range, and
+PipelineStage, the stage skeleton every family (these two, meshjob_trainer.llama, a custom model
+from meshjob_trainer.custom) shares; build_stage picks the family of a job.
 
 A StageModule holds layers [first, last) of the model. Stage 0 also embeds (token + position);
 the last stage also does the final LayerNorm, the head and the loss. The head is tied to the
-token embedding: when the model is cut into several stages, the first and the last stage each
-hold a copy of it and their gradients are summed between them (parallel.reduce_gradients), so
-the copies stay equal; in one process (the reference) they are one parameter.
+token embedding (unless spec.model.tieEmbeddings is false): when the model is cut into several
+stages, the first and the last stage each hold a copy of it and their gradients are summed
+between them (parallel.tie_gradients), so the copies stay equal; in one process (the reference)
+they are one parameter.
 
 U-Transformer: the same blocks plus long skip connections from the output of layer i to the
 input of layer L-1-i for every i < L-1-i, added to the residual stream. A skip whose ends lie in
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshjob.spec import MODEL_KINDS, ModelSpec, skip_pairs, skip_tensor
+from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,8 +41,9 @@ from meshjob_trainer.parallel import (
 
 def check_model(config: ModelSpec) -> None:
     """A model spec that did not come through the manifest parser (tests, benchmarks) fails here, clearly."""
-    if config.kind not in MODEL_KINDS:
-        raise ValueError(f"model.kind: {config.kind!r} is invalid: allowed are {', '.join(MODEL_KINDS)}")
+    if config.kind not in ("gpt", "utransformer"):
+        raise ValueError(f"model.kind: {config.kind!r} is invalid: allowed are gpt, utransformer (this module); "
+                         f"all kinds: {', '.join(MODEL_KINDS)}")
     if config.hidden % config.heads:
         raise ValueError(f"model.hidden: {config.hidden} is invalid: must be divisible by model.heads "
                          f"({config.heads})")
@@ -92,7 +97,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
         super().__init__()
-        hidden, inner = config.hidden, 4 * config.hidden
+        hidden, inner = config.hidden, config.ffn_width
         self.tp = tp
         self.fc = ColumnParallelLinear(init.normal(f"{prefix}.fc.weight", (inner, hidden)), torch.zeros(inner), tp)
         self.proj = RowParallelLinear(init.normal(f"{prefix}.proj.weight", (hidden, inner), True), torch.zeros(hidden), tp)
@@ -116,34 +121,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class StageModule(nn.Module):
-    """Layers [first, last) of a GPT or U-Transformer (the whole model when first=0, last=L).
+class PipelineStage(nn.Module):
+    """Layers [first, last) of a model cut into pipeline stages: the part every family shares.
 
     forward(inputs) -> outputs, both dicts of tensors named as on the plan's edges:
       inputs:  "tokens" (stage 0) or "activation", plus incoming "skip<i>"; the last stage also
                takes "targets"
       outputs: "activation" and outgoing "skip<i>", or on the last stage "loss": the SUM of the
                token cross-entropies of the local rows (the caller scales it)
+
+    A family (GPT, Llama, a custom model) supplies `blocks` (a ModuleDict keyed by layer index),
+    embed(tokens) on the first stage and head_loss(x, targets) on the last. Precision and
+    recomputation (numerics.Numerics) apply to every family alike.
     """
 
-    def __init__(self, config: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup()):
+    def __init__(self, config: ModelSpec, first: int, last: int, numerics: Numerics = Numerics()):
         super().__init__()
-        check_model(config)
         if not 0 <= first < last <= config.layers:
             raise ValueError(f"stage layers: [{first}, {last}) is invalid: need 0 <= first < last <= {config.layers}")
-        self.config, self.first, self.last = config, first, last
+        self.config, self.first, self.last, self.numerics = config, first, last, numerics
         self.is_first, self.is_last = first == 0, last == config.layers
-        init = Initializer(config, seed)
-        replicated = ShardInfo(None)
-        if self.is_first or self.is_last:
-            self.wte = nn.Embedding(config.vocab, config.hidden)
-            self.wte.weight = sharded(init.normal("wte.weight", (config.vocab, config.hidden)), replicated)
-        if self.is_first:
-            self.wpe = nn.Embedding(config.seq_len, config.hidden)
-            self.wpe.weight = sharded(init.normal("wpe.weight", (config.seq_len, config.hidden)), replicated)
-        self.blocks = nn.ModuleDict({str(i): Block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
-        if self.is_last:
-            self.ln_f = _layer_norm(config.hidden)
         pairs = skip_pairs(config)
         self.skip_into = {dst: src for src, dst in pairs if first <= dst < last}  # layer -> source layer
         self.skip_sources = {src for src, dst in pairs if first <= src < last}
@@ -156,30 +153,73 @@ class StageModule(nn.Module):
     def output_names(self) -> list[str]:
         return ["loss"] if self.is_last else ["activation"] + self.skip_outputs
 
-    def tied_weight(self) -> nn.Parameter | None:
-        """The token embedding when it is tied across stages (held by both the first and last)."""
-        return self.wte.weight if (self.is_first or self.is_last) and not (self.is_first and self.is_last) else None
+    def tied_weights(self) -> list[nn.Parameter]:
+        """Parameters this stage shares with another stage (the first and the last stage each hold a
+        copy of a tied token embedding; parallel.tie_gradients sums their gradients)."""
+        return []
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.is_first:
-            tokens = inputs["tokens"]
-            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        else:
-            x = inputs["activation"]
+        device = next(iter(inputs.values())).device.type
+        with self.numerics.autocast(device):
+            return self._forward(inputs)
+
+    def _forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = self.embed(inputs["tokens"]) if self.is_first else inputs["activation"]
         saved: dict[int, torch.Tensor] = {}
         for i in range(self.first, self.last):
             if i in self.skip_into:
                 src = self.skip_into[i]
                 x = x + (saved[src] if src >= self.first else inputs[skip_tensor(src)])
-            x = self.blocks[str(i)](x)
+            x = self.numerics.run_block(self.blocks[str(i)], x)
             if i in self.skip_sources:
                 saved[i] = x
         if not self.is_last:
             return {"activation": x, **{name: saved[int(name[4:])] for name in self.skip_outputs}}
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # head tied to the token embedding
-        targets = inputs["targets"]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        return {"loss": loss}
+        return {"loss": self.head_loss(x, inputs["targets"])}
+
+
+class StageModule(PipelineStage):
+    """Layers [first, last) of a GPT or U-Transformer. Stage 0 embeds (token + position); the last
+    stage does the final LayerNorm, the head (tied to the token embedding unless
+    spec.model.tieEmbeddings is false) and the loss."""
+
+    def __init__(self, config: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup(),
+                 numerics: Numerics = Numerics()):
+        check_model(config)
+        super().__init__(config, first, last, numerics)
+        init = Initializer(config, seed)
+        replicated = ShardInfo(None)
+        self.tied = config.tie_embeddings
+        if self.is_first or (self.is_last and self.tied):
+            self.wte = nn.Embedding(config.vocab, config.hidden)
+            self.wte.weight = sharded(init.normal("wte.weight", (config.vocab, config.hidden)), replicated)
+        if self.is_first:
+            self.wpe = nn.Embedding(config.seq_len, config.hidden)
+            self.wpe.weight = sharded(init.normal("wpe.weight", (config.seq_len, config.hidden)), replicated)
+        self.blocks = nn.ModuleDict({str(i): Block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
+        if self.is_last:
+            self.ln_f = _layer_norm(config.hidden)
+            if not self.tied:
+                self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+                self.lm_head.weight = sharded(init.normal("lm_head.weight", (config.vocab, config.hidden)),
+                                              replicated)
+
+    def tied_weights(self) -> list[nn.Parameter]:
+        cut = (self.is_first or self.is_last) and not (self.is_first and self.is_last)
+        return [self.wte.weight] if cut and self.tied else []
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.ln_f(x), self.wte.weight if self.tied else self.lm_head.weight)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
 
 
 def full_parameters(shards: list[dict[str, tuple[torch.Tensor, ShardInfo]]]) -> dict[str, torch.Tensor]:

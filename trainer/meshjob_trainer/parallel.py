@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,10 @@ class StageGroups:
     # over it (None when this rank is in neither, or there is one stage).
     tie_group: dist.ProcessGroup | None
     tie_members: int  # number of ranks holding a copy of the tied embedding in this group's stage
+    # 0 on the one rank of each set of redundant replicas (ranks of the stage that differ only along
+    # mesh dims that are neither data- nor tensor-parallel: same inputs, same gradients)
+    replica_rank: int = 0
+    is_first_stage: bool = True
 
 
 def _lines(mesh: Mesh, dim: int) -> list[tuple[int, ...]]:
@@ -77,7 +81,25 @@ def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int)
         group = dist.new_group(members)
         if stage in (0, last):
             tie_group = group
-    return StageGroups(tp, dp_group, dp_rank, dp_size, tie_group, tie_members)
+    return StageGroups(tp, dp_group, dp_rank, dp_size, tie_group, tie_members,
+                       _replica_rank(stages[stage], meshes[stage], rank), stage == 0)
+
+
+def _replica_rank(spec: StageSpec, mesh: Mesh, rank: int) -> int:
+    """This rank's index along the mesh dims that are neither data- nor tensor-parallel."""
+    index = 0
+    for dim, (coord, size) in enumerate(zip(mesh.index_of(rank), mesh.shape)):
+        if dim not in (spec.data_parallel_dim, spec.tensor_parallel_dim):
+            index = index * size + coord
+    return index
+
+
+def all_reduce_fp32(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over `group` of a (possibly bf16) tensor, added in fp32 and returned in x's dtype: partial
+    sums rounded to bf16 once each, not again at every addition."""
+    total = x.to(torch.float32, copy=True).contiguous()
+    dist.all_reduce(total, group=group)
+    return total.to(x.dtype)
 
 
 # --- Megatron's conjugate pair: f (identity forward, all-reduce backward) and g (the reverse) ---
@@ -90,17 +112,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce_fp32(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return all_reduce_fp32(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -163,39 +181,42 @@ class RowParallelLinear(nn.Module):
     """y = sum over TP ranks of x_r W_r^T, + b once: input sharded on its last dim, output
     replicated (all-reduced forward; its backward is the identity)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: TPGroup):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
         super().__init__()
         self.tp = tp
         self.weight = sharded(weight, ShardInfo(1, tp.rank, tp.size))
-        self.bias = sharded(bias, ShardInfo(None))
+        self.bias = None if bias is None else sharded(bias, ShardInfo(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.tp) + self.bias
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
 
 
-# --- gradient reductions after the last microbatch ---------------------------------------
+# --- the tied embedding's gradient -------------------------------------------------------
 
-def reduce_gradients(params: Iterable[nn.Parameter], groups: StageGroups, tied: nn.Parameter | None) -> None:
-    """Data parallel: SUM the gradients over the DP group. The loss each rank backpropagates is
-    already its share of the global-batch mean (token sum / global token count), which keeps the
-    activation gradients sent between stages of different DP widths exact; a mean here would
-    divide twice.
+def tie_gradients(tied: Sequence[nn.Parameter], groups: StageGroups) -> None:
+    """The first and the last stage each hold a copy of a tied parameter (the token embedding, used
+    for the input lookup and the output head): give every copy the gradient of the one tied weight.
 
-    Tied embedding: the first and last stage each hold a copy of the token embedding (used for
-    the input lookup and the output head); summing their gradients over the tie group gives both
-    copies the gradient of the single tied weight, so both take the same optimizer step."""
-    params = list(params)
-    if groups.dp_group is not None:
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=groups.dp_group)
-    if tied is not None and groups.tie_group is not None:
-        if tied.grad is None:
-            tied.grad = torch.zeros_like(tied)
-        # every rank of a stage holds the same gradient: divide by the holders so that the sum
-        # adds each stage's gradient once.
-        tied.grad.div_(groups.tie_members)
-        dist.all_reduce(tied.grad, group=groups.tie_group)
+    This runs before the data-parallel reduction, which then leaves these parameters out (their
+    gradient is complete): each rank adds its own gradient divided by the ranks that hold the same
+    slice for the same rows of data (tensor-parallel copies of a replicated weight, redundant mesh
+    dims), so the sum over the tie group counts every data-parallel rank of both stages once. A
+    sharded copy (llama's vocab-parallel embedding) goes into a full-size buffer at its slice, so
+    stages of different tensor-parallel degrees tie as well."""
+    if groups.tie_group is None:
+        return
+    for p in tied:
+        info = shard_info(p)
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        shape = list(p.shape)
+        if info.dim is not None:
+            shape[info.dim] *= info.parts
+        full = torch.zeros(shape, dtype=torch.float32, device=p.device)
+        mine = full if info.dim is None else full.chunk(info.parts, dim=info.dim)[info.index]
+        mine.copy_(grad / (groups.tie_members // (info.parts * groups.dp_size)))
+        dist.all_reduce(full, group=groups.tie_group)
+        p.grad = mine.to(p.dtype).clone()
 
 
 def init_std(hidden: int, layers: int, residual_proj: bool) -> float:

@@ -28,7 +28,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from meshjob.boundary import BoundaryKey
 from meshjob.schedule import Action
 from meshjob_trainer.data import Batch
-from meshjob_trainer.model import StageModule
+from meshjob_trainer.model import PipelineStage
 
 
 class Handle(Protocol):
@@ -77,7 +77,7 @@ class _Stash:
 class PipelineExecutor:
     """Runs `actions` for stage `stage`; one instance per rank, reused every step."""
 
-    def __init__(self, stage: int, module: StageModule, actions: Sequence[Action], transport: Transport,
+    def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
                  loss_scale: float):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
@@ -88,26 +88,24 @@ class PipelineExecutor:
         """Execute the action list once. Returns (the sum of this rank's scaled microbatch losses
         (0 except on the last stage), the step's stats)."""
         run = _StepRun(self, local_batch)
-        # Post every receive of the step up front. gloo moves data only once the receiver has posted,
-        # so a receive posted at its action (right before the compute that needs it) would expose the
-        # whole transfer; posted early, it overlaps the computation of other microbatches, which is
-        # what eager-1F1B's earlier forwards are for. Cost: one receive buffer per microbatch and
-        # incoming edge (not counted as stashed activations: they hold no autograd graph).
-        receives = [a for a in self.actions if a.kind in ("RECV_F", "RECV_B")]
-        for action in receives:
-            run.do(action)
-        for action in self.actions:
-            if action.kind not in ("RECV_F", "RECV_B"):
-                run.do(action)
-        run.finish()
+        run.run(self.actions)
         return run.loss, run.stats
+
+    def run_forward(self, local_batch: Callable[[int], Batch]) -> float:
+        """Forward only, without autograd (evaluation): the list's F, SEND_F and RECV_F actions in
+        their order, which stays a valid schedule (a forward needs only forwards). Returns the sum of
+        this rank's scaled microbatch losses (0 except on the last stage)."""
+        run = _StepRun(self, local_batch, training=False)
+        with torch.no_grad():
+            run.run([a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")])
+        return run.loss
 
 
 class _StepRun:
     """The state of one step: stashes, in-flight handles, received gradients."""
 
-    def __init__(self, ex: PipelineExecutor, local_batch: Callable[[int], Batch]):
-        self.ex, self.local_batch = ex, local_batch
+    def __init__(self, ex: PipelineExecutor, local_batch: Callable[[int], Batch], training: bool = True):
+        self.ex, self.local_batch, self.training = ex, local_batch, training
         self.stats = StageStats(ex.stage, steps=1)
         self.loss = 0.0
         self.stash: dict[int, _Stash] = {}
@@ -116,6 +114,20 @@ class _StepRun:
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.sends: list[Handle] = []
         self.t0 = self.stats.timeline_origin = time.perf_counter()
+
+    def run(self, actions: Sequence[Action]) -> None:
+        # Post every receive of the step up front. gloo moves data only once the receiver has posted,
+        # so a receive posted at its action (right before the compute that needs it) would expose the
+        # whole transfer; posted early, it overlaps the computation of other microbatches, which is
+        # what eager-1F1B's earlier forwards are for. Cost: one receive buffer per microbatch and
+        # incoming edge (not counted as stashed activations: they hold no autograd graph).
+        for action in actions:
+            if action.kind in ("RECV_F", "RECV_B"):
+                self.do(action)
+        for action in actions:
+            if action.kind not in ("RECV_F", "RECV_B"):
+                self.do(action)
+        self.finish()
 
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
@@ -247,6 +259,8 @@ class _StepRun:
     def finish(self) -> None:
         for handle in self.sends:
             self.wait(handle)
+        if not self.training:  # forward only: the stash held the outputs until they were sent
+            self.stash.clear()
         leftovers = []
         if self.stash:
             leftovers.append(f"microbatches {sorted(self.stash)} forwarded but never fully backwarded")

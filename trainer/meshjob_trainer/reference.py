@@ -1,50 +1,74 @@
-"""The single-process reference: the same model, data, loss and optimizer as a pipelined run,
-without pipelining or parallelism. Pipelined runs must match it (losses and final weights)."""
+"""The single-process reference: the same model, data, loss, numerics and optimizer as a pipelined
+run, without pipelining or parallelism. Pipelined runs must match it (losses, validation losses,
+gradient norms and final weights); it is the oracle every feature is tested against.
+
+What it shares with a pipelined run is only what defines the mathematics: the model family
+(families.build_stage, the whole model as one stage), the data (data.make_data), the loss scaling,
+the learning-rate schedule and AdamW (optim.lr_at, optim.make_optimizer). Clipping is torch's own
+torch.nn.utils.clip_grad_norm_ over the one model, tensor parallelism and ZeRO-1 do not exist here,
+and recomputation is off (it changes memory, not results).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from meshjob.spec import ModelSpec
-from meshjob_trainer.data import BigramData
-from meshjob_trainer.model import StageModule
+from meshjob_trainer.data import TRAIN, VAL, Dataset, make_data
+from meshjob_trainer.families import build_stage
+from meshjob_trainer.model import PipelineStage
+from meshjob_trainer.numerics import Numerics
+from meshjob_trainer.optim import lr_at, make_optimizer
 
 
 @dataclass
 class ReferenceResult:
     losses: list[float]  # mean token cross-entropy over the global batch, per step
     weights: dict[str, torch.Tensor]  # final full weights by parameter name
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, mean validation loss)
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping (with gradClip)
 
 
-def make_optimizer(params, learning_rate: float) -> torch.optim.Optimizer:
-    """The optimizer every run uses (AdamW, elementwise, so shards update like the full weight)."""
-    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.01, foreach=False)
+def batch_loss(model: PipelineStage, data: Dataset, step: int, microbatches: int, backward: bool) -> float:
+    """The global-batch mean loss of `step`, microbatch by microbatch (gradients accumulate into .grad)."""
+    tokens = data.global_batch * model.config.seq_len
+    total = 0.0
+    for mb in range(microbatches):
+        batch = data.microbatch(step, mb, microbatches)
+        loss = model({"tokens": batch.tokens, "targets": batch.targets})["loss"] / tokens
+        if backward:
+            loss.backward()
+        total += loss.item()
+    return total
 
 
-def train_reference(config: ModelSpec, data: BigramData, steps: int, microbatches: int,
-                    learning_rate: float, seed: int) -> ReferenceResult:
-    model = StageModule(config, 0, config.layers, seed)
-    optimizer = make_optimizer(model.parameters(), learning_rate)
-    tokens_per_batch = data.global_batch * config.seq_len
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for mb in range(microbatches):
-            batch = data.microbatch(step, mb, microbatches)
-            loss = model({"tokens": batch.tokens, "targets": batch.targets})["loss"] / tokens_per_batch
-            loss.backward()  # gradients accumulate over microbatches: the global-batch mean
-            total += loss.item()
+def train_reference(model: PipelineStage, data: Dataset, training: Any, val_data: Dataset | None = None,
+                    ) -> ReferenceResult:
+    """Train `model` (the whole model as one stage) as meshjob.spec.TrainingSpec `training` says."""
+    t = training
+    optimizer = make_optimizer(model.parameters(), t.learning_rate, t.optimizer.weight_decay)
+    result = ReferenceResult([], {})
+    for step in range(t.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        result.losses.append(batch_loss(model, data, step, t.microbatches, backward=True))
+        if t.grad_clip is not None:
+            result.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return ReferenceResult(losses, weights)
+        if val_data is not None and (step + 1) % t.eval_every == 0:
+            with torch.no_grad():
+                val = [batch_loss(model, val_data, i, t.microbatches, backward=False) for i in range(t.eval_batches)]
+            result.val_losses.append((step + 1, math.fsum(val) / len(val)))
+    result.weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return result
 
 
 def reference_for_job(job) -> ReferenceResult:
-    """The reference of a TrainingJob (meshjob.spec): its model, data, steps and optimizer."""
+    """The reference of a TrainingJob (meshjob.spec): its model, data, steps, numerics and optimizer."""
     t = job.training
-    config = job.model
-    data = BigramData(config.vocab, config.seq_len, t.global_batch, t.seed)
-    return train_reference(config, data, t.steps, t.microbatches, t.learning_rate, t.seed)
+    model = build_stage(job.model, 0, job.model.layers, t.seed, numerics=Numerics(t.precision))
+    val = make_data(job, VAL) if t.eval_every > 0 else None
+    return train_reference(model, make_data(job, TRAIN), t, val)

@@ -1,12 +1,19 @@
 """The training loop of one rank: build its stage, run the plan's action list every step,
-reduce gradients, step the optimizer, report, checkpoint.
+reduce gradients, clip them, step the optimizer, evaluate, report, checkpoint.
 
 Loss convention: each microbatch's loss is the token cross-entropy SUM of the rank's rows times
 1 / (tokens of the global batch), so the sum over microbatches and data-parallel ranks is the
 global-batch mean (what the single-process reference reports), and gradients add up exactly.
+
+A step: the action list (forward and backward of every microbatch), then the tied embedding's
+gradient (parallel.tie_gradients), the data-parallel reduction (all-reduce, or ZeRO-1's
+reduce-scatter), clipping to spec.training.gradClip by the global norm, and AdamW at the
+schedule's learning rate (optim). Every spec.training.evalEvery steps the validation loss: the
+forward actions of the same list over spec.training.evalBatches validation batches.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,13 +23,18 @@ import torch
 import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
-from meshjob_trainer.data import Batch, BigramData
-from meshjob_trainer.events import CheckpointRestored, CheckpointWritten, PipelineFractions, StepFinished
-from meshjob_trainer.model import StageModule, local_shards
-from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, reduce_gradients
+from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, GradientNorm,
+                                    PipelineFractions, StepFinished)
+from meshjob_trainer.families import build_stage
+from meshjob_trainer.model import PipelineStage, local_shards
+from meshjob_trainer.numerics import Numerics
+from meshjob_trainer.optim import StageOptimizer, clip_global_norm, lr_at
+from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, tie_gradients
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
-from meshjob_trainer.reference import make_optimizer
 from meshjob_trainer.reshard import ReshardExecutor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +48,8 @@ class TrainResult:
     steps: int = 0  # the job's total steps
     comm_s: float = 0.0  # summed wall time of the transfers this rank took part in
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step run here
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, loss); last stage only
+    grad_norms: list[float] = field(default_factory=list)  # per step run, before clipping (with gradClip)
 
 
 class ReshardTransport:
@@ -59,7 +73,7 @@ class ReshardTransport:
         return seconds
 
 
-def check_edges(module: StageModule, stage: int, edges: Sequence[Any]) -> None:
+def check_edges(module: PipelineStage, stage: int, edges: Sequence[Any]) -> None:
     """The plan's edges must carry exactly the tensors this stage's layers consume and produce."""
     incoming = sorted(e.tensor for e in edges if e.dst == stage)
     outgoing = sorted({e.tensor for e in edges if e.src == stage})
@@ -77,32 +91,40 @@ class StageRuntime:
     """Everything one rank builds once before the first step."""
 
     stage: int
-    module: StageModule
+    module: PipelineStage
     groups: StageGroups
-    optimizer: torch.optim.Optimizer
+    optimizer: StageOptimizer
     executor: PipelineExecutor
     transport: ReshardTransport
-    data: BigramData
-    microbatches: int
+    data: Dataset
+    val_data: Dataset | None  # None: no evaluation
+    job: Any  # meshjob.spec.TrainingJob
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def reports(self) -> bool:
+        """The one rank that logs the losses: the last stage's first data-, tensor- and replica rank."""
+        g = self.groups
+        return self.module.is_last and g.dp_rank == 0 and g.tp.rank == 0 and g.replica_rank == 0
 
 
 def build_runtime(ctx: Any) -> StageRuntime:
     job, plan, stage = ctx.job, ctx.plan, ctx.stage
-    torch.manual_seed(job.training.seed)
+    t = job.training
+    torch.manual_seed(t.seed)
     meshes = [plan.mesh(s) for s in range(len(job.stages))]
     groups = build_groups(job.stages, meshes, ctx.rank)  # collective: all ranks, same order
-    config = job.model
     first, last = job.stages[stage].layers
     # weights are created on the CPU from the seed (identical everywhere), then moved
-    module = StageModule(config, first, last, job.training.seed, groups.tp).to(ctx.device)
+    module = build_stage(job.model, first, last, t.seed, groups.tp, Numerics.of(job, stage)).to(ctx.device)
     check_edges(module, stage, job.edges)
-    optimizer = make_optimizer(module.parameters(), job.training.learning_rate)
+    optimizer = StageOptimizer(list(module.parameters()), groups, t.learning_rate, t.optimizer.weight_decay,
+                               t.optimizer.zero_stage, tied=module.tied_weights())
     transport = ReshardTransport(ctx.reshard)
-    tokens = job.training.global_batch * config.seq_len
+    tokens = t.global_batch * job.model.seq_len
     executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens)
-    data = BigramData(config.vocab, config.seq_len, job.training.global_batch, job.training.seed)
-    return StageRuntime(stage, module, groups, optimizer, executor, transport, data, job.training.microbatches,
+    val = make_data(job, VAL) if t.eval_every > 0 else None
+    return StageRuntime(stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job,
                         torch.device(ctx.device))
 
 
@@ -114,18 +136,37 @@ def global_loss(rt: StageRuntime, local: float) -> float:
     return float(value.item())
 
 
-def train_step(rt: StageRuntime, step: int) -> tuple[float, StageStats]:
-    rt.optimizer.zero_grad(set_to_none=True)
-    dp = rt.groups
+def _batches(rt: StageRuntime, data: Dataset, step: int) -> Any:
+    """local_batch(mb) for the executor: this rank's rows of microbatch mb of `step`'s global batch."""
+    g, microbatches = rt.groups, rt.job.training.microbatches
 
     def local_batch(mb: int) -> Batch:
-        batch = rt.data.microbatch(step, mb, rt.microbatches, dp.dp_rank, dp.dp_size)
+        batch = data.microbatch(step, mb, microbatches, g.dp_rank, g.dp_size)
         return Batch(batch.tokens.to(rt.device), batch.targets.to(rt.device))
 
-    local, stats = rt.executor.run_step(local_batch)
-    reduce_gradients(rt.module.parameters(), rt.groups, rt.module.tied_weight())
+    return local_batch
+
+
+def train_step(rt: StageRuntime, step: int) -> tuple[float, StageStats, float]:
+    """One optimizer step; returns (this rank's share of the loss, stats, the global gradient norm
+    before clipping, or NaN without spec.training.gradClip)."""
+    t = rt.job.training
+    rt.optimizer.zero_grad()
+    rt.optimizer.set_lr(lr_at(step, t))
+    local, stats = rt.executor.run_step(_batches(rt, rt.data, step))
+    tie_gradients(rt.module.tied_weights(), rt.groups)
+    rt.optimizer.reduce_gradients()
+    norm = clip_global_norm(rt.optimizer, t.grad_clip) if t.grad_clip is not None else math.nan
     rt.optimizer.step()
-    return local, stats
+    return local, stats, norm
+
+
+def evaluate(rt: StageRuntime) -> float:
+    """The mean loss over spec.training.evalBatches validation batches (NaN off the last stage)."""
+    assert rt.val_data is not None
+    batches = rt.job.training.eval_batches
+    local = sum(rt.executor.run_forward(_batches(rt, rt.val_data, i)) for i in range(batches)) / batches
+    return global_loss(rt, local) if rt.module.is_last else math.nan
 
 
 def _restore(ctx: Any, rt: StageRuntime) -> int:
@@ -156,10 +197,12 @@ def train(ctx: Any) -> TrainResult:
     total = StageStats(rt.stage)
     losses: list[float] = []
     step_seconds: list[float] = []
+    val_losses: list[tuple[int, float]] = []
+    norms: list[float] = []
     tokens = job.training.global_batch * job.model.seq_len
     for step in range(start_step, job.training.steps):
         t0 = time.perf_counter()
-        local, stats = train_step(rt, step)
+        local, stats, norm = train_step(rt, step)
         loss = global_loss(rt, local) if rt.module.is_last else math.nan
         seconds = time.perf_counter() - t0
         step_seconds.append(seconds)
@@ -167,20 +210,40 @@ def train(ctx: Any) -> TrainResult:
         total.merge_step(stats)
         if rt.module.is_last:
             losses.append(loss)
+        if not math.isnan(norm):
+            norms.append(norm)
+            ctx.events.emit(GradientNorm(rt.stage, step + 1, norm))
         ctx.events.emit(StepFinished(rt.stage, step + 1, seconds, tokens, loss))
         bubble = min(1.0, max(0.0, 1.0 - stats.compute_s / seconds)) if seconds > 0 else 0.0
         overlap = min(1.0, max(0.0, 1.0 - stats.wait_s / comm)) if comm > 0 else 0.0
         ctx.events.emit(PipelineFractions(rt.stage, bubble, overlap))
+        if rt.reports:
+            log.info("step %d/%d: loss %.4f%s", step + 1, job.training.steps, loss,
+                     "" if math.isnan(norm) else f", gradient norm {norm:.4f}")
+        _maybe_evaluate(ctx, rt, step + 1, val_losses)
         _save(ctx, rt, step + 1)
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
-                       job.training.steps, rt.transport.comm_s, step_seconds)
+                       job.training.steps, rt.transport.comm_s, step_seconds, val_losses, norms)
+
+
+def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: list[tuple[int, float]]) -> None:
+    every = rt.job.training.eval_every
+    if every <= 0 or steps_done % every:
+        return
+    loss = evaluate(rt)
+    ctx.events.emit(Evaluated(rt.stage, steps_done, loss))
+    if rt.module.is_last:
+        val_losses.append((steps_done, loss))
+    if rt.reports:
+        log.info("step %d/%d: validation loss %.4f", steps_done, rt.job.training.steps, loss)
 
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
-               timeout_s: float = 60.0, checkpoint_dir: str | None = None) -> TrainResult:
+               timeout_s: float = 60.0, checkpoint_dir: str | None = None, events: Any = None) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
-    process group, build the plan (optionally with other action lists), train, leave.
-    For tests and benchmarks that launch ranks with meshjob_trainer.launch."""
+    process group, build the plan (optionally with other action lists), train, leave; its events go
+    to `events` (a MetricsSink) when given. For tests and benchmarks that launch ranks with
+    meshjob_trainer.launch."""
     import dataclasses
 
     from meshjob.plan import build_plan
@@ -197,7 +260,7 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
             checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
         ctx = WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
                             reshard=ReshardExecutor(plan, env.rank, device=device), checkpoints=checkpoints,
-                            device=device)
+                            device=device, **({} if events is None else {"events": events}))
         return train(ctx)
     finally:
         shutdown_distributed()

@@ -25,20 +25,24 @@ class JobSetup:
 
 
 def load_setup(settings: WorkerSettings) -> JobSetup:
-    """Parse the job (SpecError names bad fields) and build its plan; DistError when the plan is not
-    the one the operator rendered, or the rendered plan it names is missing."""
+    """Parse the job and check what it reads here (SpecError names bad fields: the manifest, its token
+    files, its custom model) and build its plan; DistError when the plan is not the one the operator
+    rendered, or the rendered plan it names is missing."""
     from meshjob import rendered
     from meshjob.placement import load_hosts
     from meshjob.spec import load_job
+    from meshjob_trainer.families import check_inputs
 
     if not settings.job_path:
         raise DistError("no job: pass --job job.yaml or set MESHJOB_JOB")
     if not settings.plan_path:
         hosts = load_hosts(settings.hosts_path) if settings.hosts_path else None
         inputs = rendered.PlanInputs.of(load_job(settings.job_path), hosts)
+        check_inputs(inputs.job)  # SpecError: the token files or the custom model, before any rank starts
         return JobSetup(inputs.job, inputs.build())
     try:
         inputs, expected = rendered.load(settings.job_path, settings.hosts_path, settings.plan_path)
+        check_inputs(inputs.job)
         plan = inputs.build()
         expected.check(plan)
     except rendered.PlanMismatch as err:

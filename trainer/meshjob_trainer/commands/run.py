@@ -123,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
     from meshjob.rendered import PlanInputs
     from meshjob.spec import load_job
 
+    from meshjob_trainer.families import check_inputs
+
     _validate_args(args)
     job = load_job(args.job)
+    check_inputs(job)  # token files, the custom model: one clear error here, not one per rank
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
     plan = PlanInputs.of(job, hosts, parse_rate(args.nic_rate, "--nic-rate")).build()  # inherited by every rank
     placement = plan.placement
@@ -247,6 +250,8 @@ def _print_summary(console: Console, s: dict) -> None:
         ("steps", f"{s['steps_completed']}/{s['total_steps']}"
                   + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else "")),
         ("final loss", _fmt(s["final_loss"], ".4f")),
+        ("validation loss", _fmt(s["final_val_loss"], ".4f")
+         + (f" (step {s['val_losses'][-1][0]})" if s["val_losses"] else "")),
         ("tokens/s (mean)", _fmt(s["tokens_per_s_mean"], ",.0f")),
         ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received by all ranks, "
                        f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s over the training time"),

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Event, LowerBoundRatio, NicBandwidth,
-                                    PipelineFractions, Resharded, StepFinished, UnitTasks)
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, LowerBoundRatio,
+                                    NicBandwidth, PipelineFractions, Resharded, StepFinished, UnitTasks)
 
 
 @dataclass
@@ -33,6 +33,7 @@ class RunStats:
     step_tokens: dict[int, int] = field(default_factory=dict)
     loss: float = math.nan
     losses: list[tuple[int, float]] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     reshard_bytes: int = 0
     reshard_seconds: float = 0.0  # summed over receivers: includes waiting for the peer stage
     first_event_s: float | None = None  # monotonic time of the first and latest rank event
@@ -69,6 +70,11 @@ class RunStats:
         if not math.isnan(event.loss):
             self.loss = event.loss
             self.losses.append((event.step, event.loss))
+
+    @_add.register
+    def _evaluated(self, event: Evaluated, rank: int) -> None:
+        if not math.isnan(event.loss):
+            self.val_losses[event.step] = event.loss
 
     @_add.register
     def _resharded(self, event: Resharded, rank: int) -> None:
@@ -145,6 +151,8 @@ class RunStats:
             "steps_completed": self.step, "total_steps": self.total_steps,
             "final_loss": None if math.isnan(self.loss) else self.loss,
             "losses": self.losses,
+            "final_val_loss": self.val_losses[max(self.val_losses)] if self.val_losses else None,
+            "val_losses": sorted(self.val_losses.items()),
             "tokens_per_s_mean": self.mean_tokens_per_s,
             "resharding_bytes": self.reshard_bytes,
             "resharding_gbytes_per_s": self.reshard_gbytes_per_s,

@@ -1,0 +1,49 @@
+"""How a stage computes: precision (fp32, or bf16 autocast over fp32 master weights) and activation
+recomputation (keep each block's input, recompute its activations in the backward).
+
+bf16 here is mixed precision, not a bf16 model: parameters, gradients and optimizer state stay
+fp32, autocast runs the matrix products in bf16, and every reduction (tensor-parallel, data-parallel,
+the tied embedding, the loss) adds in fp32. The residual stream adds a bf16 block output to an fp32
+input, which promotes to fp32, so the tensors that cross stage boundaries stay fp32 as the plan's
+byte counts assume.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    precision: str = "fp32"  # meshjob.spec.PRECISIONS
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISION_DTYPES:
+            raise ValueError(f"training.precision: {self.precision!r} is invalid: allowed are "
+                             f"{', '.join(PRECISION_DTYPES)}")
+
+    @classmethod
+    def of(cls, job, stage: int) -> "Numerics":
+        """The numerics of one stage of a meshjob.spec.TrainingJob."""
+        return cls(job.training.precision, job.recompute(stage) == "full")
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """The forward's autocast region (none for fp32)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=PRECISION_DTYPES[self.precision])
+
+    def run_block(self, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """block(x), keeping only x for the backward when recomputing. Non-reentrant checkpointing:
+        it recomputes under the same autocast state, and works with torch.autograd.grad on chosen
+        inputs, which the split backward (I, then W) needs."""
+        if not self.recompute or not torch.is_grad_enabled():
+            return block(x)
+        return checkpoint(block, x, use_reentrant=False)
