@@ -46,8 +46,17 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
  && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
-      torch==2.13.0 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
+      torch==2.13.0 numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
  && rm -rf /wheels
+# The README job's token files (spec.data.path examples/data/..., relative to this WORKDIR): 400 KB.
+# A real corpus goes on a volume mounted into the pods instead (spec.data.path: /data/train.bin).
+COPY examples/data/shakespeare-train.bin examples/data/shakespeare-val.bin examples/data/
+# A user's model (spec.model.kind: custom, spec.model.entrypoint: "package.module:build"): build an image
+# FROM this one that installs the package, e.g.
+#   FROM meshjob/trainer:0.1.0
+#   COPY conv_lm/ /opt/models/conv_lm/
+#   ENV PYTHONPATH=/opt/models                # or: RUN pip install my-models==1.2.3
+# and name it in spec.image; `meshjob plan` and every worker check the entry point before training.
 USER 10001:10001
 EXPOSE 9400
 ENTRYPOINT ["meshjob"]

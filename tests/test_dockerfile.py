@@ -248,8 +248,21 @@ def test_dockerignore_keeps_tests_charts_and_git_out_of_the_context():
     kept = _context_files()
     assert kept, ".dockerignore excludes everything"
     for path in kept:
-        assert not path.startswith(("tests/", "charts/", "bench/", ".git", "examples/")), path
+        assert not path.startswith(("tests/", "charts/", "bench/", ".git")), path
+        assert not path.startswith("examples/") or path.startswith("examples/data/") and path.endswith(".bin"), path
         assert "__pycache__" not in path
+
+
+def test_trainer_image_holds_the_readme_jobs_token_files_where_its_relative_paths_point(dockerfile):
+    """examples/gpt-demo.yaml reads examples/data/*.bin relative to the working directory, /app in the image."""
+    from meshjob.spec import load_job
+
+    _, stages = dockerfile
+    copied = [source for args in stages["trainer"].all("COPY") if not args.startswith("--from")
+              for source in shlex.split(args)[:-1]]
+    data = load_job(str(ROOT / "examples" / "gpt-demo.yaml")).data
+    assert {data.path, data.val_path} <= set(copied)
+    assert any(args.startswith("/app") for args in stages["base"].all("WORKDIR"))
 
 
 def test_every_copy_source_is_in_the_build_context(dockerfile):
