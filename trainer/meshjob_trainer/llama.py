@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshjob.spec import ModelSpec
-from meshjob_trainer.model import Initializer, PipelineStage
+from meshjob_trainer.model import Initializer, PipelineStage, PreNormBlock
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import (ColumnParallelLinear, RowParallelLinear, ShardInfo, TPGroup, copy_to_tp,
                                       reduce_from_tp, sharded)
@@ -113,17 +113,9 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class Block(nn.Module):
-    def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
-        super().__init__()
-        self.attn_norm = RMSNorm(config.hidden)
-        self.attn = Attention(config, f"{prefix}.attn", init, tp)
-        self.mlp_norm = RMSNorm(config.hidden)
-        self.mlp = SwiGLU(config, f"{prefix}.mlp", init, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+def llama_block(config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup) -> PreNormBlock:
+    return PreNormBlock(RMSNorm(config.hidden), Attention(config, f"{prefix}.attn", init, tp),
+                        RMSNorm(config.hidden), SwiGLU(config, f"{prefix}.mlp", init, tp))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -188,7 +180,7 @@ class LlamaStage(PipelineStage):
         self.tp, self.tied = tp, config.tie_embeddings
         if self.is_first or (self.is_last and self.tied):
             self.embed_tokens = VocabParallelEmbedding(init.normal("embed_tokens.weight", (config.vocab, config.hidden)), tp)
-        self.blocks = nn.ModuleDict({str(i): Block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
+        self.blocks = nn.ModuleDict({str(i): llama_block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
         if self.is_last:
             self.norm = RMSNorm(config.hidden)
             if not self.tied:

@@ -106,19 +106,22 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(copy_to_tp(x, self.tp))))
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block."""
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block, x + attn(ln_1(x)) then + mlp(ln_2(x)): GPT's with LayerNorms,
+    Llama's with RMSNorms (meshjob_trainer.llama)."""
 
-    def __init__(self, config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup):
+    def __init__(self, ln_1: nn.Module, attn: nn.Module, ln_2: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.ln_1 = _layer_norm(config.hidden)
-        self.attn = Attention(config, f"{prefix}.attn", init, tp)
-        self.ln_2 = _layer_norm(config.hidden)
-        self.mlp = MLP(config, f"{prefix}.mlp", init, tp)
+        self.ln_1, self.attn, self.ln_2, self.mlp = ln_1, attn, ln_2, mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def gpt_block(config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup) -> PreNormBlock:
+    return PreNormBlock(_layer_norm(config.hidden), Attention(config, f"{prefix}.attn", init, tp),
+                        _layer_norm(config.hidden), MLP(config, f"{prefix}.mlp", init, tp))
 
 
 class PipelineStage(nn.Module):
@@ -202,7 +205,7 @@ class StageModule(PipelineStage):
         if self.is_first:
             self.wpe = nn.Embedding(config.seq_len, config.hidden)
             self.wpe.weight = sharded(init.normal("wpe.weight", (config.seq_len, config.hidden)), replicated)
-        self.blocks = nn.ModuleDict({str(i): Block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
+        self.blocks = nn.ModuleDict({str(i): gpt_block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
         if self.is_last:
             self.ln_f = _layer_norm(config.hidden)
             if not self.tied:
