@@ -1,4 +1,4 @@
-"""`meshjob bench resharding|pipeline|planner|message-cost|operator|fuzz`: dispatch to the benchmark modules of this package.
+"""`meshjob bench resharding|pipeline|planner|message-cost|operator|fuzz|memory`: dispatch to the benchmark modules of this package.
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -10,7 +10,7 @@ import importlib
 import sys
 from types import ModuleType
 
-HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing"
+HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing, memory"
 BENCHMARKS: dict[str, str] = {
     "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
     "pipeline": "pipeline schedules: 1f1b, eager-1f1b, weight-grad delay, signal upper bound",
@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "message-cost": "the network model's per-message cost, measured on the emulated cluster",
     "operator": "the operator: reconcile latency and throughput against an API server",
     "fuzz": "generated and mutated manifests through meshjob plan and the operator's validation",
+    "memory": "memory per rank: parameters, optimizer, activations for fp32/bf16, recompute, ZeRO 0/1",
 }
 
 
