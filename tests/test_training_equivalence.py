@@ -39,7 +39,7 @@ LLAMA = {"kind": "llama", "layers": 6, "hidden": 16, "heads": 4, "kvHeads": 2, "
 WEIGHT_ATOL = LR / 50  # Adam moves an element with a rounding-noise gradient by up to ~lr: see test_pipeline_equivalence
 
 
-def make_job(schedule: str = "1f1b", delay: str = "off", model: dict | None = None, stages=STAGES,
+def make_job(schedule: str = "1f1b", delay: int | str = 0, model: dict | None = None, stages=STAGES,
              **training) -> TrainingJob:
     return parse_job({
         "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "training"},
@@ -81,7 +81,7 @@ def assert_matches(results: list[TrainResult], ref: ReferenceResult, loss_tol: f
             torch.testing.assert_close(weights[name], expected, rtol=1e-4, atol=weight_atol, msg=name)
 
 
-SCHEDULES = [("gpipe", "off"), ("1f1b", "off"), ("eager-1f1b", "off"), ("eager-1f1b", "on")]
+SCHEDULES = [("gpipe", 0), ("1f1b", 0), ("eager-1f1b", 0), ("eager-1f1b", 1)]
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_bf16_matches_the_bf16_reference_within_a_fraction_of_a_bf16_step():
 @pytest.mark.slow
 def test_recompute_gives_the_same_training_with_the_split_backward():
     """Every block recomputed in the backward, under eager-1F1B with delayed weight gradients (I, then W)."""
-    job = make_job("eager-1f1b", "on", recompute="full")
+    job = make_job("eager-1f1b", 1, recompute="full")
     assert all(job.recompute(s) == "full" for s in range(3)) and build_plan(job).split_backward
     assert_matches(run_job(job), reference())
 
@@ -161,7 +161,7 @@ def run_with_kill(job: TrainingJob, checkpoints: Path, kill_rank: int, kill_step
 def test_a_killed_run_with_zero_1_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
     """Rank 3 (stage 1) dies at step 5; the checkpoint of step 3 holds each rank's ZeRO-1 shard of the
     optimizer state; the data of every step depends only on (seed, step)."""
-    job = make_job("eager-1f1b", "on", steps=8, optimizer={"zeroStage": 1},
+    job = make_job("eager-1f1b", 1, steps=8, optimizer={"zeroStage": 1},
                    checkpoint={"every": 3, "path": str(tmp_path / "unused")})
     whole = run_job(job)
     resumed = run_with_kill(job, tmp_path / "ckpt", kill_rank=3, kill_step=5)
@@ -188,7 +188,7 @@ def conv_lm(monkeypatch):
 def test_a_custom_model_from_its_package_trains_like_its_reference_and_resumes(conv_lm, tmp_path):
     """examples/custom_model's causal-convolution model: its blocks cut into 3 stages, data parallel on
     two, the embedding and the head sharing their weight across the first and the last stage."""
-    job = make_job("eager-1f1b", "on", model=CUSTOM_MODEL, stages=CUSTOM_STAGES, steps=4,
+    job = make_job("eager-1f1b", 1, model=CUSTOM_MODEL, stages=CUSTOM_STAGES, steps=4,
                    checkpoint={"every": 2, "path": str(tmp_path / "unused")})
     ref = reference_for_job(job)
     whole = run_job(job)

@@ -116,7 +116,7 @@ def bench_job(precision: str, recompute: str, zero: int, dp: int, quick: bool) -
                          "precision": precision, "recompute": recompute, "optimizer": {"zeroStage": zero}},
             "topology": {"devicesPerHost": dp},
             "stages": [{"layers": [0, layers], "mesh": [1, dp], "dataParallelDim": 1}],
-            "schedule": {"kind": "gpipe", "weightGradDelay": "off"},
+            "schedule": {"kind": "gpipe", "weightGradDelay": 0},
         },
     })
 
