@@ -104,6 +104,19 @@ def test_a_checkpoint_for_a_different_spec_is_refused_naming_every_difference(tm
     assert "step-00000003" in message
 
 
+def test_a_zero_1_checkpoint_is_refused_by_a_run_without_zero_naming_the_field(tmp_path):
+    """ZeRO-1 saves each rank's shard of the optimizer state: a run that holds it whole cannot load it."""
+    job = load_job(str(EXAMPLE))
+    training = dataclasses.replace(job.training, optimizer=dataclasses.replace(job.training.optimizer, zero_stage=1))
+    sharded = dataclasses.replace(job, training=training)
+    module, opt = model_and_optimizer(1)
+    Checkpointer(tmp_path, 0, 1, spec_fingerprint(sharded, 1)).save(3, module, opt)
+    with pytest.raises(CheckpointMismatch, match=r"spec.training.optimizer.zeroStage: 1 in the checkpoint, "
+                                                 r"'\(absent\)' now"):
+        Checkpointer(tmp_path, 0, 1, spec_fingerprint(job, 1)).restore(module, opt)
+    assert "spec.training.optimizer.zeroStage" not in spec_fingerprint(job, 1)  # older checkpoints still load
+
+
 def test_a_different_world_size_is_part_of_the_fingerprint(tmp_path):
     job = load_job(str(EXAMPLE))
     assert spec_fingerprint(job, 4) != spec_fingerprint(job, 8)
