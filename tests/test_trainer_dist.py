@@ -254,5 +254,16 @@ def test_the_step_log_has_step_of_total_loss_throughput_and_step_time():
                                                               "stage": "1"}) == 12
 
 
+def test_the_step_log_has_a_line_per_evaluation_from_the_stage_that_holds_the_loss():
+    from meshjob_trainer.events import Evaluated
+    from meshjob_trainer.steplog import StepLog
+
+    lines: list[str] = []
+    log = StepLog(150, write=lines.append)
+    log.emit(Evaluated(stage=0, step=50, loss=float("nan")))  # not the last stage: no line
+    log.emit(Evaluated(stage=3, step=50, loss=2.64483))
+    assert lines == ["step 50/150 stage 3: validation loss 2.6448"]
+
+
 def test_meshjob_worker_logs_steps_and_meshjob_run_does_not():
     assert WorkerSettings.from_env({}).step_log and not WorkerSettings().step_log

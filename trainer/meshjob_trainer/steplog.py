@@ -1,4 +1,5 @@
-"""One log line per training step from the first rank of each pipeline stage: what `kubectl logs` shows.
+"""One log line per training step from the first rank of each pipeline stage, and one per evaluation
+from the last stage's (spec.training.evalEvery): what `kubectl logs` shows.
 
 A listener of the trainer's events (meshjob_trainer.events), on by default under `meshjob worker` (the
 pods' command); `meshjob run` draws its own progress bar instead. The operator reads progress from the
@@ -11,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from meshjob_trainer.events import Event, StepFinished
+from meshjob_trainer.events import Evaluated, Event, StepFinished
 
 
 def _print(line: str) -> None:
@@ -26,6 +27,8 @@ class StepLog:
     def emit(self, event: Event) -> None:
         if isinstance(event, StepFinished):
             self.write(line(event, self.total_steps))
+        elif isinstance(event, Evaluated) and not math.isnan(event.loss):  # the last stage holds the loss
+            self.write(f"step {event.step}/{self.total_steps} stage {event.stage}: validation loss {event.loss:.4f}")
 
 
 def line(step: StepFinished, total_steps: int) -> str:

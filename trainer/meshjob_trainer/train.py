@@ -13,7 +13,6 @@ forward actions of the same list over spec.training.evalBatches validation batch
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from meshjob_trainer.optim import StageOptimizer, clip_global_norm, lr_at
 from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, tie_gradients
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
 from meshjob_trainer.reshard import ReshardExecutor
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,12 +97,6 @@ class StageRuntime:
     val_data: Dataset | None  # None: no evaluation
     job: Any  # meshjob.spec.TrainingJob
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def reports(self) -> bool:
-        """The one rank that logs the losses: the last stage's first data-, tensor- and replica rank."""
-        g = self.groups
-        return self.module.is_last and g.dp_rank == 0 and g.tp.rank == 0 and g.replica_rank == 0
 
 
 def build_runtime(ctx: Any) -> StageRuntime:
@@ -217,9 +208,6 @@ def train(ctx: Any) -> TrainResult:
         bubble = min(1.0, max(0.0, 1.0 - stats.compute_s / seconds)) if seconds > 0 else 0.0
         overlap = min(1.0, max(0.0, 1.0 - stats.wait_s / comm)) if comm > 0 else 0.0
         ctx.events.emit(PipelineFractions(rt.stage, bubble, overlap))
-        if rt.reports:
-            log.info("step %d/%d: loss %.4f%s", step + 1, job.training.steps, loss,
-                     "" if math.isnan(norm) else f", gradient norm {norm:.4f}")
         _maybe_evaluate(ctx, rt, step + 1, val_losses)
         _save(ctx, rt, step + 1)
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
@@ -234,8 +222,6 @@ def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: lis
     ctx.events.emit(Evaluated(rt.stage, steps_done, loss))
     if rt.module.is_last:
         val_losses.append((steps_done, loss))
-    if rt.reports:
-        log.info("step %d/%d: validation loss %.4f", steps_done, rt.job.training.steps, loss)
 
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -57,9 +56,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         return _bad("--timeout", args.timeout, "a number of seconds > 0")
     environ = dict(os.environ)  # the process boundary: nothing below reads the environment
-    # the pod's log: one line per step (and per evaluation) from the rank that holds the loss
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("meshjob_trainer").setLevel(logging.INFO)
     try:
         settings = _settings(args, environ)
         if not settings.job_path:
