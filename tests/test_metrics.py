@@ -73,10 +73,10 @@ def test_nan_loss_means_this_stage_computes_no_loss(metrics):
 def test_validation_loss_and_gradient_norm_are_gauges_of_the_stage(metrics):
     metrics.emit(Evaluated(1, 10, 2.75))
     metrics.emit(GradientNorm(1, 10, 0.8))
-    assert value(metrics, "meshjob_validation_loss", job="gpt-demo", stage="1") == 2.75
-    assert value(metrics, "meshjob_gradient_norm", job="gpt-demo", stage="1") == 0.8
+    assert value(metrics, "meshjob_validation_loss", trainingjob="gpt-demo", namespace="default", stage="1") == 2.75
+    assert value(metrics, "meshjob_gradient_norm", trainingjob="gpt-demo", namespace="default", stage="1") == 0.8
     metrics.emit(Evaluated(1, 20, math.nan))  # a stage without the loss records nothing
-    assert value(metrics, "meshjob_validation_loss", job="gpt-demo", stage="1") == 2.75
+    assert value(metrics, "meshjob_validation_loss", trainingjob="gpt-demo", namespace="default", stage="1") == 2.75
 
 
 def test_pipeline_fractions_are_exported_for_the_given_stage(metrics):
