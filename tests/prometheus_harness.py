@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from meshjob_operator import testing
+from meshjob_operator import names, testing
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "charts" / "meshjob" / "dashboards" / "meshjob.json"
@@ -287,7 +287,10 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NAMESPACE,
            "POD_NAME": "meshjob-operator-0"}
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
-    command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"]]
+    # envtest has no cluster DNS: the API server reaches the webhook here rather than through its Service
+    # (the later flags win), with the operator's self-signed certificate for that name
+    reachable = ["--webhook-addr=127.0.0.1", "--webhook-host=127.0.0.1"] if "--no-webhook" not in container["args"] else []
+    command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"], *reachable]
     operator.process = subprocess.Popen(command, env=env, stdout=open(operator.log, "w"),
                                         stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     try:
@@ -304,6 +307,9 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
         yield operator
     finally:
         stop_process(operator.process)
+        # its persistent (fail-closed) check outlives it, as on a cluster: gone with this operator here
+        envtest.kubectl("delete", "validatingwebhookconfiguration", f"{names.PLURAL}.{names.GROUP}",
+                        "--ignore-not-found", check=False)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "operator": {"replicas": 2, "namespaces": ["team-a", "team-b"], "peering": {"enabled": True, "name": "mj"},
                  "image": {"repository": "registry.example/meshjob/operator", "tag": "0.1.0-rc1"},
                  "imagePullSecrets": [{"name": "regcred"}], "extraArgs": ["--verbose"],
+                 "allowedImages": ["registry.example/ml/*", "meshjob/trainer:*"],
                  "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
                  "webhook": {"enabled": True, "certManager": {"enabled": True,
@@ -140,7 +141,8 @@ def test_every_rendered_manifest_validates(values):
 
 def test_default_render_has_exactly_the_core_objects():
     kinds = sorted(d["kind"] for d in manifests(render()))
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                     "Service", "ServiceAccount"]
 
 
 def test_optional_objects_appear_only_behind_their_flags():
@@ -246,6 +248,7 @@ def test_namespaces_and_peering_values_become_operator_arguments():
     args = container["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
     assert "--peering=mj" in args and "--standalone" not in args
+    assert "--allowed-image=registry.example/ml/*" in args and "--allowed-image=meshjob/trainer:*" in args
     default_args = deployment()["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in default_args and "--standalone" in default_args
     assert deployment()["spec"]["strategy"] == {"type": "Recreate"}
@@ -361,6 +364,7 @@ KUBE_METHODS: dict[str, list[tuple[str, str, str]]] = {
     "list_pods": [("", "pods", "list")],
     "delete_pod": [("", "pods", "delete")],
     "list_nodes": [("", "nodes", "list")],
+    "may_create_pods": [],  # the admission webhook's SubjectAccessReview: see needed_by_kopf (webhook on)
     "close": [],
 }
 KUBE_PLURAL_METHODS = {"get": "get", "patch": "patch", "create_if_absent": "create"}  # plural is an argument
@@ -447,11 +451,17 @@ def needed_by_kopf(values: dict[str, Any]) -> set[tuple[str, str, str]]:
     if operator["webhook"]["enabled"]:  # kopf manages both kinds of configuration, whatever handlers exist
         needed |= {("admissionregistration.k8s.io", kind, verb) for verb in ("create", "patch")
                    for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations")}
+        needed.add(("authorization.k8s.io", "subjectaccessreviews", "create"))  # our webhook: may_create_pods
     return needed
 
 
+def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("-operator")]
+    return role
+
+
 def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    (role,) = by_kind(docs, "ClusterRole")
+    role = operator_role(docs)
     return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
             for resource in rule["resources"] for verb in rule["verbs"]}
 
@@ -498,7 +508,7 @@ def test_webhook_values_add_its_service_port_arguments_and_rules():
 
 
 def test_webhook_patch_permission_names_only_its_own_configuration():
-    (role,) = by_kind(manifests(render(WEBHOOK_ON)), "ClusterRole")
+    role = operator_role(manifests(render(WEBHOOK_ON)))
     rules = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in rules} == {
         ("create",): None, ("patch",): ["trainingjobs.meshjob.io"]}
@@ -548,6 +558,22 @@ def test_a_named_cert_manager_issuer_is_used_and_none_is_created():
     (certificate,) = by_kind(docs, "Certificate")
     assert certificate["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "corp-ca"}
     assert not by_kind(docs, "Issuer")
+
+
+def test_trainingjobs_join_the_standard_edit_and_view_roles_and_grant_nothing_else():
+    """Creating a TrainingJob is creating pods: the verbs go to the aggregated edit role (whose holders may
+    create pods) and reading them to view; these roles grant nothing beyond TrainingJobs."""
+    roles = {r["metadata"]["name"]: r for r in by_kind(manifests(render(NON_DEFAULT)), "ClusterRole")}
+    edit, view = roles["mj-edit"], roles["mj-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert "create" in edit["rules"][0]["verbs"] and not {"create", "update", "patch", "delete"} & {
+        verb for rule in view["rules"] for verb in rule["verbs"]}
+    assert {g for r in (edit, view) for rule in r["rules"] for g in rule["apiGroups"]} == {"meshjob.io"}
+    off = {r["metadata"]["name"] for r in by_kind(manifests(render({"rbac": {"aggregateToStandardRoles": False}})),
+                                                  "ClusterRole")}
+    assert off == {"meshjob-operator"}
 
 
 # --- trainer pods: no API access, so nothing for them in the chart -----------------------

@@ -16,6 +16,7 @@ from meshjob_operator import testing
 import operator_harness as h
 
 ASSETS = testing.envtest_assets()
+WEBHOOK_CONFIG = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),
@@ -201,6 +202,63 @@ async def test_self_signed_webhook_rejects_an_invalid_spec_at_kubectl_apply(clus
             assert await cluster.job(tag, tag) is None
     finally:
         await cluster.kube.delete(config_path)
+
+
+async def test_creating_a_job_needs_the_right_to_create_pods_and_an_allowed_image(cluster, tmp_path, monkeypatch):
+    """Creating a TrainingJob is creating pods (its image, service account, podTemplate): a user who may create
+    TrainingJobs but not pods is refused at kubectl apply (the webhook's SubjectAccessReview, as that user),
+    and passes once she may create pods; an image off the operator's allow-list is refused too."""
+    import yaml
+
+    from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
+
+    tag, user = "rbacgate", "alice"
+    await h.prepare_namespace(cluster, tag)
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{tag}"
+    for role, rules in (("jobs", [{"apiGroups": ["meshjob.io"], "resources": ["trainingjobs"],
+                                   "verbs": ["get", "list", "create", "patch"]}]),
+                        ("pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}])):
+        await cluster.create(f"{rbac}/roles", {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                                               "metadata": {"name": role}, "rules": rules})
+    bind = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "jobs"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "jobs"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
+    await cluster.create(f"{rbac}/rolebindings", bind)
+    job, foreign = h.scenario_job(tag), h.scenario_job(tag)
+    foreign["spec"]["image"] = "docker.io/someone/miner:1"
+    for name, body in (("job", job), ("foreign", foreign)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    monkeypatch.setenv(ALLOWED_IMAGES_ENV, "meshjob/trainer:*")
+    webhook = {"webhook_addr": "127.0.0.1", "webhook_port": testing.free_port(), "webhook_host": "127.0.0.1"}
+    try:
+        async with testing.running_operator(cluster, webhook=webhook):
+            await testing.eventually(lambda: _registered(cluster, webhook["webhook_port"]), timeout=30,
+                                     what="kopf's ValidatingWebhookConfiguration for this server")
+            apply = ("apply", "-n", tag, "-f", str(tmp_path / "job.yaml"))
+            refused = await asyncio.to_thread(cluster.kubectl, f"--as={user}", *apply, check=False)
+            assert refused.returncode != 0 and f"{user} may not create pods in namespace {tag}" in refused.stderr, \
+                refused.stderr
+            assert await cluster.job(tag, tag) is None
+            await cluster.create(f"{rbac}/rolebindings", {**bind, "metadata": {"name": "pods"},
+                                                          "roleRef": {**bind["roleRef"], "name": "pods"}})
+
+            async def accepted() -> bool:
+                result = await asyncio.to_thread(cluster.kubectl, f"--as={user}", *apply, check=False)
+                return result.returncode == 0
+            await testing.eventually(accepted, timeout=30, what=f"{user}'s apply accepted once she may create pods")
+            foreign_apply = await asyncio.to_thread(cluster.kubectl, "apply", "-f", str(tmp_path / "foreign.yaml"),
+                                                    check=False)
+            assert foreign_apply.returncode != 0 and "docker.io/someone/miner:1" in foreign_apply.stderr
+            assert "one matching meshjob/trainer:*" in foreign_apply.stderr
+            await h.delete_and_wait(cluster, tag)
+    finally:
+        await cluster.kube.delete(WEBHOOK_CONFIG)
+
+
+async def _registered(cluster, port: int) -> bool:
+    config = await cluster.kube.request("GET", WEBHOOK_CONFIG)
+    hooks = config.get("webhooks") or []
+    return bool(hooks) and all(f":{port}/" in hook["clientConfig"]["url"] for hook in hooks)
 
 
 async def test_a_trainer_pods_identity_can_modify_no_other_object(cluster):

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from meshjob import api
 from meshjob_operator import names
 from meshjob_operator.handlers import STATE
+from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 from meshjob_operator.status import parse_time
 from meshjob_operator.testing import (Cluster, OperatorThread, envtest_assets, envtest_cluster, eventually,
                                       free_port, kmock_cluster, running_operator)
@@ -191,23 +192,31 @@ async def test_suspend_deletes_pods_and_resume_recreates_them(cluster, operator)
     await delete_and_wait(cluster, tag)
 
 
-async def test_invalid_spec_sets_invalid_spec_condition_and_warning_event(cluster, operator):
-    tag = "invalid"
+@pytest.mark.parametrize("case", ["layers", "image"])
+async def test_invalid_spec_sets_invalid_spec_condition_and_warning_event(cluster, operator, monkeypatch, case):
+    """A spec the plan layer refuses, and an image off the operator's allow-list (no webhook stopped either:
+    the operator refuses them itself)."""
+    tag = f"invalid-{case}"
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
     body = scenario_job(tag)
-    body["spec"]["stages"][1]["layers"] = [1, 3]  # past the model's 2 layers: the schema cannot tell
+    if case == "layers":
+        body["spec"]["stages"][1]["layers"] = [1, 3]  # past the model's 2 layers: the schema cannot tell
+        field, says = "spec.stages[1].layers", "spec.stages[1].layers: [1, 3] is invalid"
+    else:
+        monkeypatch.setenv(ALLOWED_IMAGES_ENV, "registry.example.com/ml/*")
+        field, says = "spec.image", "one matching registry.example.com/ml/*"
     await cluster.create_job(body)
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed")
     failed = condition(status, "Failed")
-    assert failed["reason"] == "InvalidSpec" and "spec.stages[1].layers: [1, 3] is invalid" in failed["message"]
+    assert failed["reason"] == "InvalidSpec" and field in failed["message"] and says in failed["message"]
 
     async def warning() -> list[dict] | None:
         found = [e for e in await cluster.events(tag) if e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
                  and e.get("involvedObject", {}).get("name") == tag]
         return found or None
     events = await eventually(warning, what="a Warning Event InvalidSpec")
-    assert "spec.stages[1].layers" in events[0]["message"]
+    assert field in events[0]["message"]
     assert await cluster.pods(tag, tag) == []
     await delete_and_wait(cluster, tag)
 

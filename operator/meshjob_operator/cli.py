@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="webhook serving certificate (PEM; default: a self-signed one made at start-up)")
     parser.add_argument("--webhook-key", default=None, help="webhook serving key (PEM; with --webhook-cert)")
     parser.add_argument("--webhook-ca", default=None, help="CA bundle the API server trusts the webhook by (PEM)")
+    parser.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                        help="run only images matching this glob, e.g. 'registry.example.com/ml/*' (repeatable; "
+                             "default: any image); refused by the webhook and by the operator")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -59,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    if args.allowed_image:  # read by validate() in the webhook and the reconciler
+        from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
+
+        os.environ[ALLOWED_IMAGES_ENV] = ",".join(args.allowed_image)
     STATE.config = OperatorConfig(metrics_port=args.metrics_port or None, webhook=args.webhook,
                                   webhook_addr=args.webhook_addr, webhook_port=args.webhook_port,
                                   webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,

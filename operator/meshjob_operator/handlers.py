@@ -142,10 +142,41 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     return kopf_connection(STATE.config.kubeconfig)
 
 
+# Creating a TrainingJob is creating pods: with its image, its service account and its podTemplate. So the
+# requester must be allowed to create pods in the namespace (a SubjectAccessReview), as Kubeflow and JobSet
+# users expect; with that right Kubernetes lets anyone name any ServiceAccount of the namespace in a pod, and
+# so may they here. failurePolicy Fail, and persistent (kopf leaves it registered when the operator
+# stops): while the operator is down no job can be created (none would run anyway), so none gets past.
+@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE"], ignore_failures=False,
+                  persistent=True)
+async def authorize(body: kopf.Body, userinfo: dict[str, Any], **_: Any) -> None:
+    """The admission webhook's check that creating this job is no way around RBAC."""
+    await _check_requester(body, userinfo)
+
+
+async def _check_requester(body: kopf.Body, userinfo: dict[str, Any]) -> None:
+    namespace = body.get("metadata", {}).get("namespace") or "default"
+    reconciler = STATE.reconciler
+    assert reconciler is not None, "startup() creates the reconciler"
+    try:
+        allowed, reason = await reconciler.kube.may_create_pods(userinfo or {}, namespace)
+    except ApiError as err:
+        raise kopf.AdmissionError(f"cannot check the requester's right to create pods: {err}", code=500) from err
+    if not allowed:
+        who = (userinfo or {}).get("username") or "the requester"
+        raise kopf.AdmissionError(
+            f"{who} may not create pods in namespace {namespace}{f' ({reason})' if reason else ''}: a TrainingJob "
+            "runs pods with its image, service account and podTemplate, so creating or editing one needs that "
+            "right too", code=403)
+
+
 # failurePolicy Ignore: an operator that is down (or uninstalled, its webhook configuration left
-# behind) must not block creating, finishing or deleting TrainingJobs; it validates them anyway.
+# behind) must not block finishing or deleting TrainingJobs (finalizers are updates); it validates them
+# anyway, and refuses a started job's edits itself. Edits of a job's spec are checked like creation
+# (the requester may create pods) while the operator is up; give update on trainingjobs only to those
+# who may create pods (the chart's aggregated edit role does).
 @kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
-def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> None:
+async def admit(body: kopf.Body, operation: str, old: kopf.Body | None, userinfo: dict[str, Any], **_: Any) -> None:
     """The admission webhook: `kubectl apply` itself shows what is wrong with the spec, and refuses an
     edit of a started job beside spec.runPolicy (the operator refuses it too, should the webhook be down).
 
@@ -153,11 +184,14 @@ def admit(body: kopf.Body, operation: str, old: kopf.Body | None, **_: Any) -> N
     already must still be deletable."""
     if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
         return
-    try:
-        job = validate(body)
+    try:  # bounded (the spec's limits), but off the event loop all the same
+        job = await asyncio.to_thread(validate, body)
     except SpecError as err:
         raise kopf.AdmissionError(f"invalid TrainingJob: {err}", code=422) from err
-    if operation == "UPDATE" and old is not None and is_true((old.get("status") or {}).get("conditions") or [], "Created"):
+    if operation != "UPDATE" or old is None:
+        return
+    await _check_requester(body, userinfo)
+    if is_true((old.get("status") or {}).get("conditions") or [], "Created"):
         changed = immutable_changes(job_to_dict(validate(old))["spec"], job_to_dict(job)["spec"])
         if changed:
             raise kopf.AdmissionError(f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy "

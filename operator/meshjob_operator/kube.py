@@ -233,3 +233,16 @@ class Kube:
 
     async def delete_pod(self, namespace: str, name: str) -> bool:
         return await self.delete(self._core(namespace, "pods", name))
+
+    # --- authorization -------------------------------------------------------------------
+    async def may_create_pods(self, userinfo: Mapping[str, Any], namespace: str) -> tuple[bool, str]:
+        """A SubjectAccessReview: may the requester of an admission request (its userInfo) create pods in
+        the namespace? (allowed, the authorizer's reason)."""
+        spec = {"user": userinfo.get("username", ""), "groups": list(userinfo.get("groups") or []),
+                "uid": userinfo.get("uid", ""), "extra": dict(userinfo.get("extra") or {}),
+                "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"}}
+        review = await self.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                                    {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                                     "spec": spec})
+        status = (review or {}).get("status") or {}
+        return bool(status.get("allowed")), str(status.get("reason") or "")

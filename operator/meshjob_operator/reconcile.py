@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import fnmatch
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Callable, Mapping
 from kubernetes.utils.quantity import parse_quantity
 
 from meshjob.cluster import host_pods, node_infos, plan_on_nodes
-from meshjob.errors import PlacementError, SpecError
+from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
 from meshjob.rendered import PlanInputs
 from meshjob.safeyaml import load_one
@@ -54,17 +55,32 @@ def manifest(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 TRAINER_IMAGE_ENV = "MESHJOB_TRAINER_IMAGE"  # the chart's trainer image, for jobs that name none
+ALLOWED_IMAGES_ENV = "MESHJOB_ALLOWED_IMAGES"  # comma-separated glob patterns; unset: any image
 
 
 def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
-    SpecError naming every bad field. A job without spec.image runs the operator's trainer image."""
+    SpecError naming every bad field. A job without spec.image runs the operator's trainer image;
+    with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused."""
     job = parse_job(manifest(body))
     render.check_pod_template(job)  # also: spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
         job = dataclasses.replace(job, image=default_image)
+    check_image(job.image, allowed_images())
     return job
+
+
+def allowed_images() -> tuple[str, ...]:
+    """The operator's image allow-list (--allowed-image, repeatable): glob patterns; empty = any image."""
+    return tuple(p.strip() for p in os.environ.get(ALLOWED_IMAGES_ENV, "").split(",") if p.strip())
+
+
+def check_image(image: str, allowed: tuple[str, ...]) -> None:
+    """SpecError naming spec.image unless it matches one allowed pattern (fnmatch; `*` crosses `/`)."""
+    if allowed and not any(fnmatch.fnmatchcase(image, pattern) for pattern in allowed):
+        raise SpecError([FieldError("spec.image", image, f"an image this operator may run: one matching "
+                                    f"{', '.join(allowed)} (its --allowed-image list)")])
 
 
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
