@@ -139,16 +139,17 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
         await testing.eventually(healthy, timeout=40, what="the liveness probe answering 200")
         config = await testing.eventually(lambda: cluster.kube.request("GET", config_path), timeout=20,
                                     what="kopf's ValidatingWebhookConfiguration")
-        (webhook,) = config["webhooks"]
-        assert webhook["failurePolicy"] == "Ignore"
-        client_config = webhook["clientConfig"]
+        # two checks: the requester's right to create pods (Fail) and the spec (Ignore)
+        hooks = {hook["failurePolicy"]: hook["clientConfig"] for hook in config["webhooks"]}
+        assert sorted(hooks) == ["Fail", "Ignore"]
+        client_config = hooks["Ignore"]
         url = urllib.parse.urlsplit(client_config["url"])
         assert url.scheme == "https" and url.port == 9443 and url.hostname in ("localhost", "127.0.0.1")
         context = ssl.create_default_context(cadata=base64.b64decode(client_config["caBundle"]).decode())
 
-        def review(job: dict, operation: str = "CREATE", old: dict | None = None) -> dict:
+        def review(job: dict, operation: str = "CREATE", old: dict | None = None, policy: str = "Ignore") -> dict:
             body = json.dumps(_admission_review(job, operation, old)).encode()
-            request = urllib.request.Request(client_config["url"], data=body,
+            request = urllib.request.Request(hooks[policy]["url"], data=body,
                                              headers={"Content-Type": "application/json"}, method="POST")
             return json.loads(urllib.request.urlopen(request, context=context, timeout=10).read())["response"]
 
@@ -162,11 +163,15 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
         finalized = json.loads(json.dumps(bad))
         finalized["metadata"]["finalizers"] = []
         assert (await asyncio.to_thread(review, finalized, "UPDATE", bad))["allowed"] is True
+        # kmock has no authorizer to say the requester may create pods: creation is refused (fail closed)
+        assert (await asyncio.to_thread(review, h.scenario_job("selfsigned"), policy="Fail"))["allowed"] is False
         assert "certbuilder" not in log_path.read_text()
-        # a stopped operator leaves no webhook behind (kmock runs in this loop: wait in a thread)
+        # a stopped operator leaves only the creation check behind, failing closed (kmock runs in this
+        # loop: wait in a thread)
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 20) == 0
-        assert (await cluster.kube.request("GET", config_path))["webhooks"] == []
+        left = (await cluster.kube.request("GET", config_path))["webhooks"]
+        assert [hook["failurePolicy"] for hook in left] == ["Fail"]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -58,6 +58,13 @@ def test_pod_env_follows_torchrun_and_kubeflow_names():
     assert env["MESHJOB_CHECKPOINT_DIR"] == "/ckpt"
 
 
+def _plan_files(job, plan) -> dict[str, str]:
+    """The ConfigMap's plan files, as the operator's planning process renders them."""
+    from meshjob import rendered
+
+    return rendered.render(PlanInputs.of(job, plan.placement.hosts), plan)
+
+
 def test_pod_is_pinned_to_its_host_by_required_node_affinity():
     body, job, plan, pods = _rendered(hosts=2)
     pod = render.pod(META, job, pods[1], pods)
@@ -69,7 +76,7 @@ def test_pod_is_pinned_to_its_host_by_required_node_affinity():
 def test_children_carry_job_labels_and_a_controller_owner_reference():
     body, job, plan, pods = _rendered(hosts=2)
     children = [render.pod(META, job, pods[0], pods), render.service(META, job),
-                render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)]
+                render.configmap(META, body["spec"], _plan_files(job, plan))]
     for child in children:
         assert child["metadata"]["namespace"] == "team-a"
         assert child["metadata"]["labels"][names.JOB_LABEL] == "demo"
@@ -150,7 +157,7 @@ def test_headless_service_publishes_not_ready_pods_for_rendezvous():
 
 def test_configmap_holds_the_plans_inputs_and_its_digest():
     body, job, plan, pods = _rendered(hosts=3)
-    cm = render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)
+    cm = render.configmap(META, body["spec"], _plan_files(job, plan))
     assert parse_job(yaml.safe_load(cm["data"]["job.yaml"])) == parse_job({**manifest(body),
                                                                            "metadata": {"name": "demo", "namespace": "team-a"}})
     assert [h["name"] for h in yaml.safe_load(cm["data"]["hosts.yaml"])] == [h.name for h in plan.placement.hosts]
@@ -163,7 +170,7 @@ def test_a_worker_rebuilds_the_very_plan_from_the_configmaps_files(tmp_path):
     from meshjob import rendered
 
     body, job, plan, pods = _rendered(hosts=3)
-    cm = render.configmap(META, body["spec"], PlanInputs.of(job, plan.placement.hosts), plan)
+    cm = render.configmap(META, body["spec"], _plan_files(job, plan))
     for name, text in cm["data"].items():
         (tmp_path / name).write_text(text)
     inputs, expected = rendered.load(str(tmp_path / "job.yaml"), str(tmp_path / "hosts.yaml"),

@@ -14,6 +14,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -261,6 +262,71 @@ async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster,
                                "scheduled")
     assert condition(status, "Unschedulable")["reason"] == "Scheduled"
     await delete_and_wait(cluster, tag)
+
+
+def huge_but_valid_job(tag: str, stages: int = 128) -> dict[str, Any]:
+    """Every count within the spec's bounds, and seconds of CPU to plan: 128 stages of 2x8 devices on 2
+    hosts of 1024 devices, 128 microbatches (the schedule's 16384 cells are its bound)."""
+    return scenario_job(tag, hosts=2, devices=1024,
+                        model={"kind": "gpt", "layers": stages, "hidden": 64, "heads": 8, "vocab": 64, "seqLen": 16},
+                        training={"steps": 3, "globalBatch": 256, "microbatches": 128},
+                        stages=[{"layers": [i, i + 1], "mesh": [2, 8], "tensorParallelDim": 1} for i in range(stages)],
+                        resharding={"strategy": "broadcast", "balancer": "greedy", "budgetSeconds": 1},
+                        schedule={"kind": "1f1b", "weightGradDelay": "auto"})
+
+
+def _probe_seconds(url: str) -> float:
+    import urllib.request
+
+    started = time.monotonic()
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        assert answer.status == 200
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(300)
+async def test_a_huge_but_valid_job_delays_neither_another_jobs_pods_nor_the_liveness_probe(cluster):
+    """Planning runs in a child process, not on kopf's event loop: a job created just after a huge one gets
+    its pods, and /healthz answers throughout, in a small fraction of the time the huge job's plan takes
+    (relative times from the same run: a loaded machine slows both)."""
+    huge, small = "hugejob", "smalljob"
+    for tag in (huge, small):
+        await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, huge, 2, devices=1024)
+    await add_nodes(cluster, small, 2)
+    health = f"http://127.0.0.1:{free_port()}/healthz"
+    async with running_operator(cluster, liveness=health):
+        started = time.monotonic()
+        await cluster.create_job(huge_but_valid_job(huge))
+        await cluster.create_job(scenario_job(small))
+        await wait_pods(cluster, small, 2, timeout=120)
+        small_s = time.monotonic() - started
+        probes: list[float] = []
+
+        async def huge_placed() -> list[dict] | None:
+            probes.append(await asyncio.to_thread(_probe_seconds, health))
+            return await cluster.pods(huge, huge) or None
+        await eventually(huge_placed, timeout=240, interval=0.5, what="the huge job's pods")
+        huge_s = time.monotonic() - started
+        print(f"small job's pods after {small_s:.2f} s, the huge job's after {huge_s:.2f} s; "
+              f"/healthz at most {max(probes):.3f} s over {len(probes)} probes")
+        assert len(probes) >= 3 and small_s < huge_s / 2, (small_s, huge_s)
+        assert max(probes) < huge_s / 5, (probes, huge_s)
+        for tag in (huge, small):
+            await delete_and_wait(cluster, tag)
+
+
+async def test_a_job_whose_planning_outlasts_the_operators_limit_fails_saying_so(cluster):
+    tag = "slowplan"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2, devices=1024)
+    async with running_operator(cluster, config={"plan_timeout_s": 0.5}):
+        await cluster.create_job(huge_but_valid_job(tag))
+        status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed", timeout=60)
+        assert condition(status, "Failed")["reason"] == "PlanningTimeout"
+        assert "planning took longer than 0.5 s" in condition(status, "Failed")["message"]
+        assert await cluster.pods(tag, tag) == []
+        await delete_and_wait(cluster, tag)
 
 
 async def test_deletion_leaves_owned_children_to_the_garbage_collector(cluster, operator):

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
                         help="run only images matching this glob, e.g. 'registry.example.com/ml/*' (repeatable; "
                              "default: any image); refused by the webhook and by the operator")
+    parser.add_argument("--plan-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="planning a job runs in a child process; one that takes longer fails with condition "
+                             "PlanningTimeout (default 60)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -50,6 +53,8 @@ def _check(args: argparse.Namespace) -> None:
         given = "--webhook-cert" if args.webhook_cert else "--webhook-key"
         raise SystemExit(f"meshjob operator: {given} needs its partner: give both --webhook-cert and --webhook-key "
                          "(or neither, for a self-signed certificate)")
+    if not args.plan_timeout > 0:
+        raise SystemExit(f"meshjob operator: --plan-timeout={args.plan_timeout} is invalid: seconds > 0")
     if args.peering and args.standalone:
         raise SystemExit("meshjob operator: --peering and --standalone exclude each other")
 
@@ -70,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                                   webhook_addr=args.webhook_addr, webhook_port=args.webhook_port,
                                   webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
                                   webhook_key=args.webhook_key, webhook_ca=args.webhook_ca,
-                                  kubeconfig=args.kubeconfig, peering=args.peering)
+                                  kubeconfig=args.kubeconfig, peering=args.peering,
+                                  plan_timeout_s=args.plan_timeout)
     kopf.configure(verbose=args.verbose)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,

@@ -24,6 +24,7 @@ from meshjob_operator.certs import webhook_server
 from meshjob_operator.kube import ApiError, Connection, Kube, kopf_connection
 from meshjob_operator.lifecycle import immutable_changes
 from meshjob_operator.metrics import OperatorMetrics
+from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_S, Planner
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
 from meshjob_operator.status import is_true
 from meshjob_operator.wakeups import Wakeups, wait_any
@@ -48,6 +49,7 @@ class OperatorConfig:
     webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S  # a job whose planning takes longer fails (PlanningTimeout)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -99,7 +101,9 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
-    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes)
+    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes,
+                                  planner=Planner(cfg.plan_timeout_s))
+    await STATE.reconciler.planner.start()
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
         STATE.metrics.serve(cfg.metrics_port)
         STATE.metrics_served = True

@@ -17,16 +17,16 @@ from typing import Any, Callable, Mapping
 
 from kubernetes.utils.quantity import parse_quantity
 
-from meshjob.cluster import host_pods, node_infos, plan_on_nodes
+from meshjob.cluster import node_infos
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
-from meshjob.rendered import PlanInputs
 from meshjob.safeyaml import load_one
 from meshjob.spec import TrainingJob, job_to_dict, parse_job
 
 from meshjob_operator import lifecycle, names, progress, render
 from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
+from meshjob_operator.planning import PlanningFailed, Planner
 from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
                                      TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
                                      parse_time, set_condition, status_placement, timestamp)
@@ -137,6 +137,7 @@ class Reconciler:
     # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
     nodes: Callable[[], list[Mapping[str, Any]]] | None = None
     scraper: progress.Scraper = field(default_factory=progress.Scraper)  # trainers' metrics endpoints
+    planner: Planner = field(default_factory=Planner)  # plans in a child process, within a time limit
     _read_at: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> monotonic time of last reading
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
@@ -156,8 +157,8 @@ class Reconciler:
         now = self.clock()
         meta = render.JobMeta.of(body)
         draft = Draft(body.get("status") or {})
-        try:
-            job = validate(body)
+        try:  # bounded by the spec's limits, but off the event loop all the same
+            job = await asyncio.to_thread(validate, body)
         except SpecError as err:  # the spec handler reports it; nothing to run until the spec changes
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             return None
@@ -394,11 +395,10 @@ class Reconciler:
         hosts = await self._hosts_in_use(meta) if pods else None
         fresh = hosts is None
         try:
-            if fresh:
-                inputs, plan, _ = await asyncio.to_thread(plan_on_nodes, job, nodes, parse_quantity)
-            else:
-                inputs = PlanInputs.of(job, hosts)
-                plan = await asyncio.to_thread(inputs.build)
+            planned = await self.planner.plan(job, nodes, hosts)
+        except PlanningFailed as err:
+            await self._fail(meta, body, draft, job, pods, err.reason, str(err), now)
+            return False
         except PlacementError as err:
             self.unschedulable.add((meta.namespace, meta.name))
             message = str(err)
@@ -413,9 +413,9 @@ class Reconciler:
             return False
         self.unschedulable.discard((meta.namespace, meta.name))
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
-        wanted = host_pods(plan.placement)
+        wanted = planned.pods
 
-        cm = render.configmap(meta, job_to_dict(job)["spec"], inputs, plan)  # the spec that runs
+        cm = render.configmap(meta, job_to_dict(job)["spec"], planned.files)  # the spec that runs
         if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
             await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
         await self.kube.create_if_absent(render.service(meta, job), "services")
@@ -428,7 +428,7 @@ class Reconciler:
         await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted))
                                for hp in wanted if hp.index not in have))
         draft["hosts"] = len(wanted)
-        draft["placement"] = status_placement(plan.placement.to_json(), node_of_host)
+        draft["placement"] = status_placement(planned.placement, node_of_host)
         draft["pods"] = {**{names.pod_name(meta.name, hp.index): "Pending" for hp in wanted}, **(draft["pods"] or {})}
         if not draft["startTime"]:
             draft["startTime"] = timestamp(now)

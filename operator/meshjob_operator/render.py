@@ -14,7 +14,6 @@ from kubernetes.utils.quantity import format_quantity, parse_quantity
 from meshjob import rendered
 from meshjob.cluster import HostPod, world_size
 from meshjob.errors import FieldError, SpecError
-from meshjob.plan import Plan
 from meshjob.safeyaml import dump_yaml
 from meshjob.spec import TrainingJob
 
@@ -55,7 +54,7 @@ def _metadata(meta: JobMeta, name: str, index: int | None = None) -> dict[str, A
             "ownerReferences": [owner_reference(meta)]}
 
 
-def configmap(meta: JobMeta, spec: Mapping[str, Any], inputs: rendered.PlanInputs, plan: Plan) -> dict[str, Any]:
+def configmap(meta: JobMeta, spec: Mapping[str, Any], files: Mapping[str, str]) -> dict[str, Any]:
     """What the pods' workers rebuild the plan from, mounted at /etc/meshjob: the job manifest, the
     hosts the plan was placed on, the NIC rate and cost model, and the plan's digest to verify it by
     (meshjob.rendered says why the plan itself does not travel)."""
@@ -64,7 +63,7 @@ def configmap(meta: JobMeta, spec: Mapping[str, Any], inputs: rendered.PlanInput
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _metadata(meta, names.configmap_name(meta.name)),
-        "data": {rendered.JOB_FILE: dump_yaml(manifest, sort_keys=True), **rendered.render(inputs, plan)},
+        "data": {rendered.JOB_FILE: dump_yaml(manifest, sort_keys=True), **files},
     }
 
 

@@ -457,8 +457,9 @@ class OperatorThread:
     """kopf in its own thread and event loop, as in a real process: the test's loop stays its own."""
 
     def __init__(self, cluster: Cluster, *, webhook: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, liveness: str | None = None):
         self.cluster, self.webhook = cluster, webhook  # webhook: OperatorConfig fields, None = off
+        self.liveness = liveness  # kopf's liveness endpoint, e.g. http://127.0.0.1:PORT/healthz
         self.config = config or {}  # other OperatorConfig fields
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -472,7 +473,8 @@ class OperatorThread:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.task = self.loop.create_task(kopf.operator(clusterwide=True, standalone=True,
-                                                        stop_flag=self.stop_flag, ready_flag=self.ready_flag))
+                                                        stop_flag=self.stop_flag, ready_flag=self.ready_flag,
+                                                        liveness_endpoint=self.liveness))
         try:
             self.loop.run_until_complete(self.task)
         except BaseException as err:  # noqa: BLE001 (kept for the test to see)
@@ -511,9 +513,10 @@ class OperatorThread:
 
 @contextlib.asynccontextmanager
 async def running_operator(cluster: Cluster, *, webhook: dict[str, Any] | None = None,
-                           config: dict[str, Any] | None = None) -> AsyncIterator[OperatorThread]:
+                           config: dict[str, Any] | None = None,
+                           liveness: str | None = None) -> AsyncIterator[OperatorThread]:
     """The operator (cluster-wide, standalone, this package's handlers) for the duration of the block."""
-    op = OperatorThread(cluster, webhook=webhook, config=config)
+    op = OperatorThread(cluster, webhook=webhook, config=config, liveness=liveness)
     await op.start()
     try:
         yield op
