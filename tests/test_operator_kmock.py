@@ -137,8 +137,10 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
             assert proc.poll() is None, f"the operator exited:\n{log_path.read_text()[-3000:]}"
             return await asyncio.to_thread(probe) == 200
         await testing.eventually(healthy, timeout=40, what="the liveness probe answering 200")
-        config = await testing.eventually(lambda: cluster.kube.request("GET", config_path), timeout=20,
-                                    what="kopf's ValidatingWebhookConfiguration")
+        async def both_checks() -> dict | None:  # kopf creates the configuration empty, then fills it
+            config = await cluster.kube.request("GET", config_path)
+            return config if len(config.get("webhooks") or []) == 2 else None
+        config = await testing.eventually(both_checks, timeout=20, what="kopf's ValidatingWebhookConfiguration")
         # two checks: the requester's right to create pods (Fail) and the spec (Ignore)
         hooks = {hook["failurePolicy"]: hook["clientConfig"] for hook in config["webhooks"]}
         assert sorted(hooks) == ["Fail", "Ignore"]
