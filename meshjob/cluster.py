@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from meshjob.errors import PlacementError
-from meshjob.api import pod_name
+from meshjob.api import JOB_LABEL, pod_name
 from meshjob.placement import Host, Placement
 from meshjob.plan import Plan
 from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
@@ -102,7 +102,8 @@ def required_affinity_matches(affinity: Mapping[str, Any], node: Mapping[str, An
                for term in terms)
 
 
-def _problems(node: Mapping[str, Any], topology: TopologySpec, template: PodTemplateSpec, devices: int) -> list[str]:
+def _problems(node: Mapping[str, Any], topology: TopologySpec, template: PodTemplateSpec, allocatable: int,
+              free: int) -> list[str]:
     labels = node.get("metadata", {}).get("labels") or {}
     problems = []
     if not labels.get(topology.host_label):
@@ -111,8 +112,10 @@ def _problems(node: Mapping[str, Any], topology: TopologySpec, template: PodTemp
         problems.append("not Ready")
     if node.get("spec", {}).get("unschedulable"):
         problems.append("unschedulable (cordoned)")
-    if devices < 1:
+    if allocatable < 1:
         problems.append(f"no allocatable {topology.device_resource}")
+    elif free < 1:
+        problems.append(f"all {allocatable} {topology.device_resource} in use by other pods")
     taints = untolerated(node, template.tolerations)
     if taints:
         problems.append(f"taint {', '.join(taints)} not tolerated (spec.podTemplate.spec.tolerations)")
@@ -124,24 +127,84 @@ def _problems(node: Mapping[str, Any], topology: TopologySpec, template: PodTemp
     return problems
 
 
-def node_info(node: Mapping[str, Any], job: TrainingJob, quantity: Quantity) -> NodeInfo:
+def _count(raw: Any, quantity: Quantity) -> int:
+    try:
+        return max(0, math.ceil(quantity(str(raw))))
+    except (ValueError, ArithmeticError):
+        return 0
+
+
+def node_info(node: Mapping[str, Any], job: TrainingJob, quantity: Quantity, in_use: int = 0) -> NodeInfo:
+    """The node as a host for the job: its allocatable devices less `in_use` (what other pods there request),
+    at most topology.devicesPerHost."""
     topology = job.topology
     meta = node.get("metadata", {})
     labels = meta.get("labels") or {}
     raw = (node.get("status", {}).get("allocatable") or {}).get(topology.device_resource, "0")
     try:
         allocatable = max(0, math.floor(quantity(str(raw))))
-    except ValueError:
+    except (ValueError, ArithmeticError):
         allocatable = 0
-    problems = _problems(node, topology, job.pod_template.spec, allocatable)
+    free = max(0, allocatable - in_use)
+    problems = _problems(node, topology, job.pod_template.spec, allocatable, free)
     return NodeInfo(name=meta.get("name", ""), host=labels.get(topology.host_label, ""),
-                    rack=labels.get(topology.rack_label, ""), devices=min(allocatable, topology.devices_per_host),
+                    rack=labels.get(topology.rack_label, ""), devices=min(free, topology.devices_per_host),
                     problem="; ".join(problems))
 
 
-def node_infos(nodes: Iterable[Mapping[str, Any]], job: TrainingJob, quantity: Quantity) -> list[NodeInfo]:
-    """Every node, sorted by name so that placement is deterministic whatever order the API lists."""
-    return sorted((node_info(n, job, quantity) for n in nodes), key=lambda info: info.name)
+def node_infos(nodes: Iterable[Mapping[str, Any]], job: TrainingJob, quantity: Quantity,
+               pods: Iterable[Mapping[str, Any]] = ()) -> list[NodeInfo]:
+    """Every node, less the devices `pods` (any but the job's own) use there, sorted by name so that
+    placement is deterministic whatever order the API lists."""
+    nodes = list(nodes)
+    in_use = devices_in_use(pods, nodes, job, quantity)
+    return sorted((node_info(n, job, quantity, in_use.get(n.get("metadata", {}).get("name", ""), 0)) for n in nodes),
+                  key=lambda info: info.name)
+
+
+def _requested(pod: Mapping[str, Any], resource: str, quantity: Quantity) -> int:
+    """Devices a pod requests (a limit alone is the request, as for every extended resource); an init
+    container runs alone, so the pod holds the larger of its largest init container and its containers."""
+    def of(container: Mapping[str, Any]) -> int:
+        res = container.get("resources") or {}
+        raw = (res.get("requests") or {}).get(resource, (res.get("limits") or {}).get(resource, 0))
+        return _count(raw, quantity)
+    spec = pod.get("spec") or {}
+    return max(sum(of(c) for c in spec.get("containers") or []),
+               max((of(c) for c in spec.get("initContainers") or []), default=0))
+
+
+def devices_in_use(pods: Iterable[Mapping[str, Any]], nodes: Sequence[Mapping[str, Any]], job: TrainingJob,
+                   quantity: Quantity) -> dict[str, int]:
+    """Devices of the job's resource that pods hold or wait for, per node name: every pod not terminated
+    (Succeeded, Failed) but the job's own, on its spec.nodeName, or, not scheduled yet, on the one node its
+    required node affinity allows (the operator pins its pods so); a pending pod any node could take is
+    the scheduler's to place and counts nowhere yet."""
+    used: dict[str, int] = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        if meta.get("namespace") == job.namespace and (meta.get("labels") or {}).get(JOB_LABEL) == job.name:
+            continue
+        devices = _requested(pod, job.topology.device_resource, quantity)
+        if not devices:
+            continue
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node:
+            affinity = (pod.get("spec") or {}).get("affinity") or {}
+            allowed = [n for n in nodes if affinity and required_affinity_matches(affinity, n)]
+            node = allowed[0].get("metadata", {}).get("name") if len(allowed) == 1 else None
+        if node:
+            used[node] = used.get(node, 0) + devices
+    return used
+
+
+def still_fits(pods: Sequence["HostPod"], infos: Iterable[NodeInfo]) -> bool:
+    """Whether every host pod of a plan still finds its devices free (another job may have taken them
+    while this one was planned)."""
+    by_host = {i.host: i for i in infos if i.usable}
+    return all(p.host in by_host and by_host[p.host].devices >= p.devices for p in pods)
 
 
 def hosts_of(infos: Iterable[NodeInfo]) -> tuple[Host, ...]:
@@ -204,12 +267,14 @@ def pods_json(job: TrainingJob, plan: Plan, infos: Iterable[NodeInfo]) -> list[d
 
 
 def plan_on_nodes(job: TrainingJob, nodes: Iterable[Mapping[str, Any]], quantity: Quantity,
-                  nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S) -> tuple[PlanInputs, Plan, list[NodeInfo]]:
-    """The plan of the job on these Nodes (and the inputs it is a function of, which the operator renders
-    for its workers): what the operator runs and `meshjob plan --cluster` prints.
+                  nic_bytes_per_s: float = DEFAULT_NIC_BYTES_PER_S,
+                  pods: Iterable[Mapping[str, Any]] = ()) -> tuple[PlanInputs, Plan, list[NodeInfo]]:
+    """The plan of the job on these Nodes, less the devices the cluster's `pods` hold there (and the inputs
+    it is a function of, which the operator renders for its workers): what the operator runs and
+    `meshjob plan --cluster` prints.
 
     Raises PlacementError saying what is missing and which nodes were left out, and why."""
-    infos = node_infos(nodes, job, quantity)
+    infos = node_infos(nodes, job, quantity, pods)
     inputs = PlanInputs.of(job, hosts_of(infos), nic_bytes_per_s)
     try:
         return inputs, inputs.build(), infos

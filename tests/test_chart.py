@@ -362,6 +362,7 @@ KUBE_METHODS: dict[str, list[tuple[str, str, str]]] = {
     "patch_job_status": [("meshjob.io", "trainingjobs/status", "patch"), ("meshjob.io", "trainingjobs", "patch")],
     "delete_job": [("meshjob.io", "trainingjobs", "delete")],
     "list_pods": [("", "pods", "list")],
+    "list_running_pods": [("", "pods", "list")],  # every namespace: the devices other pods hold
     "delete_pod": [("", "pods", "delete")],
     "list_nodes": [("", "nodes", "list")],
     "may_create_pods": [],  # the admission webhook's SubjectAccessReview: see needed_by_kopf (webhook on)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from kubernetes.utils.quantity import parse_quantity
 
-from meshjob.cluster import describe_cluster, hosts_of, node_info, node_infos, plan_on_nodes, tolerates
+from meshjob.cluster import (describe_cluster, devices_in_use, hosts_of, node_info, node_infos, plan_on_nodes,
+                             still_fits, tolerates)
 from meshjob.errors import PlacementError
 from meshjob.placement import Host
 from meshjob.spec import parse_job
@@ -34,6 +35,38 @@ def test_ready_schedulable_labelled_nodes_become_hosts_with_whole_devices():
 def test_a_host_offers_the_job_at_most_devices_per_host():
     """devicesPerHost is the number of devices the job uses per host, whatever a node could give."""
     assert node_info(node_body("n1", 8), job(devices_per_host=2), parse_quantity).devices == 2
+
+
+def a_pod(devices: int, node: str = "", *, pin: str = "", phase: str = "Running", namespace: str = "other",
+          labels: dict | None = None) -> dict:
+    """A pod requesting `devices` cpu, on `node`, or pending and pinned to host `pin` as the operator pins."""
+    spec: dict = {"containers": [{"name": "c", "resources": {"limits": {"cpu": str(devices)}}}]}
+    if node:
+        spec["nodeName"] = node
+    if pin:
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [pin]}]}]}}}
+    return {"metadata": {"name": "p", "namespace": namespace, "labels": labels or {}}, "spec": spec,
+            "status": {"phase": phase}}
+
+
+def test_devices_other_pods_hold_or_are_pinned_to_are_not_offered():
+    nodes = [node_body("n1", 2), node_body("n2", 2)]
+    pods = [a_pod(1, "n1"), a_pod(2, pin="n2"), a_pod(2, "n1", phase="Succeeded"), a_pod(2, phase="Pending"),
+            a_pod(2, "n1", namespace="default", labels={"meshjob.io/job-name": "x"})]  # the job's own
+    assert devices_in_use(pods, nodes, job(), parse_quantity) == {"n1": 1, "n2": 2}
+    infos = node_infos(nodes, job(), parse_quantity, pods)
+    assert [(i.name, i.devices) for i in infos] == [("n1", 1), ("n2", 0)]
+    assert "all 2 cpu in use by other pods" in infos[1].problem and not infos[1].usable
+
+
+def test_a_plan_no_longer_fits_once_another_job_took_its_devices():
+    nodes = [node_body("n1", 2), node_body("n2", 2), node_body("n3", 2)]
+    _, plan, infos = plan_on_nodes(job(), nodes, parse_quantity, pods=[a_pod(2, "n1")])
+    from meshjob.cluster import host_pods
+    pods = host_pods(plan.placement)
+    assert {p.host for p in pods} == {"n2", "n3"} and still_fits(pods, infos)
+    assert not still_fits(pods, node_infos(nodes, job(), parse_quantity, [a_pod(2, "n1"), a_pod(1, "n3")]))
 
 
 @pytest.mark.parametrize("change, problem", [

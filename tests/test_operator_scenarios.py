@@ -28,7 +28,7 @@ from meshjob_operator.handlers import STATE
 from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 from meshjob_operator.status import parse_time
 from meshjob_operator.testing import (Cluster, OperatorThread, envtest_assets, envtest_cluster, eventually,
-                                      free_port, kmock_cluster, running_operator)
+                                      free_port, job_body, kmock_cluster, running_operator)
 
 from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
                               wait_pods, wait_status)
@@ -327,6 +327,50 @@ async def test_a_job_whose_planning_outlasts_the_operators_limit_fails_saying_so
         assert "planning took longer than 0.5 s" in condition(status, "Failed")["message"]
         assert await cluster.pods(tag, tag) == []
         await delete_and_wait(cluster, tag)
+
+
+@pytest.mark.timeout(400)
+async def test_fifty_jobs_on_two_nodes_place_only_those_that_fit_and_freed_devices_take_the_next(cluster, operator):
+    """Each job wants a whole node (one host of 2 devices): 2 jobs are placed, one per node, the other 48
+    wait Unschedulable saying the devices are in use; a placed job's pod finishing frees its node for one.
+    50 on the real API server; kmock, which answers every request on the test's own event loop, takes 8."""
+    tag, count = "crowd", 50 if cluster.real else 8
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    jobs = [f"{tag}-{i:02d}" for i in range(count)]
+    for name in jobs:
+        body = job_body(name, tag, hosts=1, devices_per_host=2,
+                        model={"kind": "gpt", "layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16})
+        body["spec"]["topology"]["deviceResource"] = f"example.com/{tag}"
+        await cluster.create_job(body)
+
+    async def verdicts() -> tuple[list[str], list[dict]] | None:
+        statuses = [((await cluster.job(name, tag)) or {}).get("status") or {} for name in jobs]
+        failed = [s for s in statuses if s.get("phase") == "Failed"]
+        assert not failed, failed[0]
+        placed = [name for name, s in zip(jobs, statuses) if condition(s, "Created").get("status") == "True"]
+        waiting = [s for s in statuses if condition(s, "Unschedulable").get("status") == "True"]
+        return (placed, waiting) if len(placed) + len(waiting) == count else None
+    placed, waiting = await eventually(verdicts, timeout=300, interval=1, what="every job placed or Unschedulable")
+    assert len(placed) == 2 and len(waiting) == count - 2
+    assert all("in use by other pods" in condition(s, "Unschedulable")["message"] for s in waiting)
+    pods = [p for name in placed for p in await cluster.pods(name, tag)]
+    assert len(pods) == 2 and len({json.dumps(p["spec"]["affinity"], sort_keys=True) for p in pods}) == 2
+
+    await cluster.set_pod_phase(pods[0]["metadata"]["name"], "Succeeded", tag)
+
+    async def third() -> list[str] | None:
+        found = await verdicts()
+        return [n for n in found[0] if n not in placed] or None if found else None
+    assert len(await eventually(third, timeout=120, interval=1, what="a waiting job placed on the freed node")) == 1
+    for name in jobs:
+        await cluster.delete_job(name, tag)
+    for name in jobs:
+        await eventually(lambda: _gone(cluster, name, tag), timeout=60, what=f"job {name} deleted")
+
+
+async def _gone(cluster: Cluster, name: str, namespace: str) -> bool:
+    return await cluster.job(name, namespace) is None
 
 
 async def test_deletion_leaves_owned_children_to_the_garbage_collector(cluster, operator):

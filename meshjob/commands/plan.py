@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         check_jobs_inputs(jobs, args.job)
     if args.cluster:
         _operator_costs_only(args, network)
-        nodes = read_nodes(args.kubeconfig, args.context)
-        docs = [plan_on_cluster(job, nodes, network.nic_bytes_per_s) for job in jobs]
+        nodes, pods = read_cluster(args.kubeconfig, args.context)
+        docs = [plan_on_cluster(job, nodes, pods, network.nic_bytes_per_s) for job in jobs]
     else:
         hosts = load_hosts(args.hosts) if args.hosts else None
         docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
@@ -83,13 +83,15 @@ def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
                          "it takes --nic-rate, not --calibrate, --duplex or --message-us")
 
 
-def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], nic_bytes_per_s: float) -> dict[str, Any]:
-    """The plan on these Nodes, as the operator makes it, plus "cluster": its pods and every node's verdict."""
+def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], pods: list[dict[str, Any]],
+                    nic_bytes_per_s: float) -> dict[str, Any]:
+    """The plan on these Nodes, less what the cluster's pods use there, as the operator makes it, plus
+    "cluster": its pods and every node's verdict."""
     from kubernetes.utils.quantity import parse_quantity
 
     from meshjob.cluster import plan_on_nodes, pods_json
 
-    _, plan, infos = plan_on_nodes(job, nodes, parse_quantity, nic_bytes_per_s)
+    _, plan, infos = plan_on_nodes(job, nodes, parse_quantity, nic_bytes_per_s, pods=pods)
     doc = plan.to_json()
     doc["cluster"] = {"pods": pods_json(job, plan, infos),
                       "nodes": [{"name": i.name, "host": i.host, "devices": i.devices, "problem": i.problem}
@@ -97,8 +99,9 @@ def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], nic_bytes_per_s: floa
     return doc
 
 
-def read_nodes(kubeconfig: str | None, context: str | None) -> list[dict[str, Any]]:
-    """The cluster's Nodes as the API returns them (JSON), read through the kubeconfig."""
+def read_cluster(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The cluster's Nodes and its pods not terminated yet, as the API returns them (JSON), read through
+    the kubeconfig."""
     from meshjob.errors import UsageError
 
     try:  # only this path needs the client: the plan layer never imports it
@@ -111,10 +114,13 @@ def read_nodes(kubeconfig: str | None, context: str | None) -> list[dict[str, An
     except (kubernetes.config.ConfigException, OSError, TypeError) as err:
         raise UsageError(f"--cluster: cannot load the kubeconfig ({kubeconfig or 'default'}): {err}") from None
     try:
-        answer = kubernetes.client.CoreV1Api(client).list_node(_preload_content=False, _request_timeout=30)
-        return json.loads(answer.data)["items"]
+        api = kubernetes.client.CoreV1Api(client)
+        nodes = api.list_node(_preload_content=False, _request_timeout=30)
+        pods = api.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded,status.phase!=Failed",
+                                               _preload_content=False, _request_timeout=30)
+        return json.loads(nodes.data)["items"], json.loads(pods.data)["items"]
     except kubernetes.client.ApiException as err:
-        raise UsageError(f"--cluster: listing Nodes was refused: HTTP {err.status} {err.reason}") from None
+        raise UsageError(f"--cluster: listing Nodes and pods was refused: HTTP {err.status} {err.reason}") from None
     except Exception as err:  # noqa: BLE001 - unreachable server, TLS: say so, exit 2
         raise UsageError(f"--cluster: cannot reach the API server: {type(err).__name__}: {err}") from None
     finally:

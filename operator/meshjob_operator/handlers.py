@@ -257,8 +257,10 @@ def job_event(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
 
 
 @kopf.on.event("", "v1", "pods", labels={names.JOB_LABEL: kopf.PRESENT})
-def pod_event(body: kopf.Body, namespace: str, **_: Any) -> None:
+def pod_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
     STATE.wakeups.wake((namespace, body["metadata"]["labels"][names.JOB_LABEL]))
+    if type == "DELETED" or (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        STATE.wakeups.wake_waiting_for_nodes()  # its devices are free: jobs waiting for room try again
 
 
 @kopf.index("", "v1", "nodes")

@@ -192,6 +192,13 @@ class Kube:
         return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(names.JOB_LABEL) == job
                 and p.get("metadata", {}).get("namespace", namespace) == namespace]
 
+    async def list_running_pods(self) -> list[dict[str, Any]]:
+        """Every pod of the cluster not terminated yet (what holds devices on nodes)."""
+        found = await self.request("GET", "/api/v1/pods",
+                                   params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
+        return [p for p in (found or {}).get("items") or []  # again here: kmock ignores field selectors
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+
     async def list_nodes(self) -> list[dict[str, Any]]:
         return ((await self.request("GET", "/api/v1/nodes")) or {}).get("items") or []
 

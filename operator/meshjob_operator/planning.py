@@ -43,13 +43,14 @@ class Planned:
     placement: dict[str, Any]  # Placement.to_json()
 
 
-def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None) -> Planned:
-    """The job's plan on these Nodes (hosts None: a fresh placement, as `meshjob plan --cluster` makes
-    it) or on the hosts its running pods already hold."""
+def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None,
+             pods: Sequence[Mapping[str, Any]] = ()) -> Planned:
+    """The job's plan on these Nodes less what the cluster's `pods` use there (hosts None: a fresh
+    placement, as `meshjob plan --cluster` makes it), or on the hosts its running pods already hold."""
     from kubernetes.utils.quantity import parse_quantity
 
     if hosts is None:
-        inputs, plan, _ = plan_on_nodes(job, nodes, parse_quantity)
+        inputs, plan, _ = plan_on_nodes(job, nodes, parse_quantity, pods=pods)
     else:
         inputs = PlanInputs.of(job, hosts)
         plan = inputs.build()
@@ -57,9 +58,9 @@ def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[
 
 
 def _child(sender: Connection, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-           hosts: tuple[Host, ...] | None) -> None:
+           hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]]) -> None:
     try:
-        answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts))
+        answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts, pods))
     except PlacementError as err:
         answer = ("placement", str(err))
     except SpecError as err:
@@ -86,11 +87,11 @@ class Planner:
         await asyncio.to_thread(forkserver.ensure_running)
 
     async def plan(self, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-                   hosts: tuple[Host, ...] | None) -> Planned:
+                   hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]] = ()) -> Planned:
         """plan_job in a child process; raises PlacementError, SpecError or PlanningFailed (after timeout_s,
         or when the child dies)."""
         receiver, sender = _CONTEXT.Pipe(duplex=False)
-        child = _CONTEXT.Process(target=_child, args=(sender, job, list(nodes), hosts), daemon=True,
+        child = _CONTEXT.Process(target=_child, args=(sender, job, list(nodes), hosts, list(pods)), daemon=True,
                                  name=f"plan-{job.namespace}-{job.name}")
         try:
             await asyncio.to_thread(child.start)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from kubernetes.utils.quantity import parse_quantity
 
-from meshjob.cluster import node_infos
+from meshjob.cluster import node_infos, still_fits
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
 from meshjob.safeyaml import load_one
@@ -26,7 +26,7 @@ from meshjob.spec import TrainingJob, job_to_dict, parse_job
 from meshjob_operator import lifecycle, names, progress, render
 from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
-from meshjob_operator.planning import PlanningFailed, Planner
+from meshjob_operator.planning import Planned, PlanningFailed, Planner
 from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
                                      TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
                                      parse_time, set_condition, status_placement, timestamp)
@@ -37,6 +37,7 @@ MANAGED = ("phase", "conditions", "hosts", "restarts", "disruptions", "restartPe
 RESTART_RECHECK_S = 1.0
 POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
 SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
+PLACEMENT_ATTEMPTS = 3  # plans of a job whose devices other jobs took meanwhile, before it waits (Unschedulable)
 NOT_RETRIABLE = {"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "false"}}}
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
@@ -138,6 +139,7 @@ class Reconciler:
     nodes: Callable[[], list[Mapping[str, Any]]] | None = None
     scraper: progress.Scraper = field(default_factory=progress.Scraper)  # trainers' metrics endpoints
     planner: Planner = field(default_factory=Planner)  # plans in a child process, within a time limit
+    _placing: asyncio.Lock = field(default_factory=asyncio.Lock)  # fresh placements check and create one at a time
     _read_at: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> monotonic time of last reading
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
@@ -389,13 +391,25 @@ class Reconciler:
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                                pods: list[PodView], now: datetime.datetime) -> bool:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
-        node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}
         # surviving pods keep their placement; a fresh (re)start places on the nodes there are now,
         # with the function `meshjob plan --cluster` calls
         hosts = await self._hosts_in_use(meta) if pods else None
         fresh = hosts is None
         try:
-            planned = await self.planner.plan(job, nodes, hosts)
+            for _ in range(PLACEMENT_ATTEMPTS):
+                # a fresh placement counts the devices every other pod holds; planning runs unlocked (it can
+                # take seconds), then, one job at a time, the plan is checked against the pods there are now
+                # and its pods created, so two jobs planned at once never take the same devices
+                others = await self.kube.list_running_pods() if fresh else []
+                planned = await self.planner.plan(job, nodes, hosts, others)
+                if not fresh:
+                    return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
+                async with self._placing:
+                    now_running = await self.kube.list_running_pods()
+                    if still_fits(planned.pods, node_infos(nodes, job, parse_quantity, now_running)):
+                        return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
+            raise PlacementError(f"the devices it was planned on were taken by other jobs while it was planned "
+                                 f"({PLACEMENT_ATTEMPTS} times)")
         except PlanningFailed as err:
             await self._fail(meta, body, draft, job, pods, err.reason, str(err), now)
             return False
@@ -411,8 +425,14 @@ class Reconciler:
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             self.emit(body, "Warning", "InvalidSpec", str(err))
             return False
+
+    async def _create_planned(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
+                              pods: list[PodView], planned: Planned, nodes: list[Mapping[str, Any]], fresh: bool,
+                              now: datetime.datetime) -> bool:
+        """The plan's ConfigMap, Service, PodGroup and missing pods."""
         self.unschedulable.discard((meta.namespace, meta.name))
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
+        node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}
         wanted = planned.pods
 
         cm = render.configmap(meta, job_to_dict(job)["spec"], planned.files)  # the spec that runs
