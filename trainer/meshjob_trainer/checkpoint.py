@@ -257,7 +257,11 @@ class Checkpointer:
         own = f"rank-{self.rank:05d}"
         self.marker_path(step).unlink(missing_ok=True)
         self.data_path(step).unlink(missing_ok=True)
-        for tmp in directory.glob(f".{own}.*.tmp"):
+        try:
+            leftovers = list(directory.glob(f".{own}.*.tmp"))
+        except FileNotFoundError:  # another rank removed the emptied directory: nothing of ours is left
+            return
+        for tmp in leftovers:
             tmp.unlink(missing_ok=True)
         try:
             directory.rmdir()
