@@ -67,3 +67,16 @@ def test_bench_fuzz_writes_counts_percentiles_and_a_histogram(tmp_path):
     assert plan["cases"] == 2 * len(MUTATIONS) == plan["ok"] + plan["error"] + plan["traceback"] + plan["overrun"]
     assert 0 < plan["p50_ms"] <= plan["p99_ms"] <= plan["max_ms"]
     assert (tmp_path / "fuzz_times.png").stat().st_size > 10_000
+
+
+def test_the_fuzz_budget_counts_cpu_time_not_a_busy_machines_wall_time():
+    import time
+
+    from meshjob_bench.fuzz import Overrun, deadline
+
+    with deadline(0.2):
+        time.sleep(0.5)  # waiting (as on a loaded machine) is not work; the wall backstop is 2 s
+    with pytest.raises(Overrun):
+        with deadline(0.2):
+            while True:
+                pass
