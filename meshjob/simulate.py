@@ -139,6 +139,9 @@ class PipelineResult:
     step_s: float
     stages: Mapping[int, StageStats]
     transfer_s: Mapping[BoundaryKey, float]  # simulated makespan of one microbatch's transfer
+    # (stage, action) in the order the list scheduler ran them: a causal order of the whole step
+    # (a RECV comes after its SEND), which meshjob.comm_order turns into the order transfers are issued in
+    order: tuple[tuple[int, Action], ...] = ()
 
     def bubble_fraction(self) -> float:
         return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
@@ -175,6 +178,7 @@ def simulate_pipeline(
     sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
     links = Links(cost.network)
     remaining = sum(len(v) for v in schedules.values())
+    order: list[tuple[int, Action]] = []
     while remaining:
         progressed = False
         for stage in sorted(schedules, key=lambda s: stats[s].busy_until_s):
@@ -211,13 +215,14 @@ def simulate_pipeline(
                 st.busy_until_s = now + wait
             pos[stage] += 1
             remaining -= 1
+            order.append((stage, a))
             progressed = True
             break
         if not progressed:
             blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
             raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
     step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
-    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()})
+    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(order))
 
 
 def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:

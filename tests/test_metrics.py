@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, Fanout, GradientNorm,
-                                    LowerBoundRatio, Metric, NicBandwidth, PipelineFractions, Resharded, StepFinished,
+                                    LowerBoundRatio, Metric, NicBandwidth, PayloadMemory, PipelineFractions, Resharded,
+                                    StepFinished,
                                     UnitTasks)
 from meshjob_trainer.metrics import TrainerMetrics
 
@@ -33,7 +34,7 @@ def feed_everything(m: TrainerMetrics) -> None:
     for event in (Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2), NicBandwidth("h1", 1.25e8),
                   UnitTasks("greedy", 4), LowerBoundRatio(FORWARD, 1.1), StepFinished(1, 1, 0.5, 4096, 2.5),
                   PipelineFractions(1, 0.25, 0.75), CheckpointWritten(1, 10, 0.05), Evaluated(1, 10, 2.75),
-                  GradientNorm(1, 1, 0.8)):
+                  GradientNorm(1, 1, 0.8), PayloadMemory(1, 300, 400)):
         m.emit(event)
 
 
@@ -47,6 +48,13 @@ def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(
     assert value(metrics, "meshjob_resharding_seconds_sum", **labels) == pytest.approx(0.3)
     assert value(metrics, "meshjob_resharding_bytes_total", trainingjob="gpt-demo", namespace="default", strategy="send_recv",
                  scope="intra_host", boundary="1->2:activation") == 7
+
+
+def test_payload_memory_sets_the_steps_peak_and_its_bound(metrics):
+    metrics.emit(PayloadMemory(1, 300, 400))
+    metrics.emit(PayloadMemory(1, 250, 400))
+    assert value(metrics, "meshjob_comm_payload_peak_bytes", job="gpt-demo", stage="1") == 250
+    assert value(metrics, "meshjob_comm_payload_bound_bytes", job="gpt-demo", stage="1") == 400
 
 
 def test_step_counts_tokens_sets_loss_and_the_step(metrics):
@@ -120,7 +128,7 @@ def test_names_have_prefix_and_counters_end_in_total(metrics):
     assert len(families) == 16
     unitless = {"meshjob_loss", "meshjob_step", "meshjob_last_checkpoint_step", "meshjob_validation_loss",
                 "meshjob_gradient_norm"}
-    units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio")
+    units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio", "_bytes")
     for family in families:
         for sample in family.samples:
             assert sample.name.startswith("meshjob_"), sample.name

@@ -166,6 +166,9 @@ class _Done:
     def __init__(self, value):
         self.value = value
 
+    def result(self):
+        return self.value
+
     def wait(self):
         return self.value
 

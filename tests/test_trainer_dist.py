@@ -81,10 +81,70 @@ def _join_and_sum(env: WorkerEnv):
         shutdown_distributed()
 
 
-@pytest.mark.slow
 def test_with_cuda_the_backend_is_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors():
-    """Never plain NCCL: resharding's CPU payloads from several threads must go through gloo."""
+    """CUDA tensors (collectives, the engine's messages) go over NCCL; the CPU objects a rank still
+    exchanges (the plan's digest, calibration figures) over gloo, in the same group."""
     assert backend_for_device(cuda_available=True) == "cpu:gloo,cuda:nccl"
+
+
+# -- the engine's wire: gloo on the CPU, NCCL device to device on CUDA ------------------------------
+
+def test_cpu_ranks_get_the_gloo_wire():
+    from meshjob_trainer.wire import GlooWire, wire_for
+
+    assert isinstance(wire_for(torch_device("cpu"), 0, {(0, 1)}), GlooWire)
+
+
+def torch_device(text: str):
+    import torch
+
+    return torch.device(text)
+
+
+def test_a_communicator_per_directed_pair_is_created_in_one_sorted_order():
+    from meshjob_trainer.wire import directed_groups
+
+    made = []
+    groups = directed_groups([(3, 1), (1, 3), (0, 1), (3, 1)],
+                             new_group=lambda ranks, backend: made.append((ranks, backend)) or len(made))
+    assert made == [([0, 1], "nccl"), ([1, 3], "nccl"), ([1, 3], "nccl")]
+    assert groups == {(0, 1): 1, (1, 3): 2, (3, 1): 3}  # (1, 3) and (3, 1): one direction each
+
+
+def test_cuda_ranks_get_the_nccl_wire_over_every_pair_connected_at_once(monkeypatch):
+    import meshjob_trainer.wire as wire_module
+
+    class RecordingNccl:
+        def __init__(self, rank, device, groups):
+            self.rank, self.device, self.groups, self.connected = rank, device, groups, False
+
+        def connect(self):
+            self.connected = True
+
+    monkeypatch.setattr(wire_module, "NcclWire", RecordingNccl)
+    wire = wire_module.wire_for(torch_device("cuda:1"), 2, {(2, 5), (5, 2)}, new_group=lambda ranks, backend: ranks)
+    assert isinstance(wire, RecordingNccl) and wire.connected
+    assert wire.rank == 2 and str(wire.device) == "cuda:1" and wire.groups == {(2, 5): [2, 5], (5, 2): [2, 5]}
+
+
+def test_nccl_completion_is_polled_with_growing_pauses_then_its_errors_are_raised():
+    from meshjob_trainer.wire import wait_polling
+
+    class Work:
+        polls, waited = 0, False
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 3
+
+        def wait(self):
+            self.waited = True
+
+    work = Work()
+    started = time.perf_counter()
+    wait_polling(work, 0.001, 0.002)
+    assert work.polls == 4 and work.waited
+    assert time.perf_counter() - started >= 0.001 + 0.002 + 0.002
 
 
 def test_without_cuda_the_backend_is_gloo():

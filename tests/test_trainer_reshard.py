@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
 from meshjob.plan import Boundary, plan_boundary
 from meshjob.resharding import STRATEGIES, Step
-from meshjob.sharding import ShardingSpec, tile, to_index
+from meshjob.sharding import ShardingSpec, slice_shape, tile, to_index
 from meshjob.spec import ReshardingSpec
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
 from meshjob_trainer.reshard import ReshardError, ReshardExecutor, make_routes
@@ -317,7 +318,7 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
     def target(env):
         init_distributed(env, timeout_s=20)
         try:
-            ex = ReshardExecutor(plan, env.rank)
+            ex = ReshardExecutor(plan, env.rank, order=None)  # one transfer at a time, not the step's order
             wrong = []
             for i, b in enumerate(plan.boundaries):
                 full = torch.randn(b.shape, generator=torch.Generator().manual_seed(i))
@@ -333,83 +334,136 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
     assert gang(plan.placement.world_size, target) == [[]] * plan.placement.world_size
 
 
-# --- staging through the CPU (NCCL safety: every payload goes through gloo) -----------------
+# --- device-native: payloads never leave the context's device ---------------------------------
 
-class RecordingDist:
-    """Stands in for torch.distributed in one process: completes every op at once and records the
-    device of each tensor handed to isend/irecv."""
+class FakeWire:
+    """Stands in for a wire in one process (a test double of meshjob_trainer.wire.Wire): every message
+    completes at once, receives are filled with ones; it records what crosses it, and the calls that
+    order the engine's device work around the compute stream, with the thread that made them."""
 
-    class Done:
-        def wait(self) -> None:
-            pass
+    def __init__(self, device: str = "cpu") -> None:
+        import threading
 
-    def __init__(self) -> None:
-        self.sent: list[torch.device] = []
-        self.received: list[torch.device] = []
+        self.device = torch.device(device)
+        self.sent: list[torch.Tensor] = []
+        self.received: list[torch.Tensor] = []
+        self.calls: list[tuple[str, Any, str]] = []  # (call, its mark, thread name)
+        self._thread = threading.current_thread
+        self._marks = 0
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> "RecordingDist.Done":
-        self.sent.append(tensor.device)
-        return self.Done()
+    def _call(self, name: str, mark: Any = None) -> Any:
+        self.calls.append((name, mark, self._thread().name))
+        return mark
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> "RecordingDist.Done":
-        self.received.append(tensor.device)
+    def isend(self, tensor, peer, tag, message):
+        self._call("send")
+        self.sent.append(tensor)
+
+    def irecv(self, tensor, peer, tag, message):
+        self._call("recv")
+        self.received.append(tensor)
         tensor.fill_(1)
-        return self.Done()
+
+    def wait(self, work) -> None:
+        pass
+
+    def engine_stream(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def mark(self):
+        self._marks += 1
+        return self._call("mark", f"mark{self._marks}")
+
+    def after(self, mark) -> None:
+        self._call("after", mark)
+
+    def hand_over(self):
+        self._marks += 1
+        return self._call("hand_over", f"mark{self._marks}")
+
+    def accept(self, tensor, mark) -> None:
+        self._call("accept", mark)
 
 
-STAGING_CASES = [(CASES[4], "broadcast"), (CASES[5], "broadcast"), (CASES[0], "global_allgather")]
-
-
-@pytest.mark.parametrize("case,strategy", STAGING_CASES, ids=[f"{c.name} {s}" for c, s in STAGING_CASES])
-def test_every_payload_is_a_cpu_tensor_whatever_the_context_device(monkeypatch, case: Case, strategy: str):
-    """Sources, forwarding receivers and intra-mesh gathers alike hand gloo CPU tensors only, even
-    when the context's device is not the CPU ("meta" stands in for CUDA on this machine)."""
-    boundary = make_boundary(case, strategy)
-    fake = RecordingDist()
-    monkeypatch.setattr("meshjob_trainer.reshard.dist", fake)
-    full = global_tensor(case, 0)
-    for rank in (*case.src.ranks, *case.dst.ranks):
-        routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
-        ex = ReshardExecutor(None, rank, routes=routes, device="meta")
-        local = natural_tile(case, full, rank) if rank in case.src.ranks else None
-        ex.start(boundary.key, 0, local).wait(timeout_s=10)
-    assert fake.sent and fake.received
-    assert {d.type for d in fake.sent} == {"cpu"}
-    assert {d.type for d in fake.received} == {"cpu"}
-
-
-@pytest.mark.parametrize("case,strategy", STAGING_CASES, ids=[f"{c.name} {s}" for c, s in STAGING_CASES])
-def test_a_receiver_gets_its_tile_on_the_context_device(monkeypatch, case: Case, strategy: str):
-    boundary = make_boundary(case, strategy)
-    monkeypatch.setattr("meshjob_trainer.reshard.dist", RecordingDist())
+def run_alone(case: Case, boundary: Boundary, rank: int, wire: FakeWire, local=None, device: str = "cpu"):
     routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
-    for rank in case.dst.ranks:
-        ex = ReshardExecutor(None, rank, routes=routes, device="meta")
-        got = ex.start(boundary.key, 0, None).wait(timeout_s=10)
-        want = natural_tile(case, global_tensor(case, 0), rank)
-        assert got.device.type == "meta" and got.shape == want.shape and got.dtype == torch.float32
+    ex = ReshardExecutor(None, rank, routes=routes, device=device, wire=wire)
+    try:
+        return ex.start(boundary.key, 0, local).wait(timeout_s=10)
+    finally:
+        ex.close()
 
 
-def test_a_source_sends_slices_of_one_cpu_copy_of_its_tile(monkeypatch):
-    """What a source sends comes from its tile's values (staged once), region by region."""
+FAKE_CASES = [(CASES[4], "broadcast"), (CASES[5], "broadcast"), (CASES[0], "global_allgather")]
+
+
+@pytest.mark.parametrize("case,strategy", FAKE_CASES, ids=[f"{c.name} {s}" for c, s in FAKE_CASES])
+def test_every_payload_stays_on_the_context_device(case: Case, strategy: str):
+    """Sources, forwarding receivers and intra-mesh gathers alike hand the wire tensors of the
+    context's device: no staging through the CPU ("meta" stands in for CUDA on this machine)."""
+    boundary = make_boundary(case, strategy)
+    wire = FakeWire("meta")
+    for rank in (*case.src.ranks, *case.dst.ranks):
+        local = None
+        if rank in case.src.ranks:
+            m = case.src
+            local = torch.empty(slice_shape(tile(ShardingSpec.parse(case.src_natural), m.shape, case.shape,
+                                                 m.index_of(rank))), device="meta")
+        got = run_alone(case, boundary, rank, wire, local, device="meta")
+        if rank in case.dst.ranks:
+            want = natural_tile(case, global_tensor(case, 0), rank)
+            assert got.device.type == "meta" and got.shape == want.shape and got.dtype == torch.float32
+    assert wire.sent and wire.received
+    assert {t.device.type for t in wire.sent + wire.received} == {"meta"}
+
+
+def test_a_source_sends_views_of_its_tile_not_copies():
     case = CASES[0]
     boundary = make_boundary(case, "send_recv")
-    sent: list[torch.Tensor] = []
-
-    class Capture(RecordingDist):
-        def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RecordingDist.Done:
-            sent.append(tensor.clone())
-            return super().isend(tensor, dst, tag)
-
-    monkeypatch.setattr("meshjob_trainer.reshard.dist", Capture())
+    wire = FakeWire()
     full = global_tensor(case, 4)
-    ex = executor(case, [boundary], 0)
     mine = natural_tile(case, full, 0)
-    ex.start(boundary.key, 0, mine).wait(timeout_s=10)
+    run_alone(case, boundary, 0, wire, mine)
     mine_steps = [s for s in boundary.steps if s.src == 0]
-    assert len(sent) == len(mine_steps) > 0
-    for s, payload in zip(mine_steps, sent):
-        assert torch.equal(payload, full[to_index(s.region)])
+    assert len(wire.sent) == len(mine_steps) > 0
+    assert {t.untyped_storage().data_ptr() for t in wire.sent} == {mine.untyped_storage().data_ptr()}
+    program = boundary_program(case, boundary, 0)
+    for step, payload in zip(program, wire.sent):
+        assert torch.equal(payload, full[to_index(step.region)])
+
+
+def boundary_program(case: Case, boundary: Boundary, rank: int):
+    from meshjob.network import NetworkModel
+    from meshjob.program import rank_programs
+
+    return rank_programs(boundary.steps, host_of(case), NetworkModel())[rank].sends
+
+
+def test_the_engine_reads_a_source_only_after_the_compute_stream_produced_it():
+    """mark on the compute thread when the tile is handed over, the engine's stream waits for that
+    mark before its first send (on CUDA: an event the engine's stream waits on)."""
+    case = CASES[0]
+    boundary = make_boundary(case, "send_recv")
+    wire = FakeWire()
+    run_alone(case, boundary, 0, wire, natural_tile(case, global_tensor(case, 4), 0))
+    names = [c[0] for c in wire.calls]
+    assert names[:3] == ["mark", "after", "send"] and wire.calls[0][1] == wire.calls[1][1]
+    assert wire.calls[0][2] != wire.calls[1][2]  # marked by the caller, waited for by the engine's thread
+
+
+def test_the_compute_stream_uses_a_result_only_after_the_engine_assembled_it():
+    case = CASES[5]  # the destination gathers inside its mesh: the result is assembled by the engine
+    boundary = make_boundary(case, "broadcast")
+    wire = FakeWire()
+    rank = case.dst.ranks[0]
+    run_alone(case, boundary, rank, wire)
+    handed = [c for c in wire.calls if c[0] == "hand_over"]
+    accepted = [c for c in wire.calls if c[0] == "accept"]
+    assert len(handed) == len(accepted) == 1 and handed[0][1] == accepted[0][1]
+    assert accepted[0][2] != handed[0][2]  # accepted by the caller's thread, handed over by the engine's
+    assert [c[0] for c in wire.calls].index("hand_over") > max(i for i, c in enumerate(wire.calls) if c[0] == "recv")
 
 
 # --- what the executor records for the dashboard --------------------------------------------

@@ -200,14 +200,14 @@ GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
 
 
 def backend_for_device(cuda_available: bool | None = None) -> str:
-    """gloo on CPU; with CUDA the combined "cpu:gloo,cuda:nccl", never plain NCCL.
+    """gloo on CPU; with CUDA torch's combined "cpu:gloo,cuda:nccl".
 
-    Why combined: the resharding executor runs one thread per in-flight handle, and NCCL needs
-    every rank to issue a communicator's operations in one order, which concurrent threads do not
-    give; gloo matches point-to-point ops by (peer, tag) from any thread, but has no CUDA
-    point-to-point. So resharding stages its payloads through CPU tensors (gloo) while the
-    stage-internal collectives (TP all-reduce, DP gradient reduce), issued in program order by the
-    training thread, keep their CUDA tensors on NCCL."""
+    With CUDA every tensor that trains goes device to device over NCCL: the stage-internal
+    collectives (TP all-reduce, DP gradient reduce) on the default group, issued in program order by
+    the training thread, and the communication engine's messages on communicators of their own
+    (meshjob_trainer.wire.NcclWire: one per directed pair of ranks, issued in the plan's order). The
+    CPU objects ranks still exchange (the plan's digest, calibration figures) go over gloo in the
+    same group, which plain NCCL could not carry."""
     if cuda_available is None:
         import torch
 

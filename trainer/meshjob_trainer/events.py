@@ -240,6 +240,26 @@ class PipelineFractions(Event):
 
 
 @dataclass(frozen=True)
+class PayloadMemory(Event):
+    """The most memory a rank's communication engine held for payloads in flight during one step
+    (receive buffers, staging copies), and the bound the plan puts on it."""
+
+    METRICS = (
+        Metric("meshjob_comm_payload_peak_bytes", "Most bytes of in-flight payload buffers a rank's communication "
+               "engine held during the last step", "gauge", "peak_bytes", ("stage",)),
+        Metric("meshjob_comm_payload_bound_bytes", "Bound on those bytes from the plan (receives posted ahead per "
+               "boundary, staging copies per send in flight)", "gauge", "bound_bytes", ("stage",)),
+    )
+    stage: int
+    peak_bytes: int
+    bound_bytes: int
+
+    def __post_init__(self) -> None:
+        non_negative("peak_bytes", self.peak_bytes)
+        non_negative("bound_bytes", self.bound_bytes)
+
+
+@dataclass(frozen=True)
 class CheckpointWritten(Event):
     METRICS = (
         Metric("meshjob_checkpoint_seconds", "Wall time of writing one checkpoint", "histogram", "seconds",

@@ -4,8 +4,16 @@
   B<mb>        full backward: weight gradients accumulate into .grad, input gradients are kept
   I<mb>        input gradients only (torch.autograd.grad w.r.t. the stage inputs, graph retained)
   W<mb>        weight gradients later (backward into the parameters' .grad), then the stash is freed
-  SEND_F/RECV_F, SEND_B/RECV_B   start a transfer through the transport; a RECV's handle is waited
-               by the compute that needs it, a SEND's at the end of the step
+  SEND_F/RECV_F, SEND_B/RECV_B   start a transfer through the transport; a RECV's result is taken
+               by the compute that needs it; every handle is finished at the end of the step
+
+Receives are posted ahead of the actions that consume them, up to `recv_depth[boundary]` per
+boundary (meshjob.comm_order: enough that, as planned, each is posted before its sender sends;
+default: every receive of the step at its start). gloo moves data only once the receiver has
+posted, so a receive posted at its action (right before the compute that needs it) would expose the
+whole transfer; posted early, it overlaps the computation of other microbatches, which is what
+eager-1F1B's earlier forwards are for. The depth bounds the receive buffers a stage holds (they
+hold no autograd graph and are not counted as stashed activations).
 
 I/W split as in zero-bubble pipelining (torch.distributed.pipelining._backward, pinned torch):
 I computes the input gradients and keeps the gradients arriving at the graph nodes where the
@@ -18,9 +26,10 @@ of stashed microbatches: forwarded but not yet fully backwarded (B, or W when sp
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -32,7 +41,11 @@ from meshjob_trainer.model import PipelineStage
 
 
 class Handle(Protocol):
-    def wait(self) -> torch.Tensor | None: ...
+    def result(self) -> torch.Tensor | None:
+        """The transferred tensor (None on a sender) as soon as it has arrived."""
+
+    def wait(self) -> torch.Tensor | None:
+        """The same, once the transfer is over on this rank (a chain's forwards too)."""
 
 
 class Transport(Protocol):
@@ -78,9 +91,10 @@ class PipelineExecutor:
     """Runs `actions` for stage `stage`; one instance per rank, reused every step."""
 
     def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
-                 loss_scale: float):
+                 loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
+        self.recv_depth = dict(recv_depth or {})  # receives posted ahead per boundary; absent: all of them
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.split = any(a.kind == "I" for a in self.actions)
 
@@ -109,21 +123,15 @@ class _StepRun:
         self.stats = StageStats(ex.stage, steps=1)
         self.loss = 0.0
         self.stash: dict[int, _Stash] = {}
-        self.recv_f: dict[tuple[str, int], Handle] = {}
-        self.recv_b: dict[tuple[str, int], list[Handle]] = {}
+        self.recv_f: dict[tuple[str, int], tuple[BoundaryKey, Handle]] = {}
+        self.recv_b: dict[tuple[str, int], list[tuple[BoundaryKey, Handle]]] = {}
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
-        self.sends: list[Handle] = []
+        self.handles: list[Handle] = []  # every transfer started this step, finished at its end
+        self.unposted: dict[BoundaryKey, collections.deque[Action]] = collections.defaultdict(collections.deque)
         self.t0 = self.stats.timeline_origin = time.perf_counter()
 
     def run(self, actions: Sequence[Action]) -> None:
-        # Post every receive of the step up front. gloo moves data only once the receiver has posted,
-        # so a receive posted at its action (right before the compute that needs it) would expose the
-        # whole transfer; posted early, it overlaps the computation of other microbatches, which is
-        # what eager-1F1B's earlier forwards are for. Cost: one receive buffer per microbatch and
-        # incoming edge (not counted as stashed activations: they hold no autograd graph).
-        for action in actions:
-            if action.kind in ("RECV_F", "RECV_B"):
-                self.do(action)
+        self.post_receives(actions)
         for action in actions:
             if action.kind not in ("RECV_F", "RECV_B"):
                 self.do(action)
@@ -132,9 +140,26 @@ class _StepRun:
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
 
-    def wait(self, handle: Handle) -> torch.Tensor | None:
+    def post_receives(self, actions: Sequence[Action]) -> None:
+        """The first recv_depth receives of each boundary, in action order; the rest as those are consumed.
+        Posted early because gloo moves data only once the receiver has posted: a receive posted at its
+        action (right before the compute that needs it) would expose the whole transfer."""
+        for action in actions:
+            if action.kind in ("RECV_F", "RECV_B"):
+                self.unposted[BoundaryKey.of_action(self.ex.stage, action)].append(action)
+        for key, pending in self.unposted.items():
+            for _ in range(min(len(pending), self.ex.recv_depth.get(key, len(pending)))):
+                self.do(pending.popleft())
+
+    def consumed(self, key: BoundaryKey) -> None:
+        """One receive of `key` was taken: post its next one."""
+        pending = self.unposted.get(key)
+        if pending:
+            self.do(pending.popleft())
+
+    def wait(self, handle: Handle, finish: bool = False) -> torch.Tensor | None:
         start = time.perf_counter()
-        value = handle.wait()
+        value = handle.wait() if finish else handle.result()
         end = time.perf_counter()
         self.stats.wait_s += end - start
         self.stats.timeline.append(("wait", start - self.t0, end - self.t0))
@@ -156,18 +181,27 @@ class _StepRun:
             stash = self.stash.get(action.mb)
             if stash is None or action.tensor not in stash.outputs:
                 raise self.fail(action, f"no forward output {action.tensor!r} of microbatch {action.mb} to send")
-            self.sends.append(self._start(action, stash.outputs[action.tensor].detach()))
+            self._start(action, stash.outputs[action.tensor].detach())
         elif kind == "SEND_B":
             grads = self.input_grads.get(action.mb)
             if grads is None or action.tensor not in grads:
                 raise self.fail(action, f"no input gradient {action.tensor!r} of microbatch {action.mb} "
                                         "(needs B or I first)")
-            self.sends.append(self._start(action, grads[action.tensor]))
+            self._start(action, grads[action.tensor])
         else:
             raise self.fail(action, f"unknown action kind {kind!r}")
 
-    def _start(self, action: Action, local: torch.Tensor | None) -> Handle:
-        return self.ex.transport.start(BoundaryKey.of_action(self.ex.stage, action), action.mb, local)
+    def _start(self, action: Action, local: torch.Tensor | None) -> tuple[BoundaryKey, Handle]:
+        key = BoundaryKey.of_action(self.ex.stage, action)
+        handle = self.ex.transport.start(key, action.mb, local)
+        self.handles.append(handle)
+        return key, handle
+
+    def _take(self, received: tuple[BoundaryKey, Handle]) -> torch.Tensor | None:
+        key, handle = received
+        value = self.wait(handle)
+        self.consumed(key)
+        return value
 
     # --- compute ---------------------------------------------------------------------------
 
@@ -180,10 +214,10 @@ class _StepRun:
             if name == "tokens":
                 inputs[name] = batch.tokens
                 continue
-            handle = self.recv_f.pop((name, mb), None)
-            if handle is None:
+            received = self.recv_f.pop((name, mb), None)
+            if received is None:
                 raise self.fail(action, f"input {name!r} of microbatch {mb} was never received (no RECV_F before F)")
-            value = self.wait(handle)
+            value = self._take(received)
             leaves[name] = inputs[name] = value.detach().requires_grad_(True)
         if module.is_last:
             inputs["targets"] = batch.targets
@@ -209,8 +243,8 @@ class _StepRun:
                 raise self.fail(action, f"gradient of output {name!r} of microbatch {action.mb} was never "
                                         "received (no RECV_B before the backward)")
             total = None
-            for handle in handles:  # one per consumer stage; they add up
-                grad = self.wait(handle)
+            for received in handles:  # one per consumer stage; they add up
+                grad = self._take(received)
                 total = grad if total is None else total + grad
             roots.append(output)
             grads.append(total)
@@ -257,8 +291,8 @@ class _StepRun:
         del self.stash[action.mb]  # frees the retained graph
 
     def finish(self) -> None:
-        for handle in self.sends:
-            self.wait(handle)
+        for handle in self.handles:
+            self.wait(handle, finish=True)
         if not self.training:  # forward only: the stash held the outputs until they were sent
             self.stash.clear()
         leftovers = []

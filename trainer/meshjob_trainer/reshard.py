@@ -2,51 +2,44 @@
 
 Every rank of both stages of a boundary calls start() for the same (boundary, microbatch).
 1. The source side holds its natural-layout tile; the plan's steps name regions in global
-   coordinates inside the send layout, so a source slices them out of that tile (free).
-2. The plan's lowered Steps run as point-to-point isend/irecv on the default group. All irecvs
-   are posted up front (gloo sends only once the receiver is ready); a rank forwards a region as
-   soon as the steps it depends on (`after`) have completed. Chunked broadcast thus becomes a
-   pipelined chain, and ring all-gathers become forwards of the parts a rank received.
-3. Receivers assemble their recv-layout tile. When the recv layout shards more than the
-   destination's natural layout, each rank then fetches the missing recv tiles from peers of its
-   own mesh (same host first), which is the all-gather inside the destination mesh.
+   coordinates inside the send layout, so a source sends views of that tile (copied only where a
+   region is not contiguous).
+2. The plan's lowered Steps are point-to-point messages, issued by the rank's one communication
+   engine (meshjob_trainer.engine) on its wire (meshjob_trainer.wire: gloo for CPU tensors, NCCL
+   device to device for CUDA ones): receives posted as soon as the transfer starts, sends in the
+   sender's program order (meshjob.program) with a bounded number in flight per link, a region
+   forwarded as soon as the steps it depends on (`after`) have landed. Chunked broadcast thus
+   becomes a pipelined chain, and ring all-gathers become forwards of the parts a rank received.
+   With a plan, transfers follow the step's order (meshjob.comm_order), which every rank derives.
+3. Receivers assemble their recv-layout tile, receiving straight into it where a region is
+   contiguous. When the recv layout shards more than the destination's natural layout, each rank
+   then fetches the missing recv tiles from peers of its own mesh (same host first), which is the
+   all-gather inside the destination mesh.
 
-Asynchrony: each start() gets one background thread that posts the receives, walks this rank's
-sends in plan order and assembles the result; wait() joins it. A thread, not progress-on-wait,
-because a forwarding rank in a broadcast chain must pass chunks on while its pipeline stage is
-busy computing: with progress-on-wait the whole chain would stall behind that computation.
-Sends are walked in the plan's order, which is a topological order of the steps (each `after`
-names an earlier step); every rank following it cannot deadlock: the earliest unposted send
-always has its inputs posted.
-
-Backends: every payload is a CPU tensor, so resharding always runs on gloo. On CUDA the default
-group is torch's combined "cpu:gloo,cuda:nccl" (meshjob_trainer.dist.backend_for_device): gloo
-matches point-to-point ops by (peer, tag) from any thread, so concurrent handle threads are safe,
-whereas NCCL requires every rank to issue a communicator's operations in one order, which those
-threads do not guarantee; and gloo has no CUDA point-to-point. Hence a source copies its tile to
-the CPU once, receives land in CPU buffers, forwards read from them, and only the assembled tile
-moves to the context's device. The stage-internal collectives (TP all-reduce, DP gradient reduce)
-keep CUDA tensors on NCCL: the training thread issues them in program order on every rank.
+start() returns at once: the engine's thread moves the data while the stage computes, so a
+forwarding rank in a broadcast chain passes chunks on while its pipeline stage is busy.
 """
 from __future__ import annotations
 
-import threading
-import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import TransferOrder, recv_depths, transfer_order
 from meshjob.mesh import Mesh
-from meshjob.plan import Boundary
+from meshjob.network import Link, NetworkModel
+from meshjob.plan import ITEMSIZE, Boundary
+from meshjob.program import RankProgram, rank_programs
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
+from meshjob_trainer.engine import CommEngine, Handle, Job, MessageSpec
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
+from meshjob_trainer.wire import Wire, wire_for
 
 SIGNAL_BYTES = 1
-STAGING = torch.device("cpu")  # where every payload lives: gloo carries it (see the module docstring)
 
 
 class ReshardError(RuntimeError):
@@ -69,6 +62,7 @@ class Route:
     dst_mesh: Mesh
     src_natural: ShardingSpec
     dst_natural: ShardingSpec
+    network: NetworkModel = field(default_factory=NetworkModel)  # what orders each rank's sends
     steps: tuple[Step, ...] = field(init=False)  # the plan's steps, topologically ordered
     gather: tuple[Step, ...] = field(init=False)  # recv tiles -> natural tiles in the destination
     src_ranks: frozenset[int] = field(init=False)
@@ -103,6 +97,73 @@ class Route:
     def host_of(self, rank: int) -> int:
         mesh = self.src_mesh if rank in self.src_ranks else self.dst_mesh
         return mesh.host_of(rank)
+
+    def step_at(self, index: int) -> Step:
+        """A message's step: the plan's steps first, then the gather steps."""
+        n = len(self.steps)
+        return self.steps[index] if index < n else self.gather[index - n]
+
+    def pairs(self) -> set[tuple[int, int]]:
+        """(sender, receiver) of every message of this boundary."""
+        return {(s.src, s.dst) for s in (*self.steps, *self.gather)}
+
+    def programs(self) -> dict[int, RankProgram]:
+        """Every rank's program (meshjob.program), on plain links as Plan.program orders them."""
+        if not hasattr(self, "_programs"):
+            plain = dataclasses.replace(self.network, burst_bytes=0.0)
+            self._programs = rank_programs(self.steps, self.host_of, plain, ITEMSIZE)
+        return self._programs
+
+    def contiguous_at(self, rank: int, index: int) -> bool:
+        """Whether message `index` is a contiguous view where `rank` holds or receives it (else it is
+        staged through a copy)."""
+        step = self.step_at(index)
+        if rank in self.src_ranks:
+            origin = self.tile_of(rank, self.src_natural, self.src_mesh)
+        elif index < len(self.steps):
+            origin = self.holding(rank)
+        else:
+            origin = self.tile_of(rank, self.dst_natural, self.dst_mesh)
+        whole = torch.empty(slice_shape(origin), device="meta")
+        return whole[to_index(relative(step.region, origin))].is_contiguous()
+
+    def receive_bytes(self, rank: int, dtype: torch.dtype) -> int:
+        """The buffers one microbatch's receive allocates on `rank`: its recv tile, its natural tile
+        when larger, and a staging buffer per message that cannot land in place."""
+        if rank not in self.dst_ranks:
+            return 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        recv, natural = self.holding(rank), self.tile_of(rank, self.dst_natural, self.dst_mesh)
+        total = slice_numel(recv) + (slice_numel(natural) if natural != recv else 0)
+        for spec in self.message_specs(rank):
+            if not spec.send and not self.contiguous_at(rank, spec.index):
+                total += slice_numel(self.step_at(spec.index).region)
+        return total * itemsize
+
+    def link(self, src: int, dst: int) -> Link:
+        """The link a message from rank src to rank dst leaves on (as meshjob.program names them)."""
+        a, b = self.host_of(src), self.host_of(dst)
+        return self.network.link(a, "local") if a == b else self.network.link(a, "out")
+
+    def message_specs(self, rank: int) -> tuple[MessageSpec, ...]:
+        """What `rank` sends and receives for one microbatch: its sends in its program's order (each
+        waiting for the receives that bring it the region), its receives from each peer in that
+        peer's program order, then the gather inside the destination mesh."""
+        index = {s.id: i for i, s in enumerate(self.steps)}
+        programs = self.programs()
+        empty = RankProgram(rank, (), (), ())
+        mine = programs.get(rank, empty)
+        recvs = [MessageSpec(index[s.id], s.id, peer, False) for peer, prog in sorted(programs.items())
+                 for s in prog.sends if s.dst == rank]
+        own = {m.step for m in recvs}
+        sends = [MessageSpec(index[s.id], s.id, s.dst, True, link, tuple(index[d] for d in s.after if d in own))
+                 for s, link in zip(mine.sends, mine.send_links)]
+        landed = tuple(m.index for m in recvs)  # a gather sends this rank's whole recv tile
+        n = len(self.steps)
+        gather = [MessageSpec(n + j, g.id, g.dst, True, self.link(rank, g.dst), landed) if g.src == rank
+                  else MessageSpec(n + j, g.id, g.src, False)
+                  for j, g in enumerate(self.gather) if rank in (g.src, g.dst)]
+        return tuple(sends + recvs + gather)
 
     def tile_of(self, rank: int, spec: ShardingSpec, mesh: Mesh) -> Slice:
         return tile(spec, mesh.shape, tuple(self.boundary.shape), mesh.index_of(rank))
@@ -226,7 +287,7 @@ class ReshardStats:
 
     strategy: str
     boundary: BoundaryKey
-    seconds: float = 0.0
+    seconds: float = 0.0  # from start() until every message of this rank is done
     bytes_received: dict[str, int] = field(default_factory=dict)  # scope -> bytes
     bytes_sent: dict[str, int] = field(default_factory=dict)  # scope -> bytes
     host_pair_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (src host, dst host) -> sent
@@ -234,181 +295,132 @@ class ReshardStats:
     task_bytes: dict[int, int] = field(default_factory=dict)  # task -> bytes this rank received of it
 
 
-class Handle:
-    """One running resharding on one rank. wait() -> destination natural-layout local tensor, or
-    None on a rank that only sends. `delivered` is False for `signal` (zeros come back)."""
-
-    def __init__(self, run: "_Run | None") -> None:
-        self._run = run
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if run is not None:
-            self._thread = threading.Thread(target=self._main, name=f"reshard {run.route.name}", daemon=True)
-            self._thread.start()
-
-    def _main(self) -> None:
-        assert self._run is not None
-        try:
-            self._result = self._run.execute()
-        except BaseException as err:  # noqa: BLE001 - re-raised in wait()
-            self._error = err
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(f"resharding {self._run.route.name if self._run else ''} still running after "
-                                   f"{timeout_s:g} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    @property
-    def stats(self) -> ReshardStats | None:
-        return None if self._run is None else self._run.stats
-
-    @property
-    def delivered(self) -> bool:
-        return self._run is None or not self._run.signal
+def _add(table: dict[Any, int], key: Any, nbytes: int) -> None:
+    table[key] = table.get(key, 0) + nbytes
 
 
-class _Run:
-    """The state of one (boundary, microbatch) on one rank; execute() runs on the handle's thread."""
+class _Transfer(Job):
+    """One (boundary, microbatch) on one rank: the data behind its messages (meshjob_trainer.engine.Job)."""
 
-    def __init__(self, route: Route, rank: int, natural_local: torch.Tensor | None, tag_base: int,
-                 dtype: torch.dtype, device: torch.device, events: MetricsSink | None, host: str) -> None:
-        self.route, self.rank, self.tag_base = route, rank, tag_base
-        self.events, self.host = events, host  # where this rank's resharding events go; its host's name
+    def __init__(self, route: Route, rank: int, mb: int, specs: Sequence[MessageSpec], tag_base: int,
+                 natural_local: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                 events: MetricsSink | None, host: str) -> None:
+        super().__init__(route.boundary.key, mb, specs, tag_base)
+        self.route, self.rank, self.events, self.host = route, rank, events, host
         b = route.boundary
         self.signal = b.strategy == "signal" or any(s.signal for s in route.steps)
         self.is_dst = rank in route.dst_ranks
-        self.dtype, self.device = dtype, device  # device: where the assembled result goes
-        self.itemsize = torch.tensor([], dtype=dtype).element_size()
+        self.dtype, self.device = dtype, device
         self.stats = ReshardStats(strategy=b.strategy, boundary=b.key)
-        self.source: torch.Tensor | None = None  # the natural tile, detached; staged to CPU in execute()
-        self.natural_local: torch.Tensor | None = None  # its CPU copy, which sends slice from
-        self.natural_tile: Slice | None = None
+        self.source: torch.Tensor | None = None  # the natural tile sends read from (sources)
+        self.source_tile: Slice | None = None
         if rank in route.src_ranks:
-            self.natural_tile = route.tile_of(rank, route.src_natural, route.src_mesh)
-            want = slice_shape(self.natural_tile)
+            self.source_tile = route.tile_of(rank, route.src_natural, route.src_mesh)
+            want = slice_shape(self.source_tile)
             if natural_local is None or tuple(natural_local.shape) != want:
                 got = None if natural_local is None else tuple(natural_local.shape)
                 raise ReshardError(f"boundary {route.name}: rank {rank} must pass its natural-layout "
                                    f"({route.src_natural}) tile of shape {want}, got {got}")
-            self.source = natural_local.detach()  # data only
+            self.source = natural_local.detach()  # data only; on its own device: no staging
             self.dtype = natural_local.dtype
-            self.itemsize = natural_local.element_size()
         self.recv_tile = route.holding(rank) if self.is_dst else None
-        self.buffer: torch.Tensor | None = None  # the recv tile, on the CPU: forwards send from it
-        if self.recv_tile is not None:
-            self.buffer = torch.zeros(slice_shape(self.recv_tile), dtype=self.dtype, device=STAGING)
+        self.natural_tile = route.tile_of(rank, route.dst_natural, route.dst_mesh) if self.is_dst else None
+        self.buffer: torch.Tensor | None = None  # the recv tile: receives land in it, forwards read it
+        self.out: torch.Tensor | None = None  # the natural tile, when it is larger (gathers land in it)
+        self.temps: dict[int, torch.Tensor] = {}  # message index -> where its staging buffer goes on landing
+        self.staged: dict[int, int] = {}  # message index -> bytes of a send's staging copy
 
-    # -- data in and out -------------------------------------------------------------------
-    def _payload(self, region: Slice, signal: bool) -> torch.Tensor:
-        if signal:
-            return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=STAGING)
-        if self.natural_tile is not None:
-            assert self.natural_local is not None
-            return self.natural_local[to_index(relative(region, self.natural_tile))].contiguous()
-        assert self.buffer is not None and self.recv_tile is not None
-        return self.buffer[to_index(relative(region, self.recv_tile))].contiguous()
+    # -- buffers -------------------------------------------------------------------------------
+    def _empty(self, shape: Sequence[int]) -> torch.Tensor:
+        return self.hold(torch.empty(tuple(shape), dtype=self.dtype, device=self.device))
 
-    def _empty(self, region: Slice, signal: bool) -> torch.Tensor:
-        if signal:
-            return torch.empty(SIGNAL_BYTES, dtype=torch.uint8, device=STAGING)
-        return torch.empty(slice_shape(region), dtype=self.dtype, device=STAGING)
+    def _recv_buffer(self) -> torch.Tensor:
+        if self.buffer is None:
+            assert self.recv_tile is not None
+            self.buffer = self._empty(slice_shape(self.recv_tile))
+        return self.buffer
 
-    def _nbytes(self, region: Slice, signal: bool) -> int:
-        return SIGNAL_BYTES if signal else slice_numel(region) * self.itemsize
+    def _natural(self) -> torch.Tensor:
+        if self.out is None:
+            assert self.natural_tile is not None
+            self.out = self._recv_buffer() if self.natural_tile == self.recv_tile else \
+                self._empty(slice_shape(self.natural_tile))
+        return self.out
 
-    # -- the run ---------------------------------------------------------------------------
-    def execute(self) -> torch.Tensor | None:
-        t0 = time.perf_counter()
-        route, rank = self.route, self.rank
-        if self.source is not None:  # one device-to-host copy of the whole tile, on this thread (the
-            # default stream orders it after the kernels that produced the tile)
-            self.natural_local = self.source.to(STAGING)
-        steps = list(route.steps)
-        n = len(steps)
-        recvs: dict[int, tuple[Any, torch.Tensor, Step]] = {}  # step id -> (work, tensor, step)
-        for i, s in enumerate(steps):
-            if s.dst == rank:
-                buf = self._empty(s.region, self.signal)
-                recvs[s.id] = (dist.irecv(buf, s.src, tag=self.tag_base + i), buf, s)
-        gather_recvs: list[tuple[Any, torch.Tensor, Step]] = []
-        for j, g in enumerate(route.gather):
-            if g.dst == rank:
-                buf = self._empty(g.region, self.signal)
-                gather_recvs.append((dist.irecv(buf, g.src, tag=self.tag_base + n + j), buf, g))
-        landed: set[int] = set()
-        sends: list[Any] = []
+    def _view(self, region: Slice) -> torch.Tensor:
+        """Where `region` lives on this rank: in its source tile, or in the tile it received."""
+        if self.source is not None:
+            assert self.source_tile is not None
+            return self.source[to_index(relative(region, self.source_tile))]
+        assert self.recv_tile is not None
+        return self._recv_buffer()[to_index(relative(region, self.recv_tile))]
 
-        def land(step_id: int) -> None:
-            if step_id in landed:
-                return
-            work, buf, s = recvs[step_id]
-            work.wait()
-            if not self.signal:
-                assert self.buffer is not None and self.recv_tile is not None
-                self.buffer[to_index(relative(s.region, self.recv_tile))] = buf
-            nbytes = self._nbytes(s.region, self.signal)
-            self.stats.bytes_received[s.scope] = self.stats.bytes_received.get(s.scope, 0) + nbytes
-            self.stats.task_bytes[s.task] = self.stats.task_bytes.get(s.task, 0) + nbytes
-            self.stats.task_seconds[s.task] = time.perf_counter() - t0
-            landed.add(step_id)
+    def _signal(self) -> torch.Tensor:
+        return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
 
-        for i, s in enumerate(steps):
-            if s.src != rank:
-                continue
-            for d in s.after:
-                if d in recvs:
-                    land(d)
-            payload = self._payload(s.region, self.signal)
-            sends.append((dist.isend(payload, s.dst, tag=self.tag_base + i), payload, s))
-        for step_id in recvs:
-            land(step_id)
-        for work, _payload, s in sends:
-            work.wait()
-            nbytes = self._nbytes(s.region, self.signal)
-            self.stats.bytes_sent[s.scope] = self.stats.bytes_sent.get(s.scope, 0) + nbytes
-            pair = (route.host_of(s.src), route.host_of(s.dst))
-            self.stats.host_pair_bytes[pair] = self.stats.host_pair_bytes.get(pair, 0) + nbytes
-            self.stats.task_seconds[s.task] = time.perf_counter() - t0
-        result = self._gather(gather_recvs, n)
-        self.stats.seconds = time.perf_counter() - t0
-        self._record()
-        return result
+    # -- the engine's calls ----------------------------------------------------------------------
+    def payload(self, spec: MessageSpec) -> torch.Tensor:
+        if self.signal:
+            return self._signal()
+        view = self._view(self.route.step_at(spec.index).region)
+        if view.is_contiguous():
+            return view
+        copy = self.hold(view.contiguous())  # released when sent
+        self.staged[spec.index] = copy.numel() * copy.element_size()
+        return copy
 
-    def _gather(self, gather_recvs: list[tuple[Any, torch.Tensor, Step]], n: int) -> torch.Tensor | None:
-        """recv tile -> natural tile: serve peers from our recv tile, place what peers send us."""
-        route, rank = self.route, self.rank
-        sends = []
-        for j, g in enumerate(route.gather):
-            if g.src == rank:
-                payload = self._payload(g.region, self.signal)
-                sends.append(dist.isend(payload, g.dst, tag=self.tag_base + n + j))
+    def target(self, spec: MessageSpec) -> torch.Tensor:
+        if self.signal:
+            return torch.empty(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
+        step = self.route.step_at(spec.index)
+        if spec.index < len(self.route.steps):
+            assert self.recv_tile is not None
+            view = self._recv_buffer()[to_index(relative(step.region, self.recv_tile))]
+        else:
+            assert self.natural_tile is not None
+            view = self._natural()[to_index(relative(step.region, self.natural_tile))]
+        if view.is_contiguous():
+            return view
+        self.temps[spec.index] = view
+        return self._empty(slice_shape(step.region))
+
+    def landed(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
+        place = self.temps.pop(spec.index, None)
+        if place is not None:
+            place.copy_(tensor)
+            self.release(tensor)
+        step = self.route.step_at(spec.index)
+        nbytes = step.nbytes(tensor.element_size()) if not self.signal else SIGNAL_BYTES
+        _add(self.stats.bytes_received, step.scope, nbytes)
+        if step.task != GATHER_TASK:
+            _add(self.stats.task_bytes, step.task, nbytes)
+            self.stats.task_seconds[step.task] = self.elapsed()
+
+    def sent(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
+        if spec.index in self.staged:
+            self.release(tensor)
+            del self.staged[spec.index]
+        step = self.route.step_at(spec.index)
+        nbytes = SIGNAL_BYTES if self.signal else step.nbytes(tensor.element_size())
+        _add(self.stats.bytes_sent, step.scope, nbytes)
+        _add(self.stats.host_pair_bytes, (self.route.host_of(step.src), self.route.host_of(step.dst)), nbytes)
+        if step.task != GATHER_TASK:
+            self.stats.task_seconds[step.task] = self.elapsed()
+
+    def assemble(self) -> torch.Tensor | None:
         if not self.is_dst:
             return None
-        assert self.buffer is not None and self.recv_tile is not None
-        natural_tile = route.tile_of(rank, route.dst_natural, route.dst_mesh)
-        if natural_tile == self.recv_tile:
-            out = self.buffer
-        else:
-            out = torch.zeros(slice_shape(natural_tile), dtype=self.dtype, device=STAGING)
-            out[to_index(relative(self.recv_tile, natural_tile))] = self.buffer
-        for work, buf, g in gather_recvs:
-            work.wait()
-            if not self.signal:
-                out[to_index(relative(g.region, natural_tile))] = buf
-            nbytes = self._nbytes(g.region, self.signal)
-            self.stats.bytes_received[g.scope] = self.stats.bytes_received.get(g.scope, 0) + nbytes
-        for work in sends:
-            work.wait()
-        return out.to(self.device)
+        assert self.natural_tile is not None and self.recv_tile is not None
+        if self.signal:  # a placeholder of the right shape: signal moves no data
+            return torch.zeros(slice_shape(self.natural_tile), dtype=self.dtype, device=self.device)
+        out = self._natural()
+        if out is not self.buffer:
+            out[to_index(relative(self.recv_tile, self.natural_tile))] = self._recv_buffer()
+        return out
+
+    def finished(self, seconds: float) -> None:
+        self.stats.seconds = seconds
+        self._record()
 
     def _record(self) -> None:
         """Receivers: bytes and time per scope, time over the plan's lower bound, and the achieved
@@ -432,21 +444,39 @@ class _Run:
 
 
 class ReshardExecutor:
-    """Runs the plan's boundaries on one rank. Build it from a Plan, or from explicit routes
-    (tests and benchmarks that make boundaries without a whole job). Its events (bytes, times, NIC
-    rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name of the rank's host,
-    or "host-<index>" with explicit routes."""
+    """Runs the plan's boundaries on one rank, through the rank's communication engine.
+
+    Built from a Plan: every boundary, the step's transfer order (`order="plan"`: meshjob.comm_order;
+    start() must then be called for every transfer of each step, as the pipeline does), how many
+    receives this rank's stage keeps posted per boundary (`recv_depth`) and the plan's network model.
+    With `order=None`, or built from explicit routes (tests and benchmarks that make boundaries
+    without a whole job), transfers go in the order start() is called, which must then be the same
+    on every rank. Events
+    (bytes, times, NIC rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name
+    of the rank's host, or "host-<index>" with explicit routes. `wire`: default gloo on the CPU, NCCL
+    on CUDA (meshjob_trainer.wire.wire_for). Call close() before leaving the process group."""
 
     def __init__(self, plan: Any, rank: int, events: MetricsSink | None = None, *,
                  routes: Sequence[Route] | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, host: str = "") -> None:
+                 device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
+                 order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None) -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
+        self.recv_depth: dict[BoundaryKey, int] = {}
+        network = NetworkModel()
         if routes is None:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
             routes = routes_from_plan(plan)
             host = host or plan.placement.hosts[plan.placement.host_of(rank)].name
+            network = plan.network
+            if order == "plan":
+                order = transfer_order(plan)
+            if order is not None:
+                self.recv_depth = recv_depths(plan.schedules, order).get(plan.placement.stage_of(rank), {})
+        order = None if order == "plan" else order  # explicit routes: no plan to take an order from
+        assert order is None or isinstance(order, TransferOrder)
+        self.order = order
         self.routes: dict[BoundaryKey, Route] = {}
         for r in routes:
             if r.boundary.key in self.routes:  # start() finds a boundary by its key
@@ -458,6 +488,11 @@ class ReshardExecutor:
             r.check_coverage(rank)
         mine = [r for r in self.routes.values() if rank in r.src_ranks or rank in r.dst_ranks]
         self.host = host or (f"host-{mine[0].host_of(rank)}" if mine else "")
+        self.specs = {k: r.message_specs(rank) for k, r in self.routes.items()}
+        self.in_flight_per_link = in_flight_per_link or network.in_flight_per_link
+        pairs = set().union(*(r.pairs() for r in self.routes.values()))
+        self.wire = wire or wire_for(self.device, rank, pairs)
+        self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order)
 
     def route(self, key: BoundaryKey) -> Route:
         try:
@@ -472,15 +507,41 @@ class ReshardExecutor:
         return slot * self.max_tag_span
 
     def start(self, key: BoundaryKey, microbatch: int, natural_local: torch.Tensor | None) -> Handle:
-        """Begin resharding boundary `key` for one microbatch; returns at once (a background thread runs it).
+        """Begin resharding boundary `key` for one microbatch; returns at once (the engine runs it).
         Sources pass their natural-layout tile; destinations pass None (or anything: it is ignored)."""
         route = self.route(key)
         if self.rank not in route.src_ranks and self.rank not in route.dst_ranks:
-            return Handle(None)
+            idle = Job(key, microbatch, (), 0)
+            idle.handle._set_done()
+            return idle.handle
         if self.rank in route.dst_ranks:
             natural_local = None
-        return Handle(_Run(route, self.rank, natural_local, self.tag_base(key, microbatch), self.dtype, self.device,
-                           self.events, self.host))
+        job = _Transfer(route, self.rank, microbatch, self.specs[key], self.tag_base(key, microbatch), natural_local,
+                        self.dtype, self.device, self.events, self.host)
+        return self.engine.submit(job)
+
+    def memory_bound_bytes(self) -> int:
+        """The most payload memory the engine can hold when the stage keeps `recv_depth` receives posted
+        per boundary: that many receiving jobs' buffers, plus a staging copy per send in flight."""
+        total = 0
+        for key, depth in self.recv_depth.items():
+            total += depth * self.routes[key].receive_bytes(self.rank, self.dtype)
+        largest: dict[Link, int] = {}
+        for key, specs in self.specs.items():
+            route = self.routes[key]
+            for spec in specs:
+                if spec.send and not route.contiguous_at(self.rank, spec.index):
+                    nbytes = route.step_at(spec.index).nbytes(_itemsize(self.dtype))
+                    largest[spec.link] = max(largest.get(spec.link, 0), nbytes)
+        return total + self.in_flight_per_link * sum(largest.values())
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let the transfers under way finish (a chain's last forwards), then stop the engine."""
+        self.engine.close(timeout_s)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def routes_from_plan(plan: Any) -> list[Route]:
@@ -492,12 +553,13 @@ def routes_from_plan(plan: Any) -> list[Route]:
         for stage in (b.src, b.dst):
             if stage not in naturals:
                 naturals[stage] = ShardingSpec.parse(natural_layout(plan.job.stages[stage]), len(b.shape))
-        routes.append(Route(b, plan.mesh(b.src), plan.mesh(b.dst), naturals[b.src], naturals[b.dst]))
+        routes.append(Route(b, plan.mesh(b.src), plan.mesh(b.dst), naturals[b.src], naturals[b.dst], plan.network))
     return routes
 
 
 def make_routes(boundaries: Sequence[Boundary], meshes: Mapping[int, Mesh],
-                naturals: Mapping[int, ShardingSpec | str]) -> list[Route]:
-    """Routes from explicit pieces: stage -> mesh and stage -> natural layout."""
+                naturals: Mapping[int, ShardingSpec | str], network: NetworkModel | None = None) -> list[Route]:
+    """Routes from explicit pieces: stage -> mesh and stage -> natural layout (and the network model
+    the senders' programs are ordered on; default: the standard one)."""
     return [Route(b, meshes[b.src], meshes[b.dst], _spec(naturals[b.src], len(b.shape)),
-                  _spec(naturals[b.dst], len(b.shape))) for b in boundaries]
+                  _spec(naturals[b.dst], len(b.shape)), network or NetworkModel()) for b in boundaries]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
-from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, GradientNorm,
+from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, GradientNorm, PayloadMemory,
                                     PipelineFractions, StepFinished)
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.model import PipelineStage, local_shards
@@ -47,6 +47,8 @@ class TrainResult:
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step run here
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, loss); last stage only
     grad_norms: list[float] = field(default_factory=list)  # per step run, before clipping (with gradClip)
+    payload_peak_bytes: int = 0  # most in-flight payload memory the communication engine held in a step
+    payload_bound_bytes: int = 0  # the plan's bound on it
 
 
 class ReshardTransport:
@@ -113,7 +115,8 @@ def build_runtime(ctx: Any) -> StageRuntime:
                                t.optimizer.zero_stage, tied=module.tied_weights())
     transport = ReshardTransport(ctx.reshard)
     tokens = t.global_batch * job.model.seq_len
-    executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens)
+    executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens,
+                                recv_depth=ctx.reshard.recv_depth)
     val = make_data(job, VAL) if t.eval_every > 0 else None
     return StageRuntime(stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job,
                         torch.device(ctx.device))
@@ -191,6 +194,8 @@ def train(ctx: Any) -> TrainResult:
     val_losses: list[tuple[int, float]] = []
     norms: list[float] = []
     tokens = job.training.global_batch * job.model.seq_len
+    bound = ctx.reshard.memory_bound_bytes()
+    peak = 0
     for step in range(start_step, job.training.steps):
         t0 = time.perf_counter()
         local, stats, norm = train_step(rt, step)
@@ -208,10 +213,14 @@ def train(ctx: Any) -> TrainResult:
         bubble = min(1.0, max(0.0, 1.0 - stats.compute_s / seconds)) if seconds > 0 else 0.0
         overlap = min(1.0, max(0.0, 1.0 - stats.wait_s / comm)) if comm > 0 else 0.0
         ctx.events.emit(PipelineFractions(rt.stage, bubble, overlap))
+        step_peak = ctx.reshard.engine.memory.reset_peak()
+        peak = max(peak, step_peak)
+        ctx.events.emit(PayloadMemory(rt.stage, step_peak, bound))
         _maybe_evaluate(ctx, rt, step + 1, val_losses)
         _save(ctx, rt, step + 1)
+    ctx.reshard.close()  # the last forwards of a chain may still be on their way to a peer
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
-                       job.training.steps, rt.transport.comm_s, step_seconds, val_losses, norms)
+                       job.training.steps, rt.transport.comm_s, step_seconds, val_losses, norms, peak, bound)
 
 
 def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: list[tuple[int, float]]) -> None:

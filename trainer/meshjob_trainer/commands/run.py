@@ -259,5 +259,8 @@ def _print_summary(console: Console, s: dict) -> None:
         ("wall time", f"{s['wall_seconds']:.1f} s"),
     ]
     for stage, p in s["pipeline"].items():
-        rows.append((f"stage {stage}", f"bubble {p['bubble']:.1%}, overlap {p['overlap']:.1%}"))
+        memory = s["payload_memory"].get(stage)
+        payload = (f", payload in flight {memory['peak_bytes'] / 1e6:,.2f} MB "
+                   f"(bound {memory['bound_bytes'] / 1e6:,.2f} MB)" if memory else "")
+        rows.append((f"stage {stage}", f"bubble {p['bubble']:.1%}, overlap {p['overlap']:.1%}{payload}"))
     console.print(summary_table(rows, f"meshjob run: {s['job']}"))

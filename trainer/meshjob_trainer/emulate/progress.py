@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, LowerBoundRatio,
-                                    NicBandwidth, PipelineFractions, Resharded, StepFinished, UnitTasks)
+                                    NicBandwidth, PayloadMemory, PipelineFractions, Resharded, StepFinished, UnitTasks)
 
 
 @dataclass
@@ -44,6 +44,7 @@ class RunStats:
     nic_bytes_per_s: dict[str, float] = field(default_factory=dict)  # host -> highest achieved rate
     lower_bound_ratio: dict[str, float] = field(default_factory=dict)  # boundary -> latest ratio
     unit_tasks: dict[str, int] = field(default_factory=dict)  # balancer -> tasks sent
+    payload: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> (peak, bound) bytes, most of any rank
     restarts: int = 0
     resumed_from: list[int] = field(default_factory=list)  # per restart: steps already done
     _awaiting_resume: bool = False
@@ -110,6 +111,11 @@ class RunStats:
     def _unit_tasks(self, event: UnitTasks, rank: int) -> None:
         self.unit_tasks[event.balancer] = self.unit_tasks.get(event.balancer, 0) + event.count
 
+    @_add.register
+    def _payload(self, event: PayloadMemory, rank: int) -> None:
+        peak, bound = self.payload.get(event.stage, (0, 0))
+        self.payload[event.stage] = (max(peak, event.peak_bytes), max(bound, event.bound_bytes))
+
     def restart(self) -> None:
         """A new gang resumes from the checkpoint: steps after it will be reported again."""
         self.restarts += 1
@@ -162,6 +168,7 @@ class RunStats:
             "nic_bytes_per_s_max": dict(sorted(self.nic_bytes_per_s.items())),
             "resharding_lower_bound_ratio": dict(sorted(self.lower_bound_ratio.items())),
             "unit_tasks": dict(sorted(self.unit_tasks.items())),
+            "payload_memory": {str(s): {"peak_bytes": p, "bound_bytes": b} for s, (p, b) in sorted(self.payload.items())},
             "resume_step": self.resume_step, "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
             "resumed_from_steps": self.resumed_from,
         }

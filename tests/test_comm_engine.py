@@ -1,0 +1,184 @@
+"""The rank's communication engine runs the plan: every message issued in the order both ranks of a
+pair derive from the plan (what NCCL needs), sends in each rank's planned order on each link, a
+bounded number in flight per link, payload memory within its bound.
+
+Real processes over gloo, with an instrumented wire (meshjob_trainer.wire.CheckedWire) that fails
+the run on any message issued out of order, as NCCL would pair it wrongly, and logs every issue and
+completion. A test perturbs one rank's order and sees the run fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import TransferOrder, transfer_order
+from meshjob.plan import build_plan
+from meshjob_trainer.launch import launch
+from meshjob_trainer.reshard import ReshardExecutor, routes_from_plan
+
+from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
+
+
+def train_checked(job, perturb: tuple[int, TransferOrder] | None = None, timeout_s: float = 90):
+    """Train `job` with a CheckedWire on every rank; each rank returns (its TrainResult, its wire log).
+    perturb = (rank, order): that rank issues in `order` instead of the plan's."""
+    from meshjob_trainer.dist import WorkerContext, init_distributed, shutdown_distributed
+    from meshjob_trainer.train import train
+    from meshjob_trainer.wire import CheckedWire, GlooWire
+
+    plan = build_plan(job)
+
+    def target(ctx):
+        env = ctx.env
+        init_distributed(env, timeout_s=30)
+        try:
+            order = perturb[1] if perturb and perturb[0] == env.rank else transfer_order(plan)
+            wire = CheckedWire(GlooWire(), env.rank)
+            reshard = ReshardExecutor(plan, env.rank, wire=wire, order=order)
+            result = train(WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
+                                         reshard=reshard))
+            torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
+            return result, list(wire.log.entries)
+        finally:
+            shutdown_distributed()
+
+    return plan, launch(plan.placement.world_size, target, timeout_s=timeout_s)
+
+
+def planned_sends(plan, rank: int) -> dict[tuple, list[str]]:
+    """Per link: the messages `rank` must send in one step, in order: transfers in the step's order, each
+    in the rank's program order (meshjob.program), then its gather inside the destination mesh."""
+    routes = {r.boundary.key: r for r in routes_from_plan(plan)}
+    out: dict[tuple, list[str]] = {}
+    for key, mb in transfer_order(plan).transfers:
+        b, route = plan.boundary(key), routes[key]
+        program = plan.program(b, rank)
+        for step, link in zip(program.sends, program.send_links):
+            out.setdefault(link, []).append(f"{key}#{mb}/{step.id}")
+        for g in route.gather:
+            if g.src == rank:
+                out.setdefault(route.link(rank, g.dst), []).append(f"{key}#{mb}/{g.id}")
+    return out
+
+
+def link_of_messages(plan, rank: int) -> dict[str, tuple]:
+    return {m: link for link, messages in planned_sends(plan, rank).items() for m in messages}
+
+
+def most_in_flight(log, links: dict[str, tuple]) -> dict[tuple, int]:
+    """Replays a wire log: the most sends issued and not yet known done, per link."""
+    now: dict[tuple, int] = {}
+    most: dict[tuple, int] = {}
+    for op, _peer, message in log:
+        if op in ("send", "send done"):
+            link = links[message]
+            now[link] = now.get(link, 0) + (1 if op == "send" else -1)
+            most[link] = max(most.get(link, 0), now[link])
+    return most
+
+
+@pytest.fixture(scope="module")
+def checked_run():
+    job = make_job("utransformer", "eager-1f1b", "on", steps=2)
+    plan, result = train_checked(job)
+    return job, plan, result.raise_on_failure().values
+
+
+@pytest.mark.slow
+def test_every_pair_of_ranks_issues_its_messages_in_one_order_through_a_whole_training_run(checked_run):
+    """The CheckedWire fails the run on the first message issued out of order; none was."""
+    job, plan, values = checked_run
+    issued = [op for _result, log in values for op, _peer, _message in log]
+    assert issued.count("send") == issued.count("recv") > 0
+    assert all(result.losses or result.stage != len(job.stages) - 1 for result, _ in values)
+
+
+@pytest.mark.slow
+def test_each_rank_sends_in_the_planned_order_on_every_link(checked_run):
+    job, plan, values = checked_run
+    for rank, (_result, log) in enumerate(values):
+        links = link_of_messages(plan, rank)
+        sent: dict[tuple, list[str]] = {}
+        for op, _peer, message in log:
+            if op == "send":
+                sent.setdefault(links[message], []).append(message)
+        planned = planned_sends(plan, rank)
+        assert sent == {link: messages * job.training.steps for link, messages in planned.items()}, f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_no_link_carries_more_sends_at_once_than_the_network_model_allows(checked_run):
+    _job, plan, values = checked_run
+    bound = plan.network.in_flight_per_link
+    busiest = 0
+    for rank, (_result, log) in enumerate(values):
+        most = most_in_flight(log, link_of_messages(plan, rank))
+        assert all(n <= bound for n in most.values()), f"rank {rank}: {most}"
+        busiest = max([busiest, *most.values()])
+    assert busiest == bound  # the chains do fill their links: the bound is what limits them
+
+
+@pytest.mark.slow
+def test_payload_memory_is_reported_and_stays_within_its_bound(checked_run):
+    _job, plan, values = checked_run
+    receivers = [r for r, _ in values if any(k.dst == r.stage for k in (b.key for b in plan.boundaries))]
+    assert receivers and all(r.payload_bound_bytes > 0 for r in receivers)
+    assert all(0 < r.payload_peak_bytes <= r.payload_bound_bytes for r in receivers)
+
+
+def swapped(order: TransferOrder, a: tuple[BoundaryKey, int], b: tuple[BoundaryKey, int]) -> TransferOrder:
+    transfers = list(order.transfers)
+    i, j = transfers.index(a), transfers.index(b)
+    transfers[i], transfers[j] = transfers[j], transfers[i]
+    return dataclasses.replace(order, transfers=tuple(transfers))
+
+
+@pytest.mark.slow
+def test_a_rank_that_issues_two_transfers_in_another_order_fails_the_run():
+    job = make_job("gpt", "1f1b", "off", steps=1)
+    plan = build_plan(job)
+    key = BoundaryKey(0, 1, "activation")
+    sender = plan.boundary(key).steps[0].src
+    perturbed = swapped(transfer_order(plan), (key, 0), (key, 1))
+    _plan, result = train_checked(job, perturb=(sender, perturbed), timeout_s=60)
+    assert not result.ok
+    errors = " ".join(r.error for r in result.ranks)
+    assert "issue their messages in different orders" in errors and f"0->1:activation#1/" in errors
+
+
+# --- one boundary: the in-flight bound is a setting, and the log measures it ------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, bound):
+    from test_trainer_reshard import CASES, global_tensor, make_boundary, natural_tile
+
+    from meshjob_trainer.reshard import make_routes
+    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.wire import CheckedWire, GlooWire
+
+    case = CASES[1]  # one device -> 2x2, a broadcast chain of 8 chunks
+    boundary = make_boundary(case, "broadcast", chunks=8)
+    routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            wire = CheckedWire(GlooWire(), env.rank)
+            ex = ReshardExecutor(None, env.rank, routes=routes, wire=wire, in_flight_per_link=bound)
+            mine = natural_tile(case, global_tensor(case, 3), env.rank)
+            got = ex.start(boundary.key, 0, mine if env.rank in case.src.ranks else None).wait(timeout_s=30)
+            ex.close()
+            torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
+            links = {f"{boundary.key}#0/{s.id}": routes[0].link(s.src, s.dst) for s in boundary.steps}
+            return most_in_flight(wire.log.entries, links), got is None or torch.equal(got, mine)
+        finally:
+            shutdown_distributed()
+
+    results = gang(case.world_size, target)
+    assert all(ok for _, ok in results)
+    source = case.src.ranks[0]
+    assert max(results[source][0].values()) == bound

@@ -1,0 +1,450 @@
+"""One communication engine per rank: it issues every message the rank sends or receives, in the
+order the plan gives, with a bounded number in flight per link.
+
+The resharding executor (meshjob_trainer.reshard) turns each (boundary, microbatch) this rank takes
+part in into a Job: its messages (each one point-to-point step of the plan, or of the all-gather
+inside the destination mesh) and the buffers they read and fill. The compute thread starts jobs
+(the pipeline's SEND and RECV actions) and goes on computing; one engine thread issues every
+message on the wire (meshjob_trainer.wire):
+
+- receives from a peer are posted in that pair's order as soon as their job has started, so a
+  sender never waits on a receiver that is busy computing (gloo sends only once the receiver has
+  posted);
+- sends leave on their link (the host's NIC out-link, or its local link: meshjob.network) in the
+  link's order, at most `in_flight_per_link` at a time, each once the receives it depends on have
+  landed: a chain forwards chunk k while chunk k + 1 is still arriving, and the plan, not the NIC's
+  queue, decides which transfer goes first;
+- the order is planned (a meshjob.comm_order.TransferOrder): every transfer of the step in one order
+  all ranks derive from the plan, and inside a transfer the sender's program order (meshjob.program).
+  It is what NCCL needs, and it cannot deadlock (meshjob.comm_order says why). Without a plan
+  (benchmarks and tests of single boundaries) transfers go in the order their jobs start, which
+  every rank must then start them in.
+
+Completions come from waiter threads, one per peer and direction, each blocking on its messages in
+issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
+engine thread sleeps until a job starts or a message completes: no polling.
+
+Memory: the buffers a job allocates (its receive tile, the assembled result, staging copies of
+regions that are not contiguous) count from allocation until the job is done; `held_bytes` and its
+peak say how much payload is in flight.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import TransferOrder
+from meshjob.network import Link
+from meshjob_trainer.wire import Wire
+
+Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
+
+
+class EngineError(RuntimeError):
+    """A job the engine cannot run (not in the step's order, or the engine is closed)."""
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    """One message a rank takes part in for every microbatch of a boundary."""
+
+    index: int  # within the boundary: its tag offset
+    step: int  # the id of its step (plan's, or the executor's gather step): its name in logs and checks
+    peer: int
+    send: bool
+    link: Link | None = None  # sends: the link it leaves on
+    deps: tuple[int, ...] = ()  # sends: indices of this rank's receives that must land first
+
+
+@dataclass
+class Message:
+    spec: MessageSpec
+    tensor: torch.Tensor | None = None
+    work: Any = None
+    issued: bool = False
+    done: bool = False
+
+
+class Job:
+    """One (boundary, microbatch) on one rank. Subclasses provide the data: what a send carries, where a
+    receive lands, and the assembled result; the engine only moves messages and calls these on its thread."""
+
+    def __init__(self, key: BoundaryKey, mb: int, specs: Sequence[MessageSpec], tag_base: int) -> None:
+        self.key, self.mb, self.tag_base = key, mb, tag_base
+        self.messages = {s.index: Message(s) for s in specs}
+        self.recvs_left = sum(not s.send for s in specs)
+        self.sends_left = len(specs) - self.recvs_left
+        self.receives = self.recvs_left > 0  # its result is ready when they land (else: when its sends are done)
+        self.handle = Handle(self)
+        self.held = 0  # bytes of buffers this job allocated
+        self.memory: Memory | None = None  # the engine's tally, set when submitted
+        self.started_s = time.perf_counter()
+        self.source_mark: Any = None  # what the engine must wait for before reading the source tile
+
+    def name(self, spec: MessageSpec) -> str:
+        return f"{self.key}#{self.mb}/{spec.step}"
+
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a buffer this job allocated (released when the job is done, or by release())."""
+        self._count(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """A buffer hold() counted is no longer needed (a staging copy sent or landed)."""
+        self._count(-tensor.numel() * tensor.element_size())
+
+    def _count(self, nbytes: int) -> None:
+        self.held += nbytes
+        if self.memory is not None:
+            self.memory.add(nbytes)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started_s
+
+    def payload(self, spec: MessageSpec) -> torch.Tensor:
+        raise NotImplementedError
+
+    def target(self, spec: MessageSpec) -> torch.Tensor:
+        raise NotImplementedError
+
+    def landed(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def sent(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
+        """A send is done (the engine no longer needs its payload)."""
+
+    def assemble(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def finished(self, seconds: float) -> None:
+        """All its messages are done (record what it moved)."""
+
+
+class Handle:
+    """A started job, for the compute thread. result() -> the result (None on a rank that only sends) once
+    every receive has landed, or for a sender once its sends are done; wait() -> the same once every
+    message (a chain's forwards too) is done."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._result: torch.Tensor | None = None
+        self._mark: Any = None
+        self._wire: Wire | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
+
+    def _set_result(self, result: torch.Tensor | None, wire: Wire, mark: Any) -> None:
+        self._result, self._wire, self._mark = result, wire, mark
+        self._ready.set()
+
+    def _set_done(self) -> None:
+        self._ready.set()
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+        self._done.set()
+
+    def _wait(self, event: threading.Event, timeout_s: float | None, what: str) -> None:
+        if not event.wait(timeout_s):
+            raise TimeoutError(f"resharding {self._job.key} of microbatch {self._job.mb} not {what} after "
+                               f"{timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout_s: float | None = None) -> torch.Tensor | None:
+        """The result as soon as it is there (a chain's forwards may still be under way)."""
+        self._wait(self._ready, timeout_s, "delivered")
+        if self._result is not None and self._wire is not None:
+            self._wire.accept(self._result, self._mark)
+            self._wire = None  # once: the compute stream waits for the engine's copy, then owns it
+        return self._result
+
+    def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
+        """The result, once every message of the job (its forwards too) is done."""
+        self._wait(self._done, timeout_s, "done")
+        return self.result()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def job(self) -> Job:
+        return self._job
+
+    @property
+    def stats(self) -> Any:
+        """What the job recorded (meshjob_trainer.reshard.ReshardStats), if anything."""
+        return getattr(self._job, "stats", None)
+
+    @property
+    def delivered(self) -> bool:
+        """False for `signal` transfers: their result is a placeholder, no data moved."""
+        return not getattr(self._job, "signal", False)
+
+
+class _Sequence:
+    """The messages of one link (sends) or one peer (receives) in issue order. Planned: one step's
+    entries, issued round and round (every step runs the same transfers). Unplanned: entries are
+    appended as their jobs start."""
+
+    def __init__(self, planned: Sequence[Entry] | None = None) -> None:
+        self.planned = planned is not None
+        self.entries: collections.deque[Entry] = collections.deque(planned or ())
+
+    def head(self) -> Entry | None:
+        return self.entries[0] if self.entries else None
+
+    def advance(self) -> None:
+        entry = self.entries.popleft()
+        if self.planned:
+            self.entries.append(entry)
+
+
+@dataclass
+class Memory:
+    held_bytes: int = 0
+    peak_bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def reset_peak(self) -> int:
+        """The peak since the last reset (the caller's step), and start a new one from what is held now."""
+        peak, self.peak_bytes = self.peak_bytes, self.held_bytes
+        return peak
+
+
+class CommEngine:
+    """The rank's engine. `specs`: per boundary, this rank's messages (sends in the sender's program
+    order, receives in their sender's); `order`: the step's transfer order, or None (start order)."""
+
+    def __init__(self, rank: int, wire: Wire, specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
+                 in_flight_per_link: int = 2, order: TransferOrder | None = None) -> None:
+        if in_flight_per_link < 1:
+            raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
+        self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
+        self.in_flight_per_link = in_flight_per_link
+        self.memory = Memory()
+        self._sends: dict[Link, _Sequence] = {}
+        self._recvs: dict[int, _Sequence] = {}
+        if order is not None:
+            self._plan_sequences(order)
+        self._in_flight: dict[Link, int] = collections.defaultdict(int)
+        self._jobs: dict[tuple[BoundaryKey, int], collections.deque[Job]] = collections.defaultdict(collections.deque)
+        self._inbox: list[tuple[Any, ...]] = []
+        self._cond = threading.Condition()
+        self._waiters: dict[tuple[int, bool], _Waiter] = {}
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._main, name=f"comm engine rank {rank}", daemon=True)
+        self._thread.start()
+
+    def _plan_sequences(self, order: TransferOrder) -> None:
+        sends: dict[Link, list[Entry]] = collections.defaultdict(list)
+        recvs: dict[int, list[Entry]] = collections.defaultdict(list)
+        for key, mb in order.transfers:
+            for spec in self.specs.get(key, ()):
+                if spec.send:
+                    sends[spec.link].append((key, mb, spec.index))
+                else:
+                    recvs[spec.peer].append((key, mb, spec.index))
+        self._sends = {link: _Sequence(entries) for link, entries in sends.items()}
+        self._recvs = {peer: _Sequence(entries) for peer, entries in recvs.items()}
+
+    # -- the compute thread's side -----------------------------------------------------------
+    def submit(self, job: Job) -> Handle:
+        """Hand a job to the engine; returns its handle at once."""
+        if self.order is not None:
+            self.order.position(job.key, job.mb)  # KeyError names a transfer the step does not have
+        job.source_mark = self.wire.mark()
+        job.memory = self.memory
+        with self._cond:
+            if self._error is not None:
+                job.handle._fail(self._error)
+                return job.handle
+            if self._closing:
+                raise EngineError(f"rank {self.rank}: the communication engine is closed")
+            self._inbox.append(("job", job))
+            self._cond.notify()
+        return job.handle
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the jobs under way (a chain's last forwards), then stop the engine and its waiters."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        for waiter in self._waiters.values():
+            waiter.stop()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _post(self, item: tuple[Any, ...]) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    def _main(self) -> None:
+        with self.wire.engine_stream():
+            while True:
+                with self._cond:
+                    while not self._inbox and not (self._closing and not self._active()):
+                        self._cond.wait()
+                    if not self._inbox:
+                        return  # closing, nothing under way
+                    items, self._inbox = self._inbox, []
+                try:
+                    for item in items:
+                        self._take(item)
+                    self._issue()
+                except BaseException as err:  # noqa: BLE001 - a broken wire fails every job, not the thread
+                    self._fail_all(err)
+
+    def _active(self) -> bool:
+        return any(self._jobs.values())
+
+    def _take(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "job":
+            job = item[1]
+            if self._error is not None:
+                job.handle._fail(self._error)
+                return
+            self._jobs[(job.key, job.mb)].append(job)
+            if self.order is None:
+                self._append(job)
+            self._settle(job)
+            return
+        _, job, message, error = item
+        if error is not None:
+            raise error
+        self._completed(job, message)
+
+    def _append(self, job: Job) -> None:
+        """Unplanned: the job's messages join their sequences in its own (program) order."""
+        for spec in self.specs.get(job.key, ()):
+            entry = (job.key, job.mb, spec.index)
+            if spec.send:
+                self._sends.setdefault(spec.link, _Sequence()).entries.append(entry)
+            else:
+                self._recvs.setdefault(spec.peer, _Sequence()).entries.append(entry)
+
+    def _job_for(self, entry: Entry) -> tuple[Job, Message] | None:
+        """The oldest started job whose message `entry` is not issued yet (None: not started)."""
+        key, mb, index = entry
+        for job in self._jobs.get((key, mb), ()):
+            message = job.messages[index]
+            if not message.issued:
+                return job, message
+        return None
+
+    def _issue(self) -> None:
+        for peer, seq in self._recvs.items():
+            while (entry := seq.head()) is not None:
+                found = self._job_for(entry)
+                if found is None:
+                    break
+                job, message = found
+                message.tensor = job.target(message.spec)
+                self._start(job, message, self.wire.irecv)
+                seq.advance()
+        for link, seq in self._sends.items():
+            while self._in_flight[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
+                found = self._job_for(entry)
+                if found is None:
+                    break
+                job, message = found
+                if not all(job.messages[d].done for d in message.spec.deps):
+                    break
+                if job.source_mark is not None:
+                    self.wire.after(job.source_mark)
+                    job.source_mark = None
+                message.tensor = job.payload(message.spec)
+                self._in_flight[link] += 1
+                self._start(job, message, self.wire.isend)
+                seq.advance()
+
+    def _start(self, job: Job, message: Message, issue: Callable[..., Any]) -> None:
+        spec = message.spec
+        message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
+        message.issued = True
+        self._waiter(spec.peer, spec.send).put((job, message))
+
+    def _waiter(self, peer: int, send: bool) -> "_Waiter":
+        waiter = self._waiters.get((peer, send))
+        if waiter is None:
+            waiter = self._waiters[(peer, send)] = _Waiter(self, peer, send)
+        return waiter
+
+    def _completed(self, job: Job, message: Message) -> None:
+        message.done = True
+        spec = message.spec
+        if spec.send:
+            self._in_flight[spec.link] -= 1
+            job.sent(spec, message.tensor)
+            message.tensor = None
+            job.sends_left -= 1
+        else:
+            job.landed(spec, message.tensor)
+            message.tensor = None
+            job.recvs_left -= 1
+        self._settle(job)
+
+    def _settle(self, job: Job) -> None:
+        handle = job.handle
+        if job.recvs_left == 0 and not handle._ready.is_set() and (job.receives or job.sends_left == 0):
+            handle._set_result(job.assemble(), self.wire, self.wire.hand_over())
+        if job.recvs_left == 0 and job.sends_left == 0 and not handle.done():
+            job.finished(time.perf_counter() - job.started_s)
+            self.memory.add(-job.held)
+            job.held = 0
+            self._jobs[(job.key, job.mb)].remove(job)
+            handle._set_done()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._error = error
+        for jobs in self._jobs.values():
+            for job in jobs:
+                job.handle._fail(error)
+        self._jobs.clear()
+
+
+class _Waiter:
+    """Blocks on one peer's messages in one direction, in issue order, and reports each completion."""
+
+    def __init__(self, engine: CommEngine, peer: int, send: bool) -> None:
+        self.engine = engine
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        kind = "sends to" if send else "receives from"
+        self.thread = threading.Thread(target=self._main, daemon=True,
+                                       name=f"rank {engine.rank} {kind} rank {peer}")
+        self.thread.start()
+
+    def put(self, item: tuple[Job, Message]) -> None:
+        self.queue.put(item)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def _main(self) -> None:
+        while (item := self.queue.get()) is not None:
+            job, message = item
+            try:
+                self.engine.wire.wait(message.work)
+                error = None
+            except BaseException as err:  # noqa: BLE001 - reported to the engine, which fails the jobs
+                error = err
+            self.engine._post(("done", job, message, error))
