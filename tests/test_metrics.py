@@ -12,8 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshjob.boundary import BoundaryKey
 from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, Fanout, GradientNorm,
                                     LowerBoundRatio, Metric, NicBandwidth, PayloadMemory, PipelineFractions, Resharded,
-                                    StepFinished,
-                                    UnitTasks)
+                                    StepFinished, UnitTasks, WeightDelay)
 from meshjob_trainer.metrics import TrainerMetrics
 
 ALLOWED_LABELS = {"trainingjob", "namespace", "stage", "strategy", "scope", "boundary", "host", "balancer", "le"}
@@ -34,7 +33,7 @@ def feed_everything(m: TrainerMetrics) -> None:
     for event in (Resharded(FORWARD, "broadcast", "cross_host", 1000, 0.2), NicBandwidth("h1", 1.25e8),
                   UnitTasks("greedy", 4), LowerBoundRatio(FORWARD, 1.1), StepFinished(1, 1, 0.5, 4096, 2.5),
                   PipelineFractions(1, 0.25, 0.75), CheckpointWritten(1, 10, 0.05), Evaluated(1, 10, 2.75),
-                  GradientNorm(1, 1, 0.8), PayloadMemory(1, 300, 400)):
+                  GradientNorm(1, 1, 0.8), PayloadMemory(1, 300, 400), WeightDelay(1, 2, 0.01, 0.01, 0.012, 5, 7, True)):
         m.emit(event)
 
 
@@ -55,6 +54,12 @@ def test_payload_memory_sets_the_steps_peak_and_its_bound(metrics):
     metrics.emit(PayloadMemory(1, 250, 400))
     assert value(metrics, "meshjob_comm_payload_peak_bytes", job="gpt-demo", stage="1") == 250
     assert value(metrics, "meshjob_comm_payload_bound_bytes", job="gpt-demo", stage="1") == 400
+
+
+def test_weight_delay_sets_the_stages_delay_and_peak_stash(metrics):
+    metrics.emit(WeightDelay(1, 2, 0.01, 0.01, 0.012, 5, 7, True))
+    assert value(metrics, "meshjob_weight_grad_delay_microbatches", job="gpt-demo", stage="1") == 2
+    assert value(metrics, "meshjob_stash_peak_microbatches", job="gpt-demo", stage="1") == 5
 
 
 def test_step_counts_tokens_sets_loss_and_the_step(metrics):
@@ -125,10 +130,10 @@ def test_the_standard_series_exist_before_the_first_event(metrics):
 def test_names_have_prefix_and_counters_end_in_total(metrics):
     feed_everything(metrics)
     families = list(metrics.registry.collect())
-    assert len(families) == 16
+    assert len(families) == 20
     unitless = {"meshjob_loss", "meshjob_step", "meshjob_last_checkpoint_step", "meshjob_validation_loss",
                 "meshjob_gradient_norm"}
-    units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio", "_bytes")
+    units = ("_seconds", "_bytes_per_second", "_fraction", "_ratio", "_bytes", "_microbatches")
     for family in families:
         for sample in family.samples:
             assert sample.name.startswith("meshjob_"), sample.name

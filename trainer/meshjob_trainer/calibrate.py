@@ -1,19 +1,28 @@
-"""Compute costs for the simulator, measured on this machine: a short forward/backward of the model.
+"""Compute costs measured on this machine: for the planner's formula, and per stage at the start of a run.
 
-The whole model runs as one stage in this process (no distribution, one thread per rank as in `meshjob run`),
-so the figures are what one device spends per layer and sample; the simulator divides them by each stage's
-tensor- and data-parallel degrees.
+measure_costs(job): the whole model as one stage in this process (no distribution): forward seconds per
+layer and sample, and backward over forward; `meshjob plan|simulate --calibrate` feed them to the plan.
+
+calibrate(plan, rank, device): what a run plans its weight-gradient delay with (weightGradDelay: auto).
+Every rank profiles its own stage (forward, input gradient and weight gradient of a few microbatches,
+through the pipeline executor itself, on inputs of the stage's real shapes; tensor-parallel collectives
+included, so a stage's ranks profile together), the ranks agree on one figure per stage (the slowest
+rank of the stage: an all-reduce of the maximum, so every rank holds the same numbers), and every rank
+re-plans with them (meshjob.plan: the smallest delay whose W compute covers the stage's gradient
+transfers, never above the stash bound). The worker then checks that every rank built the same plan.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.numerics import Numerics
+
+PROFILED_MICROBATCHES = 3  # timed, after one that warms up allocators and kernels
 
 
 def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
@@ -38,3 +47,98 @@ def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
             backward.append(t2 - t1)
     f, b = statistics.median(forward), statistics.median(backward)
     return {"layer_forward_s": f / (config.layers * samples), "backward_factor": b / f}
+
+
+def needs_calibration(plan: Any) -> bool:
+    """Only weightGradDelay: auto reads compute costs, and only when some stage sends gradients."""
+    return plan.job.schedule.weight_grad_delay == "auto" and plan.split_backward
+
+
+class _Synthetic:
+    """A pipeline transport for profiling: receives return random tensors of the stage's natural tile
+    (what resharding would deliver), sends go nowhere."""
+
+    class _Done:
+        def __init__(self, value: torch.Tensor | None) -> None:
+            self.value = value
+
+        def result(self) -> torch.Tensor | None:
+            return self.value
+
+        def wait(self) -> torch.Tensor | None:
+            return self.value
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.shape, self.device = shape, device
+
+    def start(self, key: Any, mb: int, local: torch.Tensor | None) -> "_Synthetic._Done":
+        return self._Done(None if local is not None else torch.randn(self.shape, device=self.device))
+
+
+def _natural_shape(plan: Any, stage: int, rank: int) -> tuple[int, ...]:
+    from meshjob.sharding import ShardingSpec, slice_shape, tile
+    from meshjob.spec import natural_layout
+
+    mesh, shape = plan.mesh(stage), plan.job.activation_shape()
+    spec = ShardingSpec.parse(natural_layout(plan.job.stages[stage]), len(shape))
+    return slice_shape(tile(spec, mesh.shape, shape, mesh.index_of(rank)))
+
+
+def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
+                  microbatches: int = PROFILED_MICROBATCHES) -> Any:
+    """This rank's stage: median F, I and W seconds of one microbatch (meshjob.costs.StageCost).
+    Collective: every rank of the job calls it (process groups are created, stages profile at once)."""
+    from meshjob.costs import StageCost
+    from meshjob.schedule import stage_actions
+    from meshjob_trainer.data import Batch
+    from meshjob_trainer.parallel import build_groups
+    from meshjob_trainer.pipeline import PipelineExecutor
+
+    job, device = plan.job, torch.device(device)
+    stage = plan.placement.stage_of(rank)
+    groups = build_groups(job.stages, [plan.mesh(s) for s in range(len(job.stages))], rank)
+    first, last = job.stages[stage].layers
+    module = StageModule(job.model, first, last, job.training.seed, groups.tp).to(device)
+    edges = [(e.src, e.dst, e.tensor) for e in job.edges]
+    n = microbatches + 1
+    actions = stage_actions("gpipe", stage, len(job.stages), n, edges, True, 0)
+    local = _natural_shape(plan, stage, rank)
+    executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0)
+    gen = torch.Generator().manual_seed(job.training.seed)
+    tokens = torch.randint(job.model.vocab, local[:2], generator=gen).to(device)
+    _, stats = executor.run_step(lambda mb: Batch(tokens, tokens))
+    seconds: dict[str, list[float]] = {"F": [], "I": [], "W": []}
+    for action, start, end in stats.timeline:
+        if action[0] in seconds and int(action[1:]) > 0:  # microbatch 0 warms up
+            seconds[action[0]].append(end - start)
+    module.zero_grad(set_to_none=True)
+    return StageCost(*(statistics.median(seconds[k]) for k in ("F", "I", "W")))
+
+
+def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:
+    """Every stage's figures, the same on every rank: the slowest rank of each stage (all-reduce of the
+    maximum over the job; a CPU tensor, so gloo carries it whatever the device)."""
+    import torch.distributed as dist
+
+    from meshjob.costs import StageCost
+
+    table = torch.zeros(num_stages, 3, dtype=torch.float64)
+    table[stage] = torch.tensor([cost.forward_s, cost.input_grad_s, cost.weight_grad_s], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return tuple(StageCost(*(float(v) for v in row)) for row in table)
+
+
+def calibrated_plan(plan: Any, costs: Sequence[Any]) -> Any:
+    """The plan re-built with measured per-stage costs (only its weight-gradient delays can change)."""
+    from meshjob.costs import CostModel
+    from meshjob.plan import build_plan
+
+    cost = CostModel(network=plan.network, stages=tuple(costs), measured=True)
+    return build_plan(plan.job, plan.placement.hosts, network=plan.network, cost=cost)
+
+
+def calibrate(plan: Any, rank: int, device: torch.device | str = "cpu") -> Any:
+    """Profile this rank's stage, agree with every rank, re-plan. Collective."""
+    stage = plan.placement.stage_of(rank)
+    costs = agree(profile_stage(plan, rank, device), stage, len(plan.job.stages))
+    return calibrated_plan(plan, costs)

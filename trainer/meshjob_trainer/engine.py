@@ -24,9 +24,10 @@ Completions come from waiter threads, one per peer and direction, each blocking 
 issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
 engine thread sleeps until a job starts or a message completes: no polling.
 
-Memory: the buffers a job allocates (its receive tile, the assembled result, staging copies of
-regions that are not contiguous) count from allocation until the job is done; `held_bytes` and its
-peak say how much payload is in flight.
+Memory: the buffers a job allocates count as payload in flight from allocation until they are not:
+its receive tile and assembled result until the compute takes the result (they are activations
+then; a chain's forwards still read them, at no cost), a staging copy of a region that is not
+contiguous until it is sent or has landed. `memory` holds the bytes and their peak.
 """
 from __future__ import annotations
 
@@ -83,25 +84,44 @@ class Job:
         self.sends_left = len(specs) - self.recvs_left
         self.receives = self.recvs_left > 0  # its result is ready when they land (else: when its sends are done)
         self.handle = Handle(self)
-        self.held = 0  # bytes of buffers this job allocated
+        self.held = 0  # bytes of buffers this job allocated and still counts
+        self.result_bytes = 0  # of them, those the result lives in: the compute owns them once it takes it
         self.memory: Memory | None = None  # the engine's tally, set when submitted
+        self._lock = threading.Lock()
         self.started_s = time.perf_counter()
         self.source_mark: Any = None  # what the engine must wait for before reading the source tile
 
     def name(self, spec: MessageSpec) -> str:
         return f"{self.key}#{self.mb}/{spec.step}"
 
-    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count a buffer this job allocated (released when the job is done, or by release())."""
-        self._count(tensor.numel() * tensor.element_size())
+    def hold(self, tensor: torch.Tensor, result: bool = False) -> torch.Tensor:
+        """Count a buffer this job allocated, until release(), or until the compute takes the result
+        (`result`: the buffer the result lives in), or until the job is done."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count(nbytes)
+        if result:
+            self.result_bytes += nbytes
         return tensor
+
+    def taken(self) -> None:
+        """The compute took the result: its buffers are activations now, not payload in flight."""
+        with self._lock:
+            nbytes, self.result_bytes = self.result_bytes, 0
+        self._count(-nbytes)
 
     def release(self, tensor: torch.Tensor) -> None:
         """A buffer hold() counted is no longer needed (a staging copy sent or landed)."""
         self._count(-tensor.numel() * tensor.element_size())
 
+    def release_all(self) -> None:
+        """The job is done: nothing it allocated is in flight any more."""
+        with self._lock:
+            held, self.result_bytes = self.held, 0
+        self._count(-held)
+
     def _count(self, nbytes: int) -> None:
-        self.held += nbytes
+        with self._lock:  # the engine's thread allocates, the compute's takes the result
+            self.held += nbytes
         if self.memory is not None:
             self.memory.add(nbytes)
 
@@ -164,9 +184,11 @@ class Handle:
     def result(self, timeout_s: float | None = None) -> torch.Tensor | None:
         """The result as soon as it is there (a chain's forwards may still be under way)."""
         self._wait(self._ready, timeout_s, "delivered")
-        if self._result is not None and self._wire is not None:
-            self._wire.accept(self._result, self._mark)
-            self._wire = None  # once: the compute stream waits for the engine's copy, then owns it
+        if self._wire is not None:  # once: the compute stream waits for the engine's copy, then owns it
+            if self._result is not None:
+                self._wire.accept(self._result, self._mark)
+            self._job.taken()
+            self._wire = None
         return self._result
 
     def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
@@ -212,16 +234,21 @@ class _Sequence:
 
 @dataclass
 class Memory:
+    """Bytes of payload buffers held (the engine's thread allocates, the compute's takes results)."""
+
     held_bytes: int = 0
     peak_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        with self.lock:
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def reset_peak(self) -> int:
         """The peak since the last reset (the caller's step), and start a new one from what is held now."""
-        peak, self.peak_bytes = self.peak_bytes, self.held_bytes
+        with self.lock:
+            peak, self.peak_bytes = self.peak_bytes, self.held_bytes
         return peak
 
 
@@ -409,8 +436,7 @@ class CommEngine:
             handle._set_result(job.assemble(), self.wire, self.wire.hand_over())
         if job.recvs_left == 0 and job.sends_left == 0 and not handle.done():
             job.finished(time.perf_counter() - job.started_s)
-            self.memory.add(-job.held)
-            job.held = 0
+            job.release_all()
             self._jobs[(job.key, job.mb)].remove(job)
             handle._set_done()
 

@@ -260,6 +260,31 @@ class PayloadMemory(Event):
 
 
 @dataclass(frozen=True)
+class WeightDelay(Event):
+    """The weight-gradient delay a stage runs with, the per-microbatch costs that sized it (measured at
+    the start of the run, or the planner's formula) and the peak stash it leads to."""
+
+    METRICS = (
+        Metric("meshjob_weight_grad_delay_microbatches", "Weight gradients a stage delays behind later input "
+               "gradients (spec.schedule.weightGradDelay)", "gauge", "delay", ("stage",)),
+        Metric("meshjob_stash_peak_microbatches", "Most microbatches a stage's action list keeps stashed at once",
+               "gauge", "peak_stash", ("stage",)),
+    )
+    stage: int
+    delay: int
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    peak_stash: int
+    stash_bound: int  # eager-1F1B's stage-0 bound min(M, 2S - 1)
+    measured: bool  # costs profiled at the start of this run (weightGradDelay: auto)
+
+    def __post_init__(self) -> None:
+        for name in ("delay", "forward_s", "input_grad_s", "weight_grad_s", "peak_stash", "stash_bound"):
+            non_negative(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
 class CheckpointWritten(Event):
     METRICS = (
         Metric("meshjob_checkpoint_seconds", "Wall time of writing one checkpoint", "histogram", "seconds",

@@ -331,20 +331,20 @@ class _Transfer(Job):
         self.staged: dict[int, int] = {}  # message index -> bytes of a send's staging copy
 
     # -- buffers -------------------------------------------------------------------------------
-    def _empty(self, shape: Sequence[int]) -> torch.Tensor:
-        return self.hold(torch.empty(tuple(shape), dtype=self.dtype, device=self.device))
+    def _empty(self, shape: Sequence[int], result: bool = False) -> torch.Tensor:
+        return self.hold(torch.empty(tuple(shape), dtype=self.dtype, device=self.device), result)
 
     def _recv_buffer(self) -> torch.Tensor:
         if self.buffer is None:
             assert self.recv_tile is not None
-            self.buffer = self._empty(slice_shape(self.recv_tile))
+            self.buffer = self._empty(slice_shape(self.recv_tile), result=True)
         return self.buffer
 
     def _natural(self) -> torch.Tensor:
         if self.out is None:
             assert self.natural_tile is not None
             self.out = self._recv_buffer() if self.natural_tile == self.recv_tile else \
-                self._empty(slice_shape(self.natural_tile))
+                self._empty(slice_shape(self.natural_tile), result=True)
         return self.out
 
     def _view(self, region: Slice) -> torch.Tensor:

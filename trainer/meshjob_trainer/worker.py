@@ -3,11 +3,13 @@
 load_setup(settings): read the job and build its Plan; with the operator's rendered plan
 (settings.plan_path) from exactly the inputs it rendered, refusing to run a plan whose digest differs.
 run_worker(env, settings, setup): join the process group, check that every rank holds the same plan,
-assemble the WorkerContext and hand it to the training loop (meshjob_trainer.train.train).
+calibrate it (weightGradDelay: auto: measured stage costs, agreed by all ranks, re-planned and checked
+again), assemble the WorkerContext and hand it to the training loop (meshjob_trainer.train.train).
 run_host(...): fork the ranks the plan puts on one host, like torchrun --nproc-per-node.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -62,6 +64,46 @@ def agree_on_plan(plan: Any, rank: int) -> None:
                         f"use a deterministic balancer (spec.resharding.balancer: greedy or load_balance)")
 
 
+def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink) -> JobSetup:
+    """weightGradDelay auto: every rank profiles its stage, all agree on the figures and re-plan
+    (meshjob_trainer.calibrate), and check that they hold the same plan. Then the delay each stage runs
+    with is reported (an event; rank 0 also prints every stage's). Collective."""
+    from meshjob_trainer.calibrate import calibrate, needs_calibration
+
+    if needs_calibration(setup.plan):
+        plan = calibrate(setup.plan, rank, device)
+        agree_on_plan(plan, rank)
+        setup = JobSetup(setup.job, plan)
+    delays = weight_delays(setup.plan)
+    stage = setup.plan.placement.stage_of(rank)
+    events.emit(delays[stage])
+    if rank == 0:
+        print(describe_delays(setup.plan, delays), file=sys.stderr, flush=True)
+    return setup
+
+
+def weight_delays(plan: Any) -> dict[int, Any]:
+    """Per stage, the WeightDelay event of `plan`."""
+    from meshjob.schedule import peak_stashed, stash_bound
+    from meshjob_trainer.events import WeightDelay
+
+    peaks = peak_stashed(plan.schedules)
+    bound = stash_bound(len(plan.job.stages), plan.job.training.microbatches)
+    return {s: WeightDelay(s, plan.weight_delay.get(s, 0), c.forward_s, c.input_grad_s, c.weight_grad_s, peaks[s],
+                           bound, plan.costs_measured)
+            for s, c in sorted(plan.stage_costs.items())}
+
+
+def describe_delays(plan: Any, delays: dict[int, Any]) -> str:
+    """One line for the log: how the delays were sized, and each stage's delay, W time and peak stash."""
+    how = "measured at start" if plan.costs_measured else "planner's formula"
+    stages = "; ".join(f"stage {s}: delay {d.delay} (W {d.weight_grad_s * 1e3:.3g} ms, peak stash {d.peak_stash})"
+                       for s, d in delays.items())
+    mode = plan.job.schedule.weight_grad_delay
+    bound = next(iter(delays.values())).stash_bound if delays else 0
+    return f"meshjob: weightGradDelay {mode} (costs: {how}, stash bound {bound}): {stages}"
+
+
 def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> Any:
     """This rank's Prometheus exporter, serving on MESHJOB_METRICS_PORT + LOCAL_RANK when that is set."""
     from meshjob_trainer.metrics import TrainerMetrics
@@ -113,7 +155,9 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
         placement = setup.plan.placement
         logs = settings.step_log and placement.stage_ranks(placement.stage_of(env.rank))[0] == env.rank
         events = Fanout((metrics, *([StepLog(setup.job.training.steps)] if logs else []), *listeners))
-        return train(make_context(env, settings, setup, events, device_for_backend(backend)))
+        device = device_for_backend(backend)
+        setup = calibrated(setup, env.rank, device, events)
+        return train(make_context(env, settings, setup, events, device))
     finally:
         if metrics is not None:
             metrics.close()

@@ -243,6 +243,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _describe_delays(delays: dict) -> str:
+    """Each stage's delay, sized by which costs, and its peak stash against the bound."""
+    how = "costs measured at start" if all(d["measured"] for d in delays.values()) else "planner's cost formula"
+    per_stage = ", ".join(f"{d['delay']}" for d in delays.values())
+    peaks = ", ".join(f"{d['peak_stash']}" for d in delays.values())
+    bound = max(d["stash_bound"] for d in delays.values())
+    return f"stages {per_stage} ({how}); peak stash {peaks} (bound {bound})"
+
+
 def _print_summary(console: Console, s: dict) -> None:
     rows = [
         ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
@@ -258,6 +267,8 @@ def _print_summary(console: Console, s: dict) -> None:
         ("attempts", f"{s['attempts']} (restarts: {s['restarts']})"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
     ]
+    if s["weight_delay"]:
+        rows.append(("weight-grad delay", _describe_delays(s["weight_delay"])))
     for stage, p in s["pipeline"].items():
         memory = s["payload_memory"].get(stage)
         payload = (f", payload in flight {memory['peak_bytes'] / 1e6:,.2f} MB "

@@ -18,7 +18,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, LowerBoundRatio,
-                                    NicBandwidth, PayloadMemory, PipelineFractions, Resharded, StepFinished, UnitTasks)
+                                    NicBandwidth, PayloadMemory, PipelineFractions, Resharded, StepFinished, UnitTasks,
+                                    WeightDelay)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunStats:
     lower_bound_ratio: dict[str, float] = field(default_factory=dict)  # boundary -> latest ratio
     unit_tasks: dict[str, int] = field(default_factory=dict)  # balancer -> tasks sent
     payload: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> (peak, bound) bytes, most of any rank
+    weight_delay: dict[int, WeightDelay] = field(default_factory=dict)  # stage -> the delay it runs with
     restarts: int = 0
     resumed_from: list[int] = field(default_factory=list)  # per restart: steps already done
     _awaiting_resume: bool = False
@@ -116,6 +118,10 @@ class RunStats:
         peak, bound = self.payload.get(event.stage, (0, 0))
         self.payload[event.stage] = (max(peak, event.peak_bytes), max(bound, event.bound_bytes))
 
+    @_add.register
+    def _weight_delay(self, event: WeightDelay, rank: int) -> None:
+        self.weight_delay[event.stage] = event
+
     def restart(self) -> None:
         """A new gang resumes from the checkpoint: steps after it will be reported again."""
         self.restarts += 1
@@ -168,6 +174,10 @@ class RunStats:
             "nic_bytes_per_s_max": dict(sorted(self.nic_bytes_per_s.items())),
             "resharding_lower_bound_ratio": dict(sorted(self.lower_bound_ratio.items())),
             "unit_tasks": dict(sorted(self.unit_tasks.items())),
+            "weight_delay": {str(s): {"delay": d.delay, "forward_s": d.forward_s, "input_grad_s": d.input_grad_s,
+                                      "weight_grad_s": d.weight_grad_s, "peak_stash": d.peak_stash,
+                                      "stash_bound": d.stash_bound, "measured": d.measured}
+                             for s, d in sorted(self.weight_delay.items())},
             "payload_memory": {str(s): {"peak_bytes": p, "bound_bytes": b} for s, (p, b) in sorted(self.payload.items())},
             "resume_step": self.resume_step, "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
             "resumed_from_steps": self.resumed_from,
