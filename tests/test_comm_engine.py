@@ -113,12 +113,10 @@ def test_each_rank_sends_in_the_planned_order_on_every_link(checked_run):
 def test_no_link_carries_more_sends_at_once_than_the_network_model_allows(checked_run):
     _job, plan, values = checked_run
     bound = plan.network.in_flight_per_link
-    busiest = 0
     for rank, (_result, log) in enumerate(values):
         most = most_in_flight(log, link_of_messages(plan, rank))
         assert all(n <= bound for n in most.values()), f"rank {rank}: {most}"
-        busiest = max([busiest, *most.values()])
-    assert busiest == bound  # the chains do fill their links: the bound is what limits them
+    # That the bound is reached (not only respected) depends on timing here; the test below forces it.
 
 
 @pytest.mark.slow
@@ -164,12 +162,20 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, bound):
     boundary = make_boundary(case, "broadcast", chunks=8)
     routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
 
+    source = case.src.ranks[0]
+    first_hop = {s.dst for s in boundary.steps if s.src == source}
+
     def target(env):
         init_distributed(env, timeout_s=20)
         try:
             wire = CheckedWire(GlooWire(), env.rank)
             ex = ReshardExecutor(None, env.rank, routes=routes, wire=wire, in_flight_per_link=bound)
             mine = natural_tile(case, global_tensor(case, 3), env.rank)
+            if env.rank in first_hop:
+                # Post nothing until the source has issued `bound` messages here: gloo completes a send
+                # only once its receive is posted, so those stay in flight however the CPUs are shared,
+                # and the source may issue no more (else it would show bound + 1).
+                wire.store.wait([f"{CheckedWire.PREFIX}/{source}>{env.rank}/{bound - 1}/send"])
             got = ex.start(boundary.key, 0, mine if env.rank in case.src.ranks else None).wait(timeout_s=30)
             ex.close()
             torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
@@ -180,5 +186,4 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, bound):
 
     results = gang(case.world_size, target)
     assert all(ok for _, ok in results)
-    source = case.src.ranks[0]
     assert max(results[source][0].values()) == bound

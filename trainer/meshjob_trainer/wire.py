@@ -237,13 +237,13 @@ class CheckedWire:
                                  f"different orders (NCCL would pair them wrongly)")
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
+        self.log.add("send", peer, message)  # before the store learns of it: a peer may act on that
         self._check("send", peer, message)
-        self.log.add("send", peer, message)
         return _Logged(self.inner.isend(tensor, peer, tag, message), "send", peer, message)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
-        self._check("recv", peer, message)
         self.log.add("recv", peer, message)
+        self._check("recv", peer, message)
         return _Logged(self.inner.irecv(tensor, peer, tag, message), "recv", peer, message)
 
     def wait(self, work: Any) -> None:
