@@ -82,7 +82,7 @@ def test_only_an_auto_delay_with_a_split_backward_is_calibrated():
 
     job = load_job(EXAMPLES[0])
     assert needs_calibration(build_plan(with_auto_delay(job)))
-    for fixed in ("off", 1):
+    for fixed in (0, 1):
         plan = build_plan(dataclasses.replace(job, schedule=dataclasses.replace(job.schedule,
                                                                                 weight_grad_delay=fixed)))
         assert not needs_calibration(plan)

@@ -82,7 +82,7 @@ def most_in_flight(log, links: dict[str, tuple]) -> dict[tuple, int]:
 
 @pytest.fixture(scope="module")
 def checked_run():
-    job = make_job("utransformer", "eager-1f1b", "on", steps=2)
+    job = make_job("utransformer", "eager-1f1b", 1, steps=2)
     plan, result = train_checked(job)
     return job, plan, result.raise_on_failure().values
 
@@ -136,7 +136,7 @@ def swapped(order: TransferOrder, a: tuple[BoundaryKey, int], b: tuple[BoundaryK
 
 @pytest.mark.slow
 def test_a_rank_that_issues_two_transfers_in_another_order_fails_the_run():
-    job = make_job("gpt", "1f1b", "off", steps=1)
+    job = make_job("gpt", "1f1b", 0, steps=1)
     plan = build_plan(job)
     key = BoundaryKey(0, 1, "activation")
     sender = plan.boundary(key).steps[0].src

@@ -52,14 +52,14 @@ def test_resharding_adds_bytes_and_observes_seconds_per_strategy_scope_boundary(
 def test_payload_memory_sets_the_steps_peak_and_its_bound(metrics):
     metrics.emit(PayloadMemory(1, 300, 400))
     metrics.emit(PayloadMemory(1, 250, 400))
-    assert value(metrics, "meshjob_comm_payload_peak_bytes", job="gpt-demo", stage="1") == 250
-    assert value(metrics, "meshjob_comm_payload_bound_bytes", job="gpt-demo", stage="1") == 400
+    assert value(metrics, "meshjob_comm_payload_peak_bytes", trainingjob="gpt-demo", namespace="default", stage="1") == 250
+    assert value(metrics, "meshjob_comm_payload_bound_bytes", trainingjob="gpt-demo", namespace="default", stage="1") == 400
 
 
 def test_weight_delay_sets_the_stages_delay_and_peak_stash(metrics):
     metrics.emit(WeightDelay(1, 2, 0.01, 0.01, 0.012, 5, 7, True))
-    assert value(metrics, "meshjob_weight_grad_delay_microbatches", job="gpt-demo", stage="1") == 2
-    assert value(metrics, "meshjob_stash_peak_microbatches", job="gpt-demo", stage="1") == 5
+    assert value(metrics, "meshjob_weight_grad_delay_microbatches", trainingjob="gpt-demo", namespace="default", stage="1") == 2
+    assert value(metrics, "meshjob_stash_peak_microbatches", trainingjob="gpt-demo", namespace="default", stage="1") == 5
 
 
 def test_step_counts_tokens_sets_loss_and_the_step(metrics):
