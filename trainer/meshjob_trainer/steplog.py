@@ -16,7 +16,10 @@ from meshjob_trainer.events import Evaluated, Event, StepFinished
 
 
 def _print(line: str) -> None:
-    print(line, file=sys.stdout, flush=True)  # a pod's log is its stdout; flush: a line per step, now
+    # A pod's log is its stdout, shared by the host's ranks: one write per line (print writes the text and
+    # the newline apart, and another rank's line could land between them); flush: a line per step, now.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 @dataclass
