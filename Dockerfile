@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1.7
-# meshjob images. Two targets:
-#   docker build --target operator -t meshjob/operator:0.1.0 .   # kopf operator, no torch
-#   docker build --target trainer  -t meshjob/trainer:0.1.0 .    # trainer worker, torch 2.13.0 CPU
-# The Helm chart's default images are these two tags. Both run as the non-root user 10001.
+# meshjob images. Three targets:
+#   docker build --target operator     -t meshjob/operator:0.1.0 .      # kopf operator, no torch
+#   docker build --target trainer      -t meshjob/trainer:0.1.0 .       # trainer worker, torch 2.13.0 CPU
+#   docker build --target trainer-cuda -t meshjob/trainer-cuda:0.1.0 .  # the same worker, torch 2.13.0 CUDA
+# The Helm chart's default images are the first two tags. All run as the non-root user 10001.
 
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
 
@@ -57,6 +58,21 @@ COPY examples/data/shakespeare-train.bin examples/data/shakespeare-val.bin examp
 #   COPY conv_lm/ /opt/models/conv_lm/
 #   ENV PYTHONPATH=/opt/models                # or: RUN pip install my-models==1.2.3
 # and name it in spec.image; `meshjob plan` and every worker check the entry point before training.
+USER 10001:10001
+EXPOSE 9400
+ENTRYPOINT ["meshjob"]
+CMD ["worker"]
+
+# ---- trainer-cuda: the same worker with torch's CUDA wheel (NCCL between devices; see README) ----
+# The wheel brings the CUDA runtime and NCCL as pip packages; the node provides only the driver (the
+# NVIDIA container runtime mounts it). Another CUDA build: --build-arg TORCH_CUDA_INDEX_URL=.../whl/cu128.
+FROM base AS trainer-cuda
+ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
+COPY --from=build /wheels /wheels
+RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" torch==2.13.0 \
+ && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
+      torch==2.13.0 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
+ && rm -rf /wheels
 USER 10001:10001
 EXPOSE 9400
 ENTRYPOINT ["meshjob"]

@@ -53,6 +53,7 @@ def _case(variants: list[Variant], limit_s: float) -> Case:
                 ShardingSpec.parse("RR"), ShardingSpec.parse("RR"), limit_s, variants)
     case.boundaries = [type("B", (), {"makespan_s": 1.0, "lower_bound_s": 1.0})() for _ in variants]
     case.simulated_s = [0.45 for _ in variants]
+    case.planned_s = [0.4 for _ in variants]
     return case
 
 
@@ -74,6 +75,7 @@ def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_
     assert bc.speedup_vs_send_recv == pytest.approx(2.1 / 0.6)
     assert all(r.correct for r in rows)
     assert bc.simulator_error == pytest.approx(0.45 / 0.6 - 1)
+    assert bc.measured_over_planned == pytest.approx(0.6 / 0.4)
 
 
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
@@ -146,3 +148,49 @@ def test_meshjob_bench_finds_the_bench_folder_from_any_working_directory(tmp_pat
                           capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--nic-rate" in proc.stdout and "--quick" in proc.stdout
+
+
+def test_alpa_default_shards_the_destination_over_each_hosts_devices_too():
+    from meshjob_bench.resharding import host_sharded
+
+    mesh = Layout().grid((2, 2), 2)
+    assert str(host_sharded(ShardingSpec.parse("RR"), mesh, (64, 256))) == str(ShardingSpec.parse("S1R"))
+    assert str(host_sharded(ShardingSpec.parse("S0R"), mesh, (64, 256))) == str(ShardingSpec.parse("S01R"))
+    assert str(host_sharded(ShardingSpec.parse("RS1"), mesh, (64, 256))) == "RS1"  # already uses mesh dim 1
+
+
+def test_alpa_default_is_planned_as_its_send_recv_then_the_all_gather_inside_each_host():
+    from meshjob_bench.resharding import ALPA_DEFAULT, build_cases
+
+    (case,) = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=Layout(),
+                          sections=["one_to_many"])[-1:]
+    labels = [v.label for v in case.variants]
+    alpa, send_recv = labels.index(ALPA_DEFAULT), labels.index("send_recv")
+    # each device takes a quarter over the NIC, then the rest from its host's neighbours
+    assert case.planned_s[alpa] > case.boundaries[alpa].makespan_s
+    assert case.planned_s[alpa] < case.planned_s[send_recv]
+
+
+def _rows_of_one_case(planned_and_measured: list[tuple[str, float, float]]) -> list[Row]:
+    return [Row("many_to_many", "S0R -> RR", "broadcast", 16, balancer, f"broadcast K=16 {balancer}", measured,
+                [measured], 1.0, measured, 1.0, 1.0, planned, 1.0, True, measured_over_planned=measured / planned)
+            for balancer, planned, measured in planned_and_measured]
+
+
+def test_targets_hold_when_every_run_follows_its_plan():
+    from meshjob_bench.resharding import check_targets
+
+    targets = {t.name: t for t in check_targets(_rows_of_one_case([("greedy", 1.0, 1.05), ("naive", 1.5, 1.6)]))}
+    assert targets["many-to-many measured / planned, every balancer"].met is True
+    assert targets["a plan >= 1.2x better measures better"].met is True
+    assert targets["one-to-many broadcast, chunks auto"].met is None  # no one-to-many row in this run
+
+
+def test_targets_name_a_run_slower_than_planned_and_a_better_plan_that_measures_worse():
+    from meshjob_bench.resharding import check_targets
+
+    targets = {t.name: t for t in check_targets(_rows_of_one_case([("greedy", 1.0, 1.7), ("naive", 1.5, 1.6)]))}
+    over = targets["many-to-many measured / planned, every balancer"]
+    assert over.met is False and over.worst == pytest.approx(1.7) and "greedy: 1.70" in over.failures[0]
+    order = targets["a plan >= 1.2x better measures better"]
+    assert order.met is False and "greedy planned 1.50x better than broadcast K=16 naive" in order.failures[0]

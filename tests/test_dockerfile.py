@@ -107,9 +107,9 @@ def pip_requirements(run: str) -> list[str]:
     return found
 
 
-def test_dockerfile_has_operator_and_trainer_targets(dockerfile):
+def test_dockerfile_has_operator_trainer_and_trainer_cuda_targets(dockerfile):
     _, stages = dockerfile
-    assert {"operator", "trainer"} <= set(stages)
+    assert {"operator", "trainer", "trainer-cuda"} <= set(stages)
 
 
 def test_base_image_is_pinned_to_a_patch_release(dockerfile):
@@ -200,7 +200,21 @@ def test_trainer_image_installs_torch_2_13_0_cpu(dockerfile):
     assert any("whl/cpu" in a for a in stages["trainer"].all("ARG")), "torch must come from the CPU wheel index"
 
 
-@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_trainer_cuda_image_installs_torch_2_13_0_from_a_cuda_wheel_index(dockerfile):
+    _, stages = dockerfile
+    runs = " ".join(run for s in chain(stages, "trainer-cuda") for run in s.all("RUN"))
+    assert "torch==2.13.0" in runs and "--index-url" in runs
+    assert any(re.search(r"whl/cu\d{3}$", a) for a in stages["trainer-cuda"].all("ARG")), \
+        "torch must come from a CUDA wheel index (whl/cuNNN)"
+
+
+def test_trainer_cuda_image_pins_what_the_cpu_trainer_image_pins(dockerfile):
+    """The same worker, only another torch build: the same distributions at the same versions."""
+    _, stages = dockerfile
+    assert _pinned(stages, "trainer-cuda") == _pinned(stages, "trainer")
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer", "trainer-cuda"])
 def test_target_runs_as_numeric_non_root_user(dockerfile, target):
     _, stages = dockerfile
     users = [u for s in reversed(chain(stages, target)) for u in s.all("USER")]
@@ -210,7 +224,8 @@ def test_target_runs_as_numeric_non_root_user(dockerfile, target):
     assert uid.isdigit() and int(uid) != 0, f"target {target} runs as {users[-1]!r}"
 
 
-@pytest.mark.parametrize("target,subcommand", [("operator", "operator"), ("trainer", "worker")])
+@pytest.mark.parametrize("target,subcommand", [("operator", "operator"), ("trainer", "worker"),
+                                               ("trainer-cuda", "worker")])
 def test_entrypoint_is_the_projects_real_command(dockerfile, target, subcommand):
     _, stages = dockerfile
     command = exec_form(stages[target].all("ENTRYPOINT")[-1]) + exec_form(stages[target].all("CMD")[-1])

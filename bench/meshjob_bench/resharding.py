@@ -5,10 +5,14 @@ The paper: "On Optimizing the Communication of Model Parallelism" (Zhuang et al.
 (a) one device -> a mesh of A hosts x B devices (A, B in 1..4): figure 5.
 (b) many-to-many: a (2, 2) mesh on hosts 0-1 -> a (2, 2) mesh on hosts 2-3, 2-D tensor, sharding
     spec pairs in the spirit of the paper's Table 2: figure 6.
-Every case runs every strategy side by side (send_recv, local_allgather, global_allgather =
-Alpa's, broadcast with K swept, signal = the 1-byte upper bound), and for (b) broadcast under each
-balancer (figure 8). Time is reported over the physical limit L = bytes the busiest receiving
-host must take / NIC rate, and as speed-ups over global_allgather and send_recv.
+Every case runs every strategy side by side (send_recv, local_allgather, global_allgather,
+broadcast with K swept, signal = the 1-byte upper bound), Alpa's actual default ("alpa default":
+send/recv into the destination layout rewritten to be sharded inside each host, then an all-gather
+inside the host, which the executor does), and for (b) broadcast under each balancer (figure 8).
+Time is reported over the physical limit L = bytes the busiest receiving host must take / NIC rate,
+as speed-ups over global_allgather and send_recv, and against the plan: each variant's planned
+makespan on the network model (meshjob.network, which the JSON records), measured / planned.
+The issue's targets are checked at the end (`targets` in the JSON).
 
 All ranks live in one gang: host h holds ranks 4h..4h+3; a case uses the ranks its meshes name,
 the others only join the barriers. Plans are made in the parent before the fork, so every rank
@@ -18,6 +22,7 @@ repetition, so a wrong plan or executor fails the benchmark instead of timing it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="broadcast K values, comma separated, auto = per task from the network model "
                              "(default 4,16,64,auto)")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
+    parser.add_argument("--section", action="append", choices=SECTIONS,
+                        help="run only this section (repeatable; default both)")
+
+
+ALPA_DEFAULT = "alpa default"
 
 
 @dataclass(frozen=True)
@@ -66,9 +76,12 @@ class Variant:
     strategy: str
     chunks: int | str  # K, or "auto"
     balancer: str
+    host_sharded: bool = False  # Alpa's default: send/recv into a host-sharded layout, all-gather inside hosts
 
     @property
     def label(self) -> str:
+        if self.host_sharded:
+            return ALPA_DEFAULT
         if self.strategy == "broadcast":
             return f"broadcast K={self.chunks} {self.balancer}"
         return f"{self.strategy} {self.balancer}" if self.balancer != MAIN_BALANCER else self.strategy
@@ -87,6 +100,7 @@ class Case:
     variants: list[Variant] = field(default_factory=list)
     boundaries: list[Boundary] = field(default_factory=list)  # one per variant, tensor "v<variant>"
     simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate's prediction of each, same NICs
+    planned_s: list[float] = field(default_factory=list)  # the plan's makespan of each (see planned_makespan)
 
 
 class Layout:
@@ -123,13 +137,48 @@ def physical_limit(tasks: Sequence[UnitTask], host_of: Callable[[int], int], nic
     return max(per_host.values(), default=0) / nic_bytes_per_s
 
 
+def host_sharded(spec: ShardingSpec, mesh: Mesh, shape: tuple[int, ...]) -> ShardingSpec:
+    """Alpa's rewrite of a destination layout: also shard over the devices of a host (mesh dim 1) the
+    first tensor dim that divides, so each device receives a part and the host all-gathers them.
+    Unchanged when the layout already uses mesh dim 1 or no dim divides."""
+    if len(mesh.shape) < 2 or mesh.shape[1] == 1 or 1 in spec.mesh_dims_used():
+        return spec
+    for d, dims in enumerate(spec.dims):
+        pieces = math.prod(mesh.shape[m] for m in dims) * mesh.shape[1]
+        if shape[d] % pieces == 0:
+            return ShardingSpec(spec.dims[:d] + (dims + (1,),) + spec.dims[d + 1:])
+    return spec
+
+
 def variant_boundary(case: Case, variant: Variant, index: int, host_of: Callable[[int], int],
                      network: NetworkModel) -> Boundary:
     """The plan layer's boundary for one variant: senders, order and chunks from its balancer on the
     network model, lowered steps."""
     resharding = ReshardingSpec(variant.strategy, variant.chunks, variant.balancer, budget_seconds=0.5)
+    recv = host_sharded(case.recv, case.dst_mesh, case.shape) if variant.host_sharded else case.recv
     return plan_boundary(BoundaryKey(0, 1, f"v{index}"), case.shape, (case.src_mesh, case.send),
-                         (case.dst_mesh, case.recv), resharding, host_of, network=network)
+                         (case.dst_mesh, recv), resharding, host_of, network=network)
+
+
+def executed_steps(case: Case, boundary: Boundary) -> list[Any]:
+    """Every message the executor sends for `boundary`: the plan's steps, then its all-gather inside the
+    destination (when the boundary's layout shards more than the case's), each gather step after what
+    its sender receives."""
+    from meshjob_trainer.reshard import make_routes
+
+    (route,) = make_routes([boundary], {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
+    gather = [dataclasses.replace(g, after=tuple(s.id for s in boundary.steps if s.dst == g.src))
+              for g in route.gather]
+    return list(boundary.steps) + gather
+
+
+def planned_makespan(case: Case, boundary: Boundary, host_of: Callable[[int], int], network: NetworkModel) -> float:
+    """The plan's makespan (its balancer's schedule on the network model); for Alpa's default, whose
+    plan covers only the send/recv, that part and the all-gather inside the hosts timed together on
+    the same model."""
+    if str(boundary.recv) == str(case.recv):
+        return boundary.makespan_s
+    return simulate_transfer(executed_steps(case, boundary), host_of, network).makespan_s
 
 
 def balancer_chunks(chunks: Sequence[int | str]) -> int | str:
@@ -137,19 +186,23 @@ def balancer_chunks(chunks: Sequence[int | str]) -> int | str:
     return "auto" if "auto" in chunks else max(int(k) for k in chunks)
 
 
+SECTIONS = ("one_to_many", "many_to_many")
+
+
 def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_bytes_per_s: float,
-                layout: Layout) -> list[Case]:
+                layout: Layout, sections: Sequence[str] = SECTIONS) -> list[Case]:
     numel = size_bytes // ITEMSIZE
     cols = 1024 if not quick else 256
     rows = max(16, numel // cols // 16 * 16)  # divisible by every mesh size used
     shape = (rows, cols)
     cases: list[Case] = []
     sizes = [(1, 1), (1, 2), (2, 1), (2, 2)] if quick else [(a, b) for a in range(1, 5) for b in range(1, 5)]
+    sizes = sizes if "one_to_many" in sections else []
     for a, b in sizes:
         cases.append(Case("one_to_many", f"1 -> {a}x{b}", shape, layout.grid((1, 1), 0),
                           layout.grid((a, b), first_host=1),
                           ShardingSpec.parse("RR"), ShardingSpec.parse("RR")))
-    pairs = MANY_TO_MANY[:3] if quick else MANY_TO_MANY
+    pairs = (MANY_TO_MANY[:3] if quick else MANY_TO_MANY) if "many_to_many" in sections else ()
     for send, recv in pairs:
         cases.append(Case("many_to_many", f"{send} -> {recv}", shape, layout.grid((2, 2), 0),
                           layout.grid((2, 2), 2),
@@ -160,13 +213,22 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_b
         c.variants = [Variant(s, 1, MAIN_BALANCER) for s in ("send_recv", "local_allgather", "global_allgather")]
         c.variants += [Variant("broadcast", k, MAIN_BALANCER) for k in chunks]
         c.variants.append(Variant("signal", 1, MAIN_BALANCER))
+        if host_sharded(c.recv, c.dst_mesh, c.shape) != c.recv:
+            c.variants.insert(3, Variant("send_recv", 1, MAIN_BALANCER, host_sharded=True))
         if c.section == "many_to_many":
             k = balancer_chunks(chunks)
             c.variants += [Variant("broadcast", k, b) for b in BALANCERS if b != MAIN_BALANCER]
-        network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+        network = bench_network(nic_bytes_per_s)
         c.boundaries = [variant_boundary(c, v, i, layout.host_of, network) for i, v in enumerate(c.variants)]
-        c.simulated_s = [simulate_transfer(b.steps, layout.host_of, network).makespan_s for b in c.boundaries]
+        c.simulated_s = [simulate_transfer(executed_steps(c, b), layout.host_of, network).makespan_s
+                         for b in c.boundaries]
+        c.planned_s = [planned_makespan(c, b, layout.host_of, network) for b in c.boundaries]
     return cases
+
+
+def bench_network(nic_bytes_per_s: float) -> NetworkModel:
+    """The network model the benchmark plans with (and records in its JSON)."""
+    return NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
 
 
 def _expected(shape: tuple[int, ...]) -> Any:
@@ -196,7 +258,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
                 local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
                                            case.src_mesh.index_of(rank)))].contiguous()
             routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
-            executor = ReshardExecutor(None, rank, routes=routes)
+            executor = ReshardExecutor(None, rank, routes=routes)  # transfers in start order: one at a time
             for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                 for rep in range(warmup + repeats):
                     dist.barrier()
@@ -212,6 +274,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
                         ok = bool(torch.equal(out, want))
                     if rep >= warmup or not ok:
                         timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, correct=ok))
+            executor.close()
             dist.barrier()
     finally:
         shutdown_distributed()
@@ -237,6 +300,7 @@ class Row:
     correct: bool
     simulated_s: float = math.nan  # the simulator's prediction for the same steps
     simulator_error: float = math.nan  # simulated / measured - 1
+    measured_over_planned: float = math.nan  # seconds / planned_makespan_s
 
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
@@ -256,15 +320,16 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
                  for vi in range(len(case.variants))}
         med = {vi: statistics.median(t) if t else math.nan for vi, t in times.items()}
         base = {case.variants[vi].strategy: med[vi] for vi in med
-                if case.variants[vi].balancer == MAIN_BALANCER}
+                if case.variants[vi].balancer == MAIN_BALANCER and not case.variants[vi].host_sharded}
         for vi, v in enumerate(case.variants):
-            b, simulated = case.boundaries[vi], case.simulated_s[vi]
+            b, simulated, planned = case.boundaries[vi], case.simulated_s[vi], case.planned_s[vi]
             rows.append(Row(case.section, case.name, v.strategy, v.chunks, v.balancer, v.label, med[vi],
                             times[vi], case.limit_s, med[vi] / case.limit_s if case.limit_s else math.nan,
                             base.get("global_allgather", math.nan) / med[vi],
                             base.get("send_recv", math.nan) / med[vi],
-                            b.makespan_s, b.lower_bound_s, (ci, vi) not in wrong, simulated,
-                            simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan))
+                            planned, b.lower_bound_s, (ci, vi) not in wrong, simulated,
+                            simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
+                            med[vi] / planned if planned > 0 else math.nan))
     return rows
 
 
@@ -302,6 +367,77 @@ def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -
     console.print(table)
 
 
+def planned(row: Row) -> bool:
+    """Whether a row's plan predicts its time (signal moves a byte per message: no)."""
+    return row.strategy != "signal" and row.planned_makespan_s > 0
+
+
+M2M_OVER_PLANNED = 1.10  # many-to-many: measured / planned, every case and balancer
+BETTER_PLAN = 1.2  # a plan this much better than another must measure better
+ONE_TO_MANY_OVER_L = (1.15, 1.10)  # broadcast with chunks auto: every case, one device per host
+
+
+@dataclass
+class Target:
+    name: str
+    limit: str
+    worst: float  # the worst value found (a ratio; for the ordering target, the worst measured ratio)
+    failures: list[str]
+    checked: int = 0  # rows (or pairs of rows) the target applies to in this run
+
+    @property
+    def met(self) -> bool | None:
+        """None: nothing in this run to check it on."""
+        return None if not self.checked else not self.failures
+
+
+def check_targets(rows: list[Row]) -> list[Target]:
+    """Issue 9's resharding targets, evaluated on the measured rows."""
+    out = []
+    m2m = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"
+           and r.chunks == balancer_chunks([x.chunks for x in rows if x.strategy == "broadcast"])]
+    out.append(Target("many-to-many measured / planned, every balancer", f"<= {M2M_OVER_PLANNED}",
+                      max((r.measured_over_planned for r in m2m), default=math.nan),
+                      [f"{r.case} {r.label}: {r.measured_over_planned:.2f}" for r in m2m
+                       if not r.measured_over_planned <= M2M_OVER_PLANNED], len(m2m)))
+    misordered, worst, pairs = [], 0.0, 0
+    for case in dict.fromkeys(r.case for r in rows):
+        plans = [r for r in rows if r.case == case and planned(r)]
+        for a in plans:
+            for b in plans:
+                if a.planned_makespan_s * BETTER_PLAN <= b.planned_makespan_s:
+                    pairs += 1
+                    worst = max(worst, a.seconds / b.seconds)
+                    if not a.seconds < b.seconds:
+                        misordered.append(f"{case}: {a.label} planned {b.planned_makespan_s / a.planned_makespan_s:.2f}x "
+                                          f"better than {b.label}, measured {a.seconds / b.seconds:.2f}x its time")
+    out.append(Target(f"a plan >= {BETTER_PLAN}x better measures better", "measured a / b < 1", worst, misordered,
+                      pairs))
+    auto = [r for r in rows if r.section == "one_to_many" and r.strategy == "broadcast" and r.chunks == "auto"]
+    for limit, one_device in zip(ONE_TO_MANY_OVER_L, (False, True)):
+        chosen = [r for r in auto if not one_device or r.case.endswith("x1")]
+        out.append(Target("one-to-many broadcast, chunks auto" + (", one device per host" if one_device else ""),
+                          f"time / L <= {limit}", max((r.over_limit for r in chosen), default=math.nan),
+                          [f"{r.case}: {r.over_limit:.2f}" for r in chosen if not r.over_limit <= limit],
+                          len(chosen)))
+    return out
+
+
+def print_targets(targets: list[Target]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 150)
+    table = Table(title="Issue 9 targets", title_justify="left")
+    for col in ("target", "limit", "worst", "met", "misses"):
+        table.add_column(col, justify="right" if col == "worst" else "left")
+    for t in targets:
+        met = {None: "n/a", True: "yes", False: "[red]no[/]"}[t.met]
+        table.add_row(t.name, t.limit, f"{t.worst:.2f}", met,
+                      "; ".join(t.failures[:4]) + (f" (+{len(t.failures) - 4})" if len(t.failures) > 4 else ""))
+    console.print(table)
+
+
 def print_table(rows: list[Row], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -310,7 +446,7 @@ def print_table(rows: list[Row], title: str) -> None:
     for section in ("one_to_many", "many_to_many"):
         table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
         for col in ("case", "variant", "time s", "time / L", "x vs global_allgather", "x vs send_recv",
-                    "planned / LB", "sim error", "ok"):
+                    "planned s", "measured / planned", "planned / LB", "sim error", "ok"):
             table.add_column(col, justify="left" if col in ("case", "variant") else "right")
         last = None
         for r in rows:
@@ -318,6 +454,7 @@ def print_table(rows: list[Row], title: str) -> None:
                 continue
             table.add_row("" if r.case == last else r.case, r.label, f"{r.seconds:.3f}", f"{r.over_limit:.2f}",
                           f"{r.speedup_vs_global_allgather:.2f}", f"{r.speedup_vs_send_recv:.2f}",
+                          f"{r.planned_makespan_s:.3f}", f"{r.measured_over_planned:.2f}" if planned(r) else "-",
                           f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
                           if r.planned_lower_bound_s and r.strategy != "signal" else "-",
                           f"{r.simulator_error:+.0%}" if math.isfinite(r.simulator_error) else "-",
@@ -412,7 +549,7 @@ def main(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     layout = Layout()
-    cases = build_cases(quick, int(size_mib * 2**20), chunks, nic_bytes_per_s, layout)
+    cases = build_cases(quick, int(size_mib * 2**20), chunks, nic_bytes_per_s, layout, args.section or SECTIONS)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
@@ -435,11 +572,14 @@ def main(args: argparse.Namespace) -> int:
     print_summary(summary, title)
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
-    model = NetworkModel(nic_bytes_per_s=nic_bytes_per_s).to_json()  # what planned_* and simulated_s assume
+    model = bench_network(nic_bytes_per_s).to_json()  # what planned_* and simulated_s assume
+    targets = check_targets(rows)
+    print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "network_model": model, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
-           "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs}
+           "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
+           "targets": [{**asdict(t), "met": t.met} for t in targets]}
     path = os.path.join(args.out, "resharding.json")
     with open(path, "w") as f:
         json.dump(_finite(doc), f, indent=2)

@@ -114,18 +114,39 @@ class Route:
             self._programs = rank_programs(self.steps, self.host_of, plain, ITEMSIZE)
         return self._programs
 
+    def where(self, rank: int, index: int) -> "Where":
+        """Message `index` as `rank` sees it (computed once per rank: the engine asks per message)."""
+        cache = self.__dict__.setdefault("_where_cache", {})
+        if rank not in cache:
+            cache[rank] = {m.index: self._where(rank, m.index) for m in self.message_specs(rank)}
+        return cache[rank][index]
+
+    def _where(self, rank: int, index: int) -> "Where":
+        step = self.step_at(index)
+        if rank in self.src_ranks:
+            origin = self.tile_of(rank, self.src_natural, self.src_mesh)  # a source sends from its tile
+        elif index < len(self.steps) or step.src == rank:
+            origin = self.holding(rank)  # receives land in the recv tile, forwards and gathers read it
+        else:
+            origin = self.tile_of(rank, self.dst_natural, self.dst_mesh)  # a gather lands in the natural tile
+        at = to_index(relative(step.region, origin))
+        contiguous = torch.empty(slice_shape(origin), device="meta")[at].is_contiguous()
+        return Where(at, slice_shape(step.region), slice_numel(step.region), contiguous, step.scope, step.task,
+                     (self.host_of(step.src), self.host_of(step.dst)))
+
     def contiguous_at(self, rank: int, index: int) -> bool:
         """Whether message `index` is a contiguous view where `rank` holds or receives it (else it is
         staged through a copy)."""
-        step = self.step_at(index)
-        if rank in self.src_ranks:
-            origin = self.tile_of(rank, self.src_natural, self.src_mesh)
-        elif index < len(self.steps):
-            origin = self.holding(rank)
-        else:
-            origin = self.tile_of(rank, self.dst_natural, self.dst_mesh)
-        whole = torch.empty(slice_shape(origin), device="meta")
-        return whole[to_index(relative(step.region, origin))].is_contiguous()
+        return self.where(rank, index).contiguous
+
+    def placeholder(self, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What `signal` delivers to a destination rank: zeros of its natural tile's shape (made once)."""
+        cache = self.__dict__.setdefault("_placeholder_cache", {})
+        key = (rank, dtype, device)
+        if key not in cache:
+            natural = self.tile_of(rank, self.dst_natural, self.dst_mesh)
+            cache[key] = torch.zeros(slice_shape(natural), dtype=dtype, device=device)
+        return cache[key]
 
     def receive_bytes(self, rank: int, dtype: torch.dtype) -> int:
         """The buffers one microbatch's receive allocates on `rank`: its recv tile, its natural tile
@@ -281,6 +302,19 @@ def _gather_steps(mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: 
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Where:
+    """One message as one rank sees it: where its region lies in the tile the rank reads or fills."""
+
+    index: tuple[slice, ...]  # into that tile
+    shape: tuple[int, ...]
+    numel: int
+    contiguous: bool  # else it is staged through a copy
+    scope: str
+    task: int
+    hosts: tuple[int, int]  # (sending host, receiving host)
+
+
 @dataclass
 class ReshardStats:
     """What one rank saw of one (boundary, microbatch)."""
@@ -347,14 +381,6 @@ class _Transfer(Job):
                 self._empty(slice_shape(self.natural_tile), result=True)
         return self.out
 
-    def _view(self, region: Slice) -> torch.Tensor:
-        """Where `region` lives on this rank: in its source tile, or in the tile it received."""
-        if self.source is not None:
-            assert self.source_tile is not None
-            return self.source[to_index(relative(region, self.source_tile))]
-        assert self.recv_tile is not None
-        return self._recv_buffer()[to_index(relative(region, self.recv_tile))]
-
     def _signal(self) -> torch.Tensor:
         return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
 
@@ -362,8 +388,9 @@ class _Transfer(Job):
     def payload(self, spec: MessageSpec) -> torch.Tensor:
         if self.signal:
             return self._signal()
-        view = self._view(self.route.step_at(spec.index).region)
-        if view.is_contiguous():
+        where = self.route.where(self.rank, spec.index)
+        view = (self.source if self.source is not None else self._recv_buffer())[where.index]
+        if where.contiguous:
             return view
         copy = self.hold(view.contiguous())  # released when sent
         self.staged[spec.index] = copy.numel() * copy.element_size()
@@ -372,47 +399,42 @@ class _Transfer(Job):
     def target(self, spec: MessageSpec) -> torch.Tensor:
         if self.signal:
             return torch.empty(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
-        step = self.route.step_at(spec.index)
-        if spec.index < len(self.route.steps):
-            assert self.recv_tile is not None
-            view = self._recv_buffer()[to_index(relative(step.region, self.recv_tile))]
-        else:
-            assert self.natural_tile is not None
-            view = self._natural()[to_index(relative(step.region, self.natural_tile))]
-        if view.is_contiguous():
+        where = self.route.where(self.rank, spec.index)
+        view = (self._recv_buffer() if spec.index < len(self.route.steps) else self._natural())[where.index]
+        if where.contiguous:
             return view
         self.temps[spec.index] = view
-        return self._empty(slice_shape(step.region))
+        return self._empty(where.shape)
 
     def landed(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
         place = self.temps.pop(spec.index, None)
         if place is not None:
             place.copy_(tensor)
             self.release(tensor)
-        step = self.route.step_at(spec.index)
-        nbytes = step.nbytes(tensor.element_size()) if not self.signal else SIGNAL_BYTES
-        _add(self.stats.bytes_received, step.scope, nbytes)
-        if step.task != GATHER_TASK:
-            _add(self.stats.task_bytes, step.task, nbytes)
-            self.stats.task_seconds[step.task] = self.elapsed()
+        where = self.route.where(self.rank, spec.index)
+        nbytes = SIGNAL_BYTES if self.signal else where.numel * tensor.element_size()
+        _add(self.stats.bytes_received, where.scope, nbytes)
+        if where.task != GATHER_TASK:
+            _add(self.stats.task_bytes, where.task, nbytes)
+            self.stats.task_seconds[where.task] = self.elapsed()
 
     def sent(self, spec: MessageSpec, tensor: torch.Tensor) -> None:
         if spec.index in self.staged:
             self.release(tensor)
             del self.staged[spec.index]
-        step = self.route.step_at(spec.index)
-        nbytes = SIGNAL_BYTES if self.signal else step.nbytes(tensor.element_size())
-        _add(self.stats.bytes_sent, step.scope, nbytes)
-        _add(self.stats.host_pair_bytes, (self.route.host_of(step.src), self.route.host_of(step.dst)), nbytes)
-        if step.task != GATHER_TASK:
-            self.stats.task_seconds[step.task] = self.elapsed()
+        where = self.route.where(self.rank, spec.index)
+        nbytes = SIGNAL_BYTES if self.signal else where.numel * tensor.element_size()
+        _add(self.stats.bytes_sent, where.scope, nbytes)
+        _add(self.stats.host_pair_bytes, where.hosts, nbytes)
+        if where.task != GATHER_TASK:
+            self.stats.task_seconds[where.task] = self.elapsed()
 
     def assemble(self) -> torch.Tensor | None:
         if not self.is_dst:
             return None
         assert self.natural_tile is not None and self.recv_tile is not None
-        if self.signal:  # a placeholder of the right shape: signal moves no data
-            return torch.zeros(slice_shape(self.natural_tile), dtype=self.dtype, device=self.device)
+        if self.signal:  # a placeholder of the right shape, shared: signal moves no data
+            return self.route.placeholder(self.rank, self.dtype, self.device)
         out = self._natural()
         if out is not self.buffer:
             out[to_index(relative(self.recv_tile, self.natural_tile))] = self._recv_buffer()
