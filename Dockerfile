@@ -71,7 +71,7 @@ ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
 COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" torch==2.13.0 \
  && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
-      torch==2.13.0 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
+      torch==2.13.0 numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
  && rm -rf /wheels
 USER 10001:10001
 EXPOSE 9400
