@@ -68,6 +68,12 @@ class TransferOrder:
                 in_flight[key] = in_flight.get(key, 0) - 1
         return cls(tuple(transfers), {key: most + 1 for key, most in depth.items()})
 
+    def forward_only(self) -> TransferOrder:
+        """The order of a pass of forwards only (evaluation): the step's, less its gradients. Still
+        causal: a forward transfer depends only on forward transfers."""
+        return TransferOrder(tuple(t for t in self.transfers if not t[0].grad),
+                             {k: d for k, d in self.depth.items() if not k.grad})
+
     def to_json(self) -> dict[str, Any]:
         return {"transfers": [[str(k), mb] for k, mb in self.transfers],
                 "depth": {str(k): d for k, d in sorted(self.depth.items())}}

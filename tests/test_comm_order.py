@@ -80,3 +80,11 @@ def test_eager_1f1b_keeps_fewer_receives_posted_than_microbatches():
 def test_a_transfer_the_step_lacks_is_named():
     with pytest.raises(KeyError, match=r"transfer 0->1:activation of microbatch 9 is not in the step's order"):
         TransferOrder(((BoundaryKey(0, 1, "activation"), 0),)).position(BoundaryKey(0, 1, "activation"), 9)
+
+
+def test_a_forward_only_pass_keeps_the_steps_forwards_in_order_and_drops_the_gradients():
+    forward, grad = BoundaryKey(0, 1, "activation"), BoundaryKey(1, 0, "activation", grad=True)
+    order = TransferOrder(((forward, 0), (forward, 1), (grad, 0), (forward, 2), (grad, 1)), {forward: 2, grad: 1})
+    only = order.forward_only()
+    assert only.transfers == ((forward, 0), (forward, 1), (forward, 2))
+    assert dict(only.depth) == {forward: 2}

@@ -290,6 +290,15 @@ class CommEngine:
         self._recvs = {peer: _Sequence(entries) for peer, entries in recvs.items()}
 
     # -- the compute thread's side -----------------------------------------------------------
+    def use_order(self, order: TransferOrder) -> None:
+        """Run another planned order from the next job on (evaluation's forward-only pass). Only
+        between passes, when no job is under way: every planned sequence is back at its start then."""
+        with self._cond:
+            if self.order is None or self._inbox or self._active():
+                raise EngineError("the order can change only between passes of a planned engine")
+            self.order = order
+            self._plan_sequences(order)
+
     def submit(self, job: Job) -> Handle:
         """Hand a job to the engine; returns its handle at once."""
         if self.order is not None:

@@ -21,9 +21,10 @@ forwarding rank in a broadcast chain passes chunks on while its pipeline stage i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -556,6 +557,19 @@ class ReshardExecutor:
                     nbytes = route.step_at(spec.index).nbytes(_itemsize(self.dtype))
                     largest[spec.link] = max(largest.get(spec.link, 0), nbytes)
         return total + self.in_flight_per_link * sum(largest.values())
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """A pass of forward transfers only (evaluation) inside: the step's order less its gradients,
+        which every rank derives alike; the step's order again after."""
+        if self.order is None:
+            yield
+            return
+        self.engine.use_order(self.order.forward_only())
+        try:
+            yield
+        finally:
+            self.engine.use_order(self.order)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Let the transfers under way finish (a chain's last forwards), then stop the engine."""

@@ -159,7 +159,8 @@ def evaluate(rt: StageRuntime) -> float:
     """The mean loss over spec.training.evalBatches validation batches (NaN off the last stage)."""
     assert rt.val_data is not None
     batches = rt.job.training.eval_batches
-    local = sum(rt.executor.run_forward(_batches(rt, rt.val_data, i)) for i in range(batches)) / batches
+    with rt.transport.reshard.forward_only():  # the engine's order: the step's, less its gradients
+        local = sum(rt.executor.run_forward(_batches(rt, rt.val_data, i)) for i in range(batches)) / batches
     return global_loss(rt, local) if rt.module.is_last else math.nan
 
 
