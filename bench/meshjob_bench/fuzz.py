@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
+from meshjob_bench import parsed_arguments
 from meshjob.errors import SpecError
 from meshjob.safeyaml import load_documents
 from meshjob.spec import bounded_fields
@@ -479,12 +480,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
-    if isinstance(argv, argparse.Namespace):
-        args = argv
-    else:
-        parser = argparse.ArgumentParser(prog="meshjob_bench.fuzz", description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        args = parser.parse_args(argv)
+    args = parsed_arguments(argv, "meshjob_bench.fuzz", __doc__, add_arguments)
     if args.cases < 1 or args.budget <= 0:
         raise SystemExit("bench fuzz: --cases must be >= 1 and --budget > 0")
 

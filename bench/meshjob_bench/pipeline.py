@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 
+from meshjob_bench import parsed_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.api import API_VERSION, KIND
@@ -204,10 +205,7 @@ def plot(measured: list[Measured], out_dir: str, subtitle: str) -> list[str]:
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="meshjob bench pipeline", description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        args = parser.parse_args(args)
+    args = parsed_arguments(args, "meshjob bench pipeline", __doc__, add_arguments)
     steps = args.steps or (3 if args.quick else 11)
     if steps < 2:
         raise SystemExit(f"--steps: {steps} is invalid: at least 2 (the first step is not timed)")

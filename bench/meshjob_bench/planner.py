@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshjob_bench import parsed_arguments
 from meshjob.balance import BALANCERS, STRATEGIES, HostTask, Schedule, balance, list_schedule
 from meshjob.mesh import Mesh
 from meshjob.network import NetworkModel
@@ -361,12 +362,7 @@ def _parse(args: argparse.Namespace) -> tuple[int | str, NetworkModel]:
 
 
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
-    if isinstance(argv, argparse.Namespace):
-        args = argv
-    else:
-        parser = argparse.ArgumentParser(prog="meshjob_bench.planner", description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        args = parser.parse_args(argv)
+    args = parsed_arguments(argv, "meshjob_bench.planner", __doc__, add_arguments)
     chunks, network = _parse(args)
     rows: list[Row] = []
     for case in cases():
