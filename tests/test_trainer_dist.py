@@ -219,6 +219,28 @@ def test_one_failing_rank_takes_the_gang_down():
     assert result.first_failure is by_rank[1] and result.first_failure.describe() == "rank 1 exited with status 1"
 
 
+class _SlowToPickle:
+    """A returned value whose pickling takes long enough for the gang to be stopped meanwhile."""
+
+    def __reduce__(self):
+        time.sleep(30)
+        return (_SlowToPickle, ())
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_writing_its_report_is_reported_killed_not_a_torn_file():
+    def target(ctx: RankContext):
+        if ctx.rank == 1:
+            time.sleep(1.0)  # rank 0 is inside its report by now
+            raise ValueError("rank one broke")
+        return _SlowToPickle()
+
+    result = launch(2, target, timeout_s=30, kill_grace_s=0.5)
+    by_rank = {r.rank: r for r in result.ranks}
+    assert "rank one broke" in by_rank[1].error
+    assert by_rank[0].exit_code < 0 and "another rank failed" in by_rank[0].error
+
+
 @pytest.mark.slow
 def test_a_gang_past_its_timeout_is_killed():
     result = launch(2, lambda ctx: time.sleep(60), timeout_s=0.5, kill_grace_s=0.5)

@@ -181,16 +181,22 @@ def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec:
         outcome = ("error", traceback.format_exc())
         traceback.print_exc()
     try:
-        with open(result_path, "wb") as f:
-            pickle.dump(outcome, f)
+        _write_outcome(result_path, outcome)
     except Exception:  # noqa: BLE001 - an unpicklable value: report that instead
-        with open(result_path, "wb") as f:
-            pickle.dump(("error", f"rank {ctx.rank}: result not picklable:\n{traceback.format_exc()}"), f)
+        _write_outcome(result_path, ("error", f"rank {ctx.rank}: result not picklable:\n{traceback.format_exc()}"))
         code = code or 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _write_outcome(path: str, outcome: tuple[str, Any]) -> None:
+    """Write then rename: a rank killed mid-write (another rank failed first) leaves no half file."""
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(partial, path)
 
 
 def _kill(pids: Sequence[int], grace_s: float) -> dict[int, int]:
