@@ -25,9 +25,11 @@ import warnings
 from dataclasses import dataclass, replace
 
 from meshjob_bench import parsed_arguments
+from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.api import API_VERSION, KIND
+from meshjob.devices import REAL, ComputeMode, parse_compute
 from meshjob.spec import TrainingJob, parse_job
 from meshjob.units import parse_rate
 
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline stages, one device and one emulated host each (default 4)")
     parser.add_argument("--out", default="bench/results", help="folder for pipeline.json and PNGs")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
+    add_compute_arguments(parser)
 
 
 def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4) -> TrainingJob:
@@ -74,10 +77,10 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     return parse_job(doc)
 
 
-def _rank_main(job: TrainingJob, ctx: RankContext) -> dict:
+def _rank_main(job: TrainingJob, ctx: RankContext, compute: ComputeMode) -> dict:
     from meshjob_trainer.train import train_rank
 
-    result = train_rank(ctx.env, job, timeout_s=120.0)
+    result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute)
     return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
             "compute_s": result.stats.compute_s, "wait_s": result.stats.wait_s, "comm_s": result.comm_s,
             "steps": result.stats.steps, "peak_stashed": result.stats.peak_stashed,
@@ -95,7 +98,8 @@ class Measured:
     final_loss: float
 
 
-def run_variant(job: TrainingJob, nic_rate: str, use_netns: bool) -> tuple[Measured, str]:
+def run_variant(job: TrainingJob, nic_rate: str, use_netns: bool, compute: ComputeMode = REAL
+                ) -> tuple[Measured, str]:
     from meshjob.plan import build_plan
 
     plan = build_plan(job, nic_bytes_per_s=parse_rate(nic_rate))
@@ -106,7 +110,7 @@ def run_variant(job: TrainingJob, nic_rate: str, use_netns: bool) -> tuple[Measu
         warnings.simplefilter("ignore")
         with EmulatedCluster(len(used), nic_rate, use_netns=use_netns) as cluster:
             network = cluster.describe()
-            result = launch(len(compact), lambda ctx: _rank_main(job, ctx), **cluster.gang(compact).launch_args())
+            result = launch(len(compact), lambda ctx: _rank_main(job, ctx, compute), **cluster.gang(compact).launch_args())
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
     return measure(job, result.values), network
@@ -210,6 +214,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     if steps < 2:
         raise SystemExit(f"--steps: {steps} is invalid: at least 2 (the first step is not timed)")
     parse_rate(args.nic_rate)
+    compute = parse_compute(args.compute, args.device)
     variants = [v for v in VARIANTS if v in {"1f1b", "signal", *args.variants.split(",")}]
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     models = [m for m in args.models.split(",") if m]
@@ -231,14 +236,14 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         per_variant: dict[str, Measured] = {}
         for variant in variants:
             job = bench_job(model, variant, steps, args.quick, args.stages)
-            m, network = run_variant(job, args.nic_rate, not args.no_netns)
+            m, network = run_variant(job, args.nic_rate, not args.no_netns, compute)
             m.model, m.variant = model, variant
             per_variant[variant] = m
             measured.append(m)
             sim = simulate_measured(job, m, args.nic_rate, "namespaces" in network)
             rows.append({"model": model, "variant": variant, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
                          "simulated_step_s": sim, "simulator_error": sim / m.step_s - 1.0,
-                         "final_loss": m.final_loss, "stages": m.stages})
+                         "final_loss": m.final_loss, "stages": m.stages, **compute.to_json()})
         base, bound = per_variant["1f1b"], per_variant["signal"]
         for r in rows:
             if r["model"] != model:

@@ -75,7 +75,8 @@ class _Synthetic:
         return self._Done(None if local is not None else torch.randn(self.shape, device=self.device))
 
 
-def _natural_shape(plan: Any, stage: int, rank: int) -> tuple[int, ...]:
+def natural_shape(plan: Any, stage: int, rank: int) -> tuple[int, ...]:
+    """This rank's tile of an activation in its stage's natural layout (what its stage sends and receives)."""
     from meshjob.sharding import ShardingSpec, slice_shape, tile
     from meshjob.spec import natural_layout
 
@@ -102,7 +103,7 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     edges = [(e.src, e.dst, e.tensor) for e in job.edges]
     n = microbatches + 1
     actions = stage_actions("gpipe", stage, len(job.stages), n, edges, True, 0)
-    local = _natural_shape(plan, stage, rank)
+    local = natural_shape(plan, stage, rank)
     executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0)
     gen = torch.Generator().manual_seed(job.training.seed)
     tokens = torch.randint(job.model.vocab, local[:2], generator=gen).to(device)

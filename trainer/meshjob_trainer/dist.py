@@ -125,6 +125,7 @@ class WorkerSettings:
     checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
     metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
     step_log: bool = False  # a line per step from the first rank of each stage (`meshjob worker`: the pod's log)
+    compute: Any = None  # meshjob.devices.ComputeMode (`meshjob run --compute`); None: real
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -266,6 +267,7 @@ class WorkerContext:
     events: Any = field(default_factory=Fanout)  # meshjob_trainer.events.MetricsSink: every listener of this rank
     checkpoints: Any = None  # meshjob_trainer.checkpoint.Checkpointer, or None when checkpoints are off
     device: str = "cpu"
+    compute: Any = None  # meshjob.devices.ComputeMode; None: real
 
     @property
     def rank(self) -> int:

@@ -21,6 +21,10 @@ weights join; W resumes from those nodes, so I + W costs what B costs and no col
 backward (tensor-parallel all-reduces) runs twice. A stage without differentiable inputs (stage
 0) has nothing to do in I; its W is then the whole backward.
 
+The math itself is the `compute` strategy's (meshjob_trainer.compute): the module's (RealCompute),
+or waits of a device profile's modelled time with tensors of the real shapes (EmulatedCompute); this
+executor does the bookkeeping either way (stash, receives, sends, gradients taken and kept).
+
 Per stage we record compute seconds, waiting seconds (blocked on a transfer) and the peak number
 of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split).
 """
@@ -32,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshjob.boundary import BoundaryKey
 from meshjob.schedule import Action
+from meshjob_trainer.compute import RealCompute, StageCompute
 from meshjob_trainer.data import Batch
 from meshjob_trainer.model import PipelineStage
 
@@ -91,12 +95,14 @@ class PipelineExecutor:
     """Runs `actions` for stage `stage`; one instance per rank, reused every step."""
 
     def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
-                 loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None):
+                 loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None,
+                 compute: StageCompute | None = None):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
         self.recv_depth = dict(recv_depth or {})  # receives posted ahead per boundary; absent: all of them
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.split = any(a.kind == "I" for a in self.actions)
+        self.compute = compute or RealCompute(module, self.params, self.split)
 
     def run_step(self, local_batch: Callable[[int], Batch]) -> tuple[float, StageStats]:
         """Execute the action list once. Returns (the sum of this rank's scaled microbatch losses
@@ -221,11 +227,7 @@ class _StepRun:
             leaves[name] = inputs[name] = value.detach().requires_grad_(True)
         if module.is_last:
             inputs["targets"] = batch.targets
-        outputs = module(inputs)
-        if self.ex.split and not module.is_last:
-            # I detaches the stage outputs in place to free their graph; a skip output is also
-            # saved by the layers after it, so I gets its own copy to detach
-            outputs = {name: t.clone() for name, t in outputs.items()}
+        outputs = self.ex.compute.forward(inputs)
         if module.is_last:
             outputs["loss"] = outputs["loss"] * self.ex.loss_scale
             self.loss += outputs["loss"].item()
@@ -263,31 +265,20 @@ class _StepRun:
     def _B(self, action: Action) -> None:
         stash = self._stash_for(action)
         roots, grads = self._roots(action, stash)
-        torch.autograd.backward(roots, grads)
-        self._keep_input_grads(action.mb, stash, [leaf.grad for leaf in stash.inputs.values()])
+        self._keep_input_grads(action.mb, stash, self.ex.compute.backward(roots, grads, list(stash.inputs.values())))
         del self.stash[action.mb]
 
     def _I(self, action: Action) -> None:
         stash = self._stash_for(action)
         roots, grads = self._roots(action, stash)
-        leaves = list(stash.inputs.values())
         stash.split_done = True
-        if not leaves:  # nothing to differentiate for: W does it all
-            self._keep_input_grads(action.mb, stash, [])
-            stash.roots, stash.root_grads = roots, grads
-            return
-        out_grads = None if self.ex.module.is_last else grads
-        in_grads, stash.param_groups = stage_backward_input(roots, out_grads, leaves, iter(self.ex.params))
-        self._keep_input_grads(action.mb, stash, in_grads)
+        self._keep_input_grads(action.mb, stash, self.ex.compute.input_grad(stash, roots, grads))
 
     def _W(self, action: Action) -> None:
         stash = self._stash_for(action)
         if not stash.split_done:
             raise self.fail(action, f"W before I for microbatch {action.mb}")
-        if stash.param_groups is not None:
-            stage_backward_weight(iter(self.ex.params), stash.param_groups)
-        else:
-            torch.autograd.backward(stash.roots, stash.root_grads, inputs=self.ex.params)
+        self.ex.compute.weight_grad(stash)
         del self.stash[action.mb]  # frees the retained graph
 
     def finish(self) -> None:

@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from meshjob.boundary import BoundaryKey
+from meshjob.devices import REAL
 from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
 from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, GradientNorm, PayloadMemory,
                                     PipelineFractions, StepFinished)
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.model import PipelineStage, local_shards
 from meshjob_trainer.numerics import Numerics
-from meshjob_trainer.optim import StageOptimizer, clip_global_norm, lr_at
-from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups, tie_gradients
+from meshjob_trainer.optim import StageOptimizer
+from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
 from meshjob_trainer.reshard import ReshardExecutor
 
@@ -92,7 +93,7 @@ class StageRuntime:
     stage: int
     module: PipelineStage
     groups: StageGroups
-    optimizer: StageOptimizer
+    optimizer: StageOptimizer | None  # None under emulated compute (the stage holds no weights)
     executor: PipelineExecutor
     transport: ReshardTransport
     data: Dataset
@@ -107,19 +108,39 @@ def build_runtime(ctx: Any) -> StageRuntime:
     torch.manual_seed(t.seed)
     meshes = [plan.mesh(s) for s in range(len(job.stages))]
     groups = build_groups(job.stages, meshes, ctx.rank)  # collective: all ranks, same order
-    first, last = job.stages[stage].layers
-    # weights are created on the CPU from the seed (identical everywhere), then moved
-    module = build_stage(job.model, first, last, t.seed, groups.tp, Numerics.of(job, stage)).to(ctx.device)
+    module, compute = _stage_and_compute(ctx, groups)
     check_edges(module, stage, job.edges)
-    optimizer = StageOptimizer(list(module.parameters()), groups, t.learning_rate, t.optimizer.weight_decay,
-                               t.optimizer.zero_stage, tied=module.tied_weights())
+    optimizer = None if compute is not None else StageOptimizer(
+        list(module.parameters()), groups, t.learning_rate, t.optimizer.weight_decay, t.optimizer.zero_stage,
+        tied=module.tied_weights())
     transport = ReshardTransport(ctx.reshard)
     tokens = t.global_batch * job.model.seq_len
     executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens,
-                                recv_depth=ctx.reshard.recv_depth)
+                                recv_depth=ctx.reshard.recv_depth, compute=compute)
     val = make_data(job, VAL) if t.eval_every > 0 else None
     return StageRuntime(stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job,
                         torch.device(ctx.device))
+
+
+def _stage_and_compute(ctx: Any, groups: StageGroups) -> tuple[PipelineStage, Any]:
+    """This rank's stage, and the compute strategy when it is not the module's own (None): under
+    emulated compute a stage without weights (its input and output names) and EmulatedCompute on the
+    stage's natural activation tile."""
+    job, stage = ctx.job, ctx.stage
+    first, last = job.stages[stage].layers
+    mode = ctx.compute or REAL
+    if not mode.emulated:
+        # weights are created on the CPU from the seed (identical everywhere), then moved
+        return build_stage(job.model, first, last, job.training.seed, groups.tp,
+                           Numerics.of(job, stage)).to(ctx.device), None
+    from meshjob.device_costs import emulated_cost
+    from meshjob_trainer.calibrate import natural_shape
+    from meshjob_trainer.compute import EmulatedCompute
+
+    module = PipelineStage(job.model, first, last)
+    shape = natural_shape(ctx.plan, stage, ctx.rank)
+    return module, EmulatedCompute(module, emulated_cost(job, stage, mode.device), shape, ctx.reshard.dtype,
+                                   ctx.device, groups.dp_group)
 
 
 def global_loss(rt: StageRuntime, local: float) -> float:
@@ -144,14 +165,9 @@ def _batches(rt: StageRuntime, data: Dataset, step: int) -> Any:
 def train_step(rt: StageRuntime, step: int) -> tuple[float, StageStats, float]:
     """One optimizer step; returns (this rank's share of the loss, stats, the global gradient norm
     before clipping, or NaN without spec.training.gradClip)."""
-    t = rt.job.training
-    rt.optimizer.zero_grad()
-    rt.optimizer.set_lr(lr_at(step, t))
+    rt.module.zero_grad(set_to_none=True)
     local, stats = rt.executor.run_step(_batches(rt, rt.data, step))
-    tie_gradients(rt.module.tied_weights(), rt.groups)
-    rt.optimizer.reduce_gradients()
-    norm = clip_global_norm(rt.optimizer, t.grad_clip) if t.grad_clip is not None else math.nan
-    rt.optimizer.step()
+    norm = rt.executor.compute.update(rt, step)
     return local, stats, norm
 
 
@@ -235,10 +251,11 @@ def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: lis
 
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
-               timeout_s: float = 60.0, checkpoint_dir: str | None = None, events: Any = None) -> TrainResult:
+               timeout_s: float = 60.0, checkpoint_dir: str | None = None, events: Any = None,
+               compute: Any = REAL) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave; its events go
-    to `events` (a MetricsSink) when given. For tests and benchmarks that launch ranks with
+    to `events` (a MetricsSink) when given; `compute` a meshjob.devices.ComputeMode. For tests and benchmarks that launch ranks with
     meshjob_trainer.launch."""
     import dataclasses
 
@@ -252,11 +269,11 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
     backend = init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
     device = device_for_backend(backend)
     try:
-        checkpoints = None if checkpoint_dir is None else Checkpointer(
+        checkpoints = None if checkpoint_dir is None or compute.emulated else Checkpointer(
             checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
         ctx = WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
                             reshard=ReshardExecutor(plan, env.rank, device=device), checkpoints=checkpoints,
-                            device=device, **({} if events is None else {"events": events}))
+                            device=device, compute=compute, **({} if events is None else {"events": events}))
         return train(ctx)
     finally:
         shutdown_distributed()

@@ -64,14 +64,20 @@ def agree_on_plan(plan: Any, rank: int) -> None:
                         f"use a deterministic balancer (spec.resharding.balancer: greedy or load_balance)")
 
 
-def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink) -> JobSetup:
+def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, compute: Any = None) -> JobSetup:
     """weightGradDelay auto: every rank profiles its stage, all agree on the figures and re-plan
-    (meshjob_trainer.calibrate), and check that they hold the same plan. Then the delay each stage runs
+    (meshjob_trainer.calibrate), and check that they hold the same plan; under emulated compute the
+    device profile's modelled costs are the figures (nothing to profile). Then the delay each stage runs
     with is reported (an event; rank 0 also prints every stage's). Collective."""
-    from meshjob_trainer.calibrate import calibrate, needs_calibration
+    from meshjob_trainer.calibrate import calibrate, calibrated_plan, needs_calibration
 
     if needs_calibration(setup.plan):
-        plan = calibrate(setup.plan, rank, device)
+        if compute is not None and compute.emulated:
+            from meshjob.device_costs import emulated_costs
+
+            plan = calibrated_plan(setup.plan, emulated_costs(setup.job, compute.device))
+        else:
+            plan = calibrate(setup.plan, rank, device)
         agree_on_plan(plan, rank)
         setup = JobSetup(setup.job, plan)
     delays = weight_delays(setup.plan)
@@ -131,11 +137,13 @@ def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, even
 
     job, plan = setup.job, setup.plan
     directory = settings.checkpoint_dir or job.training.checkpoint.path
+    if settings.compute is not None and settings.compute.emulated:
+        directory = ""  # emulated compute holds no weights: nothing to checkpoint
     checkpoints = (Checkpointer(Path(directory), env.rank, env.world_size, spec_fingerprint(job, env.world_size))
                    if directory else None)
     reshard = ReshardExecutor(plan, env.rank, events, device=device)
     return WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank), reshard=reshard,
-                         events=events, checkpoints=checkpoints, device=device)
+                         events=events, checkpoints=checkpoints, device=device, compute=settings.compute)
 
 
 def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -156,7 +164,7 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
         logs = settings.step_log and placement.stage_ranks(placement.stage_of(env.rank))[0] == env.rank
         events = Fanout((metrics, *([StepLog(setup.job.training.steps)] if logs else []), *listeners))
         device = device_for_backend(backend)
-        setup = calibrated(setup, env.rank, device, events)
+        setup = calibrated(setup, env.rank, device, events, settings.compute)
         return train(make_context(env, settings, setup, events, device))
     finally:
         if metrics is not None:

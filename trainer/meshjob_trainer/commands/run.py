@@ -4,6 +4,9 @@ One network namespace per host (tbf at --nic-rate as its NIC), the host's device
 worker ranks inside it, rendezvous on host 0. A progress bar while it runs, a summary table at
 the end, Prometheus metrics of the aggregated figures on --metrics-port, exit status 1 when the
 job fails. With --max-restarts N a dead rank restarts the whole gang from the last checkpoint.
+With --compute emulated --device a100|h100|<TFLOPs> the ranks do no math: each compute waits the time
+the device would need (meshjob.devices), the real tensors still cross the emulated NICs; losses are
+then not meaningful (reported as missing) and no checkpoints are written.
 """
 from __future__ import annotations
 
@@ -44,6 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else a temporary folder when --max-restarts > 0)")
     parser.add_argument("--json", dest="json_out", help="write the summary as JSON to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_compute_arguments(parser)
+
+
+def add_compute_arguments(parser: argparse.ArgumentParser, default: str = "real") -> None:
+    """--compute and --device, for meshjob run and the benchmarks that train."""
+    parser.add_argument("--compute", default=default, help="real: the ranks compute on this machine's CPU; "
+                        f"emulated: each compute waits a device's modelled time, no math (default {default})")
+    parser.add_argument("--device", default=None, help="with --compute emulated: a100, h100 or a number of "
+                        "TFLOP/s (default a100; efficiency and memory bandwidth: see meshjob.devices)")
 
 
 @dataclass
@@ -52,6 +64,7 @@ class RunSetup:
     plan: Any  # meshjob.plan.Plan, built once here and inherited by the forked ranks
     checkpoint_dir: str
     rank_hosts: list[int]  # emulated host of each rank
+    compute: Any = None  # meshjob.devices.ComputeMode
 
 
 def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
@@ -60,11 +73,13 @@ def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
     from meshjob_trainer.dist import WorkerSettings
     from meshjob_trainer.worker import JobSetup, run_worker
 
-    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir), JobSetup(setup.job, setup.plan),
+    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir, compute=setup.compute),
+               JobSetup(setup.job, setup.plan),
                listeners=(ctx.events,))
 
 
 def _validate_args(args: argparse.Namespace) -> None:
+    from meshjob.devices import parse_compute
     from meshjob.errors import FieldError, SpecError
 
     errors = []
@@ -76,6 +91,10 @@ def _validate_args(args: argparse.Namespace) -> None:
         errors.append(FieldError("--max-restarts", args.max_restarts, "an integer >= 0"))
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         errors.append(FieldError("--metrics-port", args.metrics_port, "a port in [0, 65535]"))
+    try:
+        parse_compute(args.compute, args.device)
+    except SpecError as err:
+        errors.extend(err.errors)
     if errors:
         raise SpecError(errors)
 
@@ -125,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
     from meshjob_trainer.families import check_inputs
 
+    from meshjob.devices import parse_compute
+
     _validate_args(args)
+    compute = parse_compute(args.compute, args.device)
     job = load_job(args.job)
     check_inputs(job)  # token files, the custom model: one clear error here, not one per rank
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
@@ -140,8 +162,10 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint_dir and args.max_restarts > 0:
         tmp_ckpt = tempfile.TemporaryDirectory(prefix="meshjob-ckpt-")
         checkpoint_dir = tmp_ckpt.name
+    if compute.emulated:
+        checkpoint_dir = ""  # no weights under emulated compute: nothing to checkpoint or resume
     setup = RunSetup(job, plan, os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
-                     [compact[h] for h in rank_hosts])
+                     [compact[h] for h in rank_hosts], compute)
 
     console = Console(stderr=True)
     if args.max_restarts > 0 and job.training.checkpoint.every <= 0:
@@ -167,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
                     EmulatedCluster(len(used), args.nic_rate, use_netns=not args.no_netns))
             for w in caught:
                 console.print(f"[yellow]warning:[/] {w.message}")
-            console.print(f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}")
+            console.print(f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}, "
+                          f"compute {compute.describe()}")
             if args.metrics_port is not None:
                 feed = MetricsFeed(job, plan, args.metrics_port)
                 feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
@@ -207,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - t0
     summary = {"job": job.name, "ok": ok, "world_size": placement.world_size, "hosts": len(used),
                "network": network, "emulated": emulated, "nic_rate": args.nic_rate,
-               "wall_seconds": wall, "attempts": len(results),
+               "wall_seconds": wall, "attempts": len(results), **compute.to_json(),
                "failure": (results[-1].first_failure.describe()
                            if results and results[-1].first_failure else None),
                **stats.to_json()}
@@ -256,6 +281,8 @@ def _print_summary(console: Console, s: dict) -> None:
     rows = [
         ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
         ("cluster", f"{s['world_size']} ranks, {s['network']}"),
+        ("compute", "real" if s["compute"] == "real" else
+         f"emulated on {s['device']['name']} (losses not meaningful)"),
         ("steps", f"{s['steps_completed']}/{s['total_steps']}"
                   + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else "")),
         ("final loss", _fmt(s["final_loss"], ".4f")),
