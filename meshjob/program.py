@@ -7,11 +7,18 @@ each rank's program lists:
   most `NetworkModel.in_flight_per_link` messages in flight on each link (`send_links[i]` is the
   link of sends[i]); a send whose `after` steps have not landed yet waits for them (they are this
   rank's receives: a chain forwards chunk k as soon as it has it).
-- `recvs`: its incoming messages in planned arrival order; post them all when the boundary starts,
-  so no sender ever waits on a receiver that is still busy.
-The order is a topological order of the steps (a step starts after the steps it depends on end),
-and every rank derives it from the same plan, which is also what NCCL needs: two ranks agree on the
-order of the messages between them. Across boundaries, a rank runs programs in the order its stage's
+- `recvs`: its incoming messages in planned start order, `recv_links[i]` the link recvs[i] arrives on
+  (the host's NIC in-link, or its local link). An executor posts them in this order, at most
+  `in_flight_per_link` at a time on each link, as soon as the boundary starts: a sender never waits on
+  a receiver that is busy computing, and a host's in-link takes its messages in the planned order
+  rather than sharing itself between every sender at once (gloo and NCCL send only once the receive
+  is posted). A forward then finds its chunk where the plan put it: when two senders feed one rank,
+  the chunks it must forward first are the ones that arrive first.
+Both orders are the planned start order of the steps, a topological order (a step starts after the
+steps it depends on end), and every rank derives it from the same plan, which is also what NCCL needs:
+two ranks agree on the order of the messages between them. Bounding sends per out-link and receives
+per in-link cannot deadlock: the unfinished step that starts first has its data (its dependencies
+started, and ended, before it) and is at the head of its sender's link and its receiver's link. Across boundaries, a rank runs programs in the order its stage's
 action list issues the SEND/RECV actions (meshjob.schedule).
 """
 from __future__ import annotations
@@ -29,7 +36,8 @@ class RankProgram:
     rank: int
     sends: tuple[Step, ...]  # issue in this order
     send_links: tuple[Link, ...]  # the link each send uses (bound the messages in flight per link)
-    recvs: tuple[Step, ...]  # post all up front; they land in this order
+    recvs: tuple[Step, ...]  # post in this order, a bounded number at a time per link
+    recv_links: tuple[Link, ...] = ()  # the link each receive arrives on
 
     @property
     def send_bytes(self) -> int:
@@ -50,11 +58,17 @@ def rank_programs(steps: Sequence[Step], host_of: Callable[[int], int], network:
     for rank in sorted(set(sends) | set(recvs)):
         mine = sorted(sends.get(rank, []), key=lambda s: key[s.id])
         links = tuple(_link(s, host_of, network) for s in mine)
-        landing = sorted(recvs.get(rank, []), key=lambda s: (key[s.id][1], s.id))
-        out[rank] = RankProgram(rank, tuple(mine), links, tuple(landing))
+        arriving = sorted(recvs.get(rank, []), key=lambda s: key[s.id])
+        out[rank] = RankProgram(rank, tuple(mine), links, tuple(arriving),
+                                tuple(_in_link(s, host_of, network) for s in arriving))
     return out
 
 
 def _link(step: Step, host_of: Callable[[int], int], network: NetworkModel) -> Link:
     src, dst = host_of(step.src), host_of(step.dst)
     return network.link(src, "local") if src == dst else network.link(src, "out")
+
+
+def _in_link(step: Step, host_of: Callable[[int], int], network: NetworkModel) -> Link:
+    src, dst = host_of(step.src), host_of(step.dst)
+    return network.link(dst, "local") if src == dst else network.link(dst, "in")

@@ -70,3 +70,30 @@ def test_a_rank_outside_the_boundary_has_an_empty_program():
                    if r not in plan.mesh(0).ranks and r not in plan.mesh(1).ranks)
     prog = plan.program(b, outside)
     assert prog.sends == () and prog.recvs == () and prog.send_bytes == 0
+
+
+def test_receives_name_the_link_they_arrive_on(plan):
+    for b in plan.boundaries:
+        for rank, prog in programs(plan, b).items():
+            assert len(prog.recv_links) == len(prog.recvs)
+            for step, link in zip(prog.recvs, prog.recv_links):
+                src, dst = plan.placement.host_of(step.src), plan.placement.host_of(step.dst)
+                assert link == ((dst, "local") if src == dst else (dst, "in"))
+
+
+def test_a_rank_posts_the_receives_from_each_peer_in_the_order_that_peer_sends_them(plan):
+    """What NCCL needs, and what lets a receiver bound what it posts per link without a deadlock."""
+    for b in plan.boundaries:
+        progs = programs(plan, b)
+        for rank, prog in progs.items():
+            for peer in {s.src for s in prog.recvs}:
+                received = [s.id for s in prog.recvs if s.src == peer]
+                assert received == [s.id for s in progs[peer].sends if s.dst == rank]
+
+
+def test_receives_are_in_planned_start_order(plan):
+    for b in plan.boundaries:
+        timed = simulate_transfer(b.steps, plan.placement.host_of, plan.network)
+        for prog in programs(plan, b).values():
+            starts = [timed.start_s[s.id] for s in prog.recvs]
+            assert starts == sorted(starts)

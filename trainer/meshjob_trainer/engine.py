@@ -7,9 +7,11 @@ inside the destination mesh) and the buffers they read and fill. The compute thr
 (the pipeline's SEND and RECV actions) and goes on computing; one engine thread issues every
 message on the wire (meshjob_trainer.wire):
 
-- receives from a peer are posted in that pair's order as soon as their job has started, so a
-  sender never waits on a receiver that is busy computing (gloo sends only once the receiver has
-  posted);
+- receives are posted on their in-link (the host's NIC in-link, or its local link) in the link's
+  planned order, at most `in_flight_per_link` at a time, as soon as their job has started: a sender
+  never waits on a receiver that is busy computing, and since gloo and NCCL send only once the
+  receive is posted, the in-link takes its messages in the planned order instead of sharing itself
+  between every sender at once (a forwarding rank then has first what it must forward first);
 - sends leave on their link (the host's NIC out-link, or its local link: meshjob.network) in the
   link's order, at most `in_flight_per_link` at a time, each once the receives it depends on have
   landed: a chain forwards chunk k while chunk k + 1 is still arriving, and the plan, not the NIC's
@@ -60,7 +62,7 @@ class MessageSpec:
     step: int  # the id of its step (plan's, or the executor's gather step): its name in logs and checks
     peer: int
     send: bool
-    link: Link | None = None  # sends: the link it leaves on
+    link: Link | None = None  # the link it leaves on (sends) or arrives on (receives)
     deps: tuple[int, ...] = ()  # sends: indices of this rank's receives that must land first
 
 
@@ -264,10 +266,11 @@ class CommEngine:
         self.in_flight_per_link = in_flight_per_link
         self.memory = Memory()
         self._sends: dict[Link, _Sequence] = {}
-        self._recvs: dict[int, _Sequence] = {}
+        self._recvs: dict[Link | None, _Sequence] = {}
         if order is not None:
             self._plan_sequences(order)
-        self._in_flight: dict[Link, int] = collections.defaultdict(int)
+        self._in_flight: dict[Link, int] = collections.defaultdict(int)  # sends issued, not done
+        self._posted: dict[Link | None, int] = collections.defaultdict(int)  # receives posted, not landed
         self._jobs: dict[tuple[BoundaryKey, int], collections.deque[Job]] = collections.defaultdict(collections.deque)
         self._inbox: list[tuple[Any, ...]] = []
         self._cond = threading.Condition()
@@ -279,15 +282,15 @@ class CommEngine:
 
     def _plan_sequences(self, order: TransferOrder) -> None:
         sends: dict[Link, list[Entry]] = collections.defaultdict(list)
-        recvs: dict[int, list[Entry]] = collections.defaultdict(list)
+        recvs: dict[Link | None, list[Entry]] = collections.defaultdict(list)
         for key, mb in order.transfers:
             for spec in self.specs.get(key, ()):
                 if spec.send:
                     sends[spec.link].append((key, mb, spec.index))
                 else:
-                    recvs[spec.peer].append((key, mb, spec.index))
+                    recvs[spec.link].append((key, mb, spec.index))
         self._sends = {link: _Sequence(entries) for link, entries in sends.items()}
-        self._recvs = {peer: _Sequence(entries) for peer, entries in recvs.items()}
+        self._recvs = {link: _Sequence(entries) for link, entries in recvs.items()}
 
     # -- the compute thread's side -----------------------------------------------------------
     def use_order(self, order: TransferOrder) -> None:
@@ -376,7 +379,7 @@ class CommEngine:
             if spec.send:
                 self._sends.setdefault(spec.link, _Sequence()).entries.append(entry)
             else:
-                self._recvs.setdefault(spec.peer, _Sequence()).entries.append(entry)
+                self._recvs.setdefault(spec.link, _Sequence()).entries.append(entry)
 
     def _job_for(self, entry: Entry) -> tuple[Job, Message] | None:
         """The oldest started job whose message `entry` is not issued yet (None: not started)."""
@@ -388,13 +391,14 @@ class CommEngine:
         return None
 
     def _issue(self) -> None:
-        for peer, seq in self._recvs.items():
-            while (entry := seq.head()) is not None:
+        for link, seq in self._recvs.items():
+            while self._posted[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break
                 job, message = found
                 message.tensor = job.target(message.spec)
+                self._posted[link] += 1
                 self._start(job, message, self.wire.irecv)
                 seq.advance()
         for link, seq in self._sends.items():
@@ -434,6 +438,7 @@ class CommEngine:
             message.tensor = None
             job.sends_left -= 1
         else:
+            self._posted[spec.link] -= 1
             job.landed(spec, message.tensor)
             message.tensor = None
             job.recvs_left -= 1

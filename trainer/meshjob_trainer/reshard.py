@@ -167,23 +167,27 @@ class Route:
         a, b = self.host_of(src), self.host_of(dst)
         return self.network.link(a, "local") if a == b else self.network.link(a, "out")
 
+    def in_link(self, src: int, dst: int) -> Link:
+        """The link a message from rank src to rank dst arrives on."""
+        a, b = self.host_of(src), self.host_of(dst)
+        return self.network.link(b, "local") if a == b else self.network.link(b, "in")
+
     def message_specs(self, rank: int) -> tuple[MessageSpec, ...]:
         """What `rank` sends and receives for one microbatch: its sends in its program's order (each
-        waiting for the receives that bring it the region), its receives from each peer in that
-        peer's program order, then the gather inside the destination mesh."""
+        waiting for the receives that bring it the region), its receives in planned start order (those
+        from one peer in that peer's send order), then the gather inside the destination mesh."""
         index = {s.id: i for i, s in enumerate(self.steps)}
         programs = self.programs()
         empty = RankProgram(rank, (), (), ())
         mine = programs.get(rank, empty)
-        recvs = [MessageSpec(index[s.id], s.id, peer, False) for peer, prog in sorted(programs.items())
-                 for s in prog.sends if s.dst == rank]
+        recvs = [MessageSpec(index[s.id], s.id, s.src, False, link) for s, link in zip(mine.recvs, mine.recv_links)]
         own = {m.step for m in recvs}
         sends = [MessageSpec(index[s.id], s.id, s.dst, True, link, tuple(index[d] for d in s.after if d in own))
                  for s, link in zip(mine.sends, mine.send_links)]
         landed = tuple(m.index for m in recvs)  # a gather sends this rank's whole recv tile
         n = len(self.steps)
         gather = [MessageSpec(n + j, g.id, g.dst, True, self.link(rank, g.dst), landed) if g.src == rank
-                  else MessageSpec(n + j, g.id, g.src, False)
+                  else MessageSpec(n + j, g.id, g.src, False, self.in_link(g.src, rank))
                   for j, g in enumerate(self.gather) if rank in (g.src, g.dst)]
         return tuple(sends + recvs + gather)
 
@@ -514,7 +518,7 @@ class ReshardExecutor:
         self.specs = {k: r.message_specs(rank) for k, r in self.routes.items()}
         self.in_flight_per_link = in_flight_per_link or network.in_flight_per_link
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
-        self.wire = wire or wire_for(self.device, rank, pairs)
+        self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank))
         self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order)
 
     def route(self, key: BoundaryKey) -> Route:
@@ -578,6 +582,18 @@ class ReshardExecutor:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def local_peers(routes: Iterable[Route], rank: int) -> set[int]:
+    """The ranks on `rank`'s host that it exchanges messages with."""
+    out: set[int] = set()
+    for r in routes:
+        for a, b in r.pairs():
+            if rank in (a, b):
+                peer = b if a == rank else a
+                if r.host_of(peer) == r.host_of(rank):
+                    out.add(peer)
+    return out
 
 
 def routes_from_plan(plan: Any) -> list[Route]:

@@ -185,11 +185,15 @@ def wait_polling(work: Any, first_s: float, longest_s: float) -> None:
 
 
 def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
-             new_group: Callable[..., Any] | None = None) -> Wire:
+             new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = ()) -> Wire:
     """NCCL between CUDA devices (a communicator per directed pair, all connected now: collective, every
-    rank calls it with the same pairs), gloo for CPU tensors."""
+    rank calls it with the same pairs), gloo for CPU tensors; between CPU ranks of one host
+    (`local_peers`) one memory copy (meshjob_trainer.local_copy) where the system allows it."""
     if device.type != "cuda":
-        return GlooWire()
+        from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
+
+        local = set(local_peers)
+        return LocalCopyWire(GlooWire(), local) if local and local_copy_available() else GlooWire()
     wire = NcclWire(rank, device, directed_groups(pairs, new_group))
     wire.connect()
     return wire
