@@ -237,8 +237,23 @@ def _expected(shape: tuple[int, ...]) -> Any:
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
 
 
+def _common_start(lead_s: float = 0.03) -> float:
+    """Every rank starts the timed transfer at one instant: rank 0 names an instant a little ahead and
+    each rank sleeps until it. The emulated hosts share this machine's monotonic clock; a barrier alone
+    releases ranks milliseconds apart on two cores, and the spread would be timed as transfer."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()  # everyone is done with the previous transfer
+    at = torch.tensor([time.monotonic() + lead_s], dtype=torch.float64)
+    dist.broadcast(at, 0)
+    start = float(at.item())
+    time.sleep(max(0.0, start - time.monotonic()))
+    return start
+
+
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -> list[dict]:
-    """One rank of the gang: for every case and variant, barrier, reshard; returns the times."""
+    """One rank of the gang: for every case and variant, a common start, reshard; returns the times."""
     import torch
     import torch.distributed as dist
 
@@ -261,10 +276,9 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
             executor = ReshardExecutor(None, rank, routes=routes)  # transfers in start order: one at a time
             for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                 for rep in range(warmup + repeats):
-                    dist.barrier()
+                    t0 = _common_start()
                     if not inside:
                         continue
-                    t0 = time.monotonic()
                     out = executor.start(boundary.key, 0, local).wait()
                     t1 = time.monotonic()
                     ok = True
