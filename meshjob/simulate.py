@@ -156,6 +156,7 @@ class PipelineResult:
                     "bubble_fraction": s.bubble_fraction(self.step_s),
                     "overlap_fraction": s.overlap_fraction(),
                     "exposed_comm_s": s.exposed_comm_s,
+                    "timeline": [[name, start, end] for name, start, end in s.timeline],  # compute actions
                 }
                 for i, s in self.stages.items()
             },

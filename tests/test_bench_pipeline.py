@@ -1,4 +1,5 @@
-"""`meshjob bench pipeline` smoke run: real ranks on the emulated cluster, table + JSON + PNG."""
+"""`meshjob bench pipeline` smoke run: real ranks on the emulated cluster under emulated compute,
+table + JSON (every field) + the timeline and bar-chart PNGs."""
 from __future__ import annotations
 
 import json
@@ -6,9 +7,15 @@ import os
 
 import pytest
 
-from meshjob_bench.pipeline import bench_job, main
+from meshjob.devices import parse_device
+from meshjob_bench.pipeline import bench_job, busiest_link_bytes, check_targets, main, nic_rate_for
 
 pytestmark = pytest.mark.slow
+
+ROW_FIELDS = {"model", "stages_count", "variant", "comm_fraction", "nic_rate", "nic_bytes_per_s", "compute", "device",
+              "weight_delay", "job", "step_s", "tokens_per_s", "bubble", "overlap", "stages", "predicted_step_s",
+              "predicted_over_measured", "predicted_stages", "vs_1f1b", "vs_signal", "peak_stashed_vs_1f1b"}
+STAGE_FIELDS = {"bubble", "overlap", "peak_stashed", "compute_s_per_step", "timeline"}
 
 
 def test_eager_1f1b_warms_up_with_more_forwards_than_1f1b():
@@ -16,21 +23,42 @@ def test_eager_1f1b_warms_up_with_more_forwards_than_1f1b():
     eager = bench_job("gpt", "eager-1f1b", 2, quick=True)
     assert one.schedule.kind == "1f1b" and eager.schedule.kind == "eager-1f1b"
     assert bench_job("gpt", "signal", 2, quick=True).resharding.strategy == "signal"
+    assert bench_job("utransformer", "eager-1f1b+wdelay", 2, quick=False, stages=8).model.layers == 32
 
 
-def test_quick_run_writes_ratios_a_json_and_a_timeline_png(tmp_path):
+def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
+    job, device = bench_job("utransformer", "1f1b", 2, quick=False), parse_device("3")
+    assert busiest_link_bytes(job) > 2 * busiest_link_bytes(bench_job("gpt", "1f1b", 2, quick=False))  # skips
+    assert nic_rate_for(job, device, 0.1) == pytest.approx(10 * nic_rate_for(job, device, 1.0))
+
+
+def test_targets_are_checked_on_the_measured_rows_only():
+    rows = [{"model": "utransformer", "variant": "eager-1f1b+wdelay", "stages_count": 4, "comm_fraction": f,
+             "vs_1f1b": x, "vs_signal": 0.95} for f, x in ((0.1, 1.0), (0.3, 1.4), (1.0, 1.2))]
+    speedup, of_signal = check_targets(rows)
+    assert speedup["met"] is False and speedup["worst"] == 1.2 and len(speedup["cases"]) == 2  # 0.1 is exempt
+    assert of_signal["met"] is True
+    assert all(t["met"] is None for t in check_targets([]))
+
+
+def test_quick_run_writes_every_field_a_timeline_and_a_bar_chart(tmp_path):
     out = tmp_path / "results"
-    assert main(["--quick", "--steps", "2", "--variants", "1f1b,signal", "--out", str(out)]) == 0
+    assert main(["--quick", "--comm-fractions", "1.0", "--out", str(out)]) == 0
     report = json.loads((out / "pipeline.json").read_text())
     rows = {r["variant"]: r for r in report["rows"]}
-    assert set(rows) == {"1f1b", "signal"}
+    assert set(rows) == {"1f1b", "eager-1f1b", "eager-1f1b+wdelay", "signal"}
     assert rows["1f1b"]["vs_1f1b"] == pytest.approx(1.0)
     assert rows["signal"]["vs_signal"] == pytest.approx(1.0)
     for row in rows.values():
-        assert row["step_s"] > 0 and row["simulated_step_s"] > 0
-        assert len(row["stages"]) == 4
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["compute"] == "emulated" and row["device"]["tflops"] == 3
+        assert "final_loss" not in row  # emulated compute: no meaningful loss
+        assert row["step_s"] > 0 and 0.5 < row["predicted_over_measured"] < 2
+        assert len(row["stages"]) == 4 and all(STAGE_FIELDS <= set(s) for s in row["stages"].values())
         assert all(0.0 <= s["bubble"] <= 1.0 for s in row["stages"].values())
     # 1f1b stage i stashes min(M, S-i) microbatches; the plan's M=8, S=4
     assert [rows["1f1b"]["stages"][str(i)]["peak_stashed"] for i in range(4)] == [4, 3, 2, 1]
-    png = out / "pipeline_timeline_gpt.png"
-    assert png.exists() and os.path.getsize(png) > 10_000
+    assert {t["metric"] for t in report["targets"]} == {"vs_1f1b", "vs_signal"}
+    assert set(report["simulator"]) == {"max_abs_error", "median_abs_error"}
+    for png in ("pipeline_timeline_gpt.png", "pipeline_fig9.png"):
+        assert os.path.getsize(out / png) > 10_000

@@ -1,18 +1,24 @@
-"""Pipeline schedules on the emulated cluster (the paper's §4, figures 4, 7 and 9).
+"""Pipeline schedules on the emulated cluster (the paper's §4, figures 4 and 9).
 
 The paper: "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022).
 
-For a GPT and a U-Transformer (skip edges that cross stages), the same job runs under
+A GPT and a U-Transformer (skip edges that cross stages) at paper-like shapes (hidden 2048, 4 layers
+per stage, 1 MiB activations), 4 and 8 stages of one device on one emulated host each, under
+emulated device compute (meshjob.devices: every F, I, W and optimizer step waits the device's
+modelled time, no math; the real tensors cross the real NICs). Each configuration runs as a real
+training job under
   1f1b                 the synchronous baseline (no I/W split)
   eager-1f1b           more warm-up forwards (2(S-i)-1), so communication overlaps later compute
-  eager-1f1b+wdelay    plus backward weight delaying (I first, W postponed by the cost model)
-  signal               eager-1f1b with 1-byte transfers: the communication-free upper bound (no I/W
-                       split: on CPU the split backward costs extra compute, which is not communication)
-side by side in one run, each as a real training job (torch.distributed ranks in network namespaces,
-tbf NICs at --nic-rate). Reported: throughput as a ratio to `signal` and to 1f1b, bubble and
-communication-overlap fractions per stage, peak stashed activations per stage vs 1f1b, the
-simulator's prediction of the same plans (calibrated from the measured compute) and its error,
-a table, JSON, and a PNG timeline per stage of the last step like the paper's figure 4.
+  eager-1f1b+wdelay    plus backward weight delaying (I first, W postponed: weightGradDelay auto,
+                       sized by the plan from the device's modelled costs)
+  signal               eager-1f1b with 1-byte transfers: the communication-free upper bound
+over a sweep of NIC rates, each chosen so that communication is a given fraction of compute: the
+busiest NIC direction's bytes per microbatch over the rate, divided by a stage's F + I + W of one
+microbatch (`--comm-fractions`, default 0.1 to 1.0). Reported per run: throughput over 1f1b and over
+signal, bubble and communication-overlap fractions, peak stashed microbatches against 1f1b, and the
+simulator's prediction of the same plan (predicted / measured step time); the issue's targets,
+checked on the measured rows; a table, JSON, a timeline PNG per model like figure 4 and a bar chart
+like figure 9.
 """
 from __future__ import annotations
 
@@ -22,54 +28,84 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from meshjob_bench import parsed_arguments
 from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.api import API_VERSION, KIND
-from meshjob.devices import REAL, ComputeMode, parse_compute
+from meshjob.devices import ComputeMode, parse_compute
+from meshjob.errors import FieldError, SpecError
 from meshjob.spec import TrainingJob, parse_job
-from meshjob.units import parse_rate
+from meshjob.units import format_rate
 
 VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-grad delay, strategy
     "1f1b": {"kind": "1f1b", "delay": 0, "strategy": "broadcast"},
     "eager-1f1b": {"kind": "eager-1f1b", "delay": 0, "strategy": "broadcast"},
-    "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": 1, "strategy": "broadcast"},
+    "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": "auto", "strategy": "broadcast"},
     "signal": {"kind": "eager-1f1b", "delay": 0, "strategy": "signal"},
 }
 MODELS = ("gpt", "utransformer")
+LAYERS_PER_STAGE = 4
+SHAPES = {"full": {"hidden": 2048, "heads": 16, "seqLen": 128, "vocab": 1024},  # 1 MiB fp32 activations
+          "quick": {"hidden": 512, "heads": 8, "seqLen": 128, "vocab": 256}}
+GLOBAL_BATCH, MICROBATCHES = 8, 8
+DEFAULT_DEVICE = "3"  # TFLOP/s: see add_arguments
+TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's default tbf burst "128kb" (tc counts k as 1024)
+TARGET_SPEEDUP, TARGET_COMM, TARGET_OF_SIGNAL = 1.3, 0.3, 0.9  # the issue's, on the U-Transformer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nic-rate", default="100mbit",
-                        help="emulated NIC of every host; slow enough that communication matters (default 100mbit)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 timed steps, one model")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per variant (default 11, quick 3); "
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: hidden 512, the GPT, 4 stages, comm fractions 0.3 and 1.0, 2 steps")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 3); "
                         "the first is warm-up and not timed")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma separated, 1f1b and signal always included (default {','.join(VARIANTS)})")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma separated (default gpt,utransformer)")
-    parser.add_argument("--stages", type=int, default=4, choices=(2, 4, 8),
-                        help="pipeline stages, one device and one emulated host each (default 4)")
+    parser.add_argument("--models", default=None, help="comma separated (default gpt,utransformer; quick gpt)")
+    parser.add_argument("--stages", default=None, help="comma separated from 2, 4, 8 (default 4,8; quick 4)")
+    parser.add_argument("--comm-fractions", default=None,
+                        help="communication / compute per microbatch to set each NIC rate for "
+                             "(default 0.1,0.3,0.6,1.0; quick 0.3,1.0)")
     parser.add_argument("--out", default="bench/results", help="folder for pipeline.json and PNGs")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
-    add_compute_arguments(parser)
+    add_compute_arguments(parser, default="emulated")
+    parser.set_defaults(device=None)
+    parser.epilog = (f"With --compute emulated the device defaults to {DEFAULT_DEVICE} TFLOP/s (A100's bytes per "
+                     "FLOP): the emulated NICs reach about 2 gbit on these 2 cores, so the device is slowed as "
+                     "far as the NICs are (an A100 at 1/100 with 100x slower NICs keeps the same ratios).")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the sweep."""
+
+    model: str
+    stages: int
+    comm_fraction: float  # asked for: sets the NIC rate
+    nic_bytes_per_s: float
+
+    @property
+    def nic_rate(self) -> str:
+        """A tc rate string (kbit resolution)."""
+        return f"{max(1, round(self.nic_bytes_per_s * 8 / 1e3))}kbit"
 
 
 def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4) -> TrainingJob:
-    """`stages` stages on as many hosts of one device each: every boundary crosses a NIC."""
+    """`stages` stages of LAYERS_PER_STAGE layers on as many hosts of one device: every boundary crosses a NIC."""
     v = VARIANTS[variant]
-    hidden, seq = (32, 16) if quick else (128, 64)
+    layers = LAYERS_PER_STAGE * stages
     doc = {
         "apiVersion": API_VERSION, "kind": KIND,
-        "metadata": {"name": f"bench-{model}-{variant.replace('+', '-')}"},
+        "metadata": {"name": f"bench-{model}-{stages}-{variant.replace('+', '-')}"},
         "spec": {
-            "model": {"kind": model, "layers": 8, "hidden": hidden, "heads": 4, "vocab": 256, "seqLen": seq},
-            "training": {"steps": steps, "globalBatch": 16, "microbatches": 8, "learningRate": 1e-3, "seed": 0},
+            "model": {"kind": model, "layers": layers, **SHAPES["quick" if quick else "full"]},
+            "training": {"steps": steps, "globalBatch": GLOBAL_BATCH, "microbatches": MICROBATCHES,
+                         "learningRate": 1e-3, "seed": 0},
             "topology": {"devicesPerHost": 1},
-            "stages": [{"layers": [8 * i // stages, 8 * (i + 1) // stages], "mesh": [1, 1]} for i in range(stages)],
+            "stages": [{"layers": [LAYERS_PER_STAGE * i, LAYERS_PER_STAGE * (i + 1)], "mesh": [1, 1]}
+                       for i in range(stages)],
             "resharding": {"strategy": v["strategy"], "chunks": 4, "balancer": "greedy"},
             "schedule": {"kind": v["kind"], "weightGradDelay": v["delay"]},
         },
@@ -77,10 +113,43 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     return parse_job(doc)
 
 
-def _rank_main(job: TrainingJob, ctx: RankContext, compute: ComputeMode) -> dict:
+def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: bool = True):
+    """The plan's and the simulator's costs: the device's modelled compute, the emulated NICs."""
+    from meshjob.costs import CostModel
+    from meshjob.device_costs import emulated_costs
+    from meshjob.network import NetworkModel
+
+    network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s, burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0)
+    return CostModel(network=network, stages=emulated_costs(job, device), measured=True)
+
+
+def busiest_link_bytes(job: TrainingJob) -> float:
+    """Bytes through the busiest NIC direction in one microbatch (every boundary, forward and backward)."""
+    from meshjob.network import NetworkModel
+    from meshjob.plan import build_plan
+    from meshjob.simulate import simulate_transfer
+
+    plan = build_plan(job)
+    per_link: dict = {}
+    for b in plan.boundaries:
+        for link, n in simulate_transfer(b.steps, plan.placement.host_of, NetworkModel()).nic_bytes.items():
+            per_link[link] = per_link.get(link, 0) + n
+    return max(per_link.values())
+
+
+def nic_rate_for(job: TrainingJob, device, comm_fraction: float) -> float:
+    """Bytes/s at which the busiest link's bytes of a microbatch take `comm_fraction` of a stage's
+    compute of one microbatch (F + I + W, the slowest stage)."""
+    from meshjob.device_costs import emulated_costs
+
+    compute = max(c.forward_s + c.backward_s for c in emulated_costs(job, device))
+    return busiest_link_bytes(job) / (comm_fraction * compute)
+
+
+def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -> dict:
     from meshjob_trainer.train import train_rank
 
-    result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute)
+    result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute, plan=plan)
     return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
             "compute_s": result.stats.compute_s, "wait_s": result.stats.wait_s, "comm_s": result.comm_s,
             "steps": result.stats.steps, "peak_stashed": result.stats.peak_stashed,
@@ -89,7 +158,7 @@ def _rank_main(job: TrainingJob, ctx: RankContext, compute: ComputeMode) -> dict
 
 @dataclass
 class Measured:
-    model: str
+    config: Config
     variant: str
     step_s: float  # median over timed steps of the slowest rank's step
     tokens_per_s: float
@@ -98,19 +167,16 @@ class Measured:
     final_loss: float
 
 
-def run_variant(job: TrainingJob, nic_rate: str, use_netns: bool, compute: ComputeMode = REAL
+def run_variant(job: TrainingJob, plan, config: Config, use_netns: bool, compute: ComputeMode
                 ) -> tuple[Measured, str]:
-    from meshjob.plan import build_plan
-
-    plan = build_plan(job, nic_bytes_per_s=parse_rate(nic_rate))
-    rank_hosts = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
-    used = sorted(set(rank_hosts))
-    compact = [used.index(h) for h in rank_hosts]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with EmulatedCluster(len(used), nic_rate, use_netns=use_netns) as cluster:
+        with EmulatedCluster(len(job.stages), config.nic_rate, use_netns=use_netns) as cluster:
             network = cluster.describe()
-            result = launch(len(compact), lambda ctx: _rank_main(job, ctx, compute), **cluster.gang(compact).launch_args())
+            ranks = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
+            used = sorted(set(ranks))
+            result = launch(len(ranks), lambda ctx: _rank_main(job, plan, ctx, compute),
+                            **cluster.gang([used.index(h) for h in ranks]).launch_args())
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
     return measure(job, result.values), network
@@ -130,58 +196,113 @@ def measure(job: TrainingJob, records: list[dict]) -> Measured:
             "compute_s_per_step": r["compute_s"] / max(1, r["steps"]),
         }
         timelines[r["stage"]] = (r["origin"], r["timeline"])
+    origin = min(o for o, _ in timelines.values())
+    for stage, (o, timeline) in timelines.items():  # compute actions from the earliest rank's step start
+        stages[stage]["timeline"] = [[name, round(o - origin + a, 6), round(o - origin + b, 6)]
+                                     for name, a, b in timeline if name != "wait"]
     losses = [x for r in records for x in r["losses"]]
     tokens = job.training.global_batch * job.model.seq_len
-    return Measured("", "", step_s, tokens / step_s, stages, timelines, losses[-1] if losses else float("nan"))
+    return Measured(None, "", step_s, tokens / step_s, stages, timelines,  # type: ignore[arg-type]
+                    losses[-1] if losses else float("nan"))
 
 
-TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's default tbf burst "128kb" (tc counts k as 1024)
-
-
-def simulate_measured(job: TrainingJob, m: Measured, nic_rate: str, emulated: bool) -> float:
-    """The simulator's step time for the same plan, its compute cost calibrated from this run's
-    measured per-stage compute, its NICs the emulated ones (rate and tbf burst)."""
+def calibrated_cost(job: TrainingJob, m: Measured, nic_bytes_per_s: float, emulated_nics: bool):
+    """Real compute: the formula's costs with its one constant taken from this run's measured compute."""
+    from meshjob.costs import CostModel
     from meshjob.network import NetworkModel
-    from meshjob.plan import build_plan
-    from meshjob.simulate import CostModel, simulate_plan
 
-    network = NetworkModel(nic_bytes_per_s=parse_rate(nic_rate), burst_bytes=TBF_BURST_BYTES if emulated else 0.0)
-    cost = CostModel(network=network)
+    base = CostModel(network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s,
+                                          burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0))
     per_layer = []
     for i, st in enumerate(job.stages):
-        work = (st.layers[1] - st.layers[0]) * job.training.microbatch_size / (st.tensor_parallel * st.data_parallel)
+        work = (st.layers[1] - st.layers[0]) * job.training.microbatch_size
         per_mb = m.stages[i]["compute_s_per_step"] / job.training.microbatches
-        per_layer.append(per_mb / (1 + cost.backward_factor) / work)
-    cost = replace(cost, layer_forward_s=statistics.mean(per_layer), measured=True)
-    plan = build_plan(job, nic_bytes_per_s=cost.nic_bytes_per_s)  # the plan that ran (default costs)
-    return simulate_plan(plan, cost).step_s
+        per_layer.append(per_mb / (1 + base.backward_factor) / work)
+    return CostModel(network=base.network, layer_forward_s=statistics.mean(per_layer), measured=True)
+
+
+def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: ComputeMode, emulated_nics: bool) -> dict:
+    """The simulator on the plan that ran. Emulated compute: the device's modelled costs (the same the
+    ranks waited), plus each stage's optimizer step after its last action. Real compute: the costs
+    calibrated from this run's measured compute (the formula's shape, one constant)."""
+    from meshjob.device_costs import emulated_cost
+    from meshjob.simulate import simulate_plan
+
+    if compute.emulated:
+        cost = cost_model(job, compute.device, config.nic_bytes_per_s, emulated_nics)
+        optimizer = [emulated_cost(job, i, compute.device).optimizer_s for i in range(len(job.stages))]
+    else:
+        cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
+    result = simulate_plan(plan, cost)
+    step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
+    return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
+            "predicted_stages": {str(i): {"bubble": s.bubble_fraction(result.step_s),
+                                          "overlap": s.overlap_fraction()} for i, s in result.stages.items()}}
 
 
 def print_table(rows: list[dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table("model", "variant", "step ms", "tokens/s", "vs signal", "vs 1f1b", "bubble", "overlap",
-              "peak stash / 1f1b", "sim step ms", "sim error", title=title)
+    t = Table("model", "S", "comm", "NIC", "variant", "step ms", "vs signal", "vs 1f1b", "bubble", "overlap",
+              "peak stash / 1f1b", "predicted / measured", title=title)
     for r in rows:
-        t.add_row(r["model"], r["variant"], f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
-                  f"{r['vs_signal']:.2f}", f"{r['vs_1f1b']:.2f}", f"{r['bubble']:.1%}", f"{r['overlap']:.1%}",
-                  "/".join(f"{x:.2f}" for x in r["peak_stashed_vs_1f1b"]),
-                  f"{r['simulated_step_s'] * 1e3:.1f}", f"{r['simulator_error']:+.0%}")
-    Console(width=170).print(t)
+        t.add_row(r["model"], str(r["stages_count"]), f"{r['comm_fraction']:.0%}",
+                  format_rate(r["nic_bytes_per_s"]), r["variant"],
+                  f"{r['step_s'] * 1e3:.0f}", f"{r['vs_signal']:.2f}", f"{r['vs_1f1b']:.2f}", f"{r['bubble']:.1%}",
+                  f"{r['overlap']:.1%}", "/".join(f"{x:.2f}" for x in r["peak_stashed_vs_1f1b"]),
+                  f"{r['predicted_over_measured']:.3f}")
+    Console(width=180).print(t)
 
 
-def plot(measured: list[Measured], out_dir: str, subtitle: str) -> list[str]:
+def print_targets(targets: list[dict]) -> None:
+    for t in targets:
+        met = {True: "yes", False: "NO", None: "not measured"}[t["met"]]
+        worst = f"; worst {t['worst']:.2f}" if t["worst"] is not None else ""
+        print(f"target: {t['target']}: met {met} ({len(t['cases'])} cases{worst})")
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets on the measured U-Transformer rows (none measured: met is None)."""
+    wdelay = [r for r in rows if r["model"] == "utransformer" and r["variant"] == "eager-1f1b+wdelay"]
+    heavy = [r for r in wdelay if r["comm_fraction"] >= TARGET_COMM]
+    out = []
+    for text, cases, key, bound in (
+            (f"utransformer eager-1f1b+wdelay >= {TARGET_SPEEDUP}x 1f1b where communication >= "
+             f"{TARGET_COMM:.0%} of compute", heavy, "vs_1f1b", TARGET_SPEEDUP),
+            (f"utransformer eager-1f1b+wdelay >= {TARGET_OF_SIGNAL:.0%} of signal across the sweep", wdelay,
+             "vs_signal", TARGET_OF_SIGNAL)):
+        values = [r[key] for r in cases]
+        out.append({"target": text, "metric": key, "bound": bound,
+                    "cases": [{"stages": r["stages_count"], "comm_fraction": r["comm_fraction"], key: r[key]}
+                              for r in cases],
+                    "worst": min(values) if values else None,
+                    "met": (min(values) >= bound) if values else None})
+    return out
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_timelines(measured: list[Measured], out_dir: str, subtitle: str) -> list[str]:
+    """Figure 4: per model, the last step of every variant at the first stage count and the comm
+    fraction nearest 0.6, one row of bars per stage."""
+    plt = _plt()
     colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868", "wait": "#dddddd"}
     paths = []
-    for model in sorted({m.model for m in measured}):
-        ms = [m for m in measured if m.model == model]
-        fig, axes = plt.subplots(len(ms), 1, figsize=(12, 2.2 * len(ms)), squeeze=False)
+    for model in sorted({m.config.model for m in measured}):
+        ms = [m for m in measured if m.config.model == model]
+        stages = ms[0].config.stages
+        fraction = min({m.config.comm_fraction for m in ms if m.config.stages == stages}, key=lambda f: abs(f - 0.6))
+        ms = [m for m in ms if m.config.stages == stages
+              and (m.config.comm_fraction == fraction or m.variant == "signal")]
+        fig, axes = plt.subplots(len(ms), 1, figsize=(12, 0.5 * stages * len(ms) + 1), squeeze=False)
         for ax, m in zip(axes[:, 0], ms):
             origin = min(o for o, _ in m.timelines.values())
             for stage, (o, timeline) in sorted(m.timelines.items()):
@@ -190,16 +311,17 @@ def plot(measured: list[Measured], out_dir: str, subtitle: str) -> list[str]:
                     x0 = (o - origin + start) * 1e3
                     ax.barh(stage, (end - start) * 1e3, left=x0, color=colors.get(kind, "#999999"),
                             edgecolor="white" if kind != "wait" else "none", height=0.8)
-                    if kind != "wait" and (end - start) * 1e3 > 0.04 * m.step_s * 1e3:
+                    if kind != "wait" and (end - start) * 1e3 > 0.02 * m.step_s * 1e3:
                         ax.text(x0 + (end - start) * 5e2, stage, name[len(kind):], ha="center", va="center",
-                                fontsize=6, color="white")
+                                fontsize=5, color="white")
             ax.set_yticks(sorted(m.timelines))
-            ax.set_yticklabels([f"stage {s}" for s in sorted(m.timelines)])
+            ax.set_yticklabels([f"stage {s}" for s in sorted(m.timelines)], fontsize=7)
             ax.invert_yaxis()
-            ax.set_title(f"{m.variant}: step {m.step_s * 1e3:.0f} ms", fontsize=9, loc="left")
-            ax.set_xlabel("ms since the step began")
-        fig.suptitle(f"{model}: last step per stage (F blue, B/I orange, W green, waiting grey) — {subtitle}",
-                     fontsize=10)
+            nic = "1-byte transfers" if m.variant == "signal" else f"NIC {m.config.nic_rate}"
+            ax.set_title(f"{m.variant} ({nic}): step {m.step_s * 1e3:.0f} ms", fontsize=9, loc="left")
+        axes[-1, 0].set_xlabel("ms since the step began")
+        fig.suptitle(f"{model}, {stages} stages, communication {fraction:.0%} of compute: last step per stage "
+                     f"(F blue, B/I orange, W green, waiting grey) — {subtitle}", fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, f"pipeline_timeline_{model}.png")
         fig.savefig(path, dpi=110)
@@ -208,21 +330,126 @@ def plot(measured: list[Measured], out_dir: str, subtitle: str) -> list[str]:
     return paths
 
 
+def plot_bars(rows: list[dict], out_dir: str, subtitle: str) -> str:
+    """Figure 9: throughput over signal per variant, grouped by communication fraction, one panel per
+    model and stage count; the simulator's prediction as a tick on each bar."""
+    plt = _plt()
+    panels = sorted({(r["model"], r["stages_count"]) for r in rows})
+    variants = [v for v in VARIANTS if v != "signal" and any(r["variant"] == v for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (model, stages) in zip(axes[0], panels):
+        mine = [r for r in rows if r["model"] == model and r["stages_count"] == stages and r["variant"] != "signal"]
+        fractions = sorted({r["comm_fraction"] for r in mine})
+        width = 0.8 / len(variants)
+        for k, v in enumerate(variants):
+            xs, ys, ps = [], [], []
+            for j, f in enumerate(fractions):
+                r = next((r for r in mine if r["variant"] == v and r["comm_fraction"] == f), None)
+                if r is not None:
+                    xs.append(j + (k - (len(variants) - 1) / 2) * width)
+                    ys.append(r["vs_signal"])
+                    ps.append(r["vs_signal"] / r["predicted_over_measured"])  # the predicted throughput's
+            ax.bar(xs, ys, width, label=v)
+            ax.scatter(xs, ps, marker="_", color="black", s=60, zorder=3)
+        ax.axhline(TARGET_OF_SIGNAL, color="grey", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(fractions)))
+        ax.set_xticklabels([f"{f:.0%}" for f in fractions])
+        ax.set_xlabel("communication / compute")
+        ax.set_ylim(0, 1.1)
+        ax.set_title(f"{model}, {stages} stages", fontsize=9)
+    axes[0, 0].set_ylabel("throughput / signal")
+    axes[0, 0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"throughput over the 1-byte bound (black tick: simulator) — {subtitle}", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "pipeline_fig9.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _list(text: str | None, default: str, kind, flag: str, allowed: str, ok) -> list:
+    values = []
+    for item in (text if text is not None else default).split(","):
+        try:
+            value = kind(item)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise SpecError([FieldError(flag, item, allowed)])
+        values.append(value)
+    return values
+
+
+def parse_sweep(args: argparse.Namespace) -> tuple[list[str], list[int], list[float], list[str]]:
+    quick = args.quick
+    models = _list(args.models, "gpt" if quick else ",".join(MODELS), str, "--models",
+                   f"one of {', '.join(MODELS)}", lambda m: m in MODELS)
+    stages = _list(args.stages, "4" if quick else "4,8", int, "--stages", "one of 2, 4, 8", lambda s: s in (2, 4, 8))
+    fractions = _list(args.comm_fractions, "0.3,1.0" if quick else "0.1,0.3,0.6,1.0", float, "--comm-fractions",
+                      "a number in (0, 10]", lambda f: 0 < f <= 10)
+    variants = _list(args.variants, ",".join(VARIANTS), str, "--variants", f"one of {', '.join(VARIANTS)}",
+                     lambda v: v in VARIANTS)
+    return models, stages, fractions, [v for v in VARIANTS if v in {"1f1b", "signal", *variants}]
+
+
+def run_config(model: str, stages: int, fractions: list[float], variants: list[str], args, compute: ComputeMode,
+               steps: int) -> tuple[list[Measured], list[dict], str]:
+    """Every variant at every fraction of one model and stage count (signal once: it sends 1 byte)."""
+    from meshjob.plan import build_plan
+
+    device = compute.device or parse_compute("emulated", None).device
+    measured, rows, network = [], [], ""
+    signal = None
+    for fraction in fractions:
+        for variant in variants:
+            if variant == "signal" and signal is not None:
+                continue
+            job = bench_job(model, variant, steps, args.quick, stages)
+            config = Config(model, stages, fraction, nic_rate_for(bench_job(model, "1f1b", steps, args.quick, stages),
+                                                                 device, fraction))
+            plan = build_plan(job, cost=cost_model(job, device, config.nic_bytes_per_s))
+            m, network = run_variant(job, plan, config, not args.no_netns, compute)
+            m.config, m.variant = config, variant
+            measured.append(m)
+            rows.append(row(job, plan, m, compute, predict(job, plan, m, config, compute, "namespaces" in network)))
+            if variant == "signal":
+                signal = rows[-1]
+    for r in rows:  # ratios at the same fraction; signal's is the same at every fraction
+        base = next(b for b in rows if b["variant"] == "1f1b" and b["comm_fraction"] == r["comm_fraction"])
+        r["vs_1f1b"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["vs_signal"] = r["tokens_per_s"] / signal["tokens_per_s"]
+        r["peak_stashed_vs_1f1b"] = [r["stages"][i]["peak_stashed"] / base["stages"][i]["peak_stashed"]
+                                     for i in sorted(r["stages"])]
+    return measured, rows, network
+
+
+def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: dict) -> dict:
+    """One JSON row: the exact configuration, the measurement and the simulator's prediction."""
+    from meshjob.spec import job_to_dict
+
+    st = m.stages
+    out = {"model": m.config.model, "stages_count": m.config.stages, "variant": m.variant,
+           "comm_fraction": m.config.comm_fraction, "nic_rate": m.config.nic_rate,
+           "nic_bytes_per_s": m.config.nic_bytes_per_s, **compute.to_json(),
+           "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
+           "job": job_to_dict(job)["spec"],
+           "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
+           "bubble": statistics.mean(s["bubble"] for s in st.values()),
+           "overlap": statistics.mean(s["overlap"] for s in st.values()),
+           "stages": st, **prediction}
+    if not compute.emulated:
+        out["final_loss"] = m.final_loss
+    return out
+
+
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
     args = parsed_arguments(args, "meshjob bench pipeline", __doc__, add_arguments)
-    steps = args.steps or (3 if args.quick else 11)
+    steps = args.steps or (2 if args.quick else 3)
     if steps < 2:
-        raise SystemExit(f"--steps: {steps} is invalid: at least 2 (the first step is not timed)")
-    parse_rate(args.nic_rate)
-    compute = parse_compute(args.compute, args.device)
-    variants = [v for v in VARIANTS if v in {"1f1b", "signal", *args.variants.split(",")}]
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    models = [m for m in args.models.split(",") if m]
-    if unknown or not models or set(models) - set(MODELS):
-        raise SystemExit(f"--variants/--models: {sorted(unknown) or models} is invalid: variants from "
-                         f"{', '.join(VARIANTS)}; models from {', '.join(MODELS)}")
-    if args.quick and args.models == ",".join(MODELS):
-        models = models[:1]
+        raise SpecError([FieldError("--steps", steps, "at least 2 (the first step is not timed)")])
+    compute = parse_compute(args.compute, args.device if args.device is not None or args.compute == "real"
+                            else DEFAULT_DEVICE)
+    models, stage_counts, fractions, variants = parse_sweep(args)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
@@ -233,40 +460,32 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     network = ""
     t0 = time.monotonic()
     for model in models:
-        per_variant: dict[str, Measured] = {}
-        for variant in variants:
-            job = bench_job(model, variant, steps, args.quick, args.stages)
-            m, network = run_variant(job, args.nic_rate, not args.no_netns, compute)
-            m.model, m.variant = model, variant
-            per_variant[variant] = m
-            measured.append(m)
-            sim = simulate_measured(job, m, args.nic_rate, "namespaces" in network)
-            rows.append({"model": model, "variant": variant, "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
-                         "simulated_step_s": sim, "simulator_error": sim / m.step_s - 1.0,
-                         "final_loss": m.final_loss, "stages": m.stages, **compute.to_json()})
-        base, bound = per_variant["1f1b"], per_variant["signal"]
-        for r in rows:
-            if r["model"] != model:
-                continue
-            st = r["stages"]
-            r["vs_signal"] = r["tokens_per_s"] / bound.tokens_per_s
-            r["vs_1f1b"] = r["tokens_per_s"] / base.tokens_per_s
-            r["bubble"] = statistics.mean(s["bubble"] for s in st.values())
-            r["overlap"] = statistics.mean(s["overlap"] for s in st.values())
-            r["peak_stashed_vs_1f1b"] = [st[i]["peak_stashed"] / base.stages[i]["peak_stashed"] for i in sorted(st)]
+        for stages in stage_counts:
+            ms, rs, network = run_config(model, stages, fractions, variants, args, compute, steps)
+            measured += ms
+            rows += rs
     emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
-    subtitle = f"NIC {args.nic_rate} ({emulated}), {args.stages} stages x 1 device, M=8, broadcast K=4"
+    subtitle = (f"compute {compute.describe()}, NICs {emulated}, M={MICROBATCHES}, {LAYERS_PER_STAGE} layers/stage, "
+                f"hidden {SHAPES['quick' if args.quick else 'full']['hidden']}")
+    targets = check_targets(rows)
     print_table(rows, f"meshjob bench pipeline — {subtitle}")
-    pngs = plot(measured, args.out, subtitle)
-    out = {"nic_rate": args.nic_rate, "network": network, "emulated": emulated, "steps": steps, "timed_steps": steps - 1,
-           "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0, "rows": rows, "plots": pngs,
-           "note": "throughput = global-batch tokens / median step time of the slowest rank; "
-                   "vs_signal = fraction of the 1-byte-transfer upper bound; the simulator is calibrated "
-                   "with this run's measured compute, so its error is the network and schedule model's"}
+    print_targets(targets)
+    pngs = plot_timelines(measured, args.out, subtitle) + [plot_bars(rows, args.out, subtitle)]
+    errors = [abs(r["predicted_over_measured"] - 1) for r in rows]
+    out = {"compute": compute.to_json(), "network": network, "emulated": emulated, "steps": steps,
+           "timed_steps": steps - 1, "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0,
+           "rows": rows, "targets": targets, "plots": pngs,
+           "simulator": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
+           "note": "throughput = global-batch tokens / median step time of the slowest rank; vs_signal = fraction "
+                   "of the 1-byte-transfer bound; comm_fraction = the busiest NIC direction's bytes of one "
+                   "microbatch at nic_rate over a stage's F+I+W of one microbatch; predicted = meshjob.simulate "
+                   "on the plan that ran with the device's modelled costs (no constants fitted to the run)"
+                   + ("" if compute.emulated else "; real compute: the costs calibrated from the measured compute")}
     path = os.path.join(args.out, "pipeline.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"wrote {path} and {', '.join(pngs)}")
+    print(f"wrote {path} and {', '.join(pngs)}; simulator |predicted/measured - 1|: max {max(errors):.1%}, "
+          f"median {statistics.median(errors):.1%}")
     return 0
 
 

@@ -1,5 +1,5 @@
 """Command-line options shared by `meshjob plan` and `meshjob simulate`: the network model and the
-compute costs a plan is built with (--nic-rate, --duplex, --message-us, --calibrate)."""
+compute costs a plan is built with (--nic-rate, --duplex, --message-us, --tbf-burst, --calibrate, --device)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--message-us", type=float, default=DEFAULT_MESSAGE_S * 1e6,
                    help=f"per-message cost in microseconds (default {DEFAULT_MESSAGE_S * 1e6:g}, measured on "
                         "the emulated cluster by `meshjob bench message-cost`)")
+    p.add_argument("--tbf-burst", default="0",
+                   help="each NIC a token bucket of this size like the emulated cluster's tc tbf (e.g. 128kb, "
+                        "what `meshjob run` and the benchmarks use); default 0: real NICs")
+    p.add_argument("--device", default=None,
+                   help="compute costs of this device profile (a100, h100 or TFLOP/s), as `meshjob run --compute "
+                        "emulated --device` waits them (meshjob.device_costs)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure compute costs with a short forward/backward of the model on this machine "
                         "(needs the meshjob-trainer distribution); they size the weight-gradient delay")
@@ -35,14 +41,35 @@ def network_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(str(err)) from None
     if not (math.isfinite(args.message_us) and args.message_us >= 0):
         raise UsageError(f"--message-us: {args.message_us!r} is invalid: a number of microseconds >= 0")
-    return NetworkModel(nic_bytes_per_s=nic, message_s=args.message_us / 1e6, duplex=args.duplex)
+    return NetworkModel(nic_bytes_per_s=nic, message_s=args.message_us / 1e6, duplex=args.duplex,
+                        burst_bytes=_burst(args.tbf_burst))
+
+
+def _burst(text: str) -> float:
+    """A tc size ("128kb", "1mb", "0") in bytes; k and m count 1024 as tc does."""
+    import re
+
+    from meshjob.errors import UsageError
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(b|kb|k|mb|m)?\s*", str(text).lower())
+    if not m:
+        raise UsageError(f"--tbf-burst: {text!r} is invalid: a size such as 0, 128kb or 1mb")
+    return float(m.group(1)) * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024 ** 2, "mb": 1024 ** 2}[m.group(2)]
 
 
 def cost_from_args(args: argparse.Namespace, job: Any, network: Any) -> Any:
     """The CostModel: the formula's defaults, or (--calibrate) measured on this machine."""
     from meshjob.costs import CostModel
+    from meshjob.errors import UsageError
 
     cost = CostModel(network=network)
+    if getattr(args, "device", None) is not None:
+        if args.calibrate:
+            raise UsageError("--calibrate and --device: choose one source of compute costs")
+        from meshjob.device_costs import emulated_costs
+        from meshjob.devices import parse_device
+
+        return replace(cost, stages=emulated_costs(job, parse_device(args.device)), measured=True)
     if not args.calibrate:
         return cost
     return replace(cost, **measure(job), measured=True)

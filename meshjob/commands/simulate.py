@@ -38,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
     cost = cost_options.cost_from_args(args, job, network)  # on the job as written: per-sample costs
     if args.hosts:                                          # do not change with scale
         job = scale_job(job, args.hosts)
+        if args.device is not None:  # a device's costs are per stage: those of the scaled stages
+            cost = cost_options.cost_from_args(args, job, network)
     if args.layer_forward_ms is not None:
+        if args.device is not None:
+            raise UsageError("--layer-forward-ms and --device: choose one source of compute costs")
         cost = replace(cost, layer_forward_s=args.layer_forward_ms / 1e3, measured=False)
     t0 = time.perf_counter()
     plan = build_plan(job, network=network, cost=cost)  # the costs size the plan's weight delays too

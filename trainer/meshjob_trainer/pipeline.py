@@ -65,7 +65,7 @@ class PipelineError(RuntimeError):
 @dataclass
 class StageStats:
     stage: int
-    compute_s: float = 0.0  # F, B, I, W
+    compute_s: float = 0.0  # F, B, I, W (less the waits for their inputs)
     wait_s: float = 0.0  # blocked on transfers (RECV handles, and SEND handles at step end)
     peak_stashed: int = 0  # most microbatches forwarded and not yet fully backwarded
     steps: int = 0
@@ -174,9 +174,11 @@ class _StepRun:
     def do(self, action: Action) -> None:
         kind = action.kind
         if kind in ("F", "B", "I", "W"):
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), self.stats.wait_s
             getattr(self, f"_{kind}")(action)
             end = time.perf_counter()
+            # an action first takes its inputs (waits, recorded as such), then computes
+            start += self.stats.wait_s - waited
             self.stats.compute_s += end - start
             self.stats.timeline.append((str(action), start - self.t0, end - self.t0))
         elif kind == "RECV_F":

@@ -252,10 +252,11 @@ def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: lis
 
 def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
                timeout_s: float = 60.0, checkpoint_dir: str | None = None, events: Any = None,
-               compute: Any = REAL) -> TrainResult:
+               compute: Any = REAL, plan: Any = None) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave; its events go
-    to `events` (a MetricsSink) when given; `compute` a meshjob.devices.ComputeMode. For tests and benchmarks that launch ranks with
+    to `events` (a MetricsSink) when given; `compute` a meshjob.devices.ComputeMode; `plan` the plan to run
+    (default: build_plan(job)). For tests and benchmarks that launch ranks with
     meshjob_trainer.launch."""
     import dataclasses
 
@@ -263,7 +264,7 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
     from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
     from meshjob_trainer.dist import WorkerContext, device_for_backend, init_distributed, shutdown_distributed
 
-    plan = build_plan(job)
+    plan = plan or build_plan(job)
     if schedules is not None:
         plan = dataclasses.replace(plan, schedules={s: tuple(a) for s, a in schedules.items()})
     backend = init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)

@@ -1,0 +1,34 @@
+"""`meshjob simulate --device --tbf-burst --json`: the device's modelled costs on the emulated cluster's NICs,
+and the per-stage timeline a benchmark's measured one can be diffed with."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshjob.cli import main
+from meshjob.device_costs import emulated_costs
+from meshjob.devices import parse_device
+from meshjob.spec import load_job
+
+
+def test_simulate_json_prints_each_stages_timeline_with_the_devices_costs(capsys):
+    assert main(["simulate", "examples/utransformer-demo.yaml", "--device", "h100", "--tbf-burst", "128kb",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    costs = emulated_costs(load_job("examples/utransformer-demo.yaml"), parse_device("h100"))
+    assert out["cost_model"]["stages"] == [c.to_json() for c in costs]
+    assert out["cost_model"]["network"]["burst_bytes"] == 128 * 1024
+    for stage, doc in out["stages"].items():
+        first = doc["timeline"][0]
+        assert first[0] == "F0" and first[2] - first[1] == pytest.approx(costs[int(stage)].forward_s)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "fast"], "--device: 'fast' is invalid: one of a100, h100"),
+    (["--tbf-burst", "lots"], "--tbf-burst: 'lots' is invalid"),
+    (["--device", "h100", "--calibrate"], "choose one source of compute costs"),
+])
+def test_bad_cost_options_exit_2_naming_the_flag(argv, message, capsys):
+    assert main(["simulate", "examples/utransformer-demo.yaml", *argv]) == 2
+    assert message in capsys.readouterr().err
