@@ -132,14 +132,15 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     doc = json.loads((tmp_path / "resharding.json").read_text())
     assert doc["emulated"] is True and doc["nic_rate"] == "500mbit"
     rows = doc["rows"]
-    assert set(doc["summary"]) == {"one_to_many", "many_to_many"}
+    assert set(doc["summary"]) == {"one_to_many", "many_to_many", "paper_scale"}
     assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",
                                              "broadcast", "signal"}
     assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {
         "naive", "load_balance", "dfs", "greedy"}
     assert all(r["correct"] for r in rows)
     assert all(r["seconds"] > 0 and r["limit_s"] > 0 for r in rows)
-    for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig8_balancers.png"):
+    assert {t["name"] for t in doc["targets"]} >= {"paper scale: broadcast, every balancer"}
+    for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig6_paper_scale.png", "fig8_balancers.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -194,3 +195,39 @@ def test_targets_name_a_run_slower_than_planned_and_a_better_plan_that_measures_
     assert over.met is False and over.worst == pytest.approx(1.7) and "greedy: 1.70" in over.failures[0]
     order = targets["a plan >= 1.2x better measures better"]
     assert order.met is False and "greedy planned 1.50x better than broadcast K=16 naive" in order.failures[0]
+
+
+def test_paper_scale_cases_run_between_2x4_and_4x2_meshes_with_2d_and_3d_tensors():
+    from meshjob_bench.resharding import build_cases, replicated_hosts
+
+    layout = Layout()
+    cases = build_cases(quick=False, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=layout,
+                        sections=["paper_scale"])
+    assert {(c.src_mesh.shape, c.dst_mesh.shape) for c in cases} == {((2, 4), (2, 4)), ((4, 2), (4, 2))}
+    assert {len(c.shape) for c in cases} == {2, 3}
+    for c in cases:  # the two meshes hold their own hosts
+        assert not {layout.host_of(r) for r in c.src_mesh.ranks} & {layout.host_of(r) for r in c.dst_mesh.ranks}
+    by_name = {c.name: c for c in cases}
+    assert replicated_hosts(by_name["2x4 RR -> RR"]) == 2 and replicated_hosts(by_name["4x2 S0RR -> RRR"]) == 4
+    assert replicated_hosts(by_name["4x2 RS1 -> S1R"]) == 4 and replicated_hosts(by_name["2x4 S0S1 -> RS1"]) == 2
+
+
+def _paper_row(case: str, label: str, strategy: str, balancer: str, seconds: float) -> Row:
+    return Row("paper_scale", case, strategy, "auto" if strategy == "broadcast" else 1, balancer, label, seconds,
+               [seconds], 1.0, seconds, 1.0, 1.0, 1.0, 1.0, True)
+
+
+def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicating_hosts():
+    from meshjob_bench.resharding import ALPA_DEFAULT, build_cases, check_paper_targets
+
+    cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
+                        sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
+    rows = []
+    for case, alpa_s in (("2x4 RR -> RR", 2.0), ("4x2 RR -> RR", 2.5)):
+        rows += [_paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
+                 _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.0),
+                 _paper_row(case, "broadcast K=auto naive", "broadcast", "naive", 1.2)]
+    within_l, two_hosts, four_hosts = check_paper_targets(rows, cases)
+    assert within_l.met is False and within_l.worst == pytest.approx(1.2) and within_l.checked == 4
+    assert two_hosts.met is True and two_hosts.worst == pytest.approx(2.0)
+    assert four_hosts.met is False and four_hosts.failures == ["4x2 RR -> RR: 2.50x"]

@@ -52,6 +52,12 @@ MAIN_BALANCER = "greedy"
 # Zhuang et al., 2022, Table 2 style: (send spec, recv spec) of a 2-D tensor between two (2, 2) meshes
 MANY_TO_MANY = (("RR", "S0R"), ("S0R", "RR"), ("S0R", "S1R"), ("RS0", "S0R"), ("S01R", "RS01"),
                 ("S0S1", "S1S0"), ("S1R", "RR"), ("RR", "RR"))
+# The paper's scale (issue 10, figure 6): between two (2, 4) meshes (2 hosts of 4 devices each side) and
+# two (4, 2) meshes (4 hosts of 2), 2-D and 3-D tensors; most destinations replicate the tensor across
+# their hosts, where broadcast's chains beat sending it to every host from the sources.
+PAPER_SCALE_MESHES = ((2, 4), (4, 2))
+PAPER_SCALE = (("RR", "RR"), ("S1R", "RR"), ("S0R", "RR"), ("RS1", "S1R"), ("S0S1", "RS1"),
+               ("RRR", "RRR"), ("RS1R", "RRS1"), ("S0RR", "RRR"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 4,16,64,auto)")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
-                        help="run only this section (repeatable; default both)")
+                        help="run only this section (repeatable; default all)")
 
 
 ALPA_DEFAULT = "alpa default"
@@ -89,7 +95,7 @@ class Variant:
 
 @dataclass
 class Case:
-    section: str  # "one_to_many" | "many_to_many"
+    section: str  # one of SECTIONS
     name: str
     shape: tuple[int, ...]
     src_mesh: Mesh
@@ -186,7 +192,7 @@ def balancer_chunks(chunks: Sequence[int | str]) -> int | str:
     return "auto" if "auto" in chunks else max(int(k) for k in chunks)
 
 
-SECTIONS = ("one_to_many", "many_to_many")
+SECTIONS = ("one_to_many", "many_to_many", "paper_scale")
 
 
 def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_bytes_per_s: float,
@@ -207,6 +213,13 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_b
         cases.append(Case("many_to_many", f"{send} -> {recv}", shape, layout.grid((2, 2), 0),
                           layout.grid((2, 2), 2),
                           ShardingSpec.parse(send, 2), ShardingSpec.parse(recv, 2)))
+    pairs = (PAPER_SCALE[:1] if quick else PAPER_SCALE) if "paper_scale" in sections else ()
+    for mesh in PAPER_SCALE_MESHES if pairs else ():
+        for send, recv in pairs:
+            spec_in, spec_out = ShardingSpec.parse(send), ShardingSpec.parse(recv)
+            case_shape = shape if spec_in.ndim == 2 else (16, rows // 16, cols)
+            cases.append(Case("paper_scale", f"{mesh[0]}x{mesh[1]} {send} -> {recv}", case_shape,
+                              layout.grid(mesh, 0), layout.grid(mesh, mesh[0]), spec_in, spec_out))
     for c in cases:
         tasks = decompose(c.shape, c.src_mesh, c.send, c.dst_mesh, c.recv, itemsize=ITEMSIZE)
         c.limit_s = physical_limit(tasks, layout.host_of, nic_bytes_per_s)
@@ -215,7 +228,7 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_b
         c.variants.append(Variant("signal", 1, MAIN_BALANCER))
         if host_sharded(c.recv, c.dst_mesh, c.shape) != c.recv:
             c.variants.insert(3, Variant("send_recv", 1, MAIN_BALANCER, host_sharded=True))
-        if c.section == "many_to_many":
+        if c.section in ("many_to_many", "paper_scale"):
             k = balancer_chunks(chunks)
             c.variants += [Variant("broadcast", k, b) for b in BALANCERS if b != MAIN_BALANCER]
         network = bench_network(nic_bytes_per_s)
@@ -355,7 +368,7 @@ def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
     out: dict[str, dict[str, float]] = {}
-    for section in ("one_to_many", "many_to_many"):
+    for section in SECTIONS:
         sec = [r for r in rows if r.section == section and r.balancer == MAIN_BALANCER]
         for label in dict.fromkeys(r.label for r in sec):
             rs = [r for r in sec if r.label == label]
@@ -437,12 +450,45 @@ def check_targets(rows: list[Row]) -> list[Target]:
     return out
 
 
+PAPER_OVER_L = 1.15  # issue 10: every broadcast case at the paper's scale
+PAPER_OVER_ALPA = {2: 1.8, 4: 3.0}  # broadcast over Alpa's default, by the hosts the destination replicates over
+
+
+def replicated_hosts(case: Case) -> int:
+    """Over how many of its hosts the destination holds each element (mesh dim 0 spans the hosts)."""
+    return 1 if any(0 in dims for dims in case.recv.dims) else case.dst_mesh.shape[0]
+
+
+def check_paper_targets(rows: list[Row], cases: Sequence[Case]) -> list[Target]:
+    """Issue 10's figure-6 targets on the paper-scale rows: broadcast (every balancer) within 1.15 L, and
+    its speed-up over Alpa's default where the destination replicates across 2 or 4 hosts."""
+    paper = [r for r in rows if r.section == "paper_scale"]
+    k = balancer_chunks([r.chunks for r in paper if r.strategy == "broadcast"]) if paper else "auto"
+    bcast = [r for r in paper if r.strategy == "broadcast" and r.chunks == k]
+    out = [Target("paper scale: broadcast, every balancer", f"time / L <= {PAPER_OVER_L}",
+                  max((r.over_limit for r in bcast), default=math.nan),
+                  [f"{r.case} {r.label}: {r.over_limit:.2f}" for r in bcast if not r.over_limit <= PAPER_OVER_L],
+                  len(bcast))]
+    hosts_of = {c.name: replicated_hosts(c) for c in cases if c.section == "paper_scale"}
+    for hosts, limit in PAPER_OVER_ALPA.items():
+        speedups = []
+        for case in (c for c, h in hosts_of.items() if h == hosts):
+            alpa = next((r for r in paper if r.case == case and r.label == ALPA_DEFAULT), None)
+            mine = next((r for r in bcast if r.case == case and r.balancer == MAIN_BALANCER), None)
+            if alpa and mine:
+                speedups.append((case, alpa.seconds / mine.seconds))
+        out.append(Target(f"paper scale: broadcast over Alpa's default, destination on {hosts} hosts",
+                          f">= {limit}x", min((x for _, x in speedups), default=math.nan),
+                          [f"{c}: {x:.2f}x" for c, x in speedups if not x >= limit], len(speedups)))
+    return out
+
+
 def print_targets(targets: list[Target]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if Console().is_terminal else 150)
-    table = Table(title="Issue 9 targets", title_justify="left")
+    table = Table(title="Targets (issue 9; paper scale: issue 10)", title_justify="left")
     for col in ("target", "limit", "worst", "met", "misses"):
         table.add_column(col, justify="right" if col == "worst" else "left")
     for t in targets:
@@ -457,7 +503,7 @@ def print_table(rows: list[Row], title: str) -> None:
     from rich.table import Table
 
     console = Console(width=None if Console().is_terminal else 150)
-    for section in ("one_to_many", "many_to_many"):
+    for section in SECTIONS:
         table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
         for col in ("case", "variant", "time s", "time / L", "x vs global_allgather", "x vs send_recv",
                     "planned s", "measured / planned", "planned / LB", "sim error", "ok"):
@@ -508,7 +554,8 @@ def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
     paths = []
     main = [r for r in rows if r.balancer == MAIN_BALANCER]
     for section, fig_name, number in (("one_to_many", "fig5_one_to_many.png", 5),
-                                      ("many_to_many", "fig6_many_to_many.png", 6)):
+                                      ("many_to_many", "fig6_many_to_many.png", 6),
+                                      ("paper_scale", "fig6_paper_scale.png", 6)):
         sec = [r for r in main if r.section == section]
         if sec:
             labels = list(dict.fromkeys(r.label for r in sec))
@@ -587,7 +634,7 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
     model = bench_network(nic_bytes_per_s).to_json()  # what planned_* and simulated_s assume
-    targets = check_targets(rows)
+    targets = check_targets(rows) + check_paper_targets(rows, cases)
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "network_model": model, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
