@@ -28,9 +28,17 @@ class RecordingWire:
         self.inner.wait(work)
 
 
-def exchange(env, local: dict[int, set[int]], sends: list[tuple[int, int, int]], numel: dict[int, int] | None = None):
-    """Each (src, dst, tag) in `sends`: src sends arange * (tag + 1) to dst. Returns (received, inner peers)."""
+def exchange(env, local: dict[int, set[int]], sends: list[tuple[int, int, int]], numel: dict[int, int] | None = None,
+             refused: bool = False):
+    """Each (src, dst, tag) in `sends`: src sends arange * (tag + 1) to dst. Returns (received, inner peers).
+    refused: the kernel refuses every read of another process (Yama ptrace_scope 2, say)."""
+    from meshjob_trainer import local_copy
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
+
+    if refused:
+        def refuse(pid, address, into):
+            raise PermissionError(1, f"process_vm_readv from pid {pid}: Operation not permitted")
+        local_copy.copy_from = refuse
 
     init_distributed(env, timeout_s=20)
     try:
@@ -71,6 +79,12 @@ def test_a_message_between_ranks_of_one_host_arrives_without_the_inner_wire(gang
     assert got1 == {0: list(torch.arange(8.0)), 2: list(torch.arange(8.0) * 3)}
     assert got0 == {1: list(torch.arange(8.0) * 2)}
     assert peers0 == peers1 == []
+
+
+@pytest.mark.slow
+def test_a_receiver_refused_the_read_gets_the_payload_from_the_sender_instead(gang):
+    results = gang(2, lambda env: exchange(env, {0: {1}, 1: {0}}, [(0, 1, 0), (1, 0, 1)], refused=True))
+    assert results[1][0] == {0: list(torch.arange(8.0))} and results[0][0] == {1: list(torch.arange(8.0) * 2)}
 
 
 @pytest.mark.slow

@@ -6,8 +6,11 @@ NCCL and MPI move intra-node messages through shared memory instead. `LocalCopyW
 on CPU with process_vm_readv(2): the sender posts a small header (its pid, the payload's address and
 size) over the inner wire; the receiver copies the payload straight out of the sender's memory into
 its own buffer, one copy in the kernel, then acks so the sender may release the payload. Messages to
-other hosts, and everything when the system call is not allowed (a seccomp profile without it), go
-over the inner wire unchanged. The header and the ack are matched by tag like the payload would
+other hosts go over the inner wire unchanged, and so does everything when this process may not make
+the call at all (a seccomp profile without it). Reading a sibling process also needs ptrace access: each
+rank allows it for every process of its user (Yama's PR_SET_PTRACER); where that is not enough (Yama
+scope 2 or 3), the receiver answers the header with a refusal and the sender sends the payload over the
+inner wire instead, message by message. The header and the ack are matched by tag like the payload would
 have been, so the engine's order discipline (meshjob_trainer.engine) is the same on both paths.
 """
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch.distributed as dist
 
 from meshjob_trainer.wire import _HostSide
 
-ACK_TAG = 1 << 30  # added to a message's tag for its ack (the engine's tags stay far below)
+ACK_TAG = 1 << 29  # added to a message's tag for its ack (the engine's tags stay far below)
+FALLBACK_TAG = 2 << 29  # added for the payload itself, when the receiver could not copy it
+_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
 
 
 class _IoVec(ctypes.Structure):
@@ -57,6 +62,12 @@ def copy_from(pid: int, address: int, into: torch.Tensor) -> None:
         done += got
 
 
+def allow_readers() -> None:
+    """Let processes of this user read this one (Yama ptrace_scope 1 allows only descendants)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)  # no Yama: EINVAL, nothing to allow
+
+
 def local_copy_available() -> bool:
     """Whether this process may use process_vm_readv (read a byte of itself)."""
     try:
@@ -73,6 +84,8 @@ class _Send:
     header: Any  # the inner wire's work for the header
     ack: Any  # and for the ack
     keep: tuple[torch.Tensor, ...]  # payload, header and ack buffers: alive until the ack
+    peer: int
+    tag: int
 
 
 @dataclass
@@ -90,6 +103,8 @@ class LocalCopyWire(_HostSide):
     def __init__(self, inner: Any, local_peers: Iterable[int], group: Any = None) -> None:
         self.inner, self.local_peers, self.group = inner, frozenset(local_peers), group
         self.device = inner.device
+        if self.local_peers:
+            allow_readers()
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         if peer not in self.local_peers:
@@ -100,7 +115,7 @@ class LocalCopyWire(_HostSide):
                               dtype=torch.int64)
         ack = torch.zeros(1, dtype=torch.uint8)
         ack_work = dist.irecv(ack, peer, group=self.group, tag=tag + ACK_TAG)  # posted first: the ack never waits
-        return _Send(dist.isend(header, peer, group=self.group, tag=tag), ack_work, (tensor, header, ack))
+        return _Send(dist.isend(header, peer, group=self.group, tag=tag), ack_work, (tensor, header, ack), peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         if peer not in self.local_peers:
@@ -114,14 +129,23 @@ class LocalCopyWire(_HostSide):
         if isinstance(work, _Send):
             work.header.wait()
             work.ack.wait()
+            payload, _header, ack = work.keep
+            if not int(ack.item()):  # the receiver may not read us: the payload goes over the inner wire
+                dist.isend(payload, work.peer, group=self.group, tag=work.tag + FALLBACK_TAG).wait()
         elif isinstance(work, _Recv):
             work.header_work.wait()
             pid, address, nbytes = (int(v) for v in work.header.tolist())
             want = work.into.numel() * work.into.element_size()
             if nbytes != want:
                 raise RuntimeError(f"local copy from rank {work.peer}: {nbytes} bytes sent, {want} expected")
-            copy_from(pid, address, work.into)
-            dist.isend(torch.ones(1, dtype=torch.uint8), work.peer, group=self.group,
+            try:
+                copy_from(pid, address, work.into)
+                copied = True
+            except OSError:  # not allowed to read that process: have it send the payload
+                copied = False
+            dist.isend(torch.tensor([int(copied)], dtype=torch.uint8), work.peer, group=self.group,
                        tag=work.tag + ACK_TAG).wait()
+            if not copied:
+                dist.irecv(work.into, work.peer, group=self.group, tag=work.tag + FALLBACK_TAG).wait()
         else:
             self.inner.wait(work)
