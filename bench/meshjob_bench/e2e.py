@@ -203,6 +203,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     doc = {"benchmark": "e2e", "nic_rate": args.nic_rate, "network": network, **compute.to_json(),
            "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "stages": STAGES, "steps": steps,
            "timed_steps": steps - 1, "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0,
+           "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "jobs": {f"{r.model}/{r.config}": job_to_dict(bench_job(r.model, r.config, steps, args.quick))
                     for r in rows},
            "rows": [asdict(r) for r in rows], "plots": [png]}

@@ -639,6 +639,7 @@ def main(args: argparse.Namespace) -> int:
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "network_model": model, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
+           "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
            "targets": [{**asdict(t), "met": t.met} for t in targets]}
     path = os.path.join(args.out, "resharding.json")
