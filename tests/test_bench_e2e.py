@@ -18,7 +18,7 @@ def test_every_configuration_runs_the_same_model_on_the_same_hosts_with_dp_tp_pp
     hosts = next(iter(placements.values()))
     assert len(hosts) == HOSTS * DEVICES_PER_HOST and len(set(hosts)) == HOSTS
     job = bench_job(model, "meshjob", 2, quick=False)
-    assert all(s.data_parallel == 2 and s.tensor_parallel == 2 for s in job.stages) and len(job.stages) == 4
+    assert all(s.data_parallel == 1 and s.tensor_parallel == 2 for s in job.stages) and len(job.stages) == 8
 
 
 def test_the_configurations_are_meshjobs_alpas_and_the_signal_bound():
@@ -35,7 +35,7 @@ def test_quick_run_writes_ratios_predictions_a_json_and_a_png(tmp_path):
     out = tmp_path / "results"
     assert main(["--quick", "--out", str(out)]) == 0
     report = json.loads((out / "e2e.json").read_text())
-    assert report["compute"] == "emulated" and report["device"]["tflops"] == 4.0
+    assert report["compute"] == "emulated" and report["device"]["tflops"] == 1.0
     rows = {r["config"]: r for r in report["rows"]}
     assert set(rows) == set(CONFIGS)
     assert rows["alpa"]["vs_alpa"] == pytest.approx(1.0) and rows["signal"]["vs_signal"] == pytest.approx(1.0)
