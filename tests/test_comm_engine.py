@@ -48,39 +48,27 @@ def train_checked(job, perturb: tuple[int, TransferOrder] | None = None, timeout
     return plan, launch(plan.placement.world_size, target, timeout_s=timeout_s)
 
 
-def planned_sends(plan, rank: int) -> dict[tuple, list[str]]:
-    """Per link: the messages `rank` must send in one step, in order: transfers in the step's order, each
-    in the rank's program order (meshjob.program), then its gather inside the destination mesh."""
+def planned_messages(plan, rank: int, send: bool = True) -> dict[tuple, list[str]]:
+    """Per link: the messages `rank` must send (or post receives for) in one step, in order: transfers in
+    the step's order, each in the rank's program order (meshjob.program), then its gather inside the
+    destination mesh. Sends by the link they leave on, receives by the link they arrive on."""
     routes = {r.boundary.key: r for r in routes_from_plan(plan)}
     out: dict[tuple, list[str]] = {}
     for key, mb in transfer_order(plan).transfers:
         b, route = plan.boundary(key), routes[key]
         program = plan.program(b, rank)
-        for step, link in zip(program.sends, program.send_links):
+        steps, links = (program.sends, program.send_links) if send else (program.recvs, program.recv_links)
+        for step, link in zip(steps, links):
             out.setdefault(link, []).append(f"{key}#{mb}/{step.id}")
         for g in route.gather:
-            if g.src == rank:
-                out.setdefault(route.link(rank, g.dst), []).append(f"{key}#{mb}/{g.id}")
-    return out
-
-
-def planned_recvs(plan, rank: int) -> dict[tuple, list[str]]:
-    """Per in-link: the messages `rank` receives in one step, in the order it must post them."""
-    routes = {r.boundary.key: r for r in routes_from_plan(plan)}
-    out: dict[tuple, list[str]] = {}
-    for key, mb in transfer_order(plan).transfers:
-        b, route = plan.boundary(key), routes[key]
-        program = plan.program(b, rank)
-        for step, link in zip(program.recvs, program.recv_links):
-            out.setdefault(link, []).append(f"{key}#{mb}/{step.id}")
-        for g in route.gather:
-            if g.dst == rank:
-                out.setdefault(route.in_link(g.src, rank), []).append(f"{key}#{mb}/{g.id}")
+            if rank == (g.src if send else g.dst):
+                link = route.link(rank, g.dst) if send else route.in_link(g.src, rank)
+                out.setdefault(link, []).append(f"{key}#{mb}/{g.id}")
     return out
 
 
 def link_of_messages(plan, rank: int) -> dict[str, tuple]:
-    return {m: link for link, messages in planned_sends(plan, rank).items() for m in messages}
+    return {m: link for link, messages in planned_messages(plan, rank).items() for m in messages}
 
 
 def most_in_flight(log, links: dict[str, tuple], kind: str = "send") -> dict[tuple, int]:
@@ -111,51 +99,40 @@ def test_every_pair_of_ranks_issues_its_messages_in_one_order_through_a_whole_tr
     assert all(result.losses or result.stage != len(job.stages) - 1 for result, _ in values)
 
 
+def issued_per_link(log, planned: dict[tuple, list[str]], op: str) -> dict[tuple, list[str]]:
+    """The messages a wire log shows issued (op "send" or "recv"), per link of the plan."""
+    links = {m: link for link, messages in planned.items() for m in messages}
+    out: dict[tuple, list[str]] = {}
+    for logged_op, _peer, message in log:
+        if logged_op == op:
+            out.setdefault(links[message], []).append(message)
+    return out
+
+
 @pytest.mark.slow
-def test_each_rank_sends_in_the_planned_order_on_every_link(checked_run):
+@pytest.mark.parametrize("op", ["send", "recv"])
+def test_each_rank_issues_its_messages_in_the_planned_order_on_every_link(checked_run, op):
+    """Sends on each out-link, receives posted on each in-link."""
     job, plan, values = checked_run
     for rank, (_result, log) in enumerate(values):
-        links = link_of_messages(plan, rank)
-        sent: dict[tuple, list[str]] = {}
-        for op, _peer, message in log:
-            if op == "send":
-                sent.setdefault(links[message], []).append(message)
-        planned = planned_sends(plan, rank)
-        assert sent == {link: messages * job.training.steps for link, messages in planned.items()}, f"rank {rank}"
+        planned = planned_messages(plan, rank, send=op == "send")
+        issued = issued_per_link(log, planned, op)
+        assert issued == {link: messages * job.training.steps for link, messages in planned.items()}, f"rank {rank}"
 
 
 @pytest.mark.slow
-def test_no_link_carries_more_sends_at_once_than_the_network_model_allows(checked_run):
+@pytest.mark.parametrize("op", ["send", "recv"])
+def test_no_link_has_more_messages_issued_at_once_than_the_network_model_allows(checked_run, op):
+    """Sends per out-link, and receives posted per in-link (so a host's in-link takes its messages in the
+    planned order): at most in_flight_per_link not yet done."""
     _job, plan, values = checked_run
     bound = plan.network.in_flight_per_link
     for rank, (_result, log) in enumerate(values):
-        most = most_in_flight(log, link_of_messages(plan, rank))
-        assert all(n <= bound for n in most.values()), f"rank {rank}: {most}"
-    # That the bound is reached (not only respected) depends on timing here; the test below forces it.
-
-
-@pytest.mark.slow
-def test_each_rank_posts_its_receives_in_the_planned_order_on_every_in_link(checked_run):
-    job, plan, values = checked_run
-    for rank, (_result, log) in enumerate(values):
-        planned = planned_recvs(plan, rank)
+        planned = planned_messages(plan, rank, send=op == "send")
         links = {m: link for link, messages in planned.items() for m in messages}
-        posted: dict[tuple, list[str]] = {}
-        for op, _peer, message in log:
-            if op == "recv":
-                posted.setdefault(links[message], []).append(message)
-        assert posted == {link: messages * job.training.steps for link, messages in planned.items()}, f"rank {rank}"
-
-
-@pytest.mark.slow
-def test_no_in_link_has_more_receives_posted_than_the_network_model_allows(checked_run):
-    """A host's in-link takes its messages in the planned order: a receiver posts only a few ahead."""
-    _job, plan, values = checked_run
-    bound = plan.network.in_flight_per_link
-    for rank, (_result, log) in enumerate(values):
-        links = {m: link for link, messages in planned_recvs(plan, rank).items() for m in messages}
-        most = most_in_flight(log, links, kind="recv")
-        assert all(n <= bound for n in most.values()), f"rank {rank}: {most}"
+        most = most_in_flight(log, links, kind=op)
+        assert all(n <= bound for n in most.values()), f"rank {rank} {op}: {most}"
+    # That the bound is reached (not only respected) depends on timing here; the test below forces it.
 
 
 @pytest.mark.slow
