@@ -202,6 +202,19 @@ def test_pre_exec_runs_in_each_child_before_the_target():
     assert entered == []
 
 
+def test_a_free_port_for_the_rendezvous_is_below_the_ports_outgoing_connections_take():
+    import socket
+
+    from meshjob_trainer.launch import ephemeral_ports, free_port
+
+    low, _ = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1
+    for port in ports:  # and free: bindable now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 @pytest.mark.slow
 def test_one_failing_rank_takes_the_gang_down():
     def target(ctx: RankContext):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import random
 import select
 import signal
 import socket
@@ -39,8 +40,31 @@ PR_SET_PDEATHSIG = 1
 _FRAME = struct.Struct("!I")  # length prefix of one pickled (rank, event) in the event pipe
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for bind(port 0) and for every outgoing connection."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(addr: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port that is free now, chosen below the ephemeral range: the kernel gives ephemeral ports to
+    outgoing connections too, and with gangs connecting all the time one of them could take the port
+    before rank 0 binds it (a bind(0) port comes from that range)."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()
+    for _ in range(tries if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below it: any free port
         s.bind((addr, 0))
         return int(s.getsockname()[1])
 
