@@ -290,6 +290,20 @@ def test_worker_refuses_a_node_rank_beyond_the_jobs_hosts(monkeypatch, capsys, o
     assert "--node-rank 1 is invalid: the job uses 1 host(s), node ranks 0..0" in capsys.readouterr().err
 
 
+def test_worker_reports_checkpoints_no_rank_can_resume_from_as_a_message_not_a_traceback(monkeypatch, capsys,
+                                                                                          one_host_job):
+    from meshjob_trainer import worker
+    from meshjob_trainer.checkpoint import CheckpointCorrupt
+
+    def corrupt(*args, **kwargs):
+        raise CheckpointCorrupt("rank 0: no checkpoint step loads on every rank: step 4: rank-00001.pt is damaged")
+
+    monkeypatch.setattr(worker, "run_worker", corrupt)
+    assert worker_cli(monkeypatch, "--job", one_host_job(), RANK="0", WORLD_SIZE="4") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("meshjob worker: rank 0: no checkpoint step loads on every rank") and "Traceback" not in err
+
+
 def test_worker_reports_an_invalid_spec_field_and_exits_2(monkeypatch, capsys, one_host_job):
     assert worker_cli(monkeypatch, "--job", one_host_job(microbatches=3)) == 2
     assert "spec.training.microbatches: 3 is invalid" in capsys.readouterr().err

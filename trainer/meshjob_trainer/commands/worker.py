@@ -46,6 +46,7 @@ def _settings(args: argparse.Namespace, environ: dict[str, str]) -> WorkerSettin
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshjob_trainer.checkpoint import CheckpointCorrupt
     from meshjob_trainer.dist import DistError, NodeEnv, WorkerEnv
     from meshjob_trainer.worker import load_setup, run_host, run_worker
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if args.node_rank is not None:
             node = dataclasses.replace(node, node_rank=args.node_rank)
         result = run_host(setup, settings, node, args.nproc, args.timeout)
-    except DistError as err:
+    except (DistError, CheckpointCorrupt) as err:  # said plainly, not as a traceback
         print(f"meshjob worker: {err}", file=sys.stderr)
         return 1
     for failure in result.failures():
