@@ -11,7 +11,9 @@ training job under
   eager-1f1b           more warm-up forwards (2(S-i)-1), so communication overlaps later compute
   eager-1f1b+wdelay    plus backward weight delaying (I first, W postponed: weightGradDelay auto,
                        sized by the plan from the device's modelled costs)
-  signal               eager-1f1b with 1-byte transfers: the communication-free upper bound
+  signal               eager-1f1b with a weight delay of 1 and 1-byte transfers: the communication-
+                       free bound (without the delay, eager-1f1b+wdelay beat it where communication
+                       is cheap: a delayed W fills the drain's bubbles, zero-bubble style)
 over a sweep of NIC rates, each chosen so that communication is a given fraction of compute: the
 busiest NIC direction's bytes per microbatch over the rate, divided by a stage's F + I + W of one
 microbatch (`--comm-fractions`, default 0.1, 0.3 and 1.0). Reported per run: throughput over 1f1b and over
@@ -44,7 +46,7 @@ VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-g
     "1f1b": {"kind": "1f1b", "delay": 0, "strategy": "broadcast"},
     "eager-1f1b": {"kind": "eager-1f1b", "delay": 0, "strategy": "broadcast"},
     "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": "auto", "strategy": "broadcast"},
-    "signal": {"kind": "eager-1f1b", "delay": 0, "strategy": "signal"},
+    "signal": {"kind": "eager-1f1b", "delay": 1, "strategy": "signal"},
 }
 MODELS = ("gpt", "utransformer")
 LAYERS_PER_STAGE = 4
