@@ -513,3 +513,36 @@ def test_receivers_record_time_over_the_lower_bound_and_senders_count_unit_tasks
     assert all(ratios[r] is not None and ratios[r] > 0 for r in case.dst.ranks)
     assert all(ratios[r] is None for r in case.src.ranks)
     assert sum(tasks or 0 for *_rest, tasks in results) == len({s.task for s in boundary.steps})
+
+
+class ForgetfulWire(FakeWire):
+    """A FakeWire that keeps none of the tensors it carries."""
+
+    def isend(self, tensor, peer, tag, message):
+        self._call("send")
+
+    def irecv(self, tensor, peer, tag, message):
+        self._call("recv")
+        tensor.fill_(1)
+
+
+def test_a_finished_transfer_frees_its_buffers_when_the_compute_drops_the_result():
+    """Not whenever Python's cyclic collector next runs: a rank that allocates few Python objects
+    kept the payloads of hundreds of transfers (the job and its handle refer to each other)."""
+    import gc
+    import weakref
+
+    case = CASES[1]
+    boundary = make_boundary(case, "broadcast")
+    routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+    ex = ReshardExecutor(None, case.dst.ranks[0], routes=routes, wire=ForgetfulWire())  # it also forwards
+    gc.disable()
+    try:
+        handle = ex.start(boundary.key, 0, None)
+        result = weakref.ref(handle.wait(timeout_s=10))
+        ex.close()  # the engine's threads are gone: only the compute could hold the result now
+        assert result() is not None
+        del handle
+        assert result() is None
+    finally:
+        gc.enable()

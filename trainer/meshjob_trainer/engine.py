@@ -121,6 +121,15 @@ class Job:
             held, self.result_bytes = self.held, 0
         self._count(-held)
 
+    def retire(self) -> None:
+        """The job is done: let go of its buffers and of its handle. The handle keeps the result for the
+        compute; without this the job and its handle, which refer to each other, would keep every
+        buffer of the transfer until Python's cyclic collector next ran (the payloads of hundreds of
+        transfers, on a rank that allocates few Python objects)."""
+        self.handle = None  # type: ignore[assignment]
+        for message in self.messages.values():
+            message.work = message.tensor = None
+
     def _count(self, nbytes: int) -> None:
         with self._lock:  # the engine's thread allocates, the compute's takes the result
             self.held += nbytes
@@ -308,15 +317,16 @@ class CommEngine:
             self.order.position(job.key, job.mb)  # KeyError names a transfer the step does not have
         job.source_mark = self.wire.mark()
         job.memory = self.memory
+        handle = job.handle  # the engine drops it from the job once the job is done, maybe before we return
         with self._cond:
             if self._error is not None:
-                job.handle._fail(self._error)
-                return job.handle
+                handle._fail(self._error)
+                return handle
             if self._closing:
                 raise EngineError(f"rank {self.rank}: the communication engine is closed")
             self._inbox.append(("job", job))
             self._cond.notify()
-        return job.handle
+        return handle
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the jobs under way (a chain's last forwards), then stop the engine and its waiters."""
@@ -326,6 +336,8 @@ class CommEngine:
         self._thread.join(timeout_s)
         for waiter in self._waiters.values():
             waiter.stop()
+        for waiter in self._waiters.values():
+            waiter.thread.join(timeout_s)
 
     @property
     def error(self) -> BaseException | None:
@@ -352,6 +364,7 @@ class CommEngine:
                     self._issue()
                 except BaseException as err:  # noqa: BLE001 - a broken wire fails every job, not the thread
                     self._fail_all(err)
+                items = item = None  # hold no job while waiting for the next
 
     def _active(self) -> bool:
         return any(self._jobs.values())
@@ -453,6 +466,7 @@ class CommEngine:
             job.release_all()
             self._jobs[(job.key, job.mb)].remove(job)
             handle._set_done()
+            job.retire()
 
     def _fail_all(self, error: BaseException) -> None:
         self._error = error
@@ -488,3 +502,4 @@ class _Waiter:
             except BaseException as err:  # noqa: BLE001 - reported to the engine, which fails the jobs
                 error = err
             self.engine._post(("done", job, message, error))
+            item = job = message = None  # hold no job while blocked on the next

@@ -449,6 +449,11 @@ class _Transfer(Job):
         self.stats.seconds = seconds
         self._record()
 
+    def retire(self) -> None:
+        super().retire()
+        self.source = self.buffer = self.out = None  # the result lives on in the handle, for the compute
+        self.temps.clear()
+
     def _record(self) -> None:
         """Receivers: bytes and time per scope, time over the plan's lower bound, and the achieved
         NIC rate of their host (cross-host bytes over the resharding's wall time). Chosen senders:
