@@ -156,6 +156,15 @@ def exhaustive_optimum(tasks, strategy, chunks, network):
     return best
 
 
+def test_dfs_branches_on_tasks_that_start_after_another_could_finish():
+    """Hypothesis's counterexample to active-schedule pruning: tasks hold several links at once."""
+    tasks = [HostTask((1, 2), (5, 3, 4), 1000), HostTask((1,), (4, 3), 1000), HostTask((0,), (3,), 1000),
+             HostTask((1, 2), (4,), 1000)]
+    sched = balance(tasks, "dfs", "send_recv", FULL, 4, budget_s=5.0)
+    assert sched.finished and sched.makespan_s == pytest.approx(4.0)
+    assert exhaustive_optimum(tasks, "send_recv", 4, FULL) == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("network", ["full", "half"])
 @settings(max_examples=40, deadline=None)
 @given(tasks=host_task_lists(max_tasks=5, hosts=3), strategy=st.sampled_from(["send_recv", "broadcast"]))
