@@ -24,7 +24,8 @@ Structure (Alpa's stage construction, then a full simulation to rank):
    found is skipped. If the best step exceeds T, T rises to it and the walk repeats, so every candidate
    that could beat the winner was simulated: the result equals exhaustive enumeration of the same space
    (`exhaustive`, for tests and `meshjob bench tune`). Large spaces stop at `max_evaluations`
-   simulations or `max_candidates` listed, and say so (`Result.proven` False, with the gap).
+   simulations, `max_candidates` listed or WALK_NODES stage choices tried per walk, and say so
+   (`Result.proven` False, with the least lower bound of what was not simulated).
 Everything iterates in sorted order and ties break on the candidate's key: the same inputs give the
 same result in every process.
 """
@@ -50,8 +51,9 @@ BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, 
 SCHEDULES = (("gpipe", 0), ("1f1b", 0), ("1f1b", "auto"), ("eager-1f1b", 0), ("eager-1f1b", "auto"))
 DEFAULT_MAX_STAGES = 16
 DEFAULT_MAX_MICROBATCHES = 64
-DEFAULT_MAX_EVALUATIONS = 200
+DEFAULT_MAX_EVALUATIONS = 100
 DEFAULT_MAX_CANDIDATES = 20000
+WALK_NODES = 4000  # stage choices one walk (microbatches, schedule, stage count) may try
 INF = math.inf
 
 
@@ -172,6 +174,12 @@ class Option:
         return max(ahead_s + self.compute_s, self.nic_s)
 
 
+@dataclass(frozen=True)
+class PerLayer:
+    forward_s: float
+    bound_s: float
+
+
 class Tables:
     """Per microbatch count: every (layers, first?, last?) -> its options, and the DP over them."""
 
@@ -210,6 +218,15 @@ class Tables:
         t, m = self.job.training, self.job.model
         share = FLOAT32 * t.microbatch_size * m.seq_len * m.hidden / (c.mesh[0] if c.dp_dim == 0 else 1)
         return self.m * (2 - first - last) * share / self.cluster.network.nic_bytes_per_s
+
+    def least_per_layer(self) -> "PerLayer":
+        """The least forward and the least M (F + B) one middle layer takes on any choice: all the layers
+        ahead of a stage add at least their forwards to its term, and it holds at least one layer."""
+        if self.layers < 3:
+            return PerLayer(0.0, 0.0)
+        options = self.options(1, False, False)
+        return PerLayer(min(o.figures.cost.forward_s for o in options),
+                        min(self.m * o.figures.per_microbatch_s for o in options))
 
     def frontier(self, layers: int, first: bool, last: bool, stash: int, key: str
                  ) -> tuple[list[float], list[int]]:
@@ -458,7 +475,7 @@ def search(problem: Problem, top: int = 5, max_evaluations: int = DEFAULT_MAX_EV
         listed = max(listed, len(listing))
         budget_hit = _evaluate(problem, listing, seen, max_evaluations, progress)
         best = min((p.step_s for p in seen.values() if p is not None), default=INF)
-        if budget_hit or not complete:
+        if budget_hit or (not complete and best < INF):
             break
         if best <= threshold:
             proven = True
@@ -572,7 +589,7 @@ def _list(problem: Problem, groups, best_bounds, threshold: float, max_candidate
     for m, kind, delay in live:
         for stages in problem.stage_counts():
             for n, structure in enumerate(_walk(problem, m, kind, delay, threshold, stages)):
-                if n == per_stage_count:
+                if n == per_stage_count or structure is None:
                     complete = False  # this stage count has more: listed the first (balanced cuts first)
                     break
                 lb, est = problem.bound(structure), problem.estimate(structure)
@@ -594,6 +611,8 @@ def _walk(problem: Problem, m: int, kind: str, delay: int | str, threshold: floa
     g = t.fewest_devices(kind, threshold, max(problem.stage_counts()))
     if g[stages][0] > devices:
         return
+    per_layer = t.least_per_layer()
+    tried = [0]
     if True:
 
         def step(k: int, a: int, used: int, prefix: float, layers: list[int], chosen: list[StageChoice]
@@ -609,8 +628,13 @@ def _walk(problem: Problem, m: int, kind: str, delay: int | str, threshold: floa
                 rest = g[left - 1][a + size] if left > 1 else 0
                 if used + rest >= devices + 1:
                     continue
+                if left > 1 and prefix + per_layer.forward_s * (n - a - 1) + per_layer.bound_s > threshold:
+                    continue  # the last stage's term: the forwards ahead of it, then at least one layer M times
                 stash = stashed(kind, split, k, stages, m)
                 for o in t.options(size, first, last):
+                    tried[0] += 1
+                    if tried[0] > WALK_NODES:
+                        raise _WalkBudget
                     if o.bound_s > threshold:
                         break  # options are sorted by bound_s
                     if o.term_s(prefix) > threshold:
@@ -626,7 +650,14 @@ def _walk(problem: Problem, m: int, kind: str, delay: int | str, threshold: floa
                     layers.pop()
                     chosen.pop()
 
-        yield from step(0, 0, 0, 0.0, [], [])
+        try:
+            yield from step(0, 0, 0, 0.0, [], [])
+        except _WalkBudget:
+            yield None  # the walk stopped at its budget: what it did not reach is not listed
+
+
+class _WalkBudget(Exception):
+    """A walk tried WALK_NODES stage choices."""
 
 
 def _evaluate(problem: Problem, listing, seen: dict, max_evaluations: int, progress: Progress | None) -> bool:

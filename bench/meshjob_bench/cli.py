@@ -1,4 +1,4 @@
-"""`meshjob bench resharding|pipeline|planner|message-cost|operator|fuzz|memory|e2e`: dispatch to the benchmark modules of this package.
+"""`meshjob bench resharding|pipeline|planner|message-cost|operator|fuzz|memory|e2e|tune`: dispatch to the benchmark modules of this package.
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -10,7 +10,7 @@ import importlib
 import sys
 from types import ModuleType
 
-HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing, memory, end to end"
+HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator, input fuzzing, memory, end to end, tune"
 BENCHMARKS: dict[str, str] = {
     "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
     "pipeline": "pipeline schedules: 1f1b, eager-1f1b, weight-grad delay, signal upper bound",
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "fuzz": "generated and mutated manifests through meshjob plan and the operator's validation",
     "memory": "memory per rank: parameters, optimizer, activations for fp32/bf16, recompute, ZeRO 0/1",
     "e2e": "end to end on emulated devices: meshjob against Alpa's defaults and the signal bound",
+    "tune": "meshjob tune's search against exhaustive enumeration, and its time on 64 hosts x 8 devices",
 }
 
 

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="candidates to rank (default 5)")
     p.add_argument("--max-stages", type=int, default=None, help="most pipeline stages to consider (default 16)")
     p.add_argument("--max-evaluations", type=int, default=None,
-                   help="most candidates to simulate (default 200); the search says when it stopped there")
+                   help="most candidates to simulate (default 100); the search says when it stopped there")
     p.add_argument("--out", default=None, help="write the chosen manifest here (it passes meshjob plan)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
