@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from meshjob_bench import parsed_arguments
-from meshjob.devices import DEVICES, Cluster
+from meshjob.tune_cluster import DEVICES, Cluster
 from meshjob.network import NetworkModel
 from meshjob.search import Problem, default_space, exhaustive, search
 from meshjob.tune_input import base_job, read_fixed
