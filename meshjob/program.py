@@ -57,18 +57,18 @@ def rank_programs(steps: Sequence[Step], host_of: Callable[[int], int], network:
     out = {}
     for rank in sorted(set(sends) | set(recvs)):
         mine = sorted(sends.get(rank, []), key=lambda s: key[s.id])
-        links = tuple(_link(s, host_of, network) for s in mine)
+        links = tuple(out_link(network, host_of(s.src), host_of(s.dst)) for s in mine)
         arriving = sorted(recvs.get(rank, []), key=lambda s: key[s.id])
         out[rank] = RankProgram(rank, tuple(mine), links, tuple(arriving),
-                                tuple(_in_link(s, host_of, network) for s in arriving))
+                                tuple(in_link(network, host_of(s.src), host_of(s.dst)) for s in arriving))
     return out
 
 
-def _link(step: Step, host_of: Callable[[int], int], network: NetworkModel) -> Link:
-    src, dst = host_of(step.src), host_of(step.dst)
-    return network.link(src, "local") if src == dst else network.link(src, "out")
+def out_link(network: NetworkModel, src_host: int, dst_host: int) -> Link:
+    """The link a message between these hosts leaves on: the source host's NIC out-link, or its local link."""
+    return network.link(src_host, "local") if src_host == dst_host else network.link(src_host, "out")
 
 
-def _in_link(step: Step, host_of: Callable[[int], int], network: NetworkModel) -> Link:
-    src, dst = host_of(step.src), host_of(step.dst)
-    return network.link(dst, "local") if src == dst else network.link(dst, "in")
+def in_link(network: NetworkModel, src_host: int, dst_host: int) -> Link:
+    """The link a message between these hosts arrives on: the destination's NIC in-link, or its local link."""
+    return network.link(dst_host, "local") if src_host == dst_host else network.link(dst_host, "in")

@@ -35,9 +35,11 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def _readv() -> Any:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.process_vm_readv
+    fn = _LIBC.process_vm_readv
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                    ctypes.c_ulong]
     fn.restype = ctypes.c_ssize_t
@@ -64,8 +66,7 @@ def copy_from(pid: int, address: int, into: torch.Tensor) -> None:
 
 def allow_readers() -> None:
     """Let processes of this user read this one (Yama ptrace_scope 1 allows only descendants)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)  # no Yama: EINVAL, nothing to allow
+    _LIBC.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)  # no Yama: EINVAL, nothing to allow
 
 
 def local_copy_available() -> bool:
@@ -78,12 +79,13 @@ def local_copy_available() -> bool:
         return False
 
 
-
 @dataclass
 class _Send:
-    header: Any  # the inner wire's work for the header
-    ack: Any  # and for the ack
-    keep: tuple[torch.Tensor, ...]  # payload, header and ack buffers: alive until the ack
+    header_work: Any
+    ack_work: Any
+    payload: torch.Tensor  # kept alive (and unchanged) until the ack: the receiver reads it in place
+    header: torch.Tensor
+    ack: torch.Tensor  # 1: copied; 0: the receiver may not read us, send the payload itself
     peer: int
     tag: int
 
@@ -115,7 +117,7 @@ class LocalCopyWire(_HostSide):
                               dtype=torch.int64)
         ack = torch.zeros(1, dtype=torch.uint8)
         ack_work = dist.irecv(ack, peer, group=self.group, tag=tag + ACK_TAG)  # posted first: the ack never waits
-        return _Send(dist.isend(header, peer, group=self.group, tag=tag), ack_work, (tensor, header, ack), peer, tag)
+        return _Send(dist.isend(header, peer, group=self.group, tag=tag), ack_work, tensor, header, ack, peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         if peer not in self.local_peers:
@@ -127,11 +129,10 @@ class LocalCopyWire(_HostSide):
 
     def wait(self, work: Any) -> None:
         if isinstance(work, _Send):
-            work.header.wait()
-            work.ack.wait()
-            payload, _header, ack = work.keep
-            if not int(ack.item()):  # the receiver may not read us: the payload goes over the inner wire
-                dist.isend(payload, work.peer, group=self.group, tag=work.tag + FALLBACK_TAG).wait()
+            work.header_work.wait()
+            work.ack_work.wait()
+            if not int(work.ack.item()):  # the receiver may not read us: the payload goes over the inner wire
+                dist.isend(work.payload, work.peer, group=self.group, tag=work.tag + FALLBACK_TAG).wait()
         elif isinstance(work, _Recv):
             work.header_work.wait()
             pid, address, nbytes = (int(v) for v in work.header.tolist())

@@ -33,7 +33,7 @@ from meshjob.comm_order import TransferOrder, recv_depths, transfer_order
 from meshjob.mesh import Mesh
 from meshjob.network import Link, NetworkModel
 from meshjob.plan import ITEMSIZE, Boundary
-from meshjob.program import RankProgram, rank_programs
+from meshjob.program import RankProgram, in_link, out_link, rank_programs
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
 from meshjob_trainer.engine import CommEngine, Handle, Job, MessageSpec
@@ -163,14 +163,12 @@ class Route:
         return total * itemsize
 
     def link(self, src: int, dst: int) -> Link:
-        """The link a message from rank src to rank dst leaves on (as meshjob.program names them)."""
-        a, b = self.host_of(src), self.host_of(dst)
-        return self.network.link(a, "local") if a == b else self.network.link(a, "out")
+        """The link a message from rank src to rank dst leaves on (meshjob.program.out_link)."""
+        return out_link(self.network, self.host_of(src), self.host_of(dst))
 
     def in_link(self, src: int, dst: int) -> Link:
-        """The link a message from rank src to rank dst arrives on."""
-        a, b = self.host_of(src), self.host_of(dst)
-        return self.network.link(b, "local") if a == b else self.network.link(b, "in")
+        """The link a message from rank src to rank dst arrives on (meshjob.program.in_link)."""
+        return in_link(self.network, self.host_of(src), self.host_of(dst))
 
     def message_specs(self, rank: int) -> tuple[MessageSpec, ...]:
         """What `rank` sends and receives for one microbatch: its sends in its program's order (each
