@@ -7,6 +7,7 @@ The status schema is written here: it is what the operator reports, not user inp
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -20,6 +21,8 @@ def field_schema(f: FieldSchema) -> dict[str, Any]:
     """One field of the table as an OpenAPI v3 (structural) schema."""
     if f.type == INT_OR_STRING:
         return int_or_string_schema(f)
+    if f.auto is not None:
+        return array_or_auto_schema(f)
     out: dict[str, Any] = {"type": f.type}
     if f.description:
         out["description"] = f.description
@@ -66,6 +69,23 @@ def int_or_string_schema(f: FieldSchema) -> dict[str, Any]:
         out["minimum"] = _number(f.minimum)
     if f.maximum is not None:
         out["maximum"] = _number(f.maximum)
+    return out
+
+
+def array_or_auto_schema(f: FieldSchema) -> dict[str, Any]:
+    """A list, or the word `auto` (spec.stages). A structural schema may leave out `type` only on an
+    int-or-string or an x-kubernetes-preserve-unknown-fields node, and may not set `type` inside anyOf,
+    so: no type, unknown fields kept (parse_job and the operator's webhook refuse them), and an anyOf
+    whose branches hold only for the word or for a non-empty list. `not: {maxItems: 0}` holds for a
+    list of at least one item and never for a non-list (maxItems holds for every non-list), so numbers,
+    booleans, mappings, empty lists and other words are refused; `items` checks each element as a list's.
+    kube-apiserver v1.20 accepts it (tests/test_auto_stages_envtest.py)."""
+    items = {k: v for k, v in field_schema(dataclasses.replace(f, auto=None)).items() if k != "type"}
+    out: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True,
+                           "anyOf": [{"enum": [f.auto]}, {"not": {"maxItems": 0}}]}
+    out.update({k: v for k, v in items.items() if k != "minItems"})
+    if f.description:
+        out["description"] = f.description
     return out
 
 
@@ -143,6 +163,15 @@ def status_schema() -> dict[str, Any]:
             "pods": {"type": "object", "additionalProperties": {"type": "string"},
                      "description": "pod name -> pod phase"},
             "observedGeneration": _integer("metadata.generation the status describes"),
+            "tuned": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                      "description": "spec.stages: auto: what the search chose (stages, microbatches, schedule, "
+                                     "resharding), its predicted step and the cluster it searched on",
+                      "properties": {"stages": {"type": "array", "items": {
+                                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                                     "microbatches": _integer("training.microbatches chosen"),
+                                     "predictedStepSeconds": {"type": "number"},
+                                     "evaluated": _integer("plans simulated"),
+                                     "provenBest": {"type": "boolean"}}},
         },
     }
 

@@ -44,6 +44,7 @@ class FieldSchema:
     preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
     description: str = ""
     legacy: tuple[tuple[Any, str], ...] = ()  # refused values, each with what to write instead
+    auto: str | None = None  # an array that also takes this word (a search chooses the items: `stages: auto`)
 
 
 def camel(name: str) -> str:
@@ -170,11 +171,13 @@ class FieldReader:
         if f.type == "object":
             attrs = self.read_object(f.model, value, path)
             return f.default if attrs is None else f.model(**attrs)
+        if f.auto is not None and value == f.auto:
+            return f.auto  # the caller decides whether a search runs here (meshjob.spec.parse_job refuses it)
         return self.read_array(f, value, path)
 
     def read_array(self, f: FieldSchema, value: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
-            self.fail(path, value, f"a list: {describe(f)}")
+            self.fail(path, value, f"{f.auto + ' or ' if f.auto else ''}a list: {describe(f)}")
             return f.default
         if f.min_items is not None and len(value) < f.min_items or \
                 f.max_items is not None and len(value) > f.max_items:

@@ -40,6 +40,10 @@ MAX_ZERO_STAGE = 1
 AUTO = "auto"
 CHUNKS_AUTO = (AUTO,)
 CLEAN_POD_POLICIES = ("All", "Running", "None")
+# what parse_job says to `stages: auto`: only a search (the operator, meshjob tune) takes it
+STAGES_AUTO_HERE = ("a list of stages here: `auto` is chosen by a search, which the operator runs on the cluster's "
+                    "Nodes; for a local run write the stages, e.g. with `meshjob tune job.yaml --hosts N "
+                    "--out tuned.yaml`")
 ACTIVATION = "activation"
 
 # Upper bounds of every count. Real deployments stay far inside them (the largest published runs:
@@ -448,9 +452,10 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("RunPolicy", "clean_pod_policy"): {"enum": CLEAN_POD_POLICIES},
     ("MetricsSpec", "port"): count(65535, why="metrics port of local rank 0 (local rank r: port + r)"),
     ("TrainingJob", "image"): chars(MAX_IMAGE, 1, "trainer image"),
-    ("TrainingJob", "stages"): {"min_items": 1, "max_items": MAX_STAGES, "required": True,
+    ("TrainingJob", "stages"): {"min_items": 1, "max_items": MAX_STAGES, "required": True, "auto": AUTO,
                                 "description": f"one disjoint device mesh per pipeline stage, in layer order; "
-                                f"at most {MAX_STAGES} (the deepest published pipeline: 64)"},
+                                f"at most {MAX_STAGES} (the deepest published pipeline: 64); or auto: the "
+                                f"operator chooses them with meshjob tune's search on the cluster's Nodes"},
     ("TrainingJob", "edges"): {"max_items": MAX_EDGES, "description": "optional layout overrides of the "
                                "model's edges (the stage chain plus utransformer skip edges)"},
     ("TrainingJob", "resources"): {"description": "k8s ResourceRequirements per device"},
@@ -815,6 +820,9 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     attrs = r.read_object(TrainingJob, doc.get("spec"), "spec")
     if attrs is None:
         raise SpecError(r.errors)
+    if attrs["stages"] == AUTO:
+        r.fail("spec.stages", AUTO, STAGES_AUTO_HERE)
+        attrs["stages"] = ()
     raw_edges = attrs.pop("edges") if "edges" in doc["spec"] else None
     attrs.pop("edges", None)
     job = TrainingJob(name=name, namespace=namespace, **attrs, edges=())

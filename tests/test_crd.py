@@ -81,8 +81,36 @@ def test_status_subresource_and_printer_columns():
 
 def test_schema_is_structural_every_node_has_a_type():
     untyped = [p for p, s in walk(open_api_schema())
-               if "type" not in s and not s.get("x-kubernetes-int-or-string")]
+               if "type" not in s and not s.get("x-kubernetes-int-or-string")
+               and not s.get("x-kubernetes-preserve-unknown-fields")]
     assert untyped == []
+
+
+def test_schema_sets_no_type_inside_any_of_but_int_or_strings():
+    """Structural rule: anyOf/allOf/oneOf/not name no type, except IntOrString's two."""
+    def types_inside(node: Any) -> Iterator[Any]:
+        if isinstance(node, dict):
+            for key, sub in node.items():
+                if key in ("anyOf", "allOf", "oneOf", "not"):
+                    for branch in (sub if isinstance(sub, list) else [sub]):
+                        if "type" in branch:
+                            yield node
+                yield from types_inside(sub)
+        elif isinstance(node, list):
+            for sub in node:
+                yield from types_inside(sub)
+    assert [n for n in types_inside(open_api_schema()) if not n.get("x-kubernetes-int-or-string")] == []
+
+
+def test_stages_is_auto_or_a_non_empty_list_of_stages():
+    stages = open_api_schema()["properties"]["spec"]["properties"]["stages"]
+    assert "type" not in stages and stages["x-kubernetes-preserve-unknown-fields"] is True
+    schema = {"type": "object", "properties": {"stages": stages}}
+    good = [{"layers": [0, 2], "mesh": [1, 1]}]
+    for value in ("auto", good):
+        jsonschema.Draft4Validator(schema).validate({"stages": value})
+    for bad in ("Auto", "", 5, True, None, [], {}, {"layers": [0, 2]}, [{"layers": "x", "mesh": [1]}], [1]):
+        assert not jsonschema.Draft4Validator(schema).is_valid({"stages": bad}), bad
 
 
 def test_schema_has_no_cel_rules_so_it_loads_on_kubernetes_1_20():
@@ -142,7 +170,8 @@ def test_enums_come_from_the_plan_layers_single_definitions():
 def test_minimums_maximums_and_required_fields():
     props = open_api_schema()["properties"]["spec"]["properties"]
     stage = props["stages"]["items"]
-    assert props["stages"]["minItems"] == 1 and "stages" in open_api_schema()["properties"]["spec"]["required"]
+    assert props["stages"]["anyOf"][1] == {"not": {"maxItems": 0}}  # a list: at least one stage
+    assert "stages" in open_api_schema()["properties"]["spec"]["required"]
     assert stage["required"] == ["layers", "mesh"]
     assert stage["properties"]["mesh"]["items"]["minimum"] == 1
     assert (stage["properties"]["mesh"]["minItems"], stage["properties"]["mesh"]["maxItems"]) == (1, 3)
@@ -168,7 +197,7 @@ def test_status_schema_fields_and_preserved_unknown_fields():
     assert status["x-kubernetes-preserve-unknown-fields"] is True
     assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "disruptions", "step", "checkpointStep", "progress",
                                          "startTime", "completionTime", "placement", "pods",
-                                         "observedGeneration"}
+                                         "observedGeneration", "tuned"}
     assert set(status["properties"]["conditions"]["items"]["properties"]) == {
         "type", "status", "reason", "message", "lastTransitionTime"}
     assert set(status["properties"]["placement"]["items"]["properties"]) == {"stage", "host", "node", "devices"}
@@ -306,6 +335,24 @@ def test_real_apiserver_enforces_the_bounds_parse_job_enforces(apiserver):
     stored = json.loads(kubectl(apiserver, "get", "tj", "tiny", "-o", "json").stdout)
     assert spec.parse_job(stored).schedule.weight_grad_delay == 3
     assert stored["spec"]["runPolicy"]["activeDeadlineSeconds"] == spec.INT64_MAX
+
+
+@pytest.mark.slow
+def test_real_apiserver_takes_stages_as_auto_or_a_list_and_refuses_the_rest(apiserver):
+    install_crd(apiserver)
+    tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    cases = [("auto", True), (tiny["spec"]["stages"], True), (5, False), ("many", False), ([], False),
+             ({"layers": [0, 2]}, False), ([{"layers": "x", "mesh": [1, 1]}], False)]
+    for i, (stages, ok) in enumerate(cases):
+        doc = json.loads(json.dumps(tiny))
+        doc["metadata"]["name"] = f"tiny-{i}"
+        doc["spec"]["stages"] = stages
+        made = kubectl(apiserver, "create", "-o", "json", "-f", "-", stdin=json.dumps(doc))
+        assert (made.returncode == 0) == ok, (stages, made.stderr)
+        if ok:
+            assert json.loads(made.stdout)["spec"]["stages"] == stages  # stored as sent
+        else:
+            assert "spec.stages" in made.stderr, (stages, made.stderr)
 
 
 # scalars whose reading differs between YAML 1.1 (PyYAML), YAML 1.2 and kubectl (go-yaml v2)

@@ -9,17 +9,19 @@ reconciler writes (the ConfigMap's plan files, the host pods, the placement), ne
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Mapping, Sequence
 
-from meshjob import rendered
-from meshjob.cluster import HostPod, host_pods, plan_on_nodes
-from meshjob.errors import PlacementError, SpecError
+from meshjob import auto_stages, rendered
+from meshjob.cluster import HostPod, describe_cluster, host_pods, hosts_of, node_infos, plan_on_nodes
+from meshjob.errors import PlacementError, SpecError, UsageError
 from meshjob.placement import Host
-from meshjob.rendered import PlanInputs
+from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
 from meshjob.spec import TrainingJob
+from meshjob.tune_cluster import Cluster
 
 DEFAULT_TIMEOUT_S = 60.0  # the largest job the spec allows plans in seconds; a minute is generous
 # forkserver: children forked from a small clean process that has these imported (the operator's own
@@ -41,14 +43,24 @@ class Planned:
     files: dict[str, str]  # the ConfigMap's plan files beside job.yaml (hosts.yaml, plan.json)
     pods: tuple[HostPod, ...]  # one per host
     placement: dict[str, Any]  # Placement.to_json()
+    chosen: TrainingJob | None = None  # spec.stages: auto: the job the search chose (what runs)
+    tuned: dict[str, Any] | None = None  # ... and status.tuned
+    tuned_message: str = ""  # ... and the StagesChosen Event's message
 
 
 def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None,
-             pods: Sequence[Mapping[str, Any]] = ()) -> Planned:
+             pods: Sequence[Mapping[str, Any]] = (), search: Mapping[str, Any] | None = None) -> Planned:
     """The job's plan on these Nodes less what the cluster's `pods` use there (hosts None: a fresh
-    placement, as `meshjob plan --cluster` makes it), or on the hosts its running pods already hold."""
+    placement, as `meshjob plan --cluster` makes it), or on the hosts its running pods already hold.
+    With `search` (a `stages: auto` manifest; `job` its placeholder) the stages are chosen first, on
+    those same hosts (meshjob.auto_stages)."""
     from kubernetes.utils.quantity import parse_quantity
 
+    if search is not None:
+        tuned = auto_stages.tune(search, _search_cluster(job, nodes, hosts, pods))
+        chosen = dataclasses.replace(tuned.job(), image=job.image)
+        planned = plan_job(chosen, nodes, hosts, pods)
+        return dataclasses.replace(planned, chosen=chosen, tuned=tuned.status(), tuned_message=tuned.message())
     if hosts is None:
         inputs, plan, _ = plan_on_nodes(job, nodes, parse_quantity, pods=pods)
     else:
@@ -57,14 +69,32 @@ def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[
     return Planned(rendered.render(inputs, plan), host_pods(plan.placement), plan.placement.to_json())
 
 
-def _child(sender: Connection, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-           hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]]) -> None:
+def _search_cluster(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None,
+                    pods: Sequence[Mapping[str, Any]]) -> Cluster:
+    """The hosts the job would be placed on (or holds) as the search's cluster, at the NIC rate placement
+    assumes; no usable host is a PlacementError saying which nodes were left out and why."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    if hosts is not None:
+        return auto_stages.search_cluster(hosts, DEFAULT_NIC_BYTES_PER_S)
+    infos = node_infos(nodes, job, parse_quantity, pods)
     try:
-        answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts, pods))
+        return auto_stages.search_cluster(hosts_of(infos), DEFAULT_NIC_BYTES_PER_S)
+    except PlacementError as err:
+        raise PlacementError(f"{err} (cluster: {describe_cluster(infos, job.topology)})") from None
+
+
+def _child(sender: Connection, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
+           hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]],
+           search: Mapping[str, Any] | None) -> None:
+    try:
+        answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts, pods, search))
     except PlacementError as err:
         answer = ("placement", str(err))
     except SpecError as err:
         answer = ("spec", err.errors)
+    except UsageError as err:  # the search: no plan fits (meshjob.search.Infeasible), or the fixed fields
+        answer = ("infeasible", str(err))
     sender.send(answer)
     sender.close()
 
@@ -87,11 +117,12 @@ class Planner:
         await asyncio.to_thread(forkserver.ensure_running)
 
     async def plan(self, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-                   hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]] = ()) -> Planned:
+                   hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]] = (),
+                   search: Mapping[str, Any] | None = None) -> Planned:
         """plan_job in a child process; raises PlacementError, SpecError or PlanningFailed (after timeout_s,
-        or when the child dies)."""
+        when the child dies, or when the search finds no plan that fits: reason Infeasible)."""
         receiver, sender = _CONTEXT.Pipe(duplex=False)
-        child = _CONTEXT.Process(target=_child, args=(sender, job, list(nodes), hosts, list(pods)), daemon=True,
+        child = _CONTEXT.Process(target=_child, args=(sender, job, list(nodes), hosts, list(pods), search), daemon=True,
                                  name=f"plan-{job.namespace}-{job.name}")
         try:
             await asyncio.to_thread(child.start)
@@ -106,6 +137,8 @@ class Planner:
             raise PlacementError(value)
         if kind == "spec":
             raise SpecError(value)
+        if kind == "infeasible":
+            raise PlanningFailed("Infeasible", value)
         if kind == "timeout":
             raise PlanningFailed("PlanningTimeout", f"planning took longer than {self.timeout_s:g} s (the operator's "
                                  "--plan-timeout): fewer stages, devices or microbatches plan faster")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from kubernetes.utils.quantity import parse_quantity
 
+from meshjob import auto_stages
 from meshjob.cluster import node_infos, still_fits
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.placement import Host, parse_hosts
@@ -33,7 +34,7 @@ from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNI
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
 MANAGED = ("phase", "conditions", "hosts", "restarts", "disruptions", "restartPending", "step", "checkpointStep",
-           "progress", "startTime", "completionTime", "placement", "pods", "observedGeneration")
+           "progress", "startTime", "completionTime", "placement", "pods", "observedGeneration", "tuned")
 RESTART_RECHECK_S = 1.0
 POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
 SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
@@ -61,9 +62,11 @@ ALLOWED_IMAGES_ENV = "MESHJOB_ALLOWED_IMAGES"  # comma-separated glob patterns; 
 
 def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
-    SpecError naming every bad field. A job without spec.image runs the operator's trainer image;
+    SpecError naming every bad field. A `stages: auto` job comes back with one placeholder stage: the
+    search replaces it when the job is planned (meshjob.auto_stages). A job without spec.image runs the operator's trainer image;
     with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused."""
-    job = parse_job(manifest(body))
+    doc = manifest(body)
+    job = auto_stages.parse_searchable(doc) if auto_stages.wants_search(doc) else parse_job(doc)
     render.check_pod_template(job)  # also: spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
@@ -165,7 +168,10 @@ class Reconciler:
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             return None
 
-        job = await self._refuse_edits(meta, body, draft, job, now)
+        # a `stages: auto` job searches until it has started; then it runs what it started with
+        search = manifest(body) if auto_stages.wants_search(manifest(body)) else None
+        job, started = await self._refuse_edits(meta, body, draft, job, now, search)
+        search = None if started else search
         if draft["phase"] == FAILED and (get_condition(draft.conditions, "Failed") or {}).get("reason") == "InvalidSpec":
             draft.condition("Failed", False, "SpecValid", "the spec is valid now", now)
             draft["phase"] = PENDING
@@ -224,7 +230,7 @@ class Reconciler:
             return await self._fail(meta, body, draft, job, pods, "DeadlineExceeded", text, now)
 
         if not pods or not expected or lifecycle.missing_indices(pods, expected):
-            created = await self._create_children(meta, body, draft, job, pods, now)
+            created = await self._create_children(meta, body, draft, job, pods, now, search)
             if not created:
                 return None
 
@@ -350,24 +356,29 @@ class Reconciler:
         return left
 
     async def _refuse_edits(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                            now: datetime.datetime) -> TrainingJob:
+                            now: datetime.datetime, search: Mapping[str, Any] | None = None
+                            ) -> tuple[TrainingJob, bool]:
         """Once its pods exist a job runs, and resumes from checkpoints of, the spec it started with (kept
         in its ConfigMap): an edit beside spec.runPolicy is refused (condition EditRefused, a Warning Event)
-        and the job runs on as it was, with the edited runPolicy."""
+        and the job runs on as it was, with the edited runPolicy. A `stages: auto` job (`search`, its
+        manifest) started with what the search chose then: the fields it left to the search are compared
+        with those. Returns the job to run and whether it is the started one."""
         started = await self._started_job(meta) if is_true(draft.conditions, "Created") else None
         if started is None:
-            return job
+            return job, False
+        if search is not None:
+            job = auto_stages.as_started(job, search, started)
         changed = lifecycle.immutable_changes(job_to_dict(started)["spec"], job_to_dict(job)["spec"])
         if not changed:
             draft.clear("EditRefused", "Unchanged", "the spec is the one the job started with", now)
-            return job
+            return (job if search is None else dataclasses.replace(started, run_policy=job.run_policy)), True
         message = (f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy can): it runs on "
                    "with the spec it started with; delete and re-create it to change them")
         old = (get_condition(draft.conditions, "EditRefused") or {}).get("message")
         draft.condition("EditRefused", True, "ImmutableWhileStarted", message, now)
         if old != message:
             self.emit(body, "Warning", "EditRefused", message)
-        return dataclasses.replace(started, run_policy=job.run_policy)
+        return dataclasses.replace(started, run_policy=job.run_policy), True
 
     async def _configmap_data(self, meta: render.JobMeta) -> dict[str, str]:
         cm = await self.kube.get(meta.namespace, "configmaps", names.configmap_name(meta.name))
@@ -389,7 +400,8 @@ class Reconciler:
         return parse_hosts(load_one(text, "hosts.yaml", "hosts"))
 
     async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                               pods: list[PodView], now: datetime.datetime) -> bool:
+                               pods: list[PodView], now: datetime.datetime,
+                               search: Mapping[str, Any] | None = None) -> bool:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
         # surviving pods keep their placement; a fresh (re)start places on the nodes there are now,
         # with the function `meshjob plan --cluster` calls
@@ -401,12 +413,12 @@ class Reconciler:
                 # take seconds), then, one job at a time, the plan is checked against the pods there are now
                 # and its pods created, so two jobs planned at once never take the same devices
                 others = await self.kube.list_running_pods() if fresh else []
-                planned = await self.planner.plan(job, nodes, hosts, others)
+                planned = await self.planner.plan(job, nodes, hosts, others, search)
                 if not fresh:
                     return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
                 async with self._placing:
                     now_running = await self.kube.list_running_pods()
-                    if still_fits(planned.pods, node_infos(nodes, job, parse_quantity, now_running)):
+                    if still_fits(planned.pods, node_infos(nodes, planned.chosen or job, parse_quantity, now_running)):
                         return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
             raise PlacementError(f"the devices it was planned on were taken by other jobs while it was planned "
                                  f"({PLACEMENT_ATTEMPTS} times)")
@@ -429,7 +441,13 @@ class Reconciler:
     async def _create_planned(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
                               pods: list[PodView], planned: Planned, nodes: list[Mapping[str, Any]], fresh: bool,
                               now: datetime.datetime) -> bool:
-        """The plan's ConfigMap, Service, PodGroup and missing pods."""
+        """The plan's ConfigMap, Service, PodGroup and missing pods (of the job the search chose, for a
+        `stages: auto` job: status.tuned and a StagesChosen Event say what it chose)."""
+        if planned.chosen is not None:
+            job = planned.chosen
+            if draft["tuned"] != planned.tuned:
+                self.emit(body, "Normal", "StagesChosen", planned.tuned_message)
+            draft["tuned"] = planned.tuned
         self.unschedulable.discard((meta.namespace, meta.name))
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
         node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}

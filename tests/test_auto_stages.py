@@ -1,0 +1,133 @@
+"""`spec.stages: auto`: only the search path takes it, the search on a cluster's hosts is deterministic
+across processes, and a started auto job compares with what was chosen for it (meshjob.auto_stages)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshjob import auto_stages, cli
+from meshjob.errors import PlacementError
+from meshjob.placement import Host
+from meshjob.search import Infeasible
+from meshjob.spec import SpecError, job_to_dict, parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+NIC = 125e6
+MODEL = {"kind": "gpt", "layers": 4, "hidden": 4096, "heads": 32, "vocab": 64, "seqLen": 16}
+
+
+def auto_doc(**spec) -> dict:
+    doc = {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "auto"},
+           "spec": {"model": dict(MODEL), "training": {"steps": 2, "globalBatch": 8},
+                    "topology": {"devicesPerHost": 2}, "stages": "auto"}}
+    doc["spec"].update(spec)
+    return doc
+
+
+def hosts(n: int, devices: int = 2) -> list[Host]:
+    return [Host(f"node-{i}", devices) for i in range(n)]
+
+
+def test_parse_job_refuses_stages_auto_naming_the_field_and_the_search():
+    with pytest.raises(SpecError) as err:
+        parse_job(auto_doc())
+    assert "spec.stages: 'auto' is invalid" in str(err.value) and "meshjob tune" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [5, "many", "AUTO", True, {"layers": [0, 4]}, []])
+def test_stages_other_than_auto_or_a_list_are_refused_naming_the_field(value):
+    from meshjob_operator.reconcile import validate
+
+    for parse in (parse_job, validate):  # meshjob plan's and the operator's reading
+        with pytest.raises(SpecError, match=r"spec\.stages"):
+            parse(auto_doc(stages=value))
+
+
+def test_meshjob_plan_on_an_auto_manifest_exits_2_saying_how_to_choose_stages(tmp_path, capsys):
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(auto_doc()))
+    assert cli.main(["plan", str(path)]) == 2
+    assert "spec.stages" in capsys.readouterr().err
+
+
+def test_the_search_path_accepts_stages_auto_and_validates_every_other_field():
+    job = auto_stages.parse_searchable(auto_doc())
+    assert auto_stages.wants_search(auto_doc()) and not auto_stages.wants_search(auto_doc(stages=[]))
+    assert job.model.layers == 4 and len(job.stages) == 1  # a placeholder until the search runs
+    with pytest.raises(SpecError, match=r"spec\.model\.heads"):
+        auto_stages.parse_searchable(auto_doc(model={**MODEL, "heads": 0}))
+    with pytest.raises(SpecError, match=r"spec\.edges"):
+        auto_stages.parse_searchable(auto_doc(edges=[{"from": 0, "to": 1}]))
+    with pytest.raises(SpecError, match=r"spec\.model\.kind"):
+        auto_stages.parse_searchable(auto_doc(model={"kind": "custom", "layers": 2, "entrypoint": "a.b:c"}))
+
+
+def test_the_search_cluster_is_the_hosts_with_the_smallest_hosts_devices():
+    cluster = auto_stages.search_cluster([Host("a", 4), Host("b", 2), Host("c", 0)], NIC)
+    assert (cluster.hosts, cluster.devices_per_host, cluster.network.nic_bytes_per_s) == (2, 2, NIC)
+    with pytest.raises(PlacementError, match="no usable host"):
+        auto_stages.search_cluster([Host("a", 0)], NIC)
+
+
+def test_the_chosen_manifest_is_a_valid_job_with_the_status_naming_its_choices():
+    tuned = auto_stages.tune(auto_doc(), auto_stages.search_cluster(hosts(2), NIC))
+    job = tuned.job()
+    status = tuned.status()
+    assert status["stages"] == job_to_dict(job)["spec"]["stages"]
+    assert status["microbatches"] == job.training.microbatches and status["cluster"]["hosts"] == 2
+    assert status["schedule"]["kind"] == job.schedule.kind and status["predictedStepSeconds"] > 0
+    assert job.world_size <= 4 and "predicted step" in tuned.message()
+
+
+def test_fields_the_manifest_sets_are_kept_by_the_search():
+    doc = auto_doc(schedule={"kind": "gpipe", "weightGradDelay": 0}, training={"steps": 2, "globalBatch": 8,
+                                                                               "microbatches": 4})
+    job = auto_stages.tune(doc, auto_stages.search_cluster(hosts(2), NIC)).job()
+    assert (job.schedule.kind, job.schedule.weight_grad_delay, job.training.microbatches) == ("gpipe", 0, 4)
+
+
+def test_a_model_that_fits_no_device_is_infeasible_with_the_smallest_overflow():
+    doc = auto_doc(model={**MODEL, "layers": 32, "hidden": 16384, "heads": 64})
+    with pytest.raises(Infeasible, match="smallest overflow found is"):
+        auto_stages.tune(doc, auto_stages.search_cluster(hosts(1, 1), NIC))
+
+
+SEARCH_IN_A_PROCESS = """
+import json, sys
+from meshjob import auto_stages
+from meshjob.placement import Host
+doc = json.loads(sys.argv[1])
+hosts = [Host(f"node-{i}", 2) for i in range(3)]
+print(json.dumps(auto_stages.tune(doc, auto_stages.search_cluster(hosts, 125e6)).status(), sort_keys=True))
+"""
+
+
+def test_the_search_chooses_the_same_in_every_process():
+    doc = auto_doc(model={**MODEL, "layers": 6})
+    runs = [subprocess.run([sys.executable, "-c", SEARCH_IN_A_PROCESS, json.dumps(doc)], capture_output=True,
+                           text=True, timeout=120, check=True).stdout for _ in range(2)]
+    here = auto_stages.tune(doc, auto_stages.search_cluster(hosts(3), NIC)).status()
+    assert runs[0] == runs[1] == json.dumps(here, sort_keys=True) + "\n"
+
+
+def test_a_started_auto_job_equals_its_started_spec_until_a_fixed_field_is_edited():
+    doc = auto_doc()
+    started = auto_stages.tune(doc, auto_stages.search_cluster(hosts(2), NIC)).job()
+    same = auto_stages.as_started(auto_stages.parse_searchable(doc), doc, started)
+    assert job_to_dict(same) == job_to_dict(started)
+    edited = auto_doc(model={**MODEL, "hidden": 2048})
+    changed = auto_stages.as_started(auto_stages.parse_searchable(edited), edited, started)
+    assert changed.model.hidden == 2048 and changed.stages == started.stages
+
+
+def test_the_operator_validates_an_auto_job_and_refuses_bad_ones_naming_the_field():
+    from meshjob_operator.reconcile import validate
+
+    assert len(validate(auto_doc()).stages) == 1
+    with pytest.raises(SpecError, match=r"spec\.stages"):
+        validate(auto_doc(stages="many"))
