@@ -8,7 +8,13 @@ nothing else about the network, so the plan optimises the problem that runs:
 - copies between devices of one host use a separate intra-host link (`intra_host_bytes_per_s`);
 - every message (one chunk of one point-to-point step) costs `message_s` on its link on top of its
   bytes (`intra_message_s` inside a host): the syscalls, framing and the receiver's wake-up of one
-  send. It is what makes chunks cost something, so `chunks: auto` can pick K.
+  send. It is what makes chunks cost something, so `chunks: auto` can pick K;
+- where every host's ranks share one machine's cores (the emulated cluster: `shared_cpu_cores`), a
+  message also costs CPU: `message_cpu_s` for its two ranks together plus a cost per byte, measured
+  through the communication engine under the run's own ranks (meshjob_trainer.cpu_probe). No task
+  ends before the shared cores have done its messages' work, so on two cores a chain cut into many
+  chunks is bound by the CPU, not the NICs, and `chunks: auto` stops where the two meet. Real hosts
+  have CPUs of their own, far from saturated by a few ranks' messages: `shared_cpu_cores` 0.
 
 `duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
 kept for the ablation in `meshjob bench planner` only.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from meshjob.resharding import STRATEGIES
@@ -57,6 +63,9 @@ class HostTask:
     # the chain's fill, which only the last of them exposes, against every chunk's message cost,
     # which they all pay.
     share: int = 1
+    # Tasks that run on the shared cores in the same window (itself included): chunks: auto weighs
+    # their messages' CPU work together (meshjob.window.with_shares).
+    cpu_share: int = 1
 
     def devices_on(self, host: int) -> int:
         if not self.receiver_devices:
@@ -95,13 +104,20 @@ class NetworkModel:
     # The executor keeps at most this many chunks in flight per link: one on the wire while the next
     # is posted; more would let the NIC's queue, not the plan, decide the order.
     in_flight_per_link: int = 2
+    # The CPU messages take where all hosts share one machine (see the module's docstring); 0 cores:
+    # not modelled.
+    shared_cpu_cores: int = 0
+    message_cpu_s: float = 0.0  # both ranks of one message together
+    net_byte_cpu_s: float = 0.0  # per byte between hosts (kernel copies through the NIC path)
+    local_byte_cpu_s: float = 0.0  # per byte inside a host
 
     def __post_init__(self) -> None:
         for name in ("nic_bytes_per_s", "intra_host_bytes_per_s", "line_bytes_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
-        for name in ("message_s", "intra_message_s", "burst_bytes"):
+        for name in ("message_s", "intra_message_s", "burst_bytes", "message_cpu_s", "net_byte_cpu_s",
+                     "local_byte_cpu_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
@@ -109,6 +125,8 @@ class NetworkModel:
             raise ValueError(f"duplex {self.duplex!r} is invalid: one of {', '.join(DUPLEX)}")
         if not isinstance(self.in_flight_per_link, int) or self.in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {self.in_flight_per_link!r} is invalid: an integer >= 1")
+        if not isinstance(self.shared_cpu_cores, int) or self.shared_cpu_cores < 0:
+            raise ValueError(f"shared_cpu_cores {self.shared_cpu_cores!r} is invalid: an integer >= 0")
 
     # ---------------------------------------------------------------- links and messages
     def link(self, host: int, direction: str) -> Link:
@@ -125,12 +143,28 @@ class NetworkModel:
         """One message between devices of one host."""
         return nbytes / self.intra_host_bytes_per_s + self.intra_message_s
 
+    def message_cpu(self, nbytes: float, local: bool) -> float:
+        """CPU seconds one message takes its two ranks (0 when CPU is not modelled)."""
+        if not self.shared_cpu_cores:
+            return 0.0
+        return self.message_cpu_s + nbytes * (self.local_byte_cpu_s if local else self.net_byte_cpu_s)
+
+    def cpu_s(self, net: tuple[float, float] = (0, 0), local: tuple[float, float] = (0, 0)) -> float:
+        """Seconds the shared cores need for (messages, bytes) between hosts and inside hosts."""
+        if not self.shared_cpu_cores:
+            return 0.0
+        work = ((net[0] + local[0]) * self.message_cpu_s + net[1] * self.net_byte_cpu_s
+                + local[1] * self.local_byte_cpu_s)
+        return work / self.shared_cpu_cores
+
     def to_json(self) -> dict[str, object]:
         return {"nic_bytes_per_s": self.nic_bytes_per_s, "message_s": self.message_s,
                 "intra_host_bytes_per_s": self.intra_host_bytes_per_s, "intra_message_s": self.intra_message_s,
                 "duplex": self.duplex,
                 "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
-                "in_flight_per_link": self.in_flight_per_link}
+                "in_flight_per_link": self.in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
+                "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
+                "local_byte_cpu_s": self.local_byte_cpu_s}
 
     # ---------------------------------------------------------------- unit tasks
     def task_cost(self, task: HostTask, sender: int, strategy: str, chunks: int | str = "auto") -> TaskCost:
@@ -203,6 +237,10 @@ def _task_cost(model: NetworkModel, task: HostTask, sender: int, strategy: str, 
         cost = _local_allgather_cost(model, task.bytes, sender, own, remote)
     else:
         cost = _global_allgather_cost(model, task.bytes, sender, own, remote)
+    if model.shared_cpu_cores:  # it cannot end before the shared cores did its messages' work
+        nbytes = 1 if strategy == "signal" else task.bytes
+        cost = replace(cost, seconds=max(cost.seconds, model.cpu_s(*_messages(strategy, nbytes, own, remote,
+                                                                                cost.chunks))))
     if model.duplex == "half":  # the paper's constraint 3: every host of the task, all along
         hosts = dict.fromkeys([model.link(sender, "out")] + [model.link(h, "in") for h, _ in remote])
         return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks)
@@ -217,7 +255,8 @@ def _chain_cost(model: NetworkModel, task: HostTask, sender: int, own: int, remo
     if strategy == "signal":
         k = 1
     elif chunks == "auto":
-        k = _best_chunks(model, nbytes, tuple(chain), min(MAX_AUTO_CHUNKS, task.max_chunks), task.share)
+        k = _best_chunks(model, nbytes, tuple(chain), min(MAX_AUTO_CHUNKS, task.max_chunks), task.share,
+                         task.cpu_share)
     else:
         k = max(1, min(int(chunks), task.max_chunks))
     seconds, hops, slowest = _chain_s(model, nbytes, tuple(chain), k)
@@ -252,14 +291,19 @@ def _chain_s(model: NetworkModel, nbytes: float, chain: tuple[tuple[bool, int], 
 
 @functools.lru_cache(maxsize=4096)
 def _best_chunks(model: NetworkModel, nbytes: float, chain: tuple[tuple[bool, int], ...], most: int,
-                 share: int = 1) -> int:
+                 share: int = 1, cpu_share: int = 1) -> int:
     """K in 1..most minimising the time until the last of `share` such chains queued on one link
     ends: (share - 1) times a chain's hold of its busiest link (K chunks at the slowest stage), then
     the whole of one chain. share = 1: the chain alone, the paper's t + (A - 1) t / K plus K
-    message costs. Ties: the fewer chunks."""
+    message costs. On shared cores, no sooner than they do the messages of `cpu_share` such chains.
+    Ties: the fewer chunks."""
+    own = chain[0][1] if chain and chain[0][0] else 0
+    remote = tuple((i, b) for i, (local, b) in enumerate(chain) if not local)
+
     def objective(k: int) -> float:
         seconds, _, slowest = _chain_s(model, nbytes, chain, k)
-        return seconds + (share - 1) * k * slowest
+        cpu = cpu_share * model.cpu_s(*_messages("broadcast", nbytes, own, remote, k))
+        return max(seconds + (share - 1) * k * slowest, cpu)
 
     best, best_s = 1, objective(1)
     for k in range(2, most + 1):
@@ -267,6 +311,31 @@ def _best_chunks(model: NetworkModel, nbytes: float, chain: tuple[tuple[bool, in
         if value < best_s - 1e-15:
             best, best_s = k, value
     return best
+
+
+def _messages(strategy: str, nbytes: float, own: int, remote: tuple[tuple[int, int], ...],
+              chunks: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((messages, bytes) between hosts, (messages, bytes) inside hosts) of one task by `strategy`
+    (the CPU they cost: NetworkModel.cpu_s)."""
+    devices = [b for _, b in remote]
+    if strategy in ("broadcast", "signal"):  # every chunk: a hop per host, then its head's copies
+        local_hops = (1 if own else 0) + sum(b - 1 for b in ([own] if own else []) + devices)
+        return (chunks * len(remote), nbytes * len(remote)), (chunks * local_hops, nbytes * local_hops)
+    if strategy == "send_recv":
+        return (sum(devices), nbytes * sum(devices)), (own, nbytes * own)
+    if strategy == "local_allgather":  # a part per device, then a ring inside each host
+        ring = sum((b - 1) * b for b in devices + ([own] if own else []))
+        net = (sum(devices), nbytes * len(devices))
+        local = (own + ring, nbytes * (1 if own else 0) + sum(nbytes * (b - 1) for b in devices + [own] if b))
+        return net, local
+    n = own + sum(devices)  # global all-gather: a part to each device, then n - 1 ring rounds
+    hosts = len(remote) + (1 if own else 0)
+    per_round_net = hosts if hosts > 1 else 0
+    per_round_local = sum(b - 1 for b in devices + ([own] if own else []))
+    part = nbytes / n
+    net_messages = sum(devices) + (n - 1) * per_round_net
+    local_messages = own + (n - 1) * per_round_local
+    return (net_messages, net_messages * part), (local_messages, local_messages * part)
 
 
 def _send_recv_cost(model: NetworkModel, nbytes: int, sender: int, own: int,

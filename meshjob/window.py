@@ -62,12 +62,14 @@ def window_groups(schedule_kind: str, backward: Sequence[bool]) -> list[tuple[st
 
 
 def with_shares(tasks: Sequence[HostTask]) -> list[HostTask]:
-    """Each task with `share`: how many of `tasks` its busiest receiving host's in-link must take."""
+    """Each task with `share`: how many of `tasks` its busiest receiving host's in-link must take,
+    and `cpu_share`: all of them, for the cores every host shares on an emulated cluster."""
     incoming: dict[int, int] = {}
     for t in tasks:
         for h in set(t.receiver_hosts) - set(t.sender_hosts):
             incoming[h] = incoming.get(h, 0) + 1
-    return [replace(t, share=max([1] + [incoming.get(h, 0) for h in t.receiver_hosts])) for t in tasks]
+    return [replace(t, share=max([1] + [incoming.get(h, 0) for h in t.receiver_hosts]), cpu_share=len(tasks))
+            for t in tasks]
 
 
 def balance_window(name: str, members: Sequence[int], tasks: Sequence[Sequence[HostTask]], balancer: str,

@@ -79,9 +79,11 @@ def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_
 
 
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
-    from meshjob_bench.resharding import Layout, build_cases
+    from meshjob_bench.resharding import Layout, bench_network, build_cases, plan_cases
 
-    cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=Layout())
+    layout = Layout()
+    cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout)
+    plan_cases(cases, layout, bench_network(1.25e8))
     for case in cases:
         assert len(case.simulated_s) == len(case.variants)
         for variant, boundary, simulated_s in zip(case.variants, case.boundaries, case.simulated_s):
@@ -138,7 +140,13 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {
         "naive", "load_balance", "dfs", "greedy"}
     assert all(r["correct"] for r in rows)
-    assert all(r["seconds"] > 0 and r["limit_s"] > 0 for r in rows)
+    assert all(r["seconds"] > 0 and r["limit_s"] > 0 and r["cpu_seconds"] > 0 for r in rows)
+    assert all(sum(r["messages"].values()) >= 1 for r in rows)
+    # planned with per-message costs measured through the engine first, on this machine's shared cores
+    costs, model = doc["message_costs"], doc["network_model"]
+    assert costs["message_cpu_s"] > 0 and len(costs["samples"]) == 8
+    assert model["shared_cpu_cores"] == os.cpu_count() and model["message_s"] == costs["message_s"]
+    assert "planning model: measured through the engine" in proc.stdout
     assert {t["name"] for t in doc["targets"]} >= {"paper scale: broadcast, every balancer"}
     for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig6_paper_scale.png", "fig8_balancers.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -161,10 +169,12 @@ def test_alpa_default_shards_the_destination_over_each_hosts_devices_too():
 
 
 def test_alpa_default_is_planned_as_its_send_recv_then_the_all_gather_inside_each_host():
-    from meshjob_bench.resharding import ALPA_DEFAULT, build_cases
+    from meshjob_bench.resharding import ALPA_DEFAULT, bench_network, build_cases, plan_cases
 
-    (case,) = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=Layout(),
+    layout = Layout()
+    (case,) = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,
                           sections=["one_to_many"])[-1:]
+    plan_cases([case], layout, bench_network(1.25e8))
     labels = [v.label for v in case.variants]
     alpa, send_recv = labels.index(ALPA_DEFAULT), labels.index("send_recv")
     # each device takes a quarter over the NIC, then the rest from its host's neighbours

@@ -1,4 +1,6 @@
 """The one network model: what a unit task costs and holds, and the chunk count it implies."""
+from dataclasses import replace
+
 import pytest
 
 from meshjob.network import MAX_AUTO_CHUNKS, HostTask, NetworkModel, auto_chunks
@@ -111,3 +113,56 @@ def test_chunks_never_exceed_what_the_slice_can_be_cut_into():
 def test_a_bad_network_model_is_rejected_naming_field_value_and_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NetworkModel(**kwargs)
+
+
+# ---------------------------------------------------------------- the shared cores of an emulated cluster
+SHARED = NetworkModel(nic_bytes_per_s=RATE, shared_cpu_cores=2, message_cpu_s=300e-6, net_byte_cpu_s=1e-9,
+                      local_byte_cpu_s=0.5e-9)
+FOUR_BY_FOUR = HostTask((0,), (1, 2, 3, 4), 16 * 2**20, receiver_devices=(4, 4, 4, 4))
+
+
+def test_without_shared_cores_messages_cost_no_cpu_and_tasks_cost_what_they_did():
+    plain = NetworkModel(nic_bytes_per_s=RATE, message_cpu_s=300e-6, net_byte_cpu_s=1e-9)
+    assert plain.cpu_s((100, 1e6), (100, 1e6)) == 0.0
+    assert plain.task_cost(FOUR_BY_FOUR, 0, "broadcast", 64) == NetworkModel(nic_bytes_per_s=RATE).task_cost(
+        FOUR_BY_FOUR, 0, "broadcast", 64)
+
+
+def test_shared_cores_share_every_messages_cpu_work():
+    # 10 messages between hosts (1 MB), 20 inside hosts (2 MB), on 2 cores
+    expected = (30 * 300e-6 + 1e6 * 1e-9 + 2e6 * 0.5e-9) / 2
+    assert SHARED.cpu_s((10, 1e6), (20, 2e6)) == pytest.approx(expected)
+
+
+def test_a_chain_in_many_chunks_ends_no_sooner_than_the_shared_cores_do_its_messages():
+    k = 128  # 4 hops and 12 copies per chunk
+    work = (16 * k * 300e-6 + 4 * FOUR_BY_FOUR.bytes * 1e-9 + 12 * FOUR_BY_FOUR.bytes * 0.5e-9) / 2
+    cost = SHARED.task_cost(FOUR_BY_FOUR, 0, "broadcast", k)
+    assert cost.seconds == pytest.approx(work)
+    assert cost.seconds > NetworkModel(nic_bytes_per_s=RATE).task_cost(FOUR_BY_FOUR, 0, "broadcast", k).seconds
+
+
+def test_chunks_auto_stops_where_the_shared_cores_would_outlast_the_nics():
+    plain = NetworkModel(nic_bytes_per_s=RATE).task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto")
+    shared = SHARED.task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto")
+    assert shared.chunks < plain.chunks / 2
+    best = min(SHARED.task_cost(FOUR_BY_FOUR, 0, "broadcast", k).seconds for k in range(1, MAX_AUTO_CHUNKS + 1))
+    assert shared.seconds == pytest.approx(best)
+
+
+def test_tasks_sharing_the_cores_in_a_window_take_fewer_chunks_each():
+    alone = SHARED.task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto").chunks
+    crowded = SHARED.task_cost(replace(FOUR_BY_FOUR, cpu_share=4), 0, "broadcast", "auto").chunks
+    assert crowded < alone
+
+
+@pytest.mark.parametrize("strategy", ["send_recv", "local_allgather", "global_allgather"])
+def test_every_strategy_pays_its_messages_cpu_on_shared_cores(strategy):
+    slow_cpu = replace(SHARED, message_cpu_s=1.0)  # a second per message: the CPU decides
+    cost = slow_cpu.task_cost(FOUR_BY_FOUR, 0, strategy, 1).seconds
+    assert cost >= 16 / 2  # at least one message per receiving device, on 2 cores
+
+
+def test_a_negative_number_of_shared_cores_is_rejected():
+    with pytest.raises(ValueError, match="shared_cpu_cores -1 is invalid: an integer >= 0"):
+        NetworkModel(shared_cpu_cores=-1)

@@ -193,3 +193,15 @@ def test_without_a_bucket_the_nic_rate_applies_from_the_first_byte():
     steps = [Step(id=0, task=0, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)]
     plain = NetworkModel(nic_bytes_per_s=1e6, **BYTES_ONLY)
     assert simulate_transfer(steps, host_of_rank, plain).makespan_s == pytest.approx(0.08)
+
+
+def test_on_shared_cores_a_transfer_ends_no_sooner_than_its_messages_cpu_work():
+    steps = chain_steps(hosts=4, chunks=64, nbytes=4 * MiB)
+    links_only = simulate_transfer(steps, host_of_rank, COST).makespan_s
+    shared = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
+                          message_cpu_s=2e-3, **BYTES_ONLY)
+    assert simulate_transfer(steps, host_of_rank, shared).makespan_s == pytest.approx(len(steps) * 2e-3 / 2)
+    assert len(steps) * 2e-3 / 2 > links_only
+    cheap = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
+                         message_cpu_s=1e-6, **BYTES_ONLY)
+    assert simulate_transfer(steps, host_of_rank, cheap).makespan_s == pytest.approx(links_only)

@@ -82,3 +82,12 @@ def test_quick_planner_bench_reports_both_network_models_and_joint_vs_per_bounda
     pair = [w for w in doc["windows"] if w["case"].startswith("U-Transformer pair") and w["balancer"] == "greedy"]
     assert pair and pair[0]["joint_speedup"] > 1.4
     assert (tmp_path / "planner.png").stat().st_size > 0
+
+
+def test_every_task_of_a_window_counts_the_window_on_the_shared_cores():
+    from meshjob.network import HostTask
+    from meshjob.window import with_shares
+
+    tasks = with_shares([HostTask((0,), (2,), 10), HostTask((0,), (2,), 10), HostTask((1,), (3,), 10)])
+    assert [t.share for t in tasks] == [2, 2, 1]  # two queue on host 2's in-link
+    assert [t.cpu_share for t in tasks] == [3, 3, 3]

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_bench import engine_costs
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="broadcast K values, comma separated, auto = per task from the network model "
                              "(default 4,16,64,auto)")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
+    parser.add_argument("--message-costs", choices=("measured", "default"), default="measured",
+                        help="plan with per-message link time and CPU on the shared cores measured first through "
+                             "the engine (default), or with the network model's defaults (raw gloo, CPU not "
+                             "modelled)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
                         help="run only this section (repeatable; default all)")
 
@@ -107,6 +112,7 @@ class Case:
     boundaries: list[Boundary] = field(default_factory=list)  # one per variant, tensor "v<variant>"
     simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate's prediction of each, same NICs
     planned_s: list[float] = field(default_factory=list)  # the plan's makespan of each (see planned_makespan)
+    messages: list[dict[str, int]] = field(default_factory=list)  # of each: scope -> messages the executor sends
 
 
 class Layout:
@@ -231,17 +237,35 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_b
         if c.section in ("many_to_many", "paper_scale"):
             k = balancer_chunks(chunks)
             c.variants += [Variant("broadcast", k, b) for b in BALANCERS if b != MAIN_BALANCER]
-        network = bench_network(nic_bytes_per_s)
+    return cases
+
+
+def plan_cases(cases: Sequence[Case], layout: Layout, network: NetworkModel) -> None:
+    """Each variant's plan on `network`, with its planned makespan and the simulator's prediction."""
+    for c in cases:
         c.boundaries = [variant_boundary(c, v, i, layout.host_of, network) for i, v in enumerate(c.variants)]
         c.simulated_s = [simulate_transfer(executed_steps(c, b), layout.host_of, network).makespan_s
                          for b in c.boundaries]
         c.planned_s = [planned_makespan(c, b, layout.host_of, network) for b in c.boundaries]
-    return cases
+        c.messages = [message_counts(c, b) for b in c.boundaries]
 
 
 def bench_network(nic_bytes_per_s: float) -> NetworkModel:
-    """The network model the benchmark plans with (and records in its JSON)."""
+    """The network model the benchmark plans with before the CPU is measured."""
     return NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+
+
+def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_costs.EngineCosts | None:
+    """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs); None if
+    the probe failed."""
+    layout = Layout()
+    cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
+                                     variant_boundary)
+    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, 3, ctx),
+                    **cluster.gang(layout.hosts).launch_args())
+    if not result.ok:
+        return None
+    return engine_costs.fit(collect(cases, [timing for timings in result.values for timing in timings]))
 
 
 def _expected(shape: tuple[int, ...]) -> Any:
@@ -292,15 +316,17 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
                     t0 = _common_start()
                     if not inside:
                         continue
+                    c0 = time.process_time()
                     out = executor.start(boundary.key, 0, local).wait()
-                    t1 = time.monotonic()
+                    t1, c1 = time.monotonic(), time.process_time()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":
                         want = full[to_index(tile(case.recv, case.dst_mesh.shape, case.shape,
                                                   case.dst_mesh.index_of(rank)))]
                         ok = bool(torch.equal(out, want))
                     if rep >= warmup or not ok:
-                        timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, correct=ok))
+                        timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, cpu=c1 - c0,
+                                           correct=ok))
             executor.close()
             dist.barrier()
     finally:
@@ -328,10 +354,13 @@ class Row:
     simulated_s: float = math.nan  # the simulator's prediction for the same steps
     simulator_error: float = math.nan  # simulated / measured - 1
     measured_over_planned: float = math.nan  # seconds / planned_makespan_s
+    cpu_seconds: float = math.nan  # median over repetitions of the CPU time all ranks spent in the transfer
+    messages: dict[str, int] = field(default_factory=dict)  # scope (cross_host, intra_host) -> messages sent
 
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
     spans: dict[tuple[int, int, int], list[float]] = {}
+    cpu: dict[tuple[int, int, int], float] = {}
     wrong: set[tuple[int, int]] = set()
     for e in events:
         if not e.get("correct", True):
@@ -341,6 +370,7 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
         key = (e["case"], e["variant"], e["rep"])
         lo, hi = spans.get(key, [math.inf, -math.inf])
         spans[key] = [min(lo, e["start"]), max(hi, e["end"])]
+        cpu[key] = cpu.get(key, 0.0) + e.get("cpu", 0.0)
     rows: list[Row] = []
     for ci, case in enumerate(cases):
         times = {vi: [hi - lo for (c, v, _), (lo, hi) in sorted(spans.items()) if c == ci and v == vi]
@@ -356,8 +386,18 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
                             base.get("send_recv", math.nan) / med[vi],
                             planned, b.lower_bound_s, (ci, vi) not in wrong, simulated,
                             simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
-                            med[vi] / planned if planned > 0 else math.nan))
+                            med[vi] / planned if planned > 0 else math.nan,
+                            statistics.median(c for (cc, v, _), c in cpu.items() if cc == ci and v == vi)
+                            if times[vi] else math.nan, case.messages[vi] if case.messages else {}))
     return rows
+
+
+def message_counts(case: Case, boundary: Boundary) -> dict[str, int]:
+    """Messages the executor sends for the boundary, by scope (between hosts, inside a host)."""
+    counts: dict[str, int] = {}
+    for step in executed_steps(case, boundary):
+        counts[step.scope] = counts.get(step.scope, 0) + 1
+    return counts
 
 
 def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
@@ -615,11 +655,21 @@ def main(args: argparse.Namespace) -> int:
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
     cleanup_stale()
+    planning = bench_network(nic_bytes_per_s)
+    costs = None
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         with EmulatedCluster(max(layout.hosts) + 1, args.nic_rate, use_netns=not args.no_netns) as cluster:
             network = cluster.describe()
             emulated = cluster.emulated
+            if args.message_costs == "measured":
+                costs = measure_engine(cluster, nic_bytes_per_s)
+                if costs is None:
+                    print("meshjob bench resharding: failed: the message-cost probe did not finish")
+                    return 1
+                planning = costs.apply(planning, os.cpu_count() or 1)
+                print(f"planning model: {costs.describe(planning.shared_cpu_cores)}")
+            plan_cases(cases, layout, planning)
             result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx),
                             **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
@@ -633,11 +683,11 @@ def main(args: argparse.Namespace) -> int:
     print_summary(summary, title)
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
-    model = bench_network(nic_bytes_per_s).to_json()  # what planned_* and simulated_s assume
+    model = planning.to_json()  # what the plans, planned_* and simulated_s assume
     targets = check_targets(rows) + check_paper_targets(rows, cases)
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
-           "network_model": model, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
+           "network_model": model, "message_costs": costs.to_json() if costs else None, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,

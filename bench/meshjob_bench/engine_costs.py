@@ -1,0 +1,104 @@
+"""What a message costs through the communication engine on the emulated cluster: link time and CPU.
+
+The network model's per-message costs (meshjob.network: `message_s`, `intra_message_s`) default to
+raw gloo between two idle ranks, and every emulated host runs on this machine's few cores, so a chain
+cut into many chunks runs out of CPU before it runs out of NIC (`shared_cpu_cores`). `chunks: auto`
+is only as good as these figures. The benchmark that plans with them measures them first, in a gang
+on the same emulated cluster, through the executor the timed transfers use (engine, wires, waiter
+threads): one rank sends a tensor to a rank on another host (cross_host) and to a rank on its own
+host (intra_host), in K = 1 and K = 64 messages, at two sizes.
+
+- Link time, per link: seconds = per transfer + per byte * bytes + per message * K (least squares
+  over the four transfers); the per-message term is the model's message_s / intra_message_s.
+- CPU: the process time of the two ranks, all threads included; CPU = per transfer (each link) +
+  per message * messages + per byte * bytes (each link) gives message_cpu_s and the per-byte costs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from meshjob.network import NetworkModel
+from meshjob.resharding import CROSS_HOST, INTRA_HOST
+from meshjob.sharding import ShardingSpec
+
+PROBE_CHUNKS = (1, 64)
+PROBE_MIB = (2, 8)
+LINKS = (CROSS_HOST, INTRA_HOST)
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    message_s: float  # link time per message between hosts
+    intra_message_s: float  # inside a host
+    message_cpu_s: float  # CPU per message, both ranks together
+    net_byte_cpu_s: float
+    local_byte_cpu_s: float
+    samples: tuple[dict[str, Any], ...]  # every probe transfer: link, bytes, chunks, messages, seconds, cpu_seconds
+
+    def apply(self, network: NetworkModel, cores: int) -> NetworkModel:
+        """`network` with these costs, its hosts sharing `cores` cores."""
+        return replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
+                       shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
+                       net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
+                "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
+                "local_byte_cpu_s": self.local_byte_cpu_s, "samples": list(self.samples)}
+
+    def describe(self, cores: int) -> str:
+        return (f"measured through the engine: {self.message_s * 1e6:.0f} µs per message between hosts, "
+                f"{self.intra_message_s * 1e6:.0f} µs inside a host; CPU {self.message_cpu_s * 1e6:.0f} µs per "
+                f"message, {self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
+                f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores")
+
+
+def probe_cases(layout: Any, nic_bytes_per_s: float, network: NetworkModel, case_type: Any, variant_type: Any,
+                plan: Callable[..., Any]) -> list[Any]:
+    """One case per link and size, each with a broadcast variant per K (the bench's Case and Variant)."""
+    from meshjob.mesh import Mesh
+
+    sender = layout.grid((1, 1), 0)
+    neighbour = layout.rank(0, 1)
+    targets = {CROSS_HOST: layout.grid((1, 1), 1), INTRA_HOST: Mesh((1, 1), (neighbour,), (0,))}
+    cases = []
+    for link in LINKS:
+        for mib in PROBE_MIB:
+            shape = (mib * 2**20 // 4 // 1024, 1024)
+            case = case_type("engine_probe", f"{link} {mib} MiB", shape, sender, targets[link],
+                             ShardingSpec.parse("RR"), ShardingSpec.parse("RR"))
+            case.limit_s = mib * 2**20 / nic_bytes_per_s
+            case.variants = [variant_type("broadcast", k, "greedy") for k in PROBE_CHUNKS]
+            case.boundaries = [plan(case, v, i, layout.host_of, network) for i, v in enumerate(case.variants)]
+            case.simulated_s = [math.nan] * len(case.variants)
+            case.planned_s = [math.nan] * len(case.variants)
+            case.messages = [{link: len(b.steps)} for b in case.boundaries]
+            cases.append(case)
+    return cases
+
+
+def fit(rows: Sequence[Any]) -> EngineCosts:
+    """The costs from the probe's rows (the bench's Row: seconds, cpu_seconds, messages)."""
+    samples = [{"link": r.case.split()[0], "bytes": int(r.case.split()[1]) * 2**20, "chunks": r.chunks,
+                "messages": sum(r.messages.values()), "seconds": r.seconds, "cpu_seconds": r.cpu_seconds}
+               for r in rows]
+    per_message = {}
+    for link in LINKS:  # seconds = per transfer + per byte * bytes + per message * messages
+        mine = [s for s in samples if s["link"] == link]
+        coef = _least_squares([[1.0, s["bytes"], s["messages"]] for s in mine], [s["seconds"] for s in mine])
+        per_message[link] = max(0.0, coef[2])
+    # CPU = per transfer (each link) + per message * messages + per byte * bytes (each link)
+    cross = [[s["link"] == CROSS_HOST, s["link"] == INTRA_HOST, s["messages"],
+              s["bytes"] * (s["link"] == CROSS_HOST), s["bytes"] * (s["link"] == INTRA_HOST)] for s in samples]
+    coef = _least_squares(cross, [s["cpu_seconds"] for s in samples])
+    return EngineCosts(per_message[CROSS_HOST], per_message[INTRA_HOST], max(0.0, coef[2]), max(0.0, coef[3]),
+                       max(0.0, coef[4]), tuple(samples))
+
+
+def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    import numpy
+
+    coef, *_ = numpy.linalg.lstsq(numpy.array(xs, dtype=float), numpy.array(ys, dtype=float), rcond=None)
+    return [float(c) for c in coef]
