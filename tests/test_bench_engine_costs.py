@@ -17,7 +17,7 @@ def test_the_fit_recovers_each_links_message_time_and_the_cpu_per_message_and_by
     truth = {"cross_host": (2e-3, 1e-9, 150e-6, 1 / RATE), "intra_host": (1e-3, 0.4e-9, 90e-6, 1e-9)}
     per_message_cpu = 300e-6
     rows = [_row(link, mib, k, fixed + k * link_s + mib * 2**20 * wire, fixed + k * per_message_cpu + mib * 2**20 * cpu)
-            for link, (fixed, cpu, link_s, wire) in truth.items() for mib in (2, 8) for k in (1, 64)]
+            for link, (fixed, cpu, link_s, wire) in truth.items() for mib in (2, 8) for k in (1, 128)]
     costs = fit(rows)
     assert costs.message_s == pytest.approx(150e-6) and costs.intra_message_s == pytest.approx(90e-6)
     assert costs.message_cpu_s == pytest.approx(per_message_cpu)

@@ -6,7 +6,7 @@ cut into many chunks runs out of CPU before it runs out of NIC (`shared_cpu_core
 is only as good as these figures. The benchmark that plans with them measures them first, in a gang
 on the same emulated cluster, through the executor the timed transfers use (engine, wires, waiter
 threads): one rank sends a tensor to a rank on another host (cross_host) and to a rank on its own
-host (intra_host), in K = 1 and K = 64 messages, at two sizes.
+host (intra_host), in K = 1 and K = 128 messages, at two sizes, median of 5.
 
 - Link time, per link: seconds = per transfer + per byte * bytes + per message * K (least squares
   over the four transfers); the per-message term is the model's message_s / intra_message_s.
@@ -23,8 +23,9 @@ from meshjob.network import NetworkModel
 from meshjob.resharding import CROSS_HOST, INTRA_HOST
 from meshjob.sharding import ShardingSpec
 
-PROBE_CHUNKS = (1, 64)
+PROBE_CHUNKS = (1, 128)
 PROBE_MIB = (2, 8)
+PROBE_REPEATS = 5
 LINKS = (CROSS_HOST, INTRA_HOST)
 
 

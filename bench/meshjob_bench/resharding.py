@@ -261,7 +261,7 @@ def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_c
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
                                      variant_boundary)
-    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, 3, ctx),
+    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx),
                     **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
         return None
