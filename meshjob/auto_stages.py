@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from meshjob.cluster import Quantity, describe_cluster, hosts_of, node_infos
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.network import NetworkModel
 from meshjob.placement import Host
@@ -55,6 +56,20 @@ def parse_searchable(doc: Mapping[str, Any]) -> TrainingJob:
     return job
 
 
+@dataclass(frozen=True)
+class ClusterJob:
+    """A manifest as the operator reads it: the job (for `stages: auto`, its placeholder) and, when its
+    stages are auto, the manifest the search reads."""
+
+    job: TrainingJob
+    search: Mapping[str, Any] | None = None
+
+
+def read_for_cluster(doc: Any) -> ClusterJob:
+    """parse_job, or parse_searchable for a `stages: auto` manifest; SpecError names every bad field."""
+    return ClusterJob(parse_searchable(doc), doc) if wants_search(doc) else ClusterJob(parse_job(doc))
+
+
 def search_cluster(hosts: Sequence[Host], nic_bytes_per_s: float) -> Cluster:
     """The search's cluster on these hosts: as many hosts, each with the devices of the smallest."""
     usable = [h for h in hosts if h.devices > 0]
@@ -81,7 +96,7 @@ class Tuned:
     def status(self) -> dict[str, Any]:
         """status.tuned: the chosen fields, the prediction and the cluster it was made for."""
         spec = self.manifest["spec"]
-        return {"stages": spec["stages"], "microbatches": spec["training"]["microbatches"],
+        return {"plan": self.best.candidate.label(), "stages": spec["stages"], "microbatches": spec["training"]["microbatches"],
                 "schedule": {k: spec["schedule"][k] for k in ("kind", "weightGradDelay")},
                 "resharding": {k: spec["resharding"][k] for k in ("strategy", "balancer")},
                 "predictedStepSeconds": self.best.step_s, "evaluated": self.evaluated, "provenBest": self.proven,
@@ -105,6 +120,23 @@ def tune(doc: Mapping[str, Any], cluster: Cluster, max_evaluations: int = MAX_EV
     problem = Problem(doc, job, cluster, fixed, default_space(job, fixed, cluster))
     result = search(problem, top=1, max_evaluations=max_evaluations)
     return Tuned(problem.manifest(result.best.candidate), result.best, result.evaluated, result.proven, cluster)
+
+
+def tune_on_nodes(job: TrainingJob, doc: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]], quantity: Quantity,
+                  nic_bytes_per_s: float, pods: Sequence[Mapping[str, Any]] = (),
+                  hosts: Sequence[Host] | None = None) -> Tuned:
+    """The search on the hosts the job would be placed on: these Nodes less what the cluster's `pods` use
+    there (meshjob.cluster, as placement reads them, with `job` the manifest's placeholder), or `hosts`
+    (those its running pods hold). No usable node is a PlacementError naming the nodes left out and why."""
+    if hosts is None:
+        infos = node_infos(nodes, job, quantity, pods)
+        try:
+            cluster = search_cluster(hosts_of(infos), nic_bytes_per_s)
+        except PlacementError as err:
+            raise PlacementError(f"{err} (cluster: {describe_cluster(infos, job.topology)})") from None
+    else:
+        cluster = search_cluster(hosts, nic_bytes_per_s)
+    return tune(doc, cluster)
 
 
 def as_started(job: TrainingJob, doc: Mapping[str, Any], started: TrainingJob) -> TrainingJob:

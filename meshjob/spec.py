@@ -19,7 +19,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from meshjob.api import API_VERSION, JOB_NAME_MAX_LENGTH, JOB_NAME_PATTERN, KIND, TRAINER_METRICS_PORT
 from meshjob.balance import BALANCERS
@@ -40,10 +40,10 @@ MAX_ZERO_STAGE = 1
 AUTO = "auto"
 CHUNKS_AUTO = (AUTO,)
 CLEAN_POD_POLICIES = ("All", "Running", "None")
-# what parse_job says to `stages: auto`: only a search (the operator, meshjob tune) takes it
+# what parse_job says to `stages: auto`: only a search (the operator, meshjob tune, meshjob plan --cluster) takes it
 STAGES_AUTO_HERE = ("a list of stages here: `auto` is chosen by a search, which the operator runs on the cluster's "
-                    "Nodes; for a local run write the stages, e.g. with `meshjob tune job.yaml --hosts N "
-                    "--out tuned.yaml`")
+                    "Nodes and `meshjob plan --cluster` runs as the operator would; for a local run write the "
+                    "stages, e.g. with `meshjob tune job.yaml --hosts N --out tuned.yaml`")
 ACTIVATION = "activation"
 
 # Upper bounds of every count. Real deployments stay far inside them (the largest published runs:
@@ -854,10 +854,10 @@ def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:
     return (name if isinstance(name, str) else ""), (namespace if isinstance(namespace, str) else "default")
 
 
-def load_jobs(path: str) -> list[TrainingJob]:
-    """Every TrainingJob of a YAML file ("-": standard input), one per document; SpecError names
-    the document of each problem."""
-    return parse_yaml_all(read_text(path, "TrainingJob manifest"), source_name(path))
+def load_jobs(path: str, parse: Callable[[Any], Any] | None = None) -> list[Any]:
+    """Every TrainingJob of a YAML file ("-": standard input), one per document, read by `parse` (default
+    parse_job); SpecError names the document of each problem."""
+    return parse_yaml_all(read_text(path, "TrainingJob manifest"), source_name(path), parse)
 
 
 def load_job(path: str) -> TrainingJob:
@@ -865,9 +865,10 @@ def load_job(path: str) -> TrainingJob:
     return parse_yaml(read_text(path, "TrainingJob manifest"), source_name(path))
 
 
-def parse_yaml_all(text: str, source: str = "<string>") -> list[TrainingJob]:
-    """parse_job() of every document (meshjob.safeyaml: bounded, kubectl's scalars, no duplicate
-    keys); empty documents are skipped as kubectl skips them."""
+def parse_yaml_all(text: str, source: str = "<string>", parse: Callable[[Any], Any] | None = None) -> list[Any]:
+    """parse_job() (or `parse`) of every document (meshjob.safeyaml: bounded, kubectl's scalars, no
+    duplicate keys); empty documents are skipped as kubectl skips them."""
+    parse = parse or parse_job
     docs = load_documents(text, source)
     if not docs:
         raise SpecError([FieldError(source, "no document", "at least one TrainingJob document")])
@@ -875,7 +876,7 @@ def parse_yaml_all(text: str, source: str = "<string>") -> list[TrainingJob]:
     errors: list[FieldError] = []
     for i, doc in enumerate(docs):
         try:
-            jobs.append(parse_job(doc))
+            jobs.append(parse(doc))
         except SpecError as err:
             prefix = f"{source} document {i + 1}: " if len(docs) > 1 else ""
             errors += [dataclasses.replace(e, path=prefix + e.path) for e in err.errors]

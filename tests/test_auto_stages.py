@@ -131,3 +131,36 @@ def test_the_operator_validates_an_auto_job_and_refuses_bad_ones_naming_the_fiel
     assert len(validate(auto_doc()).stages) == 1
     with pytest.raises(SpecError, match=r"spec\.stages"):
         validate(auto_doc(stages="many"))
+
+
+EXAMPLE = ROOT / "examples" / "kubernetes" / "gpt-auto.yaml"
+
+
+def test_the_auto_example_is_valid_for_the_crd_and_the_search_and_tunes_to_a_valid_job():
+    import jsonschema
+
+    from meshjob.crd import open_api_schema
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    assert list(jsonschema.Draft4Validator(open_api_schema()).iter_errors(doc)) == []
+    entry = auto_stages.read_for_cluster(doc)
+    assert entry.search == doc and entry.job.name == EXAMPLE.stem
+    job = auto_stages.tune(doc, auto_stages.search_cluster(hosts(4), NIC)).job()
+    assert parse_job(job_to_dict(job)) == job and job.world_size <= 8
+
+
+def test_plan_cluster_shows_the_operators_choice_for_an_auto_manifest():
+    from kubernetes.utils.quantity import parse_quantity
+
+    from meshjob.commands.plan import plan_on_cluster
+    from meshjob_operator.testing import node_body
+
+    doc = auto_doc()
+    nodes = [node_body(f"node-{i}", 2) for i in range(3)]
+    entry = auto_stages.read_for_cluster(doc)
+    shown = plan_on_cluster(entry.job, nodes, [], NIC, entry.search)
+    expected = auto_stages.tune_on_nodes(entry.job, doc, nodes, parse_quantity, NIC)
+    assert shown["tuned"] == expected.status()
+    assert sum(p["devices"] for p in shown["cluster"]["pods"]) == expected.job().world_size
+    with pytest.raises(PlacementError, match="no usable host.*left out: node-0 \\(not Ready\\)"):
+        auto_stages.tune_on_nodes(entry.job, doc, [node_body("node-0", 2, ready=False)], parse_quantity, NIC)

@@ -1,11 +1,17 @@
 """`spec.stages: auto` in the cluster: the operator runs meshjob tune's search on the Nodes it would place on,
-creates the pods of the plan it chose, and records the choice (status.tuned, a StagesChosen Event); a model
+creates the pods of the plan it chose, and records the choice (status.tuned, a StagesChosen Event), the choice
+`meshjob plan --cluster` shows beforehand; a model
 that fits no plan fails the job (reason Infeasible) with a Warning Event naming the smallest overflow.
 
 Run against kmock and, when KUBEBUILDER_ASSETS names a folder with kube-apiserver, against a real
 kube-apiserver v1.20 with the generated CRD (which must take `stages: auto`), as the operator scenarios are.
 """
 from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
 
 import pytest
 import pytest_asyncio
@@ -77,11 +83,17 @@ async def chosen_events(cluster, tag: str, reason: str, type_: str) -> list[dict
     return await eventually(found, what=f"a {type_} Event {reason}")
 
 
-async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_choice(cluster, operator):
+async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_choice(cluster, operator, tmp_path):
     tag = "auto-chosen"
     await prepare_namespace(cluster, tag)
     nodes = await add_nodes(cluster, tag, 3)
     body = auto_job(tag, SPREAD)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(body))
+    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
+                                                     "--cluster", "--kubeconfig", str(cluster.kubeconfig)],
+                                    capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
     await cluster.create_job(body)
     # the same search in this process, on the same hosts: the operator's child must choose the same
     expected = auto_stages.tune(manifest(body), auto_stages.search_cluster(
@@ -91,7 +103,7 @@ async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_c
     wanted = host_pods(PlanInputs.of(chosen, [Host(n, 2) for n in nodes]).build().placement)
 
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Created", "phase Created")
-    assert status["tuned"] == expected.status()
+    assert status["tuned"] == expected.status() == json.loads(shown.stdout)["tuned"]  # `meshjob plan --cluster` too
     assert status["hosts"] == len(wanted)
     pods = await wait_pods(cluster, tag, len(wanted))
     assert {env_of(p)["WORLD_SIZE"] for p in pods} == {str(chosen.world_size)}

@@ -4,7 +4,8 @@ Readable tables by default (placement; the network: per-host egress/ingress byte
 balancing window's joint makespan vs its lower bound; each boundary's unit tasks with sender,
 receivers, bytes, chunks and start; makespan vs lower bound; each stage's weight-gradient delay,
 peak stash and action list), or one JSON object with --json (the contract tools rely on, see
-Plan.to_json). `-` reads the manifest from standard input. A file of several YAML documents
+Plan.to_json). With --cluster a `spec.stages: auto` manifest gets the operator's search on the cluster's
+Nodes first ("tuned" says what it chose); without it `auto` exits 2. `-` reads the manifest from standard input. A file of several YAML documents
 (`---`) holds one job per document: every job is checked first, then each is planned; --json then
 prints a JSON list of plans, in document order. Bad manifests, hosts files and rates exit 2 with
 the field (and the document) named.
@@ -29,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "identical hosts with topology.devicesPerHost devices)")
     p.add_argument("--cluster", action="store_true",
                    help="place on the Nodes of the cluster the kubeconfig names (read-only), with the function "
-                        "the operator calls: the pods it would create and the nodes it would leave out")
+                        "the operator calls: the pods it would create and the nodes it would leave out (and, "
+                        "for spec.stages: auto, the operator's search and what it chose)")
     p.add_argument("--kubeconfig", metavar="FILE", help="with --cluster: kubeconfig (default $KUBECONFIG, then "
                                                        "~/.kube/config)")
     p.add_argument("--context", help="with --cluster: a context of the kubeconfig")
@@ -45,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from meshjob.inputs import check_jobs_inputs
     from meshjob.placement import load_hosts
     from meshjob.plan import build_plan
+    from meshjob.auto_stages import read_for_cluster
     from meshjob.spec import load_jobs
 
     if args.cluster and args.hosts:
@@ -52,14 +55,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.cluster and (args.kubeconfig or args.context):
         raise UsageError("--kubeconfig and --context go with --cluster")
     network = cost_options.network_from_args(args)
-    jobs = load_jobs(args.job)
-    if not (args.skip_files or args.cluster):  # a cluster's pods read their files there, not here
-        check_jobs_inputs(jobs, args.job)
-    if args.cluster:
+    if args.cluster:  # as the operator reads them: `stages: auto` runs its search on the Nodes
         _operator_costs_only(args, network)
+        entries = load_jobs(args.job, parse=read_for_cluster)
         nodes, pods = read_cluster(args.kubeconfig, args.context)
-        docs = [plan_on_cluster(job, nodes, pods, network.nic_bytes_per_s) for job in jobs]
+        docs = [plan_on_cluster(e.job, nodes, pods, network.nic_bytes_per_s, e.search) for e in entries]
     else:
+        jobs = load_jobs(args.job)
+        if not args.skip_files:  # a cluster's pods read their files there, not here
+            check_jobs_inputs(jobs, args.job)
         hosts = load_hosts(args.hosts) if args.hosts else None
         docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
                 for job in jobs]
@@ -84,18 +88,26 @@ def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
 
 
 def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], pods: list[dict[str, Any]],
-                    nic_bytes_per_s: float) -> dict[str, Any]:
+                    nic_bytes_per_s: float, search: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plan on these Nodes, less what the cluster's pods use there, as the operator makes it, plus
-    "cluster": its pods and every node's verdict."""
+    "cluster": its pods and every node's verdict; with `search` (a `stages: auto` manifest, `job` its
+    placeholder) the operator's search chooses the stages first and "tuned" says what it chose."""
     from kubernetes.utils.quantity import parse_quantity
 
+    from meshjob.auto_stages import tune_on_nodes
     from meshjob.cluster import plan_on_nodes, pods_json
 
+    tuned = None
+    if search is not None:
+        tuned = tune_on_nodes(job, search, nodes, parse_quantity, nic_bytes_per_s, pods)
+        job = tuned.job()
     _, plan, infos = plan_on_nodes(job, nodes, parse_quantity, nic_bytes_per_s, pods=pods)
     doc = plan.to_json()
     doc["cluster"] = {"pods": pods_json(job, plan, infos),
                       "nodes": [{"name": i.name, "host": i.host, "devices": i.devices, "problem": i.problem}
                                 for i in infos]}
+    if tuned is not None:
+        doc["tuned"] = tuned.status()
     return doc
 
 
@@ -170,6 +182,12 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     print_network(console, doc)
     if "cluster" in doc:
         print_cluster(console, doc["cluster"])
+    if "tuned" in doc:
+        t = doc["tuned"]
+        console.print(f"spec.stages: auto: the search chose {t['plan']} on {t['cluster']['hosts']} host(s) x "
+                      f"{t['cluster']['devicesPerHost']} device(s) ({t['cluster']['device']} profile), predicted "
+                      f"step {_ms(t['predictedStepSeconds'])}, "
+                      + ("proven best" if t["provenBest"] else f"best of the {t['evaluated']} simulated"))
 
     summary = Table(title="Boundaries (cross-mesh resharding)")
     for col in ("boundary", "send", "recv", "strategy", "balancer", "tasks", "makespan", "lower bound", "ratio"):

@@ -16,12 +16,11 @@ from multiprocessing.connection import Connection
 from typing import Any, Mapping, Sequence
 
 from meshjob import auto_stages, rendered
-from meshjob.cluster import HostPod, describe_cluster, host_pods, hosts_of, node_infos, plan_on_nodes
+from meshjob.cluster import HostPod, host_pods, plan_on_nodes
 from meshjob.errors import PlacementError, SpecError, UsageError
 from meshjob.placement import Host
 from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
 from meshjob.spec import TrainingJob
-from meshjob.tune_cluster import Cluster
 
 DEFAULT_TIMEOUT_S = 60.0  # the largest job the spec allows plans in seconds; a minute is generous
 # forkserver: children forked from a small clean process that has these imported (the operator's own
@@ -57,7 +56,7 @@ def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[
     from kubernetes.utils.quantity import parse_quantity
 
     if search is not None:
-        tuned = auto_stages.tune(search, _search_cluster(job, nodes, hosts, pods))
+        tuned = auto_stages.tune_on_nodes(job, search, nodes, parse_quantity, DEFAULT_NIC_BYTES_PER_S, pods, hosts)
         chosen = dataclasses.replace(tuned.job(), image=job.image)
         planned = plan_job(chosen, nodes, hosts, pods)
         return dataclasses.replace(planned, chosen=chosen, tuned=tuned.status(), tuned_message=tuned.message())
@@ -67,21 +66,6 @@ def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[
         inputs = PlanInputs.of(job, hosts)
         plan = inputs.build()
     return Planned(rendered.render(inputs, plan), host_pods(plan.placement), plan.placement.to_json())
-
-
-def _search_cluster(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None,
-                    pods: Sequence[Mapping[str, Any]]) -> Cluster:
-    """The hosts the job would be placed on (or holds) as the search's cluster, at the NIC rate placement
-    assumes; no usable host is a PlacementError saying which nodes were left out and why."""
-    from kubernetes.utils.quantity import parse_quantity
-
-    if hosts is not None:
-        return auto_stages.search_cluster(hosts, DEFAULT_NIC_BYTES_PER_S)
-    infos = node_infos(nodes, job, parse_quantity, pods)
-    try:
-        return auto_stages.search_cluster(hosts_of(infos), DEFAULT_NIC_BYTES_PER_S)
-    except PlacementError as err:
-        raise PlacementError(f"{err} (cluster: {describe_cluster(infos, job.topology)})") from None
 
 
 def _child(sender: Connection, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],

@@ -66,7 +66,7 @@ def validate(body: Mapping[str, Any]) -> TrainingJob:
     search replaces it when the job is planned (meshjob.auto_stages). A job without spec.image runs the operator's trainer image;
     with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused."""
     doc = manifest(body)
-    job = auto_stages.parse_searchable(doc) if auto_stages.wants_search(doc) else parse_job(doc)
+    job = auto_stages.read_for_cluster(doc).job
     render.check_pod_template(job)  # also: spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
