@@ -10,8 +10,11 @@ Part 2: the search on `--hosts` x `--devices-per-host` devices (default 64 x 8) 
 (default 96; hidden 1024, 16 heads, global batch 1024) with the default space and budget, as `meshjob tune`
 runs it; target: under 60 s here. Reported: search time, plans simulated, whether the result is proven best,
 and its step against the DP's least lower bound.
-The third target of issue 14 (the tuned manifest's measured throughput against the hand-written examples on
-the emulated cluster) needs emulated device compute, which meshjob run does not have yet: not measured here.
+Part 3 (meshjob_bench.tune_measure): the tuned manifest against hand-written ones for the same model and
+emulated cluster, measured with emulated device compute, and the simulator's prediction of each; targets:
+tuned throughput >= the best hand-written one's, predictions within 10%. `--quick`: a small GPT, 2 steps.
+`--parts` picks the parts to run (default all three); the parts not run keep what tune.json in `--out`
+already holds.
 Times are wall-clock on a shared 2-core machine: compare, don't quote.
 
 Run: `python -m meshjob_bench.tune` or `meshjob bench tune`.
@@ -26,12 +29,14 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from meshjob_bench import parsed_arguments
+from meshjob_bench import parsed_arguments, tune_measure
 from meshjob.tune_cluster import DEVICES, Cluster
 from meshjob.network import NetworkModel
+from meshjob.errors import UsageError
 from meshjob.search import Problem, default_space, exhaustive, search
 from meshjob.tune_input import base_job, read_fixed
 
+PARTS = ("search", "large", "measure")
 SHAPES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 
 
@@ -42,7 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices-per-host", type=int, default=8, help="devices per host, large case (default 8)")
     parser.add_argument("--layers", type=int, default=96, help="layers of the large case's model (default 96)")
     parser.add_argument("--nic-rate-gbit", type=float, default=100.0, help="NIC rate of the large case (default 100)")
-    parser.add_argument("--out", default="bench/results", help="folder for tune.json and tune.png")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma separated, from search (small spaces "
+                        "against exhaustive), large (search time), measure (tuned vs hand-written on the emulated "
+                        "cluster); default all")
+    parser.add_argument("--quick", action="store_true", help="measure: a small GPT, 2 steps (a smoke run)")
+    tune_measure.add_arguments(parser)
+    parser.add_argument("--out", default="bench/results", help="folder for tune.json, tune.png and "
+                        "tune_measured.png")
 
 
 def manifest(layers: int, hidden: int, heads: int, batch: int, seq: int, vocab: int = 256) -> dict[str, Any]:
@@ -120,6 +131,7 @@ def run_large(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]], large: dict[str, Any]) -> None:
+    """Parts 1 and 2."""
     from rich.console import Console
     from rich.table import Table
 
@@ -141,8 +153,6 @@ def print_table(rows: list[dict[str, Any]], large: dict[str, Any]) -> None:
               f"step / least lower bound {large['step_over_bound']:.2f} -> "
               f"{'met' if large['search_seconds'] < 60 else 'MISSED'} (< 60 s)")
     con.print(f"chosen: {large['chosen']}")
-    con.print("target 3 (measured throughput of the tuned manifest vs the hand-written examples): not measured, "
-              "needs emulated device compute")
 
 
 def plot(rows: list[dict[str, Any]], large: dict[str, Any], path: str) -> None:
@@ -172,20 +182,53 @@ def plot(rows: list[dict[str, Any]], large: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def parse_parts(text: str) -> list[str]:
+    parts = [p for p in text.split(",") if p]
+    if not parts or set(parts) - set(PARTS):
+        raise UsageError(f"--parts: {text!r} is invalid: comma separated, from {', '.join(PARTS)}")
+    return parts
+
+
+def previous(path: str) -> dict[str, Any]:
+    """What an earlier run wrote to tune.json (the parts this run leaves alone), or nothing."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     args = parsed_arguments(argv, "meshjob_bench.tune", __doc__, add_arguments)
-    rows = [run_small(args.seed + i) for i in range(args.cases)]
-    large = run_large(args)
-    print_table(rows, large)
+    parts = parse_parts(args.parts)
+    setting = tune_measure.setting_from_args(args) if "measure" in parts else None
+    models = tune_measure.models_from_args(args) if "measure" in parts else []
     os.makedirs(args.out, exist_ok=True)
-    doc = {"cases": rows, "large": large, "targets": {
-        "equal_to_exhaustive": sum(r["equal"] for r in rows) == len(rows),
-        "large_search_under_60_s": large["search_seconds"] < 60,
-        "measured_throughput": "not measured: needs emulated device compute"}}
-    with open(os.path.join(args.out, "tune.json"), "w") as f:
+    path = os.path.join(args.out, "tune.json")
+    doc = previous(path)
+    old_targets = doc.pop("targets", None) or {}
+    targets: dict[str, Any] = {}
+    if "search" in parts:
+        doc["cases"] = [run_small(args.seed + i) for i in range(args.cases)]
+        targets["equal_to_exhaustive"] = all(r["equal"] for r in doc["cases"])
+    if "large" in parts:
+        doc["large"] = run_large(args)
+        targets["large_search_under_60_s"] = doc["large"]["search_seconds"] < 60
+    if "cases" in doc and "large" in doc and ("search" in parts or "large" in parts):
+        print_table(doc["cases"], doc["large"])
+        plot(doc["cases"], doc["large"], os.path.join(args.out, "tune.png"))
+    if setting is not None:
+        doc["measured"] = tune_measure.measure(models, setting)
+        doc["measured"]["plots"] = [os.path.join(args.out, "tune_measured.png")]
+        tune_measure.print_table(doc["measured"])
+        tune_measure.plot(doc["measured"], doc["measured"]["plots"][0])
+        targets["measured_throughput"] = doc["measured"]["targets"]
+    doc["targets"] = {**{k: v for k, v in old_targets.items() if k not in targets}, **targets}
+    with open(path, "w") as f:
         json.dump(doc, f, indent=2)
-    plot(rows, large, os.path.join(args.out, "tune.png"))
-    return 0 if doc["targets"]["equal_to_exhaustive"] else 1
+    print(f"wrote {path}")
+    return 0 if doc["targets"].get("equal_to_exhaustive", True) else 1
 
 
 if __name__ == "__main__":
