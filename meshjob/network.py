@@ -45,6 +45,16 @@ Link = tuple[int, str]  # (host, "out" | "in") full duplex, (host, "nic") half d
 # one namespace (loopback, rounds 33-59 µs), where no wire time hides a message's own cost.
 DEFAULT_MESSAGE_S = 20e-6
 DEFAULT_INTRA_MESSAGE_S = 40e-6
+# The emulated cluster (`meshjob run`): every host's ranks share this machine's cores, and a message through
+# the communication engine (engine thread, waiter threads, gloo or the one-copy local wire) costs more than
+# raw gloo. Measured through the engine by `meshjob bench resharding` before it plans (its JSON's
+# message_costs; meshjob_bench.engine_costs): link time per message between hosts and inside a host, and
+# the CPU a message costs its two ranks plus per byte.
+EMULATED_MESSAGE_S = 45e-6
+EMULATED_INTRA_MESSAGE_S = 450e-6
+EMULATED_MESSAGE_CPU_S = 380e-6
+EMULATED_NET_BYTE_CPU_S = 0.8e-9
+EMULATED_LOCAL_BYTE_CPU_S = 0.9e-9
 MAX_AUTO_CHUNKS = 256  # beyond this, chunks gain < 1% at every size measured, and each is a plan step
 MAX_CHUNKS = 1 << 30  # no cap from the slice's shape
 
@@ -193,6 +203,14 @@ class NetworkModel:
         if pool_hosts:
             most = max(most, pooled / len(pool_hosts))
         return most
+
+
+def emulated_network(nic_bytes_per_s: float, cores: int) -> NetworkModel:
+    """The model of an emulated cluster whose hosts all run on `cores` cores of one machine."""
+    return NetworkModel(nic_bytes_per_s=nic_bytes_per_s, message_s=EMULATED_MESSAGE_S,
+                        intra_message_s=EMULATED_INTRA_MESSAGE_S, shared_cpu_cores=cores,
+                        message_cpu_s=EMULATED_MESSAGE_CPU_S, net_byte_cpu_s=EMULATED_NET_BYTE_CPU_S,
+                        local_byte_cpu_s=EMULATED_LOCAL_BYTE_CPU_S)
 
 
 def _add(loads: dict[Link, float], link: Link, seconds: float) -> None:

@@ -166,3 +166,13 @@ def test_every_strategy_pays_its_messages_cpu_on_shared_cores(strategy):
 def test_a_negative_number_of_shared_cores_is_rejected():
     with pytest.raises(ValueError, match="shared_cpu_cores -1 is invalid: an integer >= 0"):
         NetworkModel(shared_cpu_cores=-1)
+
+
+def test_an_emulated_cluster_is_planned_with_engine_costs_on_its_machines_shared_cores():
+    from meshjob.network import EMULATED_MESSAGE_CPU_S, EMULATED_MESSAGE_S, emulated_network
+
+    model = emulated_network(RATE, cores=2)
+    assert (model.shared_cpu_cores, model.message_s, model.message_cpu_s) == (2, EMULATED_MESSAGE_S,
+                                                                             EMULATED_MESSAGE_CPU_S)
+    assert model.task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto").chunks < NetworkModel(
+        nic_bytes_per_s=RATE).task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto").chunks

@@ -149,6 +149,7 @@ def test_tiny_job_trains_to_the_end_inside_network_namespaces(tmp_path, start):
     assert run.wait() == 0, run.err[-3000:]
     s = run.summary()
     assert s["ok"] and s["emulated"] and s["nic_rate"] == "1gbit"
+    assert s["network_model"]["shared_cpu_cores"] == os.cpu_count()  # planned for the hosts' shared cores
     assert s["steps_completed"] == s["total_steps"] == 3
     assert math.isfinite(s["final_loss"]) and s["tokens_per_s_mean"] > 0
     assert s["resharding_bytes"] > 0 and s["resharding_gbytes_per_s"] > 0

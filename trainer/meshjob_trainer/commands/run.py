@@ -139,6 +139,8 @@ class MetricsFeed:
 
 def run(args: argparse.Namespace) -> int:
     from meshjob.placement import default_hosts, load_hosts
+    from meshjob.costs import CostModel
+    from meshjob.network import emulated_network
     from meshjob.rendered import PlanInputs
     from meshjob.spec import load_job
 
@@ -151,7 +153,11 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     check_inputs(job)  # token files, the custom model: one clear error here, not one per rank
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
-    plan = PlanInputs.of(job, hosts, parse_rate(args.nic_rate, "--nic-rate")).build()  # inherited by every rank
+    nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
+    # every emulated host runs on this machine's cores: chunks: auto weighs the CPU its messages take
+    inputs = PlanInputs(job, tuple(hosts), nic_bytes_per_s,
+                        CostModel(network=emulated_network(nic_bytes_per_s, os.cpu_count() or 1)))
+    plan = inputs.build()  # inherited by every rank
     placement = plan.placement
     rank_hosts = [placement.host_of(r) for r in range(placement.world_size)]
     used = sorted(set(rank_hosts))
@@ -232,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - t0
     summary = {"job": job.name, "ok": ok, "world_size": placement.world_size, "hosts": len(used),
                "network": network, "emulated": emulated, "nic_rate": args.nic_rate,
+               "network_model": plan.network.to_json(),  # what the plan (chunks: auto, balancers) assumed
                "wall_seconds": wall, "attempts": len(results), **compute.to_json(),
                "failure": (results[-1].first_failure.describe()
                            if results and results[-1].first_failure else None),
