@@ -94,6 +94,7 @@ class TaskCost:
     chunks: int  # K of a broadcast chain (1 for the other strategies)
     offsets: tuple[float, ...] = ()  # per link; empty: every link from 0 for `seconds`
     busy: tuple[float, ...] = ()
+    cpu_s: float = 0.0  # seconds of the shared cores its messages take (0: not modelled)
 
     def holds(self) -> tuple[tuple[Link, float, float], ...]:
         """(link, offset, busy) for every held link."""
@@ -257,11 +258,11 @@ def _task_cost(model: NetworkModel, task: HostTask, sender: int, strategy: str, 
         cost = _global_allgather_cost(model, task.bytes, sender, own, remote)
     if model.shared_cpu_cores:  # it cannot end before the shared cores did its messages' work
         nbytes = 1 if strategy == "signal" else task.bytes
-        cost = replace(cost, seconds=max(cost.seconds, model.cpu_s(*_messages(strategy, nbytes, own, remote,
-                                                                                cost.chunks))))
+        cpu = model.cpu_s(*_messages(strategy, nbytes, own, remote, cost.chunks))
+        cost = replace(cost, seconds=max(cost.seconds, cpu), cpu_s=cpu)
     if model.duplex == "half":  # the paper's constraint 3: every host of the task, all along
         hosts = dict.fromkeys([model.link(sender, "out")] + [model.link(h, "in") for h, _ in remote])
-        return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks)
+        return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks, cpu_s=cost.cpu_s)
     return cost
 
 

@@ -280,3 +280,15 @@ def test_an_unfinished_search_stops_at_the_same_point_on_every_run():
     assert all(r == runs[0] for r in runs)
     greedy = [balance(tasks, "greedy", "broadcast", network, 16, budget_s=0.05, seed=3) for _ in range(3)]
     assert all(r == greedy[0] for r in greedy)
+
+
+def test_on_shared_cores_no_schedule_ends_before_the_cores_did_every_tasks_messages():
+    from meshjob.balance import list_schedule
+    from meshjob.network import HostTask, NetworkModel
+
+    shared = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=1e-3)
+    tasks = [HostTask((0,), (2,), 2**20), HostTask((1,), (3,), 2**20)]  # disjoint links: they run side by side
+    each = [shared.task_cost(t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
+    plan = list_schedule(tasks, [0, 1], [0, 1], "broadcast", shared, 64)
+    assert plan.makespan_s == pytest.approx(sum(c.cpu_s for c in each)) and plan.makespan_s > max(
+        c.seconds for c in each)
