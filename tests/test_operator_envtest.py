@@ -105,7 +105,10 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
             return (await asyncio.to_thread(reconciles, "active")) > 0
         await testing.eventually(active_reconciled, timeout=10, what="a reconcile by the active replica")
         assert (await asyncio.to_thread(reconciles, "standby")) == 0
-        assert await asyncio.to_thread(_metric, replicas["active"][1], 'meshjob_operator_jobs{phase="Created"}') == 1
+
+        async def active_counts_the_job() -> bool:  # its first reconcile may end while the plan is still being made
+            return await asyncio.to_thread(_metric, replicas["active"][1], 'meshjob_operator_jobs{phase="Created"}') == 1
+        await testing.eventually(active_counts_the_job, timeout=10, what="the active replica counting the job Created")
 
         replicas["active"][0].terminate()
         await asyncio.to_thread(replicas["active"][0].wait, 30)
