@@ -378,10 +378,9 @@ def plot(part: Mapping[str, Any], path: str) -> None:
     rows = part["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     markers = {m: k for m, k in zip(MODELS, "os")}
-    for r in rows:
-        x, y = r["measured_step_s"], r["predicted_step_s"]
-        left.scatter(x, y, marker=markers.get(r["model"], "o"), color=f"C{CONFIGS.index(r['config'])}")
-        left.annotate(f"{r['model']}/{r['config']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for r in rows:  # colour: the configuration (as in the bars), marker: the model
+        left.scatter(r["measured_step_s"], r["predicted_step_s"], marker=markers.get(r["model"], "o"),
+                     color=f"C{CONFIGS.index(r['config'])}", label=f"{r['model']}/{r['config']}", alpha=0.8)
     values = [v for r in rows for v in (r["measured_step_s"], r["predicted_step_s"])]
     lo, hi = min(values) / 1.2, max(values) * 1.2
     left.plot([lo, hi], [lo, hi], "k--", linewidth=0.8, label="equal")
@@ -391,7 +390,7 @@ def plot(part: Mapping[str, Any], path: str) -> None:
     left.set_xlabel("measured step (s)")
     left.set_ylabel("predicted step (s)")
     left.set_title("simulator vs emulated cluster")
-    left.legend(fontsize=8)
+    left.legend(fontsize=7)
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
     width = 0.8 / len(CONFIGS)
     for j, config in enumerate(CONFIGS):
