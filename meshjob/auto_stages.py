@@ -1,8 +1,9 @@
 """`spec.stages: auto` on a cluster: meshjob tune's search, run on the hosts a placement would use.
 
-A manifest that says `stages: auto` leaves to the search what `meshjob tune` leaves to it (meshjob.tune_input):
-the stages, and `training.microbatches`, `schedule.kind`/`weightGradDelay` and `resharding.strategy`/`balancer`
-where the manifest leaves them out. The cluster is the hosts the job may use (for the operator: its
+A manifest that says `stages: auto`, or `auto` for `training.microbatches`, `schedule.kind` or
+`resharding.strategy`/`balancer`, leaves to the search what `meshjob tune` leaves to it (meshjob.tune_input):
+the stages when `auto` (a list is kept as written, each mesh two dims), and those fields and
+`schedule.weightGradDelay` where the manifest says `auto` or leaves them out. The cluster is the hosts the job may use (for the operator: its
 usable Nodes, sorted by name), each offering the devices of the smallest of them (at most
 `topology.devicesPerHost`), so every plan of the search fits on every host; the device profile is
 SEARCH_DEVICE at its memory, the NIC the rate placement assumes. The search is deterministic and bounded
@@ -20,7 +21,7 @@ from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.network import NetworkModel
 from meshjob.placement import Host
 from meshjob.search import DEFAULT_MAX_EVALUATIONS, Prediction, Problem, default_space, search
-from meshjob.spec import AUTO, BUILTIN_MODEL_KINDS, MAX_LAYERS, TrainingJob, parse_job
+from meshjob.spec import AUTO, BUILTIN_MODEL_KINDS, MAX_LAYERS, TrainingJob, parse_job, searched_fields
 from meshjob.tune_cluster import DEVICES, Cluster
 from meshjob.tune_input import base_job, read_fixed
 
@@ -29,30 +30,56 @@ MAX_EVALUATIONS = DEFAULT_MAX_EVALUATIONS  # simulations per search: a count, so
 
 
 def wants_search(doc: Any) -> bool:
-    """Whether the manifest asks for the search: `spec.stages: auto`."""
+    """Whether the manifest asks for the search: `spec.stages: auto`, or `auto` in a searched field
+    (spec.training.microbatches, spec.schedule.kind, spec.resharding.strategy/balancer; then with the
+    stages as written)."""
     spec = doc.get("spec") if isinstance(doc, Mapping) else None
-    return isinstance(spec, Mapping) and spec.get("stages") == AUTO
+    if not isinstance(spec, Mapping):
+        return False
+    return spec.get("stages") == AUTO or any(value == AUTO for _, _, value in _searched_values(spec))
+
+
+def _searched_values(spec: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """(section, key, value) of each searched field the spec sets (meshjob.spec.searched_fields)."""
+    out = []
+    for _, path, f in searched_fields():
+        section = spec.get(path.split(".")[1])
+        if isinstance(section, Mapping) and f.yaml in section:
+            out.append((path.split(".")[1], f.yaml, section[f.yaml]))
+    return out
 
 
 def parse_searchable(doc: Mapping[str, Any]) -> TrainingJob:
-    """Validate a `stages: auto` manifest as parse_job does every other field (SpecError naming each bad
-    one); the job returned holds one placeholder stage until the search writes the real ones."""
+    """Validate a manifest the search reads as parse_job does every other field (SpecError naming each
+    bad one), `auto` read as left out (meshjob.tune_input); with `stages: auto` the job returned holds
+    one placeholder stage until the search writes the real ones."""
     spec = dict(doc["spec"])
     if "edges" in spec:
-        raise SpecError([FieldError("spec.edges", spec["edges"], "left out with spec.stages: auto (the edges "
-                                    "follow the chosen stages' natural layouts)")])
-    model = spec.get("model")
-    layers = model.get("layers") if isinstance(model, Mapping) else None
-    last = layers if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= MAX_LAYERS else 1
-    spec["stages"] = [{"layers": [0, last], "mesh": [1, 1]}]
+        raise SpecError([FieldError("spec.edges", spec["edges"], "left out when a search chooses (spec.stages: "
+                                    "auto or a field's auto: the edges follow the chosen stages' natural layouts)")])
+    if spec.get("stages") == AUTO:
+        model = spec.get("model")
+        layers = model.get("layers") if isinstance(model, Mapping) else None
+        last = layers if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= MAX_LAYERS else 1
+        spec["stages"] = [{"layers": [0, last], "mesh": [1, 1]}]
+    elif isinstance(spec.get("stages"), list):  # kept as written: the search places two-dim meshes
+        bad = [FieldError(f"spec.stages[{i}].mesh", s["mesh"], "two dims [hosts, devices per host] when a field "
+                          "says auto (the search keeps the stages as written)")
+               for i, s in enumerate(spec["stages"])
+               if isinstance(s, Mapping) and isinstance(s.get("mesh"), list) and len(s["mesh"]) != 2]
+        if bad:
+            raise SpecError(bad)
+    for section, key, value in _searched_values(spec):
+        if value == AUTO:
+            spec[section] = {k: v for k, v in spec[section].items() if k != key}  # searched: as if left out
     training = spec.get("training", {})
     if isinstance(training, Mapping) and training.get("microbatches") is None:
         spec["training"] = {**training, "microbatches": 1}  # searched: any count that divides the batch
     job = parse_job({**doc, "spec": spec})
     if job.model.kind not in BUILTIN_MODEL_KINDS:
         raise SpecError([FieldError("spec.model.kind", job.model.kind, f"one of {', '.join(BUILTIN_MODEL_KINDS)} "
-                                    "with spec.stages: auto (the search's cost and memory model needs the "
-                                    "block's shapes)")])
+                                    "with a search (spec.stages: auto or a field's auto: its cost and memory "
+                                    "model needs the block's shapes)")])
     return job
 
 
@@ -66,7 +93,7 @@ class ClusterJob:
 
 
 def read_for_cluster(doc: Any) -> ClusterJob:
-    """parse_job, or parse_searchable for a `stages: auto` manifest; SpecError names every bad field."""
+    """parse_job, or parse_searchable for a manifest that asks for the search; SpecError names every bad field."""
     return ClusterJob(parse_searchable(doc), doc) if wants_search(doc) else ClusterJob(parse_job(doc))
 
 

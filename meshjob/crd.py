@@ -21,8 +21,12 @@ def field_schema(f: FieldSchema) -> dict[str, Any]:
     """One field of the table as an OpenAPI v3 (structural) schema."""
     if f.type == INT_OR_STRING:
         return int_or_string_schema(f)
-    if f.auto is not None:
+    if f.auto is not None and f.type == "array":
         return array_or_auto_schema(f)
+    if f.auto is not None and f.type == "integer":  # an integer or the word: int-or-string of that one word
+        return int_or_string_schema(dataclasses.replace(f, type=INT_OR_STRING, enum=(f.auto,), auto=None))
+    if f.auto is not None and f.enum is not None:  # one of the words, or auto
+        f = dataclasses.replace(f, enum=(*f.enum, f.auto), auto=None)
     out: dict[str, Any] = {"type": f.type}
     if f.description:
         out["description"] = f.description

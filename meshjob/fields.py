@@ -44,7 +44,7 @@ class FieldSchema:
     preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
     description: str = ""
     legacy: tuple[tuple[Any, str], ...] = ()  # refused values, each with what to write instead
-    auto: str | None = None  # an array that also takes this word (a search chooses the items: `stages: auto`)
+    auto: str | None = None  # also takes this word: a search chooses the value (`stages: auto`, `microbatches: auto`)
 
 
 def camel(name: str) -> str:
@@ -157,6 +157,8 @@ class FieldReader:
 
     def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:
         """The checked (converted) value, or the field default after recording an error."""
+        if f.auto is not None and value == f.auto:
+            return f.auto  # the caller decides whether a search runs here (meshjob.spec.parse_job refuses it)
         if f.type in SCALARS:
             problem = check_scalar(f, value)
             if problem is not None:
@@ -171,8 +173,6 @@ class FieldReader:
         if f.type == "object":
             attrs = self.read_object(f.model, value, path)
             return f.default if attrs is None else f.model(**attrs)
-        if f.auto is not None and value == f.auto:
-            return f.auto  # the caller decides whether a search runs here (meshjob.spec.parse_job refuses it)
         return self.read_array(f, value, path)
 
     def read_array(self, f: FieldSchema, value: Any, path: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 from meshjob.api import API_VERSION, JOB_NAME_MAX_LENGTH, JOB_NAME_PATTERN, KIND, TRAINER_METRICS_PORT
 from meshjob.balance import BALANCERS
 from meshjob.errors import FieldError, SpecError
-from meshjob.fields import FieldReader, FieldSchema, build_table, unknown_field
+from meshjob.fields import FieldReader, FieldSchema, build_table, describe, unknown_field
 from meshjob.resharding import STRATEGIES
 from meshjob.safeyaml import check_tree, load_documents, read_text, source_name
 from meshjob.schedule import SCHEDULE_KINDS
@@ -44,6 +44,10 @@ CLEAN_POD_POLICIES = ("All", "Running", "None")
 STAGES_AUTO_HERE = ("a list of stages here: `auto` is chosen by a search, which the operator runs on the cluster's "
                     "Nodes and `meshjob plan --cluster` runs as the operator would; for a local run write the "
                     "stages, e.g. with `meshjob tune job.yaml --hosts N --out tuned.yaml`")
+# ... and to `auto` in a field a search chooses (training.microbatches, schedule.kind, resharding.strategy/balancer)
+FIELD_AUTO_HERE = ("here: `auto` is chosen by a search, which the operator runs on the cluster's Nodes "
+                   "(with spec.stages: auto or a list) and `meshjob plan --cluster` runs as the operator would; "
+                   "for a local run write the value, e.g. with `meshjob tune job.yaml --hosts N --out tuned.yaml`")
 ACTIVATION = "activation"
 
 # Upper bounds of every count. Real deployments stay far inside them (the largest published runs:
@@ -395,7 +399,8 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("TrainingSpec", "global_batch"): count(MAX_GLOBAL_BATCH, why="sequences per step; at most 2^20"),
     ("TrainingSpec", "microbatches"): count(MAX_MICROBATCHES, why=(
         f"pipeline microbatches per step; divides globalBatch; at most {MAX_MICROBATCHES}, and stages x "
-        f"microbatches at most {MAX_SCHEDULE_CELLS} (the size of the schedules)")),
+        f"microbatches at most {MAX_SCHEDULE_CELLS} (the size of the schedules); or auto: a search chooses "
+        f"it (the operator, meshjob tune)")) | {"auto": AUTO},
     ("TrainingSpec", "learning_rate"): {"minimum": 0, "exclusive_minimum": True},
     ("TrainingSpec", "seed"): count(MAX_SEED, 0, "random seed; 0..2^32-1"),
     ("TrainingSpec", "precision"): {"enum": PRECISIONS, "description": "bf16: autocast compute with fp32 "
@@ -431,15 +436,15 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("EdgeSpec", "recv"): {"required": False, "max_length": MAX_LAYOUT, "description": "sharding spec as "
                            "received (default: the destination stage's natural layout)"},
     ("EdgeSpec", "tensor"): {"pattern": TENSOR_NAME, "max_length": MAX_LAYOUT},
-    ("ReshardingSpec", "strategy"): {"enum": STRATEGIES},
+    ("ReshardingSpec", "strategy"): {"enum": STRATEGIES, "auto": AUTO},
     ("ReshardingSpec", "chunks"): count(MAX_CHUNKS, why="K: chunks of the broadcast chain, at most 4096; auto: "
                                         "from the bytes, receiving hosts and the network's per-message cost")
                                   | {"enum": CHUNKS_AUTO},
-    ("ReshardingSpec", "balancer"): {"enum": BALANCERS},
+    ("ReshardingSpec", "balancer"): {"enum": BALANCERS, "auto": AUTO},
     ("ReshardingSpec", "budget_seconds"): {"minimum": 0, "exclusive_minimum": True,
                                            "maximum": MAX_BUDGET_SECONDS,
                                            "description": "planning time budget of dfs; at most 60"},
-    ("ScheduleSpec", "kind"): {"enum": SCHEDULE_KINDS},
+    ("ScheduleSpec", "kind"): {"enum": SCHEDULE_KINDS, "auto": AUTO},
     ("ScheduleSpec", "weight_grad_delay"): {
         "enum": (AUTO,), "minimum": 0, "maximum": MAX_MICROBATCHES - 1, "legacy": OLD_WEIGHT_GRAD_DELAY,
         "description": "auto (each stage delays as many weight-gradient computations as cover its "
@@ -823,6 +828,7 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     if attrs["stages"] == AUTO:
         r.fail("spec.stages", AUTO, STAGES_AUTO_HERE)
         attrs["stages"] = ()
+    _refuse_field_autos(r, attrs)
     raw_edges = attrs.pop("edges") if "edges" in doc["spec"] else None
     attrs.pop("edges", None)
     job = TrainingJob(name=name, namespace=namespace, **attrs, edges=())
@@ -836,6 +842,28 @@ def parse_job(doc: Mapping[str, Any]) -> TrainingJob:
     if r.errors:
         raise SpecError(r.errors)
     return job
+
+
+def searched_fields() -> Iterator[tuple[str, str, FieldSchema]]:
+    """(section attribute, field path, schema) of every field of a spec section that also takes `auto`
+    (a search chooses it): spec.training.microbatches, spec.schedule.kind, spec.resharding.strategy and
+    .balancer. spec.stages takes it too (TrainingJob's own `auto`); weightGradDelay's and chunks' `auto`
+    are values the plan resolves, not searched."""
+    for f in schema_of(TrainingJob):
+        if f.type == "object" and f.model is not None:
+            for g in schema_of(f.model):
+                if g.auto is not None:
+                    yield f.attr, f"spec.{f.yaml}.{g.yaml}", g
+
+
+def _refuse_field_autos(r: FieldReader, attrs: dict[str, Any]) -> None:
+    """parse_job refuses `auto` in a searched field as it refuses `spec.stages: auto`; the field reads
+    as its default so the other checks still run."""
+    for section, path, f in searched_fields():
+        obj = attrs.get(section)
+        if obj is not None and getattr(obj, f.attr) == f.auto:
+            r.fail(path, f.auto, f"{describe(f)} {FIELD_AUTO_HERE}")
+            attrs[section] = dataclasses.replace(obj, **{f.attr: f.default})
 
 
 def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:

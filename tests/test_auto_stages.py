@@ -164,3 +164,75 @@ def test_plan_cluster_shows_the_operators_choice_for_an_auto_manifest():
     assert sum(p["devices"] for p in shown["cluster"]["pods"]) == expected.job().world_size
     with pytest.raises(PlacementError, match="no usable host.*left out: node-0 \\(not Ready\\)"):
         auto_stages.tune_on_nodes(entry.job, doc, [node_body("node-0", 2, ready=False)], parse_quantity, NIC)
+
+
+SEARCHED = [("training", "microbatches"), ("schedule", "kind"), ("resharding", "strategy"), ("resharding", "balancer")]
+
+
+def with_field(doc: dict, section: str, key: str, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc["spec"].setdefault(section, {})[key] = value
+    return doc
+
+
+def without_field(doc: dict, section: str, key: str) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc["spec"].get(section, {}).pop(key, None)
+    return doc
+
+
+TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+
+
+@pytest.mark.parametrize("section,key", SEARCHED)
+def test_parse_job_refuses_auto_in_a_searched_field_naming_it_and_the_search(section, key):
+    with pytest.raises(SpecError) as err:
+        parse_job(with_field(TINY, section, key, "auto"))
+    assert len(err.value.errors) == 1 and err.value.errors[0].path == f"spec.{section}.{key}"
+    assert "meshjob tune" in str(err.value) and "spec.stages: auto" in str(err.value)
+
+
+def test_meshjob_plan_and_run_exit_2_naming_a_field_left_to_the_search(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(with_field(TINY, "training", "microbatches", "auto")))
+    for command in ("plan", "run"):
+        assert cli.main([command, str(path)]) == 2
+        assert "spec.training.microbatches: 'auto' is invalid" in capsys.readouterr().err
+
+
+def test_weight_grad_delay_and_chunks_auto_are_plan_values_not_a_search():
+    doc = with_field(with_field(TINY, "schedule", "weightGradDelay", "auto"), "resharding", "chunks", "auto")
+    assert not auto_stages.wants_search(doc)
+    assert auto_stages.read_for_cluster(doc).search is None and parse_job(doc).resharding.chunks == "auto"
+
+
+@pytest.mark.parametrize("section,key", SEARCHED)
+def test_the_search_treats_auto_in_a_field_like_the_field_left_out(section, key):
+    cluster = auto_stages.search_cluster(hosts(2), NIC)
+    auto = with_field(auto_doc(), section, key, "auto")
+    left_out = without_field(auto_doc(), section, key)
+    assert auto_stages.wants_search(auto)
+    assert auto_stages.parse_searchable(auto) == auto_stages.parse_searchable(left_out)
+    assert auto_stages.tune(auto, cluster).status() == auto_stages.tune(left_out, cluster).status()
+
+
+def test_auto_in_a_field_with_stages_written_searches_that_field_keeping_the_stages():
+    doc = with_field(TINY, "training", "microbatches", "auto")
+    entry = auto_stages.read_for_cluster(doc)  # the operator's reading: a search, with the stages as written
+    assert entry.search == doc and entry.job.stages == parse_job(TINY).stages
+    tiny = parse_job(TINY)
+    tuned = auto_stages.tune(doc, auto_stages.search_cluster(hosts(4, tiny.topology.devices_per_host), NIC))
+    chosen = tuned.job()
+    assert [(s.layers, s.mesh) for s in chosen.stages] == [(s.layers, s.mesh) for s in tiny.stages]
+    assert tuned.status()["microbatches"] == chosen.training.microbatches
+    assert tiny.training.global_batch % chosen.training.microbatches == 0
+    assert (chosen.schedule.kind, chosen.resharding.strategy) == (tiny.schedule.kind, tiny.resharding.strategy)
+
+
+def test_auto_in_a_field_with_a_stage_mesh_the_search_cannot_place_is_refused_naming_the_mesh():
+    doc = with_field(TINY, "training", "microbatches", "auto")
+    doc["spec"]["stages"][0]["mesh"] = [1, 1, 2]
+    doc["spec"]["stages"][0].pop("tensorParallelDim", None)
+    doc["spec"]["stages"][0].pop("dataParallelDim", None)
+    with pytest.raises(SpecError, match=r"spec\.stages\[0\]\.mesh"):
+        auto_stages.read_for_cluster(doc)

@@ -161,9 +161,9 @@ def test_enums_come_from_the_plan_layers_single_definitions():
 
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["model"]["properties"]["kind"]["enum"] == list(spec.MODEL_KINDS)
-    assert props["resharding"]["properties"]["strategy"]["enum"] == list(STRATEGIES)
-    assert props["resharding"]["properties"]["balancer"]["enum"] == list(BALANCERS)
-    assert props["schedule"]["properties"]["kind"]["enum"] == list(SCHEDULE_KINDS)
+    assert props["resharding"]["properties"]["strategy"]["enum"] == [*STRATEGIES, "auto"]  # auto: searched
+    assert props["resharding"]["properties"]["balancer"]["enum"] == [*BALANCERS, "auto"]
+    assert props["schedule"]["properties"]["kind"]["enum"] == [*SCHEDULE_KINDS, "auto"]
     assert props["runPolicy"]["properties"]["cleanPodPolicy"]["enum"] == list(spec.CLEAN_POD_POLICIES)
 
 
@@ -190,6 +190,16 @@ def test_chunks_is_an_int_or_string_of_auto_or_a_positive_integer():
         jsonschema.Draft4Validator(schema).validate({"chunks": good})
     for bad in ("many", "", 0, -3):
         assert not jsonschema.Draft4Validator(schema).is_valid({"chunks": bad}), bad
+
+
+def test_microbatches_is_an_int_or_string_of_auto_or_a_count_in_range():
+    field = open_api_schema()["properties"]["spec"]["properties"]["training"]["properties"]["microbatches"]
+    assert field["x-kubernetes-int-or-string"] is True and "type" not in field
+    schema = {"type": "object", "properties": {"microbatches": field}}
+    for good in ("auto", 1, spec.MAX_MICROBATCHES):
+        jsonschema.Draft4Validator(schema).validate({"microbatches": good})
+    for bad in ("AUTO", "many", "", "4", 0, spec.MAX_MICROBATCHES + 1):
+        assert not jsonschema.Draft4Validator(schema).is_valid({"microbatches": bad}), bad
 
 
 def test_status_schema_fields_and_preserved_unknown_fields():
@@ -353,6 +363,27 @@ def test_real_apiserver_takes_stages_as_auto_or_a_list_and_refuses_the_rest(apis
             assert json.loads(made.stdout)["spec"]["stages"] == stages  # stored as sent
         else:
             assert "spec.stages" in made.stderr, (stages, made.stderr)
+
+
+@pytest.mark.slow
+def test_real_apiserver_takes_auto_in_the_searched_fields_and_refuses_other_words(apiserver):
+    install_crd(apiserver)
+    tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+    cases = [("training", "microbatches", "auto", True), ("schedule", "kind", "auto", True),
+             ("resharding", "strategy", "auto", True), ("resharding", "balancer", "auto", True),
+             ("training", "microbatches", "AUTO", False), ("training", "microbatches", "4", False),
+             ("training", "microbatches", 0, False), ("training", "microbatches", True, False),
+             ("schedule", "kind", "automatic", False), ("resharding", "balancer", "Auto", False)]
+    for i, (section, key, value, ok) in enumerate(cases):
+        doc = json.loads(json.dumps(tiny))
+        doc["metadata"]["name"] = f"tiny-{i}"
+        doc["spec"][section][key] = value
+        made = kubectl(apiserver, "create", "-o", "json", "-f", "-", stdin=json.dumps(doc))
+        assert (made.returncode == 0) == ok, (key, value, made.stderr)
+        if ok:
+            assert json.loads(made.stdout)["spec"][section][key] == value  # stored as sent, for the search
+        else:
+            assert f"spec.{section}.{key}" in made.stderr, (key, value, made.stderr)
 
 
 # scalars whose reading differs between YAML 1.1 (PyYAML), YAML 1.2 and kubectl (go-yaml v2)
