@@ -131,3 +131,30 @@ async def test_stages_auto_that_fits_nowhere_fails_with_the_smallest_overflow(cl
     assert "smallest overflow found is" in events[0]["message"]
     assert await cluster.pods(tag, tag) == [] and "tuned" not in status
     await delete_and_wait(cluster, tag)
+
+
+async def test_microbatches_auto_with_stages_written_runs_the_chosen_plan_and_records_the_microbatches(
+        cluster, operator):
+    tag = "auto-microbatches"
+    await prepare_namespace(cluster, tag)
+    nodes = await add_nodes(cluster, tag, 2)
+    body = scenario_job(tag)
+    body["spec"]["training"]["microbatches"] = "auto"
+    await cluster.create_job(body)
+    # the search with the stages as written, on the same hosts: the operator's child must choose the same
+    expected = auto_stages.tune(manifest(body), auto_stages.search_cluster(
+        [Host(n, 2) for n in nodes], DEFAULT_NIC_BYTES_PER_S))
+    chosen = expected.job()
+    assert chosen.stages == parse_job(scenario_job(tag)).stages  # kept as written
+    wanted = host_pods(PlanInputs.of(chosen, [Host(n, 2) for n in nodes]).build().placement)
+
+    status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Created", "phase Created")
+    assert status["tuned"] == expected.status()
+    assert status["tuned"]["microbatches"] == chosen.training.microbatches
+    pods = await wait_pods(cluster, tag, len(wanted))
+    assert {env_of(p)["WORLD_SIZE"] for p in pods} == {str(chosen.world_size)}
+    cm = await cluster.get("configmaps", f"{tag}-plan", tag)
+    ran = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))  # what the ranks read: a count, not `auto`
+    assert ran.training.microbatches == chosen.training.microbatches and ran.stages == chosen.stages
+    assert (await cluster.job(tag, tag))["spec"]["training"]["microbatches"] == "auto"
+    await delete_and_wait(cluster, tag)
