@@ -156,12 +156,6 @@ class NetworkModel:
         """One message between devices of one host."""
         return nbytes / self.intra_host_bytes_per_s + self.intra_message_s
 
-    def message_cpu(self, nbytes: float, local: bool) -> float:
-        """CPU seconds one message takes its two ranks (0 when CPU is not modelled)."""
-        if not self.shared_cpu_cores:
-            return 0.0
-        return self.message_cpu_s + nbytes * (self.local_byte_cpu_s if local else self.net_byte_cpu_s)
-
     def cpu_s(self, net: tuple[float, float] = (0, 0), local: tuple[float, float] = (0, 0)) -> float:
         """Seconds the shared cores need for (messages, bytes) between hosts and inside hosts."""
         if not self.shared_cpu_cores:
@@ -339,20 +333,20 @@ def _messages(strategy: str, nbytes: float, own: int, remote: tuple[tuple[int, i
     """((messages, bytes) between hosts, (messages, bytes) inside hosts) of one task by `strategy`
     (the CPU they cost: NetworkModel.cpu_s)."""
     devices = [b for _, b in remote]
+    every = devices + ([own] if own else [])  # devices of every receiving host, the sender's included
     if strategy in ("broadcast", "signal"):  # every chunk: a hop per host, then its head's copies
-        local_hops = (1 if own else 0) + sum(b - 1 for b in ([own] if own else []) + devices)
+        local_hops = (1 if own else 0) + sum(b - 1 for b in every)
         return (chunks * len(remote), nbytes * len(remote)), (chunks * local_hops, nbytes * local_hops)
     if strategy == "send_recv":
         return (sum(devices), nbytes * sum(devices)), (own, nbytes * own)
     if strategy == "local_allgather":  # a part per device, then a ring inside each host
-        ring = sum((b - 1) * b for b in devices + ([own] if own else []))
+        ring = sum((b - 1) * b for b in every)
         net = (sum(devices), nbytes * len(devices))
-        local = (own + ring, nbytes * (1 if own else 0) + sum(nbytes * (b - 1) for b in devices + [own] if b))
+        local = (own + ring, nbytes * (1 if own else 0) + sum(nbytes * (b - 1) for b in every))
         return net, local
     n = own + sum(devices)  # global all-gather: a part to each device, then n - 1 ring rounds
-    hosts = len(remote) + (1 if own else 0)
-    per_round_net = hosts if hosts > 1 else 0
-    per_round_local = sum(b - 1 for b in devices + ([own] if own else []))
+    per_round_net = len(every) if len(every) > 1 else 0
+    per_round_local = sum(b - 1 for b in every)
     part = nbytes / n
     net_messages = sum(devices) + (n - 1) * per_round_net
     local_messages = own + (n - 1) * per_round_local

@@ -10,7 +10,7 @@ Two levels, both deterministic and pure:
   With `burst_bytes` > 0 each link is a token bucket like `tc tbf` (the emulated cluster's NICs): bytes
   within the bucket leave at line rate, the rest at the NIC rate. Real NICs: burst 0.
   With `shared_cpu_cores` > 0 (every host on one machine's cores), the cores are one fluid resource:
-  no transfer ends before they have done its messages' CPU work (NetworkModel.message_cpu).
+  no transfer ends before they have done its messages' CPU work (NetworkModel.cpu_s).
 - `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
   the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
   through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other;
@@ -91,7 +91,7 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
     ready: list[tuple[float, int, int]] = [(0.0, order[s.id], s.id) for s in steps if not s.after]
     heapq.heapify(ready)
     links = Links(network)
-    cpu_work = 0.0
+    tally = {False: [0, 0], True: [0, 0]}  # inside a host? -> [messages, bytes]: their CPU work
     busy: dict[Link, float] = {}
     moved: dict[Link, int] = {}
     finish: dict[int, float] = {}
@@ -104,7 +104,8 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
         used = [network.link(src_h, "local")] if src_h == dst_h else \
             list(dict.fromkeys((network.link(src_h, "out"), network.link(dst_h, "in"))))
         start, end = links.book(used, [nbytes] * len(used), t_ready, messages=1)
-        cpu_work += network.message_cpu(nbytes, local=src_h == dst_h)
+        tally[src_h == dst_h][0] += 1
+        tally[src_h == dst_h][1] += nbytes
         for link in used:
             busy[link] = busy.get(link, 0.0) + end - start
             moved[link] = moved.get(link, 0) + nbytes
@@ -117,7 +118,7 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
     if len(finish) != len(steps):
         missing = sorted(set(by_id) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
-    makespan = max(max(finish.values(), default=0.0), cpu_work / max(1, network.shared_cpu_cores))
+    makespan = max(max(finish.values(), default=0.0), network.cpu_s(tuple(tally[False]), tuple(tally[True])))
     nic = {k for k in busy if k[1] != "local"}
     return TransferResult(makespan, finish, began, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
 
