@@ -9,10 +9,46 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from meshjob_operator.testing import Cluster, eventually, job_body
+import pytest
+import pytest_asyncio
+
+from meshjob_operator.testing import (Cluster, envtest_assets, envtest_cluster, eventually, job_body, kmock_cluster,
+                                      running_operator)
 
 REPO = Path(__file__).resolve().parents[1]
 PEERING_CRDS = REPO / "operator" / "peering.yaml"
+
+# The modules that run their scenarios on both servers import these fixtures (apiserver, cluster, operator).
+ASSETS = envtest_assets()
+CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
+    ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=CLUSTERS)
+async def apiserver(request):
+    """A real API server starts in seconds: one serves the module. kmock: none here (see cluster)."""
+    if request.param == "envtest":
+        async with envtest_cluster(ASSETS) as c:
+            yield c
+    else:
+        yield None
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def cluster(apiserver):
+    """The module's real API server, or a fresh kmock per scenario (in-memory and cheap; one shared by
+    every scenario slows down as objects and kopf's same-named events pile up)."""
+    if apiserver is not None:
+        yield apiserver
+    else:
+        async with kmock_cluster() as c:
+            yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def operator(cluster):
+    async with running_operator(cluster) as op:
+        yield op
 
 
 def scenario_job(tag: str, *, hosts: int = 2, devices: int = 2, **kwargs: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import pytest_asyncio
 import yaml
 
 from meshjob import auto_stages
@@ -23,14 +22,12 @@ from meshjob.placement import Host
 from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
 from meshjob.spec import parse_job
 from meshjob_operator.reconcile import manifest
-from meshjob_operator.testing import envtest_assets, envtest_cluster, eventually, kmock_cluster, running_operator
+from meshjob_operator.testing import eventually
 
 from operator_harness import (add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
                               wait_pods, wait_status)
+from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
-ASSETS = envtest_assets()
-CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
-    ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
 # fp32 weights, gradients and AdamW state of 8 layers of width 8192 take about 100 GiB: more than one
@@ -38,30 +35,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(lo
 SPREAD = {"kind": "gpt", "layers": 8, "hidden": 8192, "heads": 64, "vocab": 64, "seqLen": 16}
 # 32 layers of width 16384 on one device: no plan fits
 TOO_BIG = {"kind": "gpt", "layers": 32, "hidden": 16384, "heads": 64, "vocab": 64, "seqLen": 16}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=CLUSTERS)
-async def apiserver(request):
-    if request.param == "envtest":
-        async with envtest_cluster(ASSETS) as c:
-            yield c
-    else:
-        yield None
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def cluster(apiserver):
-    if apiserver is not None:
-        yield apiserver
-    else:
-        async with kmock_cluster() as c:
-            yield c
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def operator(cluster):
-    async with running_operator(cluster) as op:
-        yield op
 
 
 def auto_job(tag: str, model: dict, devices: int = 2) -> dict:

@@ -18,7 +18,6 @@ import time
 from typing import Any, Iterator
 
 import pytest
-import pytest_asyncio
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
@@ -27,43 +26,13 @@ from meshjob_operator import names
 from meshjob_operator.handlers import STATE
 from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 from meshjob_operator.status import parse_time
-from meshjob_operator.testing import (Cluster, OperatorThread, envtest_assets, envtest_cluster, eventually,
-                                      free_port, job_body, kmock_cluster, running_operator)
+from meshjob_operator.testing import Cluster, OperatorThread, eventually, free_port, job_body, running_operator
 
 from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
                               wait_pods, wait_status)
+from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
-ASSETS = envtest_assets()
-CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
-    ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=CLUSTERS)
-async def apiserver(request):
-    """A real API server starts in seconds: one serves the module. kmock: none here (see cluster)."""
-    if request.param == "envtest":
-        async with envtest_cluster(ASSETS) as c:
-            yield c
-    else:
-        yield None
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def cluster(apiserver):
-    """The module's real API server, or a fresh kmock per scenario (in-memory and cheap; one shared by
-    every scenario slows down as objects and kopf's same-named events pile up)."""
-    if apiserver is not None:
-        yield apiserver
-    else:
-        async with kmock_cluster() as c:
-            yield c
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def operator(cluster):
-    async with running_operator(cluster) as op:
-        yield op
 
 
 async def create_service_account(cluster: Cluster, namespace: str, name: str) -> None:
