@@ -47,8 +47,7 @@ class RankProgram:
 def rank_programs(steps: Sequence[Step], host_of: Callable[[int], int], network: NetworkModel,
                   itemsize: int = 4) -> dict[int, RankProgram]:
     """Every rank's program for one boundary (ranks with nothing to do are absent)."""
-    timed = simulate_transfer(steps, host_of, network, itemsize)
-    key = {s.id: (timed.start_s[s.id], timed.finish_s[s.id], s.id) for s in steps}
+    key = planned_keys(steps, host_of, network, itemsize)
     sends: dict[int, list[Step]] = {}
     recvs: dict[int, list[Step]] = {}
     for s in steps:
@@ -62,6 +61,14 @@ def rank_programs(steps: Sequence[Step], host_of: Callable[[int], int], network:
         out[rank] = RankProgram(rank, tuple(mine), links, tuple(arriving),
                                 tuple(in_link(network, host_of(s.src), host_of(s.dst)) for s in arriving))
     return out
+
+
+def planned_keys(steps: Sequence[Step], host_of: Callable[[int], int], network: NetworkModel,
+                 itemsize: int = 4) -> dict[int, tuple[float, float, int]]:
+    """Step id -> its key in the planned start order (start, finish, id on the network model's FIFO
+    links): the one order every rank's program and every host's link order (meshjob.host_order) follow."""
+    timed = simulate_transfer(steps, host_of, network, itemsize)
+    return {s.id: (timed.start_s[s.id], timed.finish_s[s.id], s.id) for s in steps}
 
 
 def out_link(network: NetworkModel, src_host: int, dst_host: int) -> Link:

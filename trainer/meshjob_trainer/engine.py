@@ -22,6 +22,13 @@ message on the wire (meshjob_trainer.wire):
   (benchmarks and tests of single boundaries) transfers go in the order their jobs start, which
   every rank must then start them in.
 
+Across the ranks of a host: a host's NIC links are shared by all its ranks, each with its own engine.
+With a plan, the ranks of a host also follow the plan's order of the host's messages on each shared
+NIC link, and its bound on those in flight, through the host's board (meshjob_trainer.board,
+meshjob.host_order): a rank's next message on such a link waits for its turn there. On every NIC
+link a message joins others in flight only while those are small (`overlap_bytes`): two large ones
+would share the link instead of running one after the other as the plan times them.
+
 Completions come from waiter threads, one per peer and direction, each blocking on its messages in
 issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
 engine thread sleeps until a job starts or a message completes: no polling.
@@ -45,6 +52,7 @@ import torch
 from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder
 from meshjob.network import Link
+from meshjob_trainer.board import may_start
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
@@ -73,6 +81,7 @@ class Message:
     work: Any = None
     issued: bool = False
     done: bool = False
+    nbytes: int = 0  # what it counts in flight on its link
 
 
 class Job:
@@ -138,6 +147,10 @@ class Job:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started_s
+
+    def nbytes(self, spec: MessageSpec) -> int:
+        """The bytes message `spec` moves (0: unknown; the link's window alone bounds it)."""
+        return 0
 
     def payload(self, spec: MessageSpec) -> torch.Tensor:
         raise NotImplementedError
@@ -263,29 +276,42 @@ class Memory:
         return peak
 
 
+BoardFor = Callable[[TransferOrder, Callable[[str], None]], Any]  # (order, wake) -> a HostBoard or None
+
+
 class CommEngine:
     """The rank's engine. `specs`: per boundary, this rank's messages (sends in the sender's program
-    order, receives in their sender's); `order`: the step's transfer order, or None (start order)."""
+    order, receives in their sender's); `order`: the step's transfer order, or None (start order).
+    `board_for(order, wake)`: the host's board for a planned order (meshjob_trainer.board), or None
+    when this rank shares no NIC link with another rank of its host; `overlap_bytes`: on NIC links,
+    how many bytes in flight still let another message join them (None: the window alone)."""
 
     def __init__(self, rank: int, wire: Wire, specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
-                 in_flight_per_link: int = 2, order: TransferOrder | None = None) -> None:
+                 in_flight_per_link: int = 2, order: TransferOrder | None = None,
+                 board_for: BoardFor | None = None, overlap_bytes: int | None = None) -> None:
         if in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
         self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
         self.in_flight_per_link = in_flight_per_link
+        self.overlap_bytes = overlap_bytes
         self.memory = Memory()
+        self._board_for, self.board = board_for, None
+        self._blocked_since: float | None = None  # when a message first waited on the board for its turn
         self._sends: dict[Link, _Sequence] = {}
         self._recvs: dict[Link | None, _Sequence] = {}
-        if order is not None:
-            self._plan_sequences(order)
         self._in_flight: dict[Link, int] = collections.defaultdict(int)  # sends issued, not done
         self._posted: dict[Link | None, int] = collections.defaultdict(int)  # receives posted, not landed
+        self._bytes: dict[Link | None, int] = collections.defaultdict(int)  # their bytes, per link
         self._jobs: dict[tuple[BoundaryKey, int], collections.deque[Job]] = collections.defaultdict(collections.deque)
         self._inbox: list[tuple[Any, ...]] = []
         self._cond = threading.Condition()
         self._waiters: dict[tuple[int, bool], _Waiter] = {}
         self._error: BaseException | None = None
         self._closing = False
+        self._board_waits = False
+        if order is not None:
+            self._plan_sequences(order)
+            self._use_board(None if board_for is None else board_for(order, self._wake))
         self._thread = threading.Thread(target=self._main, name=f"comm engine rank {rank}", daemon=True)
         self._thread.start()
 
@@ -301,15 +327,39 @@ class CommEngine:
         self._sends = {link: _Sequence(entries) for link, entries in sends.items()}
         self._recvs = {link: _Sequence(entries) for link, entries in recvs.items()}
 
+    def _use_board(self, board: Any) -> None:
+        """Follow `board` (None: none) from now on; its turns must be this rank's own sequences."""
+        from meshjob.host_order import check_subsequence
+
+        if board is not None:
+            try:
+                for link in board.links:
+                    seq = self._sends.get(link) if link[1] == "out" else self._recvs.get(link)
+                    check_subsequence(board.order, self.rank, link, list(seq.entries) if seq else [])
+            except ValueError:
+                board.close()
+                raise
+        self.board = board
+
+    def _wake(self, why: str) -> None:
+        """The board's waker: a peer moved on a shared link ("board"), or a second passed ("tick")."""
+        self._post(("wake", why))
+
     # -- the compute thread's side -----------------------------------------------------------
     def use_order(self, order: TransferOrder) -> None:
         """Run another planned order from the next job on (evaluation's forward-only pass). Only
         between passes, when no job is under way: every planned sequence is back at its start then."""
         with self._cond:
-            if self.order is None or self._inbox or self._active():
+            if self.order is None or any(i[0] != "wake" for i in self._inbox) or self._active():
                 raise EngineError("the order can change only between passes of a planned engine")
             self.order = order
             self._plan_sequences(order)
+            old, self.board = self.board, None  # no job is under way: nothing is issued meanwhile
+        if old is not None:
+            old.close()  # outside the lock: its waker may be posting to the engine
+        board = None if self._board_for is None else self._board_for(order, self._wake)
+        with self._cond:
+            self._use_board(board)
 
     def submit(self, job: Job) -> Handle:
         """Hand a job to the engine; returns its handle at once."""
@@ -338,6 +388,8 @@ class CommEngine:
             waiter.stop()
         for waiter in self._waiters.values():
             waiter.thread.join(timeout_s)
+        if self.board is not None:
+            self.board.close()
 
     @property
     def error(self) -> BaseException | None:
@@ -380,6 +432,10 @@ class CommEngine:
                 self._append(job)
             self._settle(job)
             return
+        if item[0] == "wake":
+            if item[1] == "tick" and self._blocked_since is not None and self.board is not None:
+                self.board.check(time.monotonic() - self._blocked_since)
+            return
         _, job, message, error = item
         if error is not None:
             raise error
@@ -403,16 +459,38 @@ class CommEngine:
                 return job, message
         return None
 
+    def _may_start(self, link: Link | None, count: int, nbytes: int) -> bool:
+        """Whether the next message on `link` may go, given this rank's `count` in flight there: its
+        turn on the host's board, and room in the link's window."""
+        if self.board is not None and link in self.board.links:
+            if self.board.ready(link, nbytes):
+                return True
+            self._board_waits = True
+            return False
+        if link is None or link[1] == "local":
+            return True
+        return may_start(count, self._bytes[link], nbytes, self.in_flight_per_link, self.overlap_bytes)
+
+    def _issued(self, link: Link | None, message: Message) -> None:
+        self._bytes[link] += message.nbytes
+        if self.board is not None and link in self.board.links:
+            self.board.issued(link, message.nbytes)
+
     def _issue(self) -> None:
+        self._board_waits = False
         for link, seq in self._recvs.items():
             while self._posted[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break
                 job, message = found
+                message.nbytes = job.nbytes(message.spec)
+                if not self._may_start(link, self._posted[link], message.nbytes):
+                    break
                 message.tensor = job.target(message.spec)
                 self._posted[link] += 1
                 self._start(job, message, self.wire.irecv)
+                self._issued(link, message)
                 seq.advance()
         for link, seq in self._sends.items():
             while self._in_flight[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
@@ -422,13 +500,21 @@ class CommEngine:
                 job, message = found
                 if not all(job.messages[d].done for d in message.spec.deps):
                     break
+                message.nbytes = job.nbytes(message.spec)
+                if not self._may_start(link, self._in_flight[link], message.nbytes):
+                    break
                 if job.source_mark is not None:
                     self.wire.after(job.source_mark)
                     job.source_mark = None
                 message.tensor = job.payload(message.spec)
                 self._in_flight[link] += 1
                 self._start(job, message, self.wire.isend)
+                self._issued(link, message)
                 seq.advance()
+        if not self._board_waits:
+            self._blocked_since = None
+        elif self._blocked_since is None:
+            self._blocked_since = time.monotonic()
 
     def _start(self, job: Job, message: Message, issue: Callable[..., Any]) -> None:
         spec = message.spec
@@ -445,6 +531,9 @@ class CommEngine:
     def _completed(self, job: Job, message: Message) -> None:
         message.done = True
         spec = message.spec
+        self._bytes[spec.link] -= message.nbytes
+        if self.board is not None and spec.link in self.board.links:
+            self.board.completed(spec.link, message.nbytes)
         if spec.send:
             self._in_flight[spec.link] -= 1
             job.sent(spec, message.tensor)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -33,7 +34,8 @@ from meshjob.comm_order import TransferOrder, recv_depths, transfer_order
 from meshjob.mesh import Mesh
 from meshjob.network import Link, NetworkModel
 from meshjob.plan import ITEMSIZE, Boundary
-from meshjob.program import RankProgram, in_link, out_link, rank_programs
+from meshjob.host_order import HostLinkOrder, Side, host_link_orders
+from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
 from meshjob_trainer.engine import CommEngine, Handle, Job, MessageSpec
@@ -41,6 +43,11 @@ from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, R
 from meshjob_trainer.wire import Wire, wire_for
 
 SIGNAL_BYTES = 1
+# A NIC message that lasts this many per-message costs needs no second one in flight behind it to keep its
+# link busy (the gap it leaves is 2% of it); two such messages in flight together would share the link
+# instead of running one after the other as the plan times them (meshjob_trainer.board.may_start).
+OVERLAP_MESSAGE_COSTS = 50
+_BOARDS = itertools.count()  # boards built by this process: every rank of a host counts them alike
 
 
 class ReshardError(RuntimeError):
@@ -114,6 +121,20 @@ class Route:
             plain = dataclasses.replace(self.network, burst_bytes=0.0)
             self._programs = rank_programs(self.steps, self.host_of, plain, ITEMSIZE)
         return self._programs
+
+    def planned_sides(self) -> tuple[Side, ...]:
+        """Both ends of every message of the boundary in its planned order (the plan's steps in planned
+        start order, as every rank's program has them, then the gather inside the destination): what
+        meshjob.host_order merges into each host's link order."""
+        if not hasattr(self, "_sides"):
+            plain = dataclasses.replace(self.network, burst_bytes=0.0)
+            key = planned_keys(self.steps, self.host_of, plain, ITEMSIZE)
+            index = {s.id: i for i, s in enumerate(self.steps)}
+            ordered = [(index[s.id], s) for s in sorted(self.steps, key=lambda s: key[s.id])]
+            ordered += [(len(self.steps) + j, g) for j, g in enumerate(self.gather)]
+            self._sides = tuple(side for i, s in ordered for side in
+                                ((s.src, i, self.link(s.src, s.dst)), (s.dst, i, self.in_link(s.src, s.dst))))
+        return self._sides
 
     def where(self, rank: int, index: int) -> "Where":
         """Message `index` as `rank` sees it (computed once per rank: the engine asks per message)."""
@@ -388,6 +409,11 @@ class _Transfer(Job):
         return torch.ones(SIGNAL_BYTES, dtype=torch.uint8, device=self.device)
 
     # -- the engine's calls ----------------------------------------------------------------------
+    def nbytes(self, spec: MessageSpec) -> int:
+        if self.signal:
+            return SIGNAL_BYTES
+        return self.route.where(self.rank, spec.index).numel * self.dtype.itemsize
+
     def payload(self, spec: MessageSpec) -> torch.Tensor:
         if self.signal:
             return self._signal()
@@ -484,16 +510,22 @@ class ReshardExecutor:
     on every rank. Events
     (bytes, times, NIC rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name
     of the rank's host, or "host-<index>" with explicit routes. `wire`: default gloo on the CPU, NCCL
-    on CUDA (meshjob_trainer.wire.wire_for). Call close() before leaving the process group."""
+    on CUDA (meshjob_trainer.wire.wire_for). Call close() before leaving the process group.
+
+    With an order, the ranks of a host also take their turns on the host's shared NIC links as the
+    plan orders them (meshjob_trainer.board): `board` True / False, or None: when torch.distributed is
+    up (the ranks of a host meet in its store; every rank of the job then builds its executors, and
+    switches orders, in the same sequence). `board_timeout_s`: the longest wait for a turn."""
 
     def __init__(self, plan: Any, rank: int, events: MetricsSink | None = None, *,
                  routes: Sequence[Route] | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
-                 order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None) -> None:
+                 order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None,
+                 board: bool | None = None, board_timeout_s: float = 300.0) -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
-        network = NetworkModel()
+        network = routes[0].network if routes else NetworkModel()
         if routes is None:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
@@ -522,7 +554,33 @@ class ReshardExecutor:
         self.in_flight_per_link = in_flight_per_link or network.in_flight_per_link
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
         self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank))
-        self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order)
+        self.network = network
+        self.board_timeout_s = board_timeout_s
+        use_board = order is not None and (_dist_up() if board is None else board)
+        self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
+                                 self._board_for if use_board else None, overlap_bytes(network))
+
+    def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
+        """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.host_order)."""
+        sides = {k: r.planned_sides() for k, r in self.routes.items()}
+        return host_link_orders(order.transfers, sides)
+
+    def _board_for(self, order: TransferOrder, wake: Any) -> Any:
+        """This rank's host board for `order`, or None when it shares no NIC link on its host. Every rank
+        calls it at the same points (the serial number names the board in the store)."""
+        from meshjob_trainer.board import HostBoard
+
+        serial = next(_BOARDS)
+        host = next((r.host_of(self.rank) for r in self.routes.values()
+                     if self.rank in r.src_ranks or self.rank in r.dst_ranks), None)
+        mine = self.host_link_orders(order).get(host) if host is not None else None
+        if mine is None or self.rank not in mine.ranks:
+            return None
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        return HostBoard(mine, self.rank, self.in_flight_per_link, overlap_bytes(self.network), store,
+                         f"meshjob/board/{serial}/h{host}", wake, self.board_timeout_s)
 
     def route(self, key: BoundaryKey) -> Route:
         try:
@@ -581,6 +639,17 @@ class ReshardExecutor:
     def close(self, timeout_s: float = 60.0) -> None:
         """Let the transfers under way finish (a chain's last forwards), then stop the engine."""
         self.engine.close(timeout_s)
+
+
+def overlap_bytes(network: NetworkModel) -> int:
+    """In-flight bytes on a NIC link up to which another message may join them (OVERLAP_MESSAGE_COSTS)."""
+    return int(network.nic_bytes_per_s * network.message_s * OVERLAP_MESSAGE_COSTS)
+
+
+def _dist_up() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

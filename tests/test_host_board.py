@@ -1,0 +1,240 @@
+"""The ranks of one host follow the plan's order on the host's shared NIC links (meshjob.host_order,
+meshjob_trainer.board): the order is data derived from the plan, the board enforces it across the
+ranks' engines, nothing deadlocks, and a rank waiting on a dead peer fails with a clear error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import TransferOrder
+from meshjob.host_order import HostLinkOrder, check_subsequence, host_link_orders
+from meshjob.resharding import STRATEGIES
+from meshjob_trainer.board import BoardError, HostBoard, may_start
+from meshjob_trainer.engine import CommEngine, Job, MessageSpec
+from meshjob_trainer.reshard import ReshardExecutor, make_routes
+
+from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, mesh, natural_tile
+
+# Two hosts of two ranks each send to two hosts of two: every source host's out-link carries messages of
+# both its ranks, every destination host's in-link messages for both of its ranks.
+TRANSPOSE = Case("2x2 S0S1 -> 2x2 S1S0", (8, 8), mesh((2, 2), 0), "S0S1", "S0S1", mesh((2, 2), 4, first_host=2),
+                 "S1S0", "S1S0")
+KEY = BoundaryKey(0, 1, "activation")
+
+
+def routes_of(case: Case, boundaries):
+    return make_routes(boundaries, {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+
+
+# --- the plan side: pure data ---------------------------------------------------------------------
+
+def test_a_hosts_link_order_interleaves_its_ranks_messages_in_the_plans_order():
+    boundary = make_boundary(TRANSPOSE, "broadcast", chunks=2)
+    (route,) = routes_of(TRANSPOSE, [boundary])
+    transfers = ((boundary.key, 0), (boundary.key, 1))
+    orders = host_link_orders(transfers, {boundary.key: route.planned_sides()})
+    assert set(orders) == {0, 1, 2, 3}
+    for host, order in orders.items():
+        direction = "out" if host < 2 else "in"
+        assert list(order.links) == [(host, direction)]  # only NIC links two ranks share
+        entries = order.links[(host, direction)]
+        assert len(set(order.ranks)) == 2 and {e[0] for e in entries} == set(order.ranks)
+        assert [e[2] for e in entries] == sorted(e[2] for e in entries)  # microbatch 0's before 1's
+        for rank in order.ranks:  # each rank's own program is a subsequence of the host's order
+            own = [(k, mb, s.index) for k, mb in transfers for s in route.message_specs(rank)
+                   if (s.link == (host, direction))]
+            check_subsequence(order, rank, (host, direction), own)
+    json.dumps([o.to_json() for o in orders.values()])  # printable
+
+
+def test_a_rank_whose_own_order_differs_from_its_hosts_is_named_at_setup():
+    order = HostLinkOrder(0, {(0, "out"): ((1, KEY, 0, 0), (0, KEY, 0, 1), (0, KEY, 0, 2))})
+    with pytest.raises(ValueError, match="rank 0: its messages on link"):
+        check_subsequence(order, 0, (0, "out"), [(KEY, 0, 2), (KEY, 0, 1)])
+
+
+def test_a_large_message_runs_alone_on_its_link_and_small_ones_overlap():
+    assert may_start(0, 0, 1 << 30, 2, 1 << 20)  # an idle link takes anything
+    assert may_start(1, 1 << 16, 1 << 16, 2, 1 << 20)  # behind a small one, within the window
+    assert not may_start(1, 4 << 20, 1 << 16, 2, 1 << 20)  # behind a large one: wait
+    assert not may_start(2, 1 << 10, 1 << 10, 2, 1 << 20)  # the window is full
+    assert may_start(1, 4 << 20, 1 << 16, 2, None)  # no byte bound: the window alone
+
+
+# --- the board across processes ---------------------------------------------------------------------
+
+class _Recorder:
+    """A wire that records when each message is issued (monotonic: one clock for every rank here)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.device, self.log = inner, inner.device, []
+
+    def isend(self, tensor, peer, tag, message):
+        self.log.append((time.monotonic(), "send", message))
+        return self.inner.isend(tensor, peer, tag, message)
+
+    def irecv(self, tensor, peer, tag, message):
+        self.log.append((time.monotonic(), "recv", message))
+        return self.inner.irecv(tensor, peer, tag, message)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balancer", ["naive", "greedy"])
+def test_the_ranks_of_a_host_issue_their_messages_on_a_shared_link_in_the_hosts_order(gang, balancer):
+    from meshjob.plan import plan_boundary
+    from meshjob.sharding import ShardingSpec
+    from meshjob.spec import ReshardingSpec
+    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.wire import GlooWire
+
+    from test_trainer_reshard import NIC_BYTES_PER_S, host_of
+
+    case = TRANSPOSE
+    boundary = plan_boundary(KEY, case.shape, (case.src, ShardingSpec.parse(case.send)),
+                             (case.dst, ShardingSpec.parse(case.recv)), ReshardingSpec("broadcast", 3, balancer),
+                             host_of(case), NIC_BYTES_PER_S)
+    (route,) = routes_of(case, [boundary])
+    order = TransferOrder(tuple((KEY, mb) for mb in range(3)))
+
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            wire = _Recorder(GlooWire())
+            ex = ReshardExecutor(None, env.rank, routes=[route], wire=wire, order=order)
+            on_board = ex.engine.board is not None
+            full = global_tensor(case, 5)
+            mine = natural_tile(case, full, env.rank)
+            handles = [ex.start(KEY, mb, mine if env.rank in case.src.ranks else None) for mb in range(3)]
+            got = [h.wait(timeout_s=30) for h in handles]
+            ex.close()
+            ok = all(g is None or torch.equal(g, mine) for g in got)
+            return wire.log, on_board, ok
+        finally:
+            shutdown_distributed()
+
+    results = gang(case.world_size, target)
+    assert all(ok and on_board for _, on_board, ok in results)
+    issued = {(op, message): t for log, _, _ in results for t, op, message in log}
+    orders = host_link_orders(order.transfers, {KEY: route.planned_sides()})
+    for host, host_order in orders.items():
+        for link, entries in host_order.links.items():
+            op = "send" if link[1] == "out" else "recv"
+            names = [f"{k}#{mb}/{route.step_at(i).id}" for _, k, mb, i in entries]
+            times = [issued[(op, n)] for n in names]
+            assert times == sorted(times), f"host {host} link {link}: issued out of the plan's order"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_strategy_runs_to_the_exact_tiles_with_the_board_without_deadlock(gang, case: Case):
+    """All four strategies as four boundaries, two microbatches each, interleaved in one planned order,
+    started at once: every destination tile exact, on every (mesh, spec) pair the executor tests cover."""
+    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+
+    strategies = [s for s in STRATEGIES if s != "signal"]
+    boundaries = [make_boundary(case, s, tensor=s) for s in strategies]
+    routes = routes_of(case, boundaries)
+    order = TransferOrder(tuple((b.key, mb) for mb in range(2) for b in boundaries))
+
+    def target(env):
+        init_distributed(env, timeout_s=20)
+        try:
+            ex = ReshardExecutor(None, env.rank, routes=routes, order=order)
+            full = global_tensor(case, 11)
+            mine = natural_tile(case, full, env.rank)
+            local = mine if env.rank in case.src.ranks else None
+            handles = [ex.start(k, mb, local) for k, mb in order.transfers]
+            got = [h.wait(timeout_s=30) for h in handles]
+            on_board = ex.engine.board is not None
+            ex.close()
+            return on_board, all(g is None or torch.equal(g, mine) for g in got)
+        finally:
+            shutdown_distributed()
+
+    results = gang(case.world_size, target, timeout_s=90)
+    assert all(ok for _, ok in results)
+    shared = host_link_orders(order.transfers, {r.boundary.key: r.planned_sides() for r in routes})
+    assert {r for r, (on_board, _) in enumerate(results) if on_board} == \
+        {r for o in shared.values() for r in o.ranks}
+
+
+class _Payload(Job):
+    def nbytes(self, spec):
+        return 4
+
+    def payload(self, spec):
+        return torch.zeros(1)
+
+
+class _Silent:
+    """A wire whose messages never complete (the test is about waiting for a turn)."""
+
+    device = torch.device("cpu")
+
+    def isend(self, tensor, peer, tag, message):
+        return None
+
+    irecv = isend
+
+    def wait(self, work):
+        time.sleep(3600)
+
+    def __getattr__(self, name):
+        from meshjob_trainer.wire import GlooWire
+
+        return getattr(GlooWire(), name)
+
+
+def test_a_rank_waiting_for_its_turn_behind_a_dead_peer_fails_with_a_clear_error(tmp_path):
+    """Rank 1 holds the first turn on host 0's out-link and dies; rank 0's engine, whose message comes
+    next, fails its job naming the dead rank within a few ticks, and the board leaves nothing behind."""
+    link = (0, "out")
+    order = HostLinkOrder(0, {link: ((1, KEY, 0, 0), (0, KEY, 0, 1))})
+    path = str(tmp_path / "store")
+    pid = os.fork()
+    if pid == 0:  # rank 1: joins the board, then dies without taking its turn
+        try:
+            HostBoard(order, 1, 2, None, dist.FileStore(path, 2), "k")
+        finally:
+            os._exit(0)
+    store = dist.FileStore(path, 2)
+    boards = []
+
+    def board_for(transfers, wake):
+        boards.append(HostBoard(order, 0, 2, None, store, "k", wake, timeout_s=60))
+        return boards[-1]
+
+    specs = {KEY: (MessageSpec(1, 1, 5, True, link),)}
+    engine = CommEngine(0, _Silent(), specs, 2, TransferOrder(((KEY, 0),)), board_for)
+    os.waitpid(pid, 0)
+    handle = engine.submit(_Payload(KEY, 0, specs[KEY], 0))
+    with pytest.raises(BoardError, match=r"rank 1 of host 0 \(pid \d+\) died .* rank 1's"):
+        handle.wait(timeout_s=10)
+    engine.close(timeout_s=5)
+    assert not os.path.exists(boards[0].path)
+    assert not [f for f in os.listdir(os.path.dirname(boards[0].path)) if f.startswith(os.path.basename(boards[0].path))]
+
+
+def test_a_turn_that_never_comes_times_out_with_the_link_and_the_holder_named(tmp_path):
+    order = HostLinkOrder(3, {(3, "in"): ((7, KEY, 0, 0), (6, KEY, 0, 1))})
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    store.set("k/all", "1")  # rank 7 "attached" (it stays alive: this process stands in for it)
+    store.add("k/attached", 1)
+    board = HostBoard(order, 6, 2, None, store, "k", timeout_s=5)
+    try:
+        board._cells[board.ranks.index(7)] = os.getpid()
+        assert not board.ready((3, "in"), 1)
+        with pytest.raises(BoardError, match=r"waited 6 s .* 3/in: message 0 of 2 is rank 7's"):
+            board.check(6.0)
+    finally:
+        board.close()

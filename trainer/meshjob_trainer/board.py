@@ -1,0 +1,247 @@
+"""The per-host board: the ranks of one host take their turns on the host's shared NIC links.
+
+Each rank's communication engine (meshjob_trainer.engine) keeps its own window per link, but a
+host's NIC is shared by all its ranks. The board holds, per shared link, the plan's order of the
+host's messages (meshjob.host_order) as counters in a small shared-memory segment: how many of
+the link's messages have been issued (written only by the rank whose turn it is, so one writer at
+a time), and per rank how many of its messages on the link are done and how many bytes it has in
+flight (each rank writes only its own). A rank issues its next message on a board link when the
+issued count says it is its turn and the host's messages in flight leave room (`may_start`).
+
+Wake-ups do not poll: every rank owns a FIFO; after it issues or completes a message on a link it
+writes a byte to the FIFOs of the other ranks on that link, and a waker thread per rank turns the
+bytes into a nudge of its engine. The waker also ticks once a second so a rank blocked on the board
+notices a dead peer (its pid is gone) or a turn that never comes (`timeout_s`): a clear error, no hang.
+
+Naming and cleanup: the ranks of a host meet in the job's key-value store under a key every rank
+derives alike (the board's serial number in the process and the host); the first to arrive names
+the segment (a random name in /dev/shm), the others open it, and the last rank to have opened every
+FIFO unlinks the files: the mappings live on until close(), nothing is left in /dev/shm.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import errno
+import mmap
+import os
+import select
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from meshjob.host_order import HostLinkOrder
+from meshjob.network import Link
+
+PREFIX = "meshjob-board-"
+TICK_S = 1.0  # how often a blocked rank checks its peers
+
+
+class BoardError(RuntimeError):
+    """A rank waited on its host's board for a peer that died or never took its turn."""
+
+
+def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, overlap_bytes: int | None) -> bool:
+    """Whether a message may join a NIC link's `in_flight` messages: always onto an idle link; behind
+    others only within the window, and only while those in flight are small (`overlap_bytes`): a second
+    message in flight hides the gap between two small ones, but two large ones would share the link
+    for their whole length instead of running one after the other as the plan times them."""
+    if in_flight == 0:
+        return True
+    if in_flight >= window:
+        return False
+    return overlap_bytes is None or in_flight_bytes <= overlap_bytes
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass
+class _Turns:
+    """This rank's messages on one board link: where they stand in the host's order of one pass."""
+
+    base: int  # index of the link's first counter in the board
+    positions: tuple[int, ...]
+    length: int  # messages of the host on the link per pass
+    peers: tuple[int, ...]  # slots of the other ranks on the link
+    next: int = 0
+    rounds: int = 0
+
+    def target(self) -> int:
+        """The issued count at which this rank's next message is the link's next."""
+        return self.rounds * self.length + self.positions[self.next]
+
+    def advance(self) -> None:
+        self.next += 1
+        if self.next == len(self.positions):
+            self.next, self.rounds = 0, self.rounds + 1
+
+
+class HostBoard:
+    """One rank's view of its host's board for one pass order (`order`: the host's link orders)."""
+
+    def __init__(self, order: HostLinkOrder, rank: int, window: int, overlap_bytes: int | None, store: Any,
+                 key: str, on_wake: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
+        self.order, self.rank, self.window, self.overlap_bytes = order, rank, window, overlap_bytes
+        self.timeout_s, self._on_wake = timeout_s, on_wake
+        self.ranks = order.ranks
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} has no message on host {order.host}'s shared links")
+        self.slot = self.ranks.index(rank)
+        n = len(self.ranks)
+        self.turns: dict[Link, _Turns] = {}
+        for i, (link, entries) in enumerate(order.links.items()):
+            on_link = {self.ranks.index(e[0]) for e in entries}
+            if self.slot in on_link:
+                self.turns[link] = _Turns(n + i * (1 + 2 * n), order.positions(rank, link), len(entries),
+                                          tuple(sorted(on_link - {self.slot})))
+        self._size = n + len(order.links) * (1 + 2 * n)
+        self._closed = False
+        name = store.compare_set(f"{key}/name", "", f"{PREFIX}{uuid.uuid4().hex}").decode()
+        self.path = os.path.join(shm_dir(), name)
+        self._fifo_path = f"{self.path}.r{rank}"
+        os.mkfifo(self._fifo_path, 0o600)
+        self._rfd = os.open(self._fifo_path, os.O_RDONLY | os.O_NONBLOCK)
+        self._keep = os.open(self._fifo_path, os.O_WRONLY | os.O_NONBLOCK)  # no EOF while peers come and go
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < self._size * 8:
+                os.ftruncate(fd, self._size * 8)  # zero-filled; every rank asks the same size
+            self._map = mmap.mmap(fd, self._size * 8)
+        finally:
+            os.close(fd)
+        self._cells = (ctypes.c_int64 * self._size).from_buffer(self._map)
+        self._cells[self.slot] = os.getpid()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store.add(f"{key}/attached", 1) == n:
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"], timeout)  # every FIFO exists now
+        self._peer_fds: dict[int, int] = {}
+        for slot in sorted({p for t in self.turns.values() for p in t.peers}):
+            try:
+                self._peer_fds[slot] = os.open(f"{self.path}.r{self.ranks[slot]}", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # it died on the way (its FIFO is gone or unread): check() says so if we wait on it
+                pass
+        if store.add(f"{key}/opened", 1) == n:  # everyone holds what it needs: leave nothing behind
+            self._unlink_all()
+        self._thread = threading.Thread(target=self._wake_loop, name=f"board waker rank {rank}", daemon=True)
+        self._thread.start()
+
+    # -- the engine's calls (its thread only) ------------------------------------------------------
+    @property
+    def links(self) -> frozenset[Link]:
+        return frozenset(self.turns)
+
+    def ready(self, link: Link, nbytes: int) -> bool:
+        """Whether this rank's next message on `link` may go now."""
+        t = self.turns[link]
+        c, n = self._cells, len(self.ranks)
+        issued = c[t.base]
+        if issued != t.target():
+            return False
+        done = sum(c[t.base + 1 + 2 * s] for s in range(n))
+        in_bytes = sum(c[t.base + 2 + 2 * s] for s in range(n))
+        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes)
+
+    def issued(self, link: Link, nbytes: int) -> None:
+        t = self.turns[link]
+        mine = t.base + 2 + 2 * self.slot
+        self._cells[mine] = self._cells[mine] + nbytes
+        self._cells[t.base] = t.target() + 1  # the next message's turn: written last
+        t.advance()
+        self._notify(t)
+
+    def completed(self, link: Link, nbytes: int) -> None:
+        t = self.turns[link]
+        done, held = t.base + 1 + 2 * self.slot, t.base + 2 + 2 * self.slot
+        self._cells[held] = self._cells[held] - nbytes
+        self._cells[done] = self._cells[done] + 1
+        self._notify(t)
+
+    def check(self, blocked_s: float) -> None:
+        """Raise BoardError when a rank this one waits on is dead, or the wait passed `timeout_s`."""
+        for slot, rank in enumerate(self.ranks):
+            pid = self._cells[slot]
+            if slot != self.slot and pid and not _alive(pid):
+                raise BoardError(f"rank {self.rank}: rank {rank} of host {self.order.host} (pid {pid}) died while "
+                                 f"this rank waited for its turn on the host's links {self._waiting()}")
+        if blocked_s > self.timeout_s:
+            raise BoardError(f"rank {self.rank}: waited {blocked_s:.0f} s (more than {self.timeout_s:g} s) for its "
+                             f"turn on host {self.order.host}'s links {self._waiting()}")
+
+    def _waiting(self) -> str:
+        parts = []
+        for link, t in self.turns.items():
+            issued = self._cells[t.base]
+            if issued != t.target():
+                holder = self.order.links[link][issued % t.length]
+                parts.append(f"{link[0]}/{link[1]}: message {issued % t.length} of {t.length} is rank {holder[0]}'s "
+                             f"({holder[1]} microbatch {holder[2]}), this rank's next is {t.target() % t.length}")
+        return "; ".join(parts) or "(in flight full)"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.write(self._keep, b"q")
+        except OSError:
+            pass
+        self._thread.join(5.0)
+        for fd in (self._rfd, self._keep, *self._peer_fds.values()):
+            os.close(fd)
+        del self._cells
+        self._map.close()
+        self._unlink_all()  # already gone unless a peer never came
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _notify(self, t: _Turns) -> None:
+        for slot in t.peers:
+            fd = self._peer_fds.get(slot)
+            if fd is None:
+                continue
+            try:
+                os.write(fd, b"!")
+            except OSError as err:  # a full FIFO has wake-ups enough; a gone reader is checked on the tick
+                if err.errno not in (errno.EAGAIN, errno.EPIPE):
+                    raise
+
+    def _wake_loop(self) -> None:
+        while not self._closed:
+            readable, _, _ = select.select([self._rfd], [], [], TICK_S)
+            if self._closed:
+                return
+            if readable:
+                try:
+                    os.read(self._rfd, 4096)
+                except BlockingIOError:
+                    continue
+                self._on_wake("board")
+            else:
+                self._on_wake("tick")
+
+    def _unlink_all(self) -> None:
+        for path in (self.path, *(f"{self.path}.r{r}" for r in self.ranks)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
