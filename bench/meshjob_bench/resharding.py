@@ -261,7 +261,8 @@ def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_c
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
                                      variant_boundary)
-    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx),
+    network = bench_network(nic_bytes_per_s)
+    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network),
                     **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
         return None
@@ -289,8 +290,19 @@ def _common_start(lead_s: float = 0.03) -> float:
     return start
 
 
-def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -> list[dict]:
-    """One rank of the gang: for every case and variant, a common start, reshard; returns the times."""
+def case_order(case: Case, reps: int) -> Any:
+    """The order a case's transfers run in: each variant's repetitions (one microbatch each), variant by
+    variant. Planned, so the ranks of a host take their turns on its NIC links as the plan orders them
+    (meshjob_trainer.board)."""
+    from meshjob.comm_order import TransferOrder
+
+    return TransferOrder(tuple((b.key, rep) for b in case.boundaries for rep in range(reps)))
+
+
+def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
+               network: NetworkModel | None = None) -> list[dict]:
+    """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
+    `network`: the model the cases were planned on (each rank's program and its NIC window follow it)."""
     import torch
     import torch.distributed as dist
 
@@ -309,15 +321,16 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext) -
             if rank in case.src_mesh.ranks:
                 local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
                                            case.src_mesh.index_of(rank)))].contiguous()
-            routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
-            executor = ReshardExecutor(None, rank, routes=routes)  # transfers in start order: one at a time
+            routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv},
+                                 network)
+            executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats))
             for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                 for rep in range(warmup + repeats):
                     t0 = _common_start()
                     if not inside:
                         continue
                     c0 = time.process_time()
-                    out = executor.start(boundary.key, 0, local).wait()
+                    out = executor.start(boundary.key, rep, local).wait()
                     t1, c1 = time.monotonic(), time.process_time()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":
@@ -670,7 +683,7 @@ def main(args: argparse.Namespace) -> int:
                 planning = costs.apply(planning, os.cpu_count() or 1)
                 print(f"planning model: {costs.describe(planning.shared_cpu_cores)}")
             plan_cases(cases, layout, planning)
-            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx),
+            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning),
                             **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
         print(f"meshjob bench resharding: failed: {result.first_failure.describe() if result.first_failure else ''}")
