@@ -9,8 +9,9 @@ flight (each rank writes only its own). A rank issues its next message on a boar
 issued count says it is its turn and the host's messages in flight leave room (`may_start`).
 
 Wake-ups do not poll: every rank owns a FIFO; after it issues or completes a message on a link it
-writes a byte to the FIFOs of the other ranks on that link, and a waker thread per rank turns the
-bytes into a nudge of its engine. The waker also ticks once a second so a rank blocked on the board
+writes a byte to the FIFO of the rank whose turn it is now on that link (only that rank may issue
+next, so only it can be waiting for this), and a waker thread per rank turns the bytes into a nudge
+of its engine. The waker also ticks once a second so a rank blocked on the board
 notices a dead peer (its pid is gone) or a turn that never comes (`timeout_s`): a clear error, no hang.
 
 Naming and cleanup: the ranks of a host meet in the job's key-value store under a key every rank
@@ -68,6 +69,7 @@ class _Turns:
     positions: tuple[int, ...]
     length: int  # messages of the host on the link per pass
     peers: tuple[int, ...]  # slots of the other ranks on the link
+    owners: tuple[int, ...]  # slot of the rank of each of the link's messages
     next: int = 0
     rounds: int = 0
 
@@ -98,7 +100,8 @@ class HostBoard:
             on_link = {self.ranks.index(e[0]) for e in entries}
             if self.slot in on_link:
                 self.turns[link] = _Turns(n + i * (1 + 2 * n), order.positions(rank, link), len(entries),
-                                          tuple(sorted(on_link - {self.slot})))
+                                          tuple(sorted(on_link - {self.slot})),
+                                          tuple(self.ranks.index(e[0]) for e in entries))
         self._size = n + len(order.links) * (1 + 2 * n)
         self._closed = False
         name = store.compare_set(f"{key}/name", "", f"{PREFIX}{uuid.uuid4().hex}").decode()
@@ -200,15 +203,17 @@ class HostBoard:
 
     # -- internals ---------------------------------------------------------------------------------
     def _notify(self, t: _Turns) -> None:
-        for slot in t.peers:
-            fd = self._peer_fds.get(slot)
-            if fd is None:
-                continue
-            try:
-                os.write(fd, b"!")
-            except OSError as err:  # a full FIFO has wake-ups enough; a gone reader is checked on the tick
-                if err.errno not in (errno.EAGAIN, errno.EPIPE):
-                    raise
+        """Wake the rank whose turn it is on the link (unless this one): it alone may be waiting for what
+        just changed (its turn, or room in flight). A wake-up lost to a stale read costs one tick."""
+        slot = t.owners[self._cells[t.base] % t.length]
+        fd = self._peer_fds.get(slot) if slot != self.slot else None
+        if fd is None:
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError as err:  # a full FIFO has wake-ups enough; a gone reader is checked on the tick
+            if err.errno not in (errno.EAGAIN, errno.EPIPE):
+                raise
 
     def _wake_loop(self) -> None:
         while not self._closed:
