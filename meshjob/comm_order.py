@@ -81,11 +81,9 @@ class TransferOrder:
 
 def transfer_order(plan: Any) -> TransferOrder:
     """The order of `plan` (a meshjob.plan.Plan): its list-scheduled step on its own cost model."""
-    from meshjob.costs import CostModel
-    from meshjob.simulate import simulate_plan
+    from meshjob.simulate import plan_cost, simulate_plan
 
-    cost = CostModel(network=plan.network, stages=tuple(plan.stage_costs[s] for s in sorted(plan.stage_costs)))
-    return TransferOrder.of_run(simulate_plan(plan, cost).order)
+    return TransferOrder.of_run(simulate_plan(plan, plan_cost(plan), follow_plan_order=False).order)
 
 
 def recv_depths(schedules: Mapping[int, Sequence[Action]], order: TransferOrder) -> dict[int, dict[BoundaryKey, int]]:

@@ -18,6 +18,7 @@ Two levels, both deterministic and pure:
 """
 from __future__ import annotations
 
+import collections
 import heapq
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
@@ -174,17 +175,36 @@ def simulate_pipeline(
     compute_s: Mapping[tuple[int, str], float],
     transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
     cost: CostModel | None = None,
+    order: Sequence[tuple[BoundaryKey, int]] | None = None,
 ) -> PipelineResult:
     """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
     microbatch's transfer on plain links, the bytes it moves through each NIC link (host, "out"|"in")).
-    Deterministic list scheduling: the stage whose next action can start earliest goes first."""
+    Deterministic list scheduling: the stage whose next action can start earliest goes first.
+    `order`: the step's transfer order the executor follows (meshjob.comm_order.TransferOrder.transfers);
+    each NIC link then carries its transfers in that order, a sent transfer waiting for the ones planned
+    before it on its links (meshjob_trainer.engine issues each link's messages in the planned order).
+    None: each link takes its transfers as they are sent (the run that defines the order)."""
     cost = cost or CostModel()
     stats = {s: StageStats() for s in schedules}
     pos = {s: 0 for s in schedules}
     sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
     links = Links(cost.network)
+    queue = _LinkQueue(transfers, order)
     remaining = sum(len(v) for v in schedules.values())
-    order: list[tuple[int, Action]] = []
+    run: list[tuple[int, Action]] = []
+
+    def book(key: BoundaryKey, mb: int, ready: float) -> None:
+        seconds, per_link = transfers[key]
+        # the busiest link's share goes through the (token-bucket) links; the rest of the
+        # transfer's makespan (chain fill, intra-host hops) is added as it is
+        bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
+        _, end = links.book(list(per_link), list(per_link.values()), ready)
+        end += max(0.0, seconds - bottleneck)
+        for link in per_link:
+            links.free[link] = end
+        sent[(key, mb)] = end
+        stats[key.src].comm_s += end - ready
+
     while remaining:
         progressed = False
         for stage in sorted(schedules, key=lambda s: stats[s].busy_until_s):
@@ -200,17 +220,8 @@ def simulate_pipeline(
                 st.compute_s += dur
                 st.busy_until_s = now + dur
             elif a.kind in ("SEND_F", "SEND_B"):
-                key = BoundaryKey.of_action(stage, a)
-                seconds, per_link = transfers[key]
-                # the busiest link's share goes through the (token-bucket) links; the rest of the
-                # transfer's makespan (chain fill, intra-host hops) is added as it is
-                bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
-                start, end = links.book(list(per_link), list(per_link.values()), now)
-                end += max(0.0, seconds - bottleneck)
-                for link in per_link:
-                    links.free[link] = end
-                sent[(key, a.mb)] = end
-                st.comm_s += end - now
+                for key, mb, ready in queue.send(BoundaryKey.of_action(stage, a), a.mb, now):
+                    book(key, mb, ready)
             else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
                 key = BoundaryKey.of_action(stage, a)
                 if (key, a.mb) not in sent:
@@ -221,14 +232,49 @@ def simulate_pipeline(
                 st.busy_until_s = now + wait
             pos[stage] += 1
             remaining -= 1
-            order.append((stage, a))
+            run.append((stage, a))
             progressed = True
             break
         if not progressed:
             blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
             raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
     step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
-    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(order))
+    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(run))
+
+
+class _LinkQueue:
+    """Which sent transfers may take their links: all of them at once without a planned order; with one,
+    a transfer once it is first among the unbooked transfers planned on each of its NIC links."""
+
+    def __init__(self, transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
+                 order: Sequence[tuple[BoundaryKey, int]] | None) -> None:
+        self.transfers = transfers
+        self.planned = order is not None
+        self.heads: dict[Link, collections.deque[tuple[BoundaryKey, int]]] = collections.defaultdict(collections.deque)
+        for key, mb in order or ():
+            for link in transfers[key][1]:
+                self.heads[link].append((key, mb))
+        self.ready: dict[tuple[BoundaryKey, int], float] = {}
+
+    def send(self, key: BoundaryKey, mb: int, now: float) -> list[tuple[BoundaryKey, int, float]]:
+        """The transfer (key, mb) is sent at `now`: the transfers that take their links now, in order,
+        each with the time it was sent."""
+        if not self.planned:
+            return [(key, mb, now)]
+        self.ready[(key, mb)] = now
+        out = []
+        progressed = True
+        while progressed:
+            progressed = False
+            for t in [t for t in self.ready if self._first(t)]:
+                for link in self.transfers[t[0]][1]:
+                    self.heads[link].popleft()
+                out.append((t[0], t[1], self.ready.pop(t)))
+                progressed = True
+        return out
+
+    def _first(self, transfer: tuple[BoundaryKey, int]) -> bool:
+        return all(self.heads[link] and self.heads[link][0] == transfer for link in self.transfers[transfer[0]][1])
 
 
 def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
@@ -251,9 +297,23 @@ def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, tuple[float, Mapp
     return out
 
 
-def simulate_plan(plan, cost: CostModel | None = None) -> PipelineResult:
+def plan_cost(plan) -> CostModel:
+    """The costs the plan was made with: its network and its stages' compute."""
+    return CostModel(network=plan.network, stages=tuple(plan.stage_costs[s] for s in sorted(plan.stage_costs)))
+
+
+def simulate_plan(plan, cost: CostModel | None = None, follow_plan_order: bool = True) -> PipelineResult:
+    """The plan's step on `cost` (default: the plan's own). The executor issues transfers in the order
+    the plan's own costs give (meshjob.comm_order.transfer_order); on other costs (another NIC rate or
+    bucket, measured compute) the links follow that order all the same (`follow_plan_order`), which a
+    run on those costs alone would not."""
     cost = cost or CostModel(network=plan.network)
-    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
+    order = None
+    if follow_plan_order and (cost.network != plan.network or cost.stage_costs(plan.job) != dict(plan.stage_costs)):
+        from meshjob.comm_order import transfer_order
+
+        order = transfer_order(plan).transfers
+    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost, order)
 
 
 def bubble_1f1b(stages: int, microbatches: int) -> float:

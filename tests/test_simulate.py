@@ -205,3 +205,51 @@ def test_on_shared_cores_a_transfer_ends_no_sooner_than_its_messages_cpu_work():
     cheap = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
                          message_cpu_s=1e-6, **BYTES_ONLY)
     assert simulate_transfer(steps, host_of_rank, cheap).makespan_s == pytest.approx(links_only)
+
+
+def two_senders_into_one_host() -> tuple[dict, dict, dict]:
+    """Stages 0 and 1 each send one activation to stage 2 (one host each); stage 1 is ready first."""
+    to_2 = {0: BoundaryKey(0, 2, "activation"), 1: BoundaryKey(1, 2, "activation")}
+    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+                 1: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+                 2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1), Action("F", 0, None)]}
+    compute = {(0, "F"): 2.0, (1, "F"): 1.0, (2, "F"): 1.0}
+    nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
+    transfers = {key: (1.0, {(src, "out"): nbytes, (2, "in"): nbytes}) for src, key in to_2.items()}
+    return schedules, compute, transfers
+
+
+def test_without_a_planned_order_a_link_takes_transfers_as_they_are_sent():
+    schedules, compute, transfers = two_senders_into_one_host()
+    result = simulate_pipeline(schedules, compute, transfers)
+    # stage 1's transfer holds host 2's in-link over [1, 2], stage 0's over [2, 3]; then F
+    assert result.step_s == pytest.approx(4.0)
+
+
+def test_a_link_carries_transfers_in_the_planned_order_even_when_a_later_one_is_sent_first():
+    schedules, compute, transfers = two_senders_into_one_host()
+    first_0 = [(BoundaryKey(0, 2, "activation"), 0), (BoundaryKey(1, 2, "activation"), 0)]
+    result = simulate_pipeline(schedules, compute, transfers, order=first_0)
+    # stage 1's transfer waits on host 2's in-link until stage 0's, sent at 2, is through at 3
+    assert result.step_s == pytest.approx(5.0)
+    assert result.stages[1].comm_s == pytest.approx(3.0)  # sent at 1, arrived at 4
+
+
+def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_it():
+    from pathlib import Path
+
+    from meshjob.comm_order import TransferOrder, transfer_order
+    from meshjob.plan import build_plan
+    from meshjob.simulate import plan_cost, simulate_plan
+    from meshjob.spec import load_job
+
+    plan = build_plan(load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml")))
+    own = simulate_plan(plan)
+    assert own.step_s == simulate_plan(plan, plan_cost(plan), follow_plan_order=False).step_s
+    slow_nic = CostModel(network=NetworkModel(nic_bytes_per_s=plan.network.nic_bytes_per_s / 20),
+                         stages=plan_cost(plan).stages)
+    free = simulate_plan(plan, slow_nic, follow_plan_order=False)
+    planned = transfer_order(plan).transfers
+    assert TransferOrder.of_run(free.order).transfers != planned  # the slow NIC alone would reorder
+    kept = simulate_plan(plan, slow_nic)
+    assert kept.step_s != free.step_s

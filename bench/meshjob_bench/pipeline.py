@@ -418,7 +418,9 @@ def run_config(model: str, stages: int, fractions: list[float], variants: list[s
             job = bench_job(model, variant, steps, args.quick, stages)
             config = Config(model, stages, fraction, nic_rate_for(bench_job(model, "1f1b", steps, args.quick, stages),
                                                                  device, fraction))
-            plan = build_plan(job, cost=cost_model(job, device, config.nic_bytes_per_s))
+            cost = cost_model(job, device, config.nic_bytes_per_s)
+            # planned for the NICs it runs on: transfer order, receives posted ahead, W delay
+            plan = build_plan(job, cost=cost, network=cost.network)
             m, network = run_variant(job, plan, config, not args.no_netns, compute)
             m.config, m.variant = config, variant
             measured.append(m)
