@@ -14,7 +14,10 @@ Two levels, both deterministic and pure:
 - `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
   the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
   through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other;
-  a token bucket shortens the busiest link's share); a RECV waits for it. From the timeline: step time, bubble fraction and communication overlap per stage.
+  a token bucket shortens the busiest link's share); a RECV waits for it. Given the step's transfer
+  order (meshjob.comm_order: what the executor issues each link's messages in), a link takes its
+  transfers in that order, a sent transfer waiting behind those planned before it. From the timeline:
+  step time, bubble fraction and communication overlap per stage.
 """
 from __future__ import annotations
 
