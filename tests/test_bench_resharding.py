@@ -241,3 +241,17 @@ def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicatin
     assert within_l.met is False and within_l.worst == pytest.approx(1.2) and within_l.checked == 4
     assert two_hosts.met is True and two_hosts.worst == pytest.approx(2.0)
     assert four_hosts.met is False and four_hosts.failures == ["4x2 RR -> RR: 2.50x"]
+
+
+def test_a_case_runs_its_variants_in_a_planned_order_one_microbatch_a_repetition():
+    """Planned, so the ranks of a host take their turns on its NIC links (meshjob_trainer.board)."""
+    from meshjob_bench.resharding import Layout, bench_network, build_cases, case_order, plan_cases
+
+    layout = Layout()
+    cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,
+                        sections=["many_to_many"])
+    plan_cases(cases[:1], layout, bench_network(1.25e8))
+    order = case_order(cases[0], 3)
+    keys = [b.key for b in cases[0].boundaries]
+    assert order.transfers == tuple((k, rep) for k in keys for rep in range(3))
+    assert len(set(keys)) == len(keys)  # every variant its own transfer
