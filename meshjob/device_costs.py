@@ -47,20 +47,28 @@ class EmulatedCost:
     params: int  # parameters on the device (what its data-parallel gradient reduction moves)
 
 
-def _itemsize(job: Any) -> int:
-    return 2 if job.training.precision == "bf16" else 4
+def _itemsize(training: Any) -> int:
+    return 2 if training.precision == "bf16" else 4
 
 
 def stage_work(job: Any, stage: int) -> StageWork:
     """The FLOPs and bytes of one microbatch on one device of `stage` of `job` (a meshjob.spec.TrainingJob)."""
-    m, st = job.model, job.stages[stage]
-    first, last = st.layers
-    layers, t = last - first, st.tensor_parallel
-    b, s, h, f = job.training.microbatch_size / st.data_parallel, m.seq_len, m.hidden, m.ffn_width
+    st = job.stages[stage]
+    return range_work(job.model, job.training, *st.layers, st.data_parallel, st.tensor_parallel)
+
+
+def range_work(model: Any, training: Any, first: int, last: int, data_parallel: int, tensor_parallel: int
+               ) -> StageWork:
+    """The FLOPs and bytes of one microbatch on one device of a stage holding layers [first, last) of `model`
+    (meshjob.spec.ModelSpec) with these parallel degrees: what `meshjob tune` costs a stage it has not
+    written yet by, and what stage_work costs a written one by."""
+    m = model
+    layers, t = last - first, tensor_parallel
+    b, s, h, f = training.microbatch_size / data_parallel, m.seq_len, m.hidden, m.ffn_width
     layer_params = (4 * h * h + 2 * h * f) / t
     matmul = 2 * b * s * layer_params * layers
     attention = 4 * b * s * s * h / t * layers
-    size = _itemsize(job)
+    size = _itemsize(training)
     nbytes = layers * (layer_params + 10 * b * s * h + 2 * b * s * f / t) * size
     params = layer_params * layers
     head = 0.0
@@ -81,9 +89,13 @@ def _seconds(flops: float, nbytes: float, device: DeviceProfile) -> float:
 
 
 def emulated_cost(job: Any, stage: int, device: DeviceProfile) -> EmulatedCost:
-    """What `stage` of `job` takes on `device`: F, I, W of one microbatch, and one optimizer step.
-    Both backward halves read what the forward read (weights and saved activations)."""
-    w = stage_work(job, stage)
+    """What `stage` of `job` takes on `device`: F, I, W of one microbatch, and one optimizer step."""
+    return work_cost(stage_work(job, stage), device)
+
+
+def work_cost(w: StageWork, device: DeviceProfile) -> EmulatedCost:
+    """F, I, W and the optimizer step of `w` on `device`. Both backward halves read what the forward read
+    (weights and saved activations)."""
     cost = StageCost(_seconds(w.forward_flops, w.forward_bytes, device),
                      _seconds(w.input_grad_flops, w.forward_bytes, device),
                      _seconds(w.weight_grad_flops, w.forward_bytes, device))

@@ -2,8 +2,9 @@
 settings that minimise the predicted step time within each device's memory.
 
 Objective (`predict`): the job's plan (meshjob.plan) run through meshjob.simulate's pipeline model with
-each stage's compute from meshjob.stage_model (tensor-parallel all-reduces included), plus each stage's
-gradient all-reduce after its last action: step = max over stages (stage finishes + its all-reduce).
+each stage's compute from meshjob.stage_model (meshjob.device_costs' roofline, tensor-parallel all-reduces
+included), then each stage's tail after its last action (meshjob.gradient_sync: its gradient all-reduce,
+sharing NICs with the other stages' on the same hosts, then its optimizer step): step = the last tail's end.
 Constraint: every stage's bytes per device (meshjob.memory_model, with the stash its schedule keeps:
 the warm-up forwards, and with split backward eager-1F1B's bound min(M, 2S - 1), the most the weight
 delay may stash) at most the device's memory.
@@ -11,7 +12,8 @@ delay may stash) at most the device's memory.
 Structure (Alpa's stage construction, then a full simulation to rank):
 1. a lower bound every candidate's simulated step keeps: stage k cannot finish before the forwards of
    the stages ahead of it reach it and it has computed all M microbatches, so
-   step >= LB = max_k max(sum_{j<k} F_j + M (F_k + B_k) + allreduce_k, NIC_k), where NIC_k is the time a
+   step >= LB = max_k max(sum_{j<k} F_j + M (F_k + B_k) + tail_k, NIC_k), where tail_k (all-reduce with its
+   hosts to itself, optimizer step) only grows when stages share NICs, and NIC_k is the time a
    stage on whole hosts (they are its own) needs to receive its M inputs and gradients through them;
 2. dynamic programming over (stages left, first layer) with the submesh and split enumerated per layer
    range: the fewest devices that cover the remaining layers with every stage's M (F + B) + allreduce
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from meshjob.costs import CostModel, StageCost
 from meshjob.tune_cluster import Cluster
 from meshjob.errors import PlacementError, UsageError
+from meshjob.gradient_sync import stage_hosts, tail_ends
 from meshjob.schedule import SCHEDULE_KINDS, stash_bound, warmup_forwards
 from meshjob.spec import MAX_SCHEDULE_CELLS, job_to_dict, parse_job
 from meshjob.memory_model import FLOAT32
@@ -157,7 +160,7 @@ def _directions(first: bool, last: bool) -> int:
 class Option:
     choice: StageChoice
     figures: StageFigures
-    compute_s: float  # M (F + B) + allreduce: this stage's compute term of LB, without the forwards ahead
+    compute_s: float  # M (F + B) + all-reduce + optimizer: this stage's term of LB, without the forwards ahead
     nic_s: float  # the least time its hosts' NICs take to receive its inputs and gradients (whole hosts only)
     mem_fixed: int  # bytes without activations stashed
     mem_per_stash: int  # bytes per stashed microbatch
@@ -206,7 +209,7 @@ class Tables:
         d = _directions(first, last)
         one, two = (stage_bytes(m, t, a, a + layers, c, n, d) for n in (1, 2))  # linear in the stash
         fig = stage_figures(m, t, self.cluster, a, a + layers, c)
-        return Option(c, fig, self.m * fig.per_microbatch_s + fig.allreduce_s, self._nic_s(first, last, c),
+        return Option(c, fig, self.m * fig.per_microbatch_s + fig.tail_s, self._nic_s(first, last, c),
                       one - (two - one), two - one)
 
     def _nic_s(self, first: bool, last: bool, c: StageChoice) -> float:
@@ -366,7 +369,7 @@ class Problem:
     def estimate(self, c: Candidate) -> float:
         """Alpa's pipeline estimate, the order candidates are simulated in (not a bound): sum of the
         stages' per-microbatch times + (M - 1) x the largest, a stage's time counting its inputs and
-        gradients over one host's NIC per host it spans, plus the largest gradient all-reduce."""
+        gradients over one host's NIC per host it spans, plus the largest gradient all-reduce and optimizer step."""
         t = self.tables(c.microbatches)
         m = self.job.model
         act = FLOAT32 * t.job.training.microbatch_size * m.seq_len * m.hidden
@@ -375,7 +378,7 @@ class Problem:
             o = _find(t.options(b - a, a == 0, b == m.layers), ch)
             comm = (2 - (k == 0) - (k == len(c.layers) - 1)) * act / ch.mesh[0] / self.cluster.network.nic_bytes_per_s
             times.append(o.figures.per_microbatch_s + comm)
-            ar = max(ar, o.figures.allreduce_s)
+            ar = max(ar, o.figures.tail_s)
         return sum(times) + (c.microbatches - 1) * max(times) + ar
 
     def predict(self, c: Candidate) -> Prediction | None:
@@ -391,7 +394,8 @@ class Problem:
         except PlacementError:
             return None
         result = simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
-        ends = [result.stages[k].busy_until_s + f.allreduce_s for k, f in enumerate(figures)]
+        ends = tail_ends([result.stages[k].busy_until_s for k in range(len(figures))], [f.sync for f in figures],
+                         stage_hosts(plan.placement))
         step = max(ends)
         tokens = job.training.global_batch * job.model.seq_len
         return Prediction(

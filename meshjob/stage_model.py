@@ -6,20 +6,22 @@ Submeshes follow Alpa's stage construction: (1, d) for d a power of two below th
 Within a submesh the stage shards the batch over one mesh dim and the layers' weights over the other
 (Megatron tensor parallelism); a dim of size 1 carries neither.
 
-Compute: FLOPs of the blocks (2 x parameters x tokens plus attention's 4 s^2 h per sample) and of the
-head on the last stage, on dp x tp devices at the device's rate. Backward = input gradient (I) + weight
-gradient (W), one forward each (meshjob.costs' factor 2); full recompute adds a forward to I. Tensor
-parallel adds Megatron's two all-reduces of the activation per block in F and two in I; data parallel
-adds a ring all-reduce of the stage's gradients after the step. A ring over devices of one host runs at
-the device link's rate; one across hosts shares each host's NIC with the host's other rings.
+Compute: meshjob.device_costs' roofline of the stage's shapes on the cluster's device (the one emulated compute
+waits: F, I, W of a microbatch, and the optimizer step); full recompute adds a forward to I. Tensor parallel
+adds Megatron's two all-reduces of the activation per block in F and two in I; data parallel adds a ring
+all-reduce of the stage's gradients after the step (meshjob.gradient_sync, which also shares a host's NIC
+between stages whose rings cross it), then the optimizer step. A ring over devices of one host runs at the
+device link's rate; one across hosts shares each host's NIC with the host's other rings.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from meshjob.costs import StageCost
+from meshjob.device_costs import range_work, work_cost
+from meshjob.gradient_sync import GradientSync
 from meshjob.tune_cluster import Cluster
-from meshjob.memory_model import FLOAT32, block_parameters, stage_memory, stage_parameters
+from meshjob.memory_model import FLOAT32, stage_memory
 from meshjob.spec import BUILTIN_MODEL_KINDS, tensor_parallel_sizes
 
 
@@ -109,37 +111,66 @@ def _ring_s(nbytes: float, ranks: int, dim: int | None, choice: StageChoice, clu
     return 2 * (ranks - 1) / ranks * nbytes / rate + 2 * (ranks - 1) * message
 
 
+def gradient_sync(nbytes: float, choice: StageChoice, cluster: Cluster, optimizer_s: float) -> GradientSync:
+    """The stage's tail: a ring all-reduce of its nbytes of local gradients among its data-parallel devices,
+    then its optimizer step. Across hosts (dp over mesh dim 0) each of its devices on a host runs its own
+    ring through that host's NIC; inside a host the ring runs on the device link."""
+    ranks, net = choice.dp, cluster.network
+    if ranks <= 1:
+        return GradientSync(0.0, 0, optimizer_s)
+    share = 2 * (ranks - 1) / ranks * nbytes  # what each device sends and receives
+    if choice.dp_dim == 0:
+        flows = choice.mesh[1]
+        return GradientSync(share * flows / net.nic_bytes_per_s, flows, 2 * (ranks - 1) * net.message_s + optimizer_s)
+    return GradientSync(0.0, 0, share / net.intra_host_bytes_per_s + 2 * (ranks - 1) * net.intra_message_s
+                        + optimizer_s)
+
+
 @dataclass(frozen=True)
 class StageFigures:
     """What layers [first, last) cost on one StageChoice, for one microbatch size."""
 
     cost: StageCost  # per microbatch, one device
-    allreduce_s: float  # gradient all-reduce after the step
+    sync: GradientSync  # after its last action: the gradient all-reduce (with its hosts to itself), the optimizer
+    optimizer_s: float
 
     @property
     def per_microbatch_s(self) -> float:
         return self.cost.forward_s + self.cost.backward_s
 
+    @property
+    def tail_s(self) -> float:
+        """The gradient all-reduce and the optimizer step, no other stage sharing the NICs."""
+        return self.sync.alone_s
 
-def layer_flops(model) -> float:
-    """Forward FLOPs of one block for one sample."""
-    s, h = model.seq_len, model.hidden
-    return 2 * block_parameters(model) * s + 4 * s * s * h
+    @property
+    def allreduce_s(self) -> float:
+        return self.sync.alone_s - self.optimizer_s
 
 
 def stage_figures(model, training, cluster: Cluster, first: int, last: int, choice: StageChoice
                   ) -> StageFigures:
-    samples = training.microbatch_size / choice.dp
-    flops = (last - first) * layer_flops(model)
-    if last == model.layers:
-        flops += 2 * model.seq_len * model.hidden * model.vocab
-    compute = flops * samples / choice.tp / cluster.device.flops_per_s(training.precision)
-    act = FLOAT32 * samples * model.seq_len * model.hidden
+    """F, I, W from meshjob.device_costs (what emulated compute waits) on the cluster's device, plus the
+    tensor-parallel all-reduces (none in emulated compute; NVLink-fast there) and full recompute's forward;
+    the tail: the device's gradients all-reduced, then its optimizer step (device_costs' again)."""
+    own = work_cost(range_work(model, training, first, last, choice.dp, choice.tp), cluster.device.profile)
+    act = FLOAT32 * training.microbatch_size / choice.dp * model.seq_len * model.hidden
     tp_s = 2 * (last - first) * _ring_s(act, choice.tp, choice.tp_dim, choice, cluster)
-    recompute = compute if training.recompute == "full" else 0.0
-    grads = FLOAT32 * -(-stage_parameters(model, first, last) // choice.tp)
-    ar = _ring_s(grads, choice.dp, choice.dp_dim, choice, cluster)
-    return StageFigures(StageCost(compute + tp_s, compute + tp_s + recompute, compute), ar)
+    forward = own.stage.forward_s + tp_s
+    recompute = forward if training.recompute == "full" else 0.0
+    cost = StageCost(forward, own.stage.input_grad_s + tp_s + recompute, own.stage.weight_grad_s)
+    return StageFigures(cost, gradient_sync(FLOAT32 * own.params, choice, cluster, own.optimizer_s), own.optimizer_s)
+
+
+def job_figures(job, cluster: Cluster) -> list[StageFigures]:
+    """stage_figures of every stage of a written job (meshjob.spec.TrainingJob; two-dim meshes)."""
+    out = []
+    for i, st in enumerate(job.stages):
+        if len(st.mesh) != 2:
+            raise ValueError(f"spec.stages[{i}].mesh {list(st.mesh)} is invalid here: two dims [hosts, devices per host]")
+        choice = StageChoice(tuple(st.mesh), st.data_parallel_dim, st.tensor_parallel_dim)
+        out.append(stage_figures(job.model, job.training, cluster, *st.layers, choice))
+    return out
 
 
 def stage_bytes(model, training, first: int, last: int, choice: StageChoice, stashed: int,

@@ -68,7 +68,7 @@ def test_a_data_parallel_stage_adds_its_gradient_all_reduce_and_optimizer_step_t
 
 
 def _row(model, config, tokens):
-    return tm.Row(model, config, "", 1, 1.0, 1.0 / tokens, tokens, tokens)
+    return tm.Row(model, config, "", 1, 1.0, 1.0 / tokens, tokens, tokens, search_over_measured=1.0)
 
 
 def test_rows_are_ranked_against_the_best_hand_written_configuration_of_their_model():
@@ -87,6 +87,34 @@ def test_a_prediction_off_by_more_than_ten_percent_misses_the_target():
     got = tm.targets(rows)
     assert got["prediction_within_10_percent"] is False and got["predictions_within_10_percent"] == "1 of 2"
     assert got["worst_prediction_error"] == {"run": "gpt/example", "error": pytest.approx(0.15)}
+    assert got["search_prediction_within_10_percent"] is True
+
+
+def test_the_search_objective_off_by_more_than_ten_percent_misses_its_target():
+    rows = [_row("gpt", "tuned", 1.0), _row("gpt", "example", 1.0)]
+    rows[0].search_over_measured = 0.66
+    got = tm.targets(rows)
+    assert got["prediction_within_10_percent"] is True and got["search_prediction_within_10_percent"] is False
+    assert got["worst_search_prediction_error"] == {"run": "gpt/tuned", "error": pytest.approx(-0.34)}
+
+
+def test_the_example_layouts_two_data_parallel_stages_share_their_hosts_nics_in_the_prediction():
+    from meshjob.device_costs import emulated_costs
+    from meshjob.gradient_sync import stage_hosts
+    from meshjob.plan import build_plan
+    from meshjob.simulate import CostModel, simulate_plan
+
+    doc = tm.hand_written(tm.model_doc("gpt", FULL), "gpt", FULL)["example"]
+    job = parse_job(doc)
+    network = tm.prediction_network(FULL)
+    cost = CostModel(network=network, stages=emulated_costs(job, tm.emulated_device(FULL)), measured=True)
+    plan = build_plan(job, nic_bytes_per_s=network.nic_bytes_per_s, cost=cost)
+    hosts = stage_hosts(plan.placement)
+    assert hosts[1] == hosts[3] and len(hosts[1]) == 2  # the two 2x1 data-parallel stages
+    stages = simulate_plan(plan, cost).stages
+    unshared = max(stages[k].busy_until_s + tm.stage_tail_s(job, k, FULL) for k in stages)
+    assert tm.predicted_step_s(job, FULL) > 1.1 * unshared  # the rings overlap on hosts 1 and 2
+    assert tm.search_step_s(doc, FULL) > 1.1 * unshared
 
 
 def test_unknown_parts_name_the_flag_and_what_is_allowed():
@@ -112,9 +140,12 @@ def test_quick_measure_writes_every_field_and_keeps_the_other_parts(tmp_path):
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0 and r["tokens_per_s"] > 0
         assert r["predicted_over_measured"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"])
         assert r["hosts_used"] <= part["setting"]["hosts"] and r["plan"]
-    assert rows["tuned"]["search_step_s"] > 0
+    for r in rows.values():
+        assert r["search_step_s"] > 0
+        assert r["search_over_measured"] == pytest.approx(r["search_step_s"] / r["measured_step_s"])
     assert max(rows[c]["over_best_hand_written"] for c in tm.HAND_WRITTEN) == pytest.approx(1.0)
     assert set(doc["targets"]["measured_throughput"]) == {
         "tuned_over_best_hand_written", "tuned_at_least_best_hand_written", "worst_prediction_error",
-        "predictions_within_10_percent", "prediction_within_10_percent"}
+        "predictions_within_10_percent", "prediction_within_10_percent", "worst_search_prediction_error",
+        "search_predictions_within_10_percent", "search_prediction_within_10_percent"}
     assert (tmp_path / "tune_measured.png").stat().st_size > 10_000
