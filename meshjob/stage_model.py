@@ -10,8 +10,9 @@ Compute: meshjob.device_costs' roofline of the stage's shapes on the cluster's d
 waits: F, I, W of a microbatch, and the optimizer step); full recompute adds a forward to I. Tensor parallel
 adds Megatron's two all-reduces of the activation per block in F and two in I; data parallel adds a ring
 all-reduce of the stage's gradients after the step (meshjob.gradient_sync, which also shares a host's NIC
-between stages whose rings cross it), then the optimizer step. A ring over devices of one host runs at the
-device link's rate; one across hosts shares each host's NIC with the host's other rings.
+between stages whose rings cross it), then the optimizer step. A tensor-parallel ring inside a host runs at the
+device link's rate, a gradient ring inside a host at the network model's intra-host rate (on a real cluster
+both are the device link); a ring across hosts shares each host's NIC with the host's other rings.
 """
 from __future__ import annotations
 
@@ -99,22 +100,23 @@ def stage_choices(model, training, cluster: Cluster) -> list[StageChoice]:
 
 
 def _ring_s(nbytes: float, ranks: int, dim: int | None, choice: StageChoice, cluster: Cluster) -> float:
-    """A ring all-reduce of nbytes among `ranks` devices along mesh dim `dim`."""
+    """A tensor-parallel ring all-reduce of nbytes among `ranks` devices along mesh dim `dim`."""
     if ranks <= 1:
         return 0.0
     net = cluster.network
     if dim == 0:  # across hosts: the host's other devices run their own rings through the same NIC
         rate = net.nic_bytes_per_s / choice.mesh[1]
         message = net.message_s
-    else:
-        rate, message = net.intra_host_bytes_per_s, net.intra_message_s
+    else:  # the devices' own link (NVLink)
+        rate, message = cluster.device.link_bytes_per_s, net.intra_message_s
     return 2 * (ranks - 1) / ranks * nbytes / rate + 2 * (ranks - 1) * message
 
 
 def gradient_sync(nbytes: float, choice: StageChoice, cluster: Cluster, optimizer_s: float) -> GradientSync:
     """The stage's tail: a ring all-reduce of its nbytes of local gradients among its data-parallel devices,
     then its optimizer step. Across hosts (dp over mesh dim 0) each of its devices on a host runs its own
-    ring through that host's NIC; inside a host the ring runs on the device link."""
+    ring through that host's NIC; inside a host the ring runs at the network model's intra-host rate (the device
+    link on a real cluster, where the two are the same; loopback between an emulated host's ranks)."""
     ranks, net = choice.dp, cluster.network
     if ranks <= 1:
         return GradientSync(0.0, 0, optimizer_s)
@@ -151,7 +153,7 @@ class StageFigures:
 def stage_figures(model, training, cluster: Cluster, first: int, last: int, choice: StageChoice
                   ) -> StageFigures:
     """F, I, W from meshjob.device_costs (what emulated compute waits) on the cluster's device, plus the
-    tensor-parallel all-reduces (none in emulated compute; NVLink-fast there) and full recompute's forward;
+    tensor-parallel all-reduces and full recompute's forward;
     the tail: the device's gradients all-reduced, then its optimizer step (device_costs' again)."""
     own = work_cost(range_work(model, training, first, last, choice.dp, choice.tp), cluster.device.profile)
     act = FLOAT32 * training.microbatch_size / choice.dp * model.seq_len * model.hidden

@@ -62,3 +62,15 @@ def test_a_ring_across_hosts_moves_the_devices_gradients_through_each_nic_once_p
     assert fig.sync.flows == 2
     assert fig.sync.nic_s == pytest.approx(2 * 3 / 4 * 4 * params * 2 / c.network.nic_bytes_per_s)
     assert fig.tail_s == pytest.approx(fig.allreduce_s + fig.optimizer_s)
+
+
+def test_a_gradient_ring_inside_a_host_runs_at_the_networks_intra_host_rate_a_tensor_parallel_one_on_the_device_link():
+    job = base_job(doc(), 2)
+    slow_loopback = replace(cluster(), network=NetworkModel(intra_host_bytes_per_s=1e9))
+    fast = cluster()
+    dp = StageChoice((1, 2), 1, None)
+    assert stage_figures(job.model, job.training, slow_loopback, 0, 4, dp).allreduce_s > \
+        10 * stage_figures(job.model, job.training, fast, 0, 4, dp).allreduce_s
+    tp = StageChoice((1, 2), None, 1)
+    assert stage_figures(job.model, job.training, slow_loopback, 0, 4, tp).cost == \
+        stage_figures(job.model, job.training, fast, 0, 4, tp).cost

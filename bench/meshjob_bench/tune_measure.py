@@ -20,9 +20,10 @@ simulator's pipeline leaves out and an emulated step does: each stage's tail (me
 gradient all-reduce, sharing NICs with other stages' on the same hosts, then its optimizer step). Every row
 also records the search's own objective for its manifest (meshjob.search's predict on the search's cluster
 model: what `meshjob tune` prints), measured against the same step.
-The search's cluster model takes the emulated device's intra-host link as NVLink-fast: emulated compute
-runs no tensor-parallel all-reduces (a stage's forward is one wait), so the search must not charge them;
-the prediction charges intra-host transfers at the network model's default rate, as bench e2e does.
+The search's cluster model is the prediction's (the same NICs, intra-host rate and device) with the device's
+own link NVLink-fast: emulated compute runs no tensor-parallel all-reduces (a stage's forward is one wait), so
+the search must not charge those inside a host, while the gradient rings inside a host and the local
+resharding hops do run, at the intra-host rate.
 Targets: the tuned manifest's measured throughput >= the best hand-written one's, and every prediction
 (the bench's and the search's) within 10% of its measurement.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping
 
 import yaml
@@ -49,7 +50,7 @@ EXAMPLES = {"gpt": "examples/gpt-demo.yaml", "utransformer": "examples/utransfor
 HAND_WRITTEN = ("example", "pipeline-1f1b", "data-parallel")
 CONFIGS = ("tuned",) + HAND_WRITTEN
 TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's tbf burst
-NVLINK_BYTES_PER_S = 450e9  # the emulated device's intra-host link as the search sees it (see above)
+NVLINK_BYTES_PER_S = 450e9  # the emulated device's own link as the search sees it (see above)
 EMULATED_MEMORY_BYTES = 80 * GiB
 PREDICTION_TOLERANCE = 0.10
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -194,12 +195,19 @@ def prediction_network(setting: Setting) -> NetworkModel:
     return NetworkModel(nic_bytes_per_s=parse_rate(setting.nic_rate), burst_bytes=TBF_BURST_BYTES)
 
 
+def prediction_cluster(setting: Setting) -> Cluster:
+    """The emulated cluster as the prediction sees it: the prediction network, the emulated device."""
+    network = prediction_network(setting)
+    return Cluster(setting.hosts, setting.devices_per_host,
+                   TuneDevice(emulated_device(setting), EMULATED_MEMORY_BYTES, network.intra_host_bytes_per_s),
+                   network)
+
+
 def search_cluster(setting: Setting) -> Cluster:
-    """What meshjob.search plans on: the emulated hosts, NICs and device (its link NVLink-fast, see above)."""
-    device = TuneDevice(emulated_device(setting), EMULATED_MEMORY_BYTES, NVLINK_BYTES_PER_S)
-    network = NetworkModel(nic_bytes_per_s=parse_rate(setting.nic_rate), burst_bytes=TBF_BURST_BYTES,
-                           intra_host_bytes_per_s=device.link_bytes_per_s)
-    return Cluster(setting.hosts, setting.devices_per_host, device, network)
+    """What meshjob.search plans on: the emulated hosts, NICs and device as the prediction sees them, the
+    device's own link NVLink-fast (see above)."""
+    c = prediction_cluster(setting)
+    return replace(c, device=replace(c.device, link_bytes_per_s=NVLINK_BYTES_PER_S))
 
 
 def tune(doc: Mapping[str, Any], setting: Setting) -> tuple[dict[str, Any], Any]:
@@ -218,14 +226,6 @@ def tune(doc: Mapping[str, Any], setting: Setting) -> tuple[dict[str, Any], Any]
 
 
 # ------------------------------------------------------------------------------ prediction
-def prediction_cluster(setting: Setting) -> Cluster:
-    """The emulated cluster as the prediction sees it: the prediction network, the emulated device."""
-    network = prediction_network(setting)
-    return Cluster(setting.hosts, setting.devices_per_host,
-                   TuneDevice(emulated_device(setting), EMULATED_MEMORY_BYTES, network.intra_host_bytes_per_s),
-                   network)
-
-
 def stage_tail_s(job: TrainingJob, stage: int, setting: Setting) -> float:
     """What an emulated step adds after a stage's last action when no other stage shares its NICs: its
     gradient all-reduce (meshjob.gradient_sync's ring model on the prediction network) and its optimizer
