@@ -6,11 +6,16 @@ meshjob_operator.testing. Every scenario uses its own namespace, node names and 
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import pytest_asyncio
+import yaml
 
 from meshjob_operator.testing import (Cluster, envtest_assets, envtest_cluster, eventually, job_body, kmock_cluster,
                                       running_operator)
@@ -49,6 +54,18 @@ async def cluster(apiserver):
 async def operator(cluster):
     async with running_operator(cluster) as op:
         yield op
+
+
+async def plan_on_cluster(c: Cluster, body: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`meshjob plan --json --cluster` on `body`, reading the cluster's Nodes through its kubeconfig (a child
+    process, as a user runs it): its JSON."""
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(body))
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
+                                                    "--cluster", "--kubeconfig", str(c.kubeconfig)],
+                                   capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def scenario_job(tag: str, *, hosts: int = 2, devices: int = 2, **kwargs: Any) -> dict[str, Any]:

@@ -8,11 +8,6 @@ kube-apiserver v1.20 with the generated CRD (which must take `stages: auto`), as
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import subprocess
-import sys
-
 import pytest
 import yaml
 
@@ -24,8 +19,8 @@ from meshjob.spec import parse_job
 from meshjob_operator.reconcile import manifest
 from meshjob_operator.testing import eventually
 
-from operator_harness import (add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
-                              wait_pods, wait_status)
+from operator_harness import (add_nodes, condition, delete_and_wait, env_of, plan_on_cluster, prepare_namespace,
+                              scenario_job, wait_pods, wait_status)
 from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
@@ -61,12 +56,7 @@ async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_c
     await prepare_namespace(cluster, tag)
     nodes = await add_nodes(cluster, tag, 3)
     body = auto_job(tag, SPREAD)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(body))
-    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
-                                                     "--cluster", "--kubeconfig", str(cluster.kubeconfig)],
-                                    capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0, shown.stderr
+    shown = await plan_on_cluster(cluster, body, tmp_path)
     await cluster.create_job(body)
     # the same search in this process, on the same hosts: the operator's child must choose the same
     expected = auto_stages.tune(manifest(body), auto_stages.search_cluster(
@@ -76,7 +66,7 @@ async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_c
     wanted = host_pods(PlanInputs.of(chosen, [Host(n, 2) for n in nodes]).build().placement)
 
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Created", "phase Created")
-    assert status["tuned"] == expected.status() == json.loads(shown.stdout)["tuned"]  # `meshjob plan --cluster` too
+    assert status["tuned"] == expected.status() == shown["tuned"]  # `meshjob plan --cluster` too
     assert status["hosts"] == len(wanted)
     pods = await wait_pods(cluster, tag, len(wanted))
     assert {env_of(p)["WORLD_SIZE"] for p in pods} == {str(chosen.world_size)}

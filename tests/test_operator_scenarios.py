@@ -12,13 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from typing import Any, Iterator
 
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from meshjob import api
@@ -28,8 +25,8 @@ from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 from meshjob_operator.status import parse_time
 from meshjob_operator.testing import Cluster, OperatorThread, eventually, free_port, job_body, running_operator
 
-from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, prepare_namespace, scenario_job,
-                              wait_pods, wait_status)
+from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, plan_on_cluster,
+                              prepare_namespace, scenario_job, wait_pods, wait_status)
 from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
@@ -619,13 +616,7 @@ async def test_meshjob_plan_cluster_shows_the_placement_the_operator_makes(clust
         taints = [{"key": "dedicated", "value": "other-team", "effect": "NoSchedule"}] if i == 1 else None
         await cluster.add_node(f"{tag}-n{i}", 4, resource=f"example.com/{tag}", taints=taints)
     body = scenario_job(tag, hosts=3, devices=2)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(body))
-    planned = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
-                                                       "--cluster", "--kubeconfig", str(cluster.kubeconfig)],
-                                      capture_output=True, text=True, timeout=120)
-    assert planned.returncode == 0, planned.stderr
-    plan = json.loads(planned.stdout)
+    plan = await plan_on_cluster(cluster, body, tmp_path)
     await cluster.create_job(body)
     pods = await wait_pods(cluster, tag, 3)
     made = [{"name": p["metadata"]["name"], "node": pinned_node(p),
