@@ -7,7 +7,10 @@ import os
 import pytest
 
 from meshjob.plan import build_plan
-from meshjob_bench.e2e import CONFIGS, DEVICES_PER_HOST, HOSTS, bench_job, main
+from meshjob.devices import parse_compute
+from meshjob.simulate import simulate_plan
+from meshjob_bench.e2e import CONFIGS, DEVICES_PER_HOST, HOSTS, bench_job, main, planned, predicted_step_s
+from meshjob_bench.pipeline import TBF_BURST_BYTES, TCP_PAYLOAD_PER_FRAME_BYTE
 
 
 @pytest.mark.parametrize("model", ["gpt", "utransformer"])
@@ -28,6 +31,25 @@ def test_the_configurations_are_meshjobs_alpas_and_the_signal_bound():
     assert (alpa.resharding.strategy, alpa.resharding.balancer, alpa.schedule.kind) == \
         ("local_allgather", "naive", "1f1b")
     assert bound.resharding.strategy == "signal" and bound.schedule == mine.schedule
+
+
+def test_the_ranks_plan_and_the_prediction_are_made_for_the_emulated_nics_they_run_on():
+    job = bench_job("utransformer", "meshjob", 2, quick=True)
+    plan, cost = planned(job, parse_compute("emulated", "1"), "1gbit")
+    assert plan.network == cost.network  # transfer order, receives posted ahead and W delay planned on it
+    assert cost.network.burst_bytes == TBF_BURST_BYTES  # tbf's bucket
+    assert cost.network.nic_bytes_per_s == pytest.approx(1e9 / 8 * TCP_PAYLOAD_PER_FRAME_BYTE)  # TCP payload
+    assert cost.network.shared_cpu_cores >= 1  # every host's ranks on this machine's cores
+
+
+def test_the_prediction_ends_after_the_slowest_stage_s_optimizer_step():
+    job = bench_job("gpt", "alpa", 2, quick=True)
+    compute = parse_compute("emulated", "1")
+    plan, cost = planned(job, compute, "1gbit")
+    simulated = simulate_plan(plan, cost)
+    predicted = predicted_step_s(job, plan, cost, compute)
+    assert predicted > simulated.step_s
+    assert predicted <= simulated.step_s + max(c.forward_s + c.backward_s for c in cost.stage_costs(job).values())
 
 
 @pytest.mark.slow

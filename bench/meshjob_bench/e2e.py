@@ -9,6 +9,7 @@ about), under three configurations of the same job:
 Ranks run emulated compute (--compute emulated --device ...: every F, I, W and optimizer step waits
 the device's modelled time, no math) so the host CPU is left to the communication; activations of the
 real sizes and layouts cross tbf-shaped NICs through the real resharding and pipeline executors.
+Every rank runs the plan made for the NICs and devices it runs on, the one the simulator predicts.
 Reported: throughput (global-batch tokens / median step time of the slowest rank), meshjob over alpa,
 each over signal, and the simulator's predicted step time for each run (predicted / measured).
 """
@@ -20,13 +21,14 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshjob.api import API_VERSION, KIND
 from meshjob.devices import ComputeMode, parse_compute
 from meshjob.spec import TrainingJob, job_to_dict, parse_job
 from meshjob.units import parse_rate
 from meshjob_bench import parsed_arguments
+from meshjob_bench.pipeline import TBF_BURST_BYTES, TCP_PAYLOAD_PER_FRAME_BYTE
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 
@@ -38,7 +40,6 @@ CONFIGS: dict[str, dict[str, object]] = {
 }
 MODELS = ("gpt", "utransformer")
 HOSTS, DEVICES_PER_HOST, STAGES = 8, 2, 8  # each stage a (1, 2) mesh on its own host: tensor parallel inside
-TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's tbf burst
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,11 +76,34 @@ def bench_job(model: str, config: str, steps: int, quick: bool) -> TrainingJob:
     return parse_job(doc)
 
 
-def _rank_main(job: TrainingJob, compute: ComputeMode, ctx: RankContext) -> dict:
+def cost_model(job: TrainingJob, device, nic_bytes_per_s: float):
+    """The plan's and the simulator's costs: the device's modelled compute and the emulated cluster's
+    network (tc rate `nic_bytes_per_s`, of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE, tbf's
+    bucket, and the messages' work on the machine's shared cores)."""
+    from meshjob.costs import CostModel
+    from meshjob.device_costs import emulated_costs
+    from meshjob.network import emulated_network
+
+    network = replace(emulated_network(nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE, os.cpu_count() or 1),
+                      burst_bytes=TBF_BURST_BYTES)
+    return CostModel(network=network, stages=emulated_costs(job, device), measured=True)
+
+
+def planned(job: TrainingJob, compute: ComputeMode, nic_rate: str):
+    """The plan every rank runs and the simulator predicts: planned for the NICs and devices it runs on
+    (transfer order, receives posted ahead, W delay), and its costs."""
+    from meshjob.plan import build_plan
+
+    cost = cost_model(job, compute.device, parse_rate(nic_rate))
+    return build_plan(job, cost=cost, network=cost.network), cost
+
+
+def _rank_main(job: TrainingJob, plan, compute: ComputeMode, ctx: RankContext) -> dict:
     from meshjob_trainer.train import train_rank
 
-    result = train_rank(ctx.env, job, timeout_s=180.0, compute=compute)
-    return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds}
+    result = train_rank(ctx.env, job, timeout_s=180.0, compute=compute, plan=plan)
+    return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
+            "timeline": result.stats.timeline, "origin": result.stats.timeline_origin}
 
 
 @dataclass
@@ -98,36 +122,39 @@ class Row:
     vs_signal: float = 0.0
 
 
-def run(job: TrainingJob, nic_rate: str, compute: ComputeMode) -> tuple[float, str]:
-    """Median step time of the slowest rank over the timed steps, and the cluster's description."""
-    from meshjob.plan import build_plan
-
-    plan = build_plan(job, nic_bytes_per_s=parse_rate(nic_rate))
+def run(job: TrainingJob, plan, nic_rate: str, compute: ComputeMode) -> tuple[float, str, list[dict]]:
+    """Median step time of the slowest rank over the timed steps, the cluster's description and the
+    ranks' records."""
     hosts = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with EmulatedCluster(max(hosts) + 1, nic_rate) as cluster:
             network = cluster.describe()
-            result = launch(len(hosts), lambda ctx: _rank_main(job, compute, ctx),
+            result = launch(len(hosts), lambda ctx: _rank_main(job, plan, compute, ctx),
                             **cluster.gang(hosts).launch_args())
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
     records = result.values
     timed = range(1, len(records[0]["step_seconds"]))
-    return statistics.median(max(r["step_seconds"][i] for r in records) for i in timed), network
+    return statistics.median(max(r["step_seconds"][i] for r in records) for i in timed), network, records
 
 
-def predicted_step_s(job: TrainingJob, nic_rate: str, compute: ComputeMode) -> float:
-    """The simulator's step time for the same plan on the same NICs (rate and tbf bucket), with the
-    emulated device's compute costs."""
-    from meshjob.device_costs import emulated_costs
-    from meshjob.network import NetworkModel
-    from meshjob.plan import build_plan
-    from meshjob.simulate import CostModel, simulate_plan
+def stage_timelines(records: list[dict]) -> dict[str, list]:
+    """Each rank's last step: its compute actions from the earliest rank's step start (to diff against
+    `meshjob simulate --json`)."""
+    origin = min(r["origin"] for r in records)
+    return {str(r["rank"]): [[name, round(r["origin"] - origin + a, 6), round(r["origin"] - origin + b, 6)]
+                             for name, a, b in r["timeline"] if name != "wait"] for r in records}
 
-    network = NetworkModel(nic_bytes_per_s=parse_rate(nic_rate), burst_bytes=TBF_BURST_BYTES)
-    cost = CostModel(network=network, stages=emulated_costs(job, compute.device), measured=True)
-    return simulate_plan(build_plan(job, nic_bytes_per_s=network.nic_bytes_per_s, cost=cost), cost).step_s
+
+def predicted_step_s(job: TrainingJob, plan, cost, compute: ComputeMode) -> float:
+    """The simulator's step time for the plan that ran, on the same NICs and costs, plus each stage's
+    optimizer step after its last action (the ranks wait it too)."""
+    from meshjob.device_costs import emulated_cost
+    from meshjob.simulate import simulate_plan
+
+    result = simulate_plan(plan, cost)
+    return max(s.busy_until_s + emulated_cost(job, i, compute.device).optimizer_s for i, s in result.stages.items())
 
 
 def print_table(rows: list[Row], title: str) -> None:
@@ -184,12 +211,15 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     cleanup_stale()
     t0 = time.monotonic()
     rows: list[Row] = []
+    timelines: dict[str, dict[str, list]] = {}
     network = ""
     for model in models:
         for config, c in CONFIGS.items():
             job = bench_job(model, config, steps, args.quick)
-            step_s, network = run(job, args.nic_rate, compute)
-            predicted = predicted_step_s(job, args.nic_rate, compute)
+            plan, cost = planned(job, compute, args.nic_rate)
+            step_s, network, records = run(job, plan, args.nic_rate, compute)
+            predicted = predicted_step_s(job, plan, cost, compute)
+            timelines[f"{model}/{config}"] = stage_timelines(records)
             tokens = job.training.global_batch * job.model.seq_len
             rows.append(Row(model, config, str(c["strategy"]), str(c["balancer"]), str(c["kind"]), str(c["delay"]),
                             step_s, tokens / step_s, predicted, predicted / step_s))
@@ -209,7 +239,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "jobs": {f"{r.model}/{r.config}": job_to_dict(bench_job(r.model, r.config, steps, args.quick))
                     for r in rows},
-           "rows": [asdict(r) for r in rows], "plots": [png]}
+           "rows": [asdict(r) for r in rows], "timelines": timelines, "plots": [png]}
     path = os.path.join(args.out, "e2e.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
