@@ -122,21 +122,28 @@ class Row:
     vs_signal: float = 0.0
 
 
-def run(job: TrainingJob, plan, nic_rate: str, compute: ComputeMode) -> tuple[float, str, list[dict]]:
-    """Median step time of the slowest rank over the timed steps, the cluster's description and the
-    ranks' records."""
+def run(job: TrainingJob, nic_rate: str, compute: ComputeMode, plan=None,
+        records: list[dict] | None = None) -> tuple[float, str]:
+    """Median step time of the slowest rank over the timed steps, and the cluster's description. The
+    ranks run `plan` (default: each builds build_plan(job)); `records`, when given, gets each rank's
+    record (its step times and last step's timeline)."""
+    from meshjob.plan import build_plan
+
+    ranks_plan, plan = plan, plan or build_plan(job)
     hosts = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with EmulatedCluster(max(hosts) + 1, nic_rate) as cluster:
             network = cluster.describe()
-            result = launch(len(hosts), lambda ctx: _rank_main(job, plan, compute, ctx),
+            result = launch(len(hosts), lambda ctx: _rank_main(job, ranks_plan, compute, ctx),
                             **cluster.gang(hosts).launch_args())
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
-    records = result.values
-    timed = range(1, len(records[0]["step_seconds"]))
-    return statistics.median(max(r["step_seconds"][i] for r in records) for i in timed), network, records
+    values = result.values
+    if records is not None:
+        records.extend(values)
+    timed = range(1, len(values[0]["step_seconds"]))
+    return statistics.median(max(r["step_seconds"][i] for r in values) for i in timed), network
 
 
 def stage_timelines(records: list[dict]) -> dict[str, list]:
@@ -217,7 +224,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         for config, c in CONFIGS.items():
             job = bench_job(model, config, steps, args.quick)
             plan, cost = planned(job, compute, args.nic_rate)
-            step_s, network, records = run(job, plan, args.nic_rate, compute)
+            records: list[dict] = []
+            step_s, network = run(job, args.nic_rate, compute, plan, records)
             predicted = predicted_step_s(job, plan, cost, compute)
             timelines[f"{model}/{config}"] = stage_timelines(records)
             tokens = job.training.global_batch * job.model.seq_len
