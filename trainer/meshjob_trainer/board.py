@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from meshjob.host_order import HostLinkOrder
 from meshjob.network import Link
+from meshjob_trainer.procs import pid_alive
 
 PREFIX = "meshjob-board-"
 TICK_S = 1.0  # how often a blocked rank checks its peers
@@ -169,7 +170,7 @@ class HostBoard:
         """Raise BoardError when a rank this one waits on is dead, or the wait passed `timeout_s`."""
         for slot, rank in enumerate(self.ranks):
             pid = self._cells[slot]
-            if slot != self.slot and pid and not _alive(pid):
+            if slot != self.slot and pid and not pid_alive(pid):
                 raise BoardError(f"rank {self.rank}: rank {rank} of host {self.order.host} (pid {pid}) died while "
                                  f"this rank waited for its turn on the host's links {self._waiting()}")
         if blocked_s > self.timeout_s:
@@ -235,18 +236,3 @@ class HostBoard:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True

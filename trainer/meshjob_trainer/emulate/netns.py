@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from meshjob.api import MASTER_PORT
 from meshjob.units import parse_rate
+from meshjob_trainer.procs import pid_alive
 
 NETNS_DIR = "/var/run/netns"
 CLONE_NEWNET = 0x40000000
@@ -66,22 +67,12 @@ def list_netns() -> list[str]:
         return []
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Delete namespaces left by meshjob runs whose process is gone; returns their names."""
     removed = []
     for name in list_netns():
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
     return removed
