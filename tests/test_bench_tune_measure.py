@@ -117,6 +117,22 @@ def test_the_example_layouts_two_data_parallel_stages_share_their_hosts_nics_in_
     assert tm.search_step_s(doc, FULL) > 1.1 * unshared
 
 
+def test_the_ranks_run_the_plan_the_prediction_simulates(monkeypatch):
+    import meshjob_bench.e2e as e2e
+
+    ran = []
+    monkeypatch.setattr(e2e, "run", lambda job, nic_rate, compute, plan=None: (ran.append((job, plan)), (1.0, "net"))[1])
+    doc = tm.model_doc("utransformer", QUICK)
+    monkeypatch.setattr(tm, "configurations", lambda model, setting: ({"example": tm.example_doc(
+        doc, tm._load_example(tm.EXAMPLES["utransformer"]))}, None))
+    monkeypatch.setattr(tm, "search_step_s", lambda doc, setting: 1.0)
+    tm.measure(["utransformer"], QUICK, log=lambda line: None)
+    (job, plan), = ran
+    expected, _ = tm.planned(job, QUICK)
+    assert plan is not None and plan.weight_delay == expected.weight_delay  # not each rank's default plan
+    assert plan.schedules == expected.schedules
+
+
 def test_unknown_parts_name_the_flag_and_what_is_allowed():
     assert parse_parts("measure") == ["measure"]
     with pytest.raises(UsageError, match="--parts: 'all' is invalid: comma separated, from search, large, measure"):

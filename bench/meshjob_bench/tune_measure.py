@@ -235,18 +235,27 @@ def stage_tail_s(job: TrainingJob, stage: int, setting: Setting) -> float:
     return job_figures(job, prediction_cluster(setting))[stage].tail_s
 
 
-def predicted_step_s(job: TrainingJob, setting: Setting) -> float:
-    """The simulator's step for the job's plan on the emulated cluster: every stage's last action, then its
-    tail (meshjob.gradient_sync: stages on the same hosts share their NICs); the last tail's end."""
+def planned(job: TrainingJob, setting: Setting):
+    """(plan, costs): the plan the ranks run and the simulator predicts, made with the emulated devices'
+    costs on the emulated cluster (so its W delay and transfer order are those of the run)."""
     from meshjob.device_costs import emulated_costs
-    from meshjob.gradient_sync import stage_hosts, tail_ends
     from meshjob.plan import build_plan
-    from meshjob.simulate import CostModel, simulate_plan
-    from meshjob.stage_model import job_figures
+    from meshjob.simulate import CostModel
 
     network = prediction_network(setting)
     cost = CostModel(network=network, stages=emulated_costs(job, emulated_device(setting)), measured=True)
-    plan = build_plan(job, nic_bytes_per_s=network.nic_bytes_per_s, cost=cost)
+    return build_plan(job, nic_bytes_per_s=network.nic_bytes_per_s, cost=cost), cost
+
+
+def predicted_step_s(job: TrainingJob, setting: Setting, plan_and_cost=None) -> float:
+    """The simulator's step for the job's plan on the emulated cluster: every stage's last action, then its
+    tail (meshjob.gradient_sync: stages on the same hosts share their NICs); the last tail's end. The plan is
+    `planned(job, setting)` unless given."""
+    from meshjob.gradient_sync import stage_hosts, tail_ends
+    from meshjob.simulate import simulate_plan
+    from meshjob.stage_model import job_figures
+
+    plan, cost = plan_and_cost or planned(job, setting)
     result = simulate_plan(plan, cost)
     syncs = [f.sync for f in job_figures(job, prediction_cluster(setting))]
     return max(tail_ends([result.stages[k].busy_until_s for k in range(len(syncs))], syncs,
@@ -369,8 +378,9 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
             if used > setting.hosts:
                 raise RuntimeError(f"{model}/{config}: needs {used} hosts, the setting has {setting.hosts}")
             log(f"{model}/{config}: {describe(job)}")
-            step_s, network = run(job, setting.nic_rate, compute)
-            predicted = predicted_step_s(job, setting)
+            plan_and_cost = planned(job, setting)  # the ranks run the plan the prediction simulates
+            step_s, network = run(job, setting.nic_rate, compute, plan=plan_and_cost[0])
+            predicted = predicted_step_s(job, setting, plan_and_cost)
             searched = result.best.step_s if config == "tuned" else search_step_s(doc, setting)
             tokens = job.training.global_batch * job.model.seq_len
             rows.append(Row(model, config, describe(job), used, predicted, step_s, predicted / step_s,
