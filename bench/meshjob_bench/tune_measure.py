@@ -44,12 +44,12 @@ from meshjob.network import NetworkModel
 from meshjob.spec import TrainingJob, job_to_dict, parse_job
 from meshjob.tune_cluster import GiB, Cluster, TuneDevice
 from meshjob.units import parse_rate
+from meshjob_bench.pipeline import TBF_BURST_BYTES
 
 MODELS = ("gpt", "utransformer")
 EXAMPLES = {"gpt": "examples/gpt-demo.yaml", "utransformer": "examples/utransformer-demo.yaml"}
 HAND_WRITTEN = ("example", "pipeline-1f1b", "data-parallel")
 CONFIGS = ("tuned",) + HAND_WRITTEN
-TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's tbf burst
 NVLINK_BYTES_PER_S = 450e9  # the emulated device's own link as the search sees it (see above)
 EMULATED_MEMORY_BYTES = 80 * GiB
 PREDICTION_TOLERANCE = 0.10
@@ -191,7 +191,9 @@ def emulated_device(setting: Setting) -> DeviceProfile:
 
 
 def prediction_network(setting: Setting) -> NetworkModel:
-    """The emulated NICs as bench e2e predicts them: the tbf rate and bucket, the default intra-host rate."""
+    """The emulated NICs as this bench predicts them and the search plans on them: the tbf rate and bucket,
+    the default intra-host rate (bench e2e's model also charges TCP's payload share and the shared cores' CPU
+    per message; this one does not)."""
     return NetworkModel(nic_bytes_per_s=parse_rate(setting.nic_rate), burst_bytes=TBF_BURST_BYTES)
 
 
