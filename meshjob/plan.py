@@ -14,12 +14,15 @@ job.schedule; the plan is validated and deterministic.
 Weight-grad delay (job.schedule.weightGradDelay, auto or a number of microbatches N):
   0     backward not split (B)
   N     split into I and W; each stage that sends gradients delays min(N, M - 1) W's
-  auto  split; each stage delays the least number of W's whose compute covers the gradient transfers
-        it sends (§4 of "On Optimizing the Communication of Model Parallelism" (Zhuang et al.,
-        2022): ceil(comm / W), comm = the summed makespans of those backward
-        boundaries, W = the stage's weight-gradient time from the cost model, measured with
-        --calibrate), and never so many that its peak stash exceeds eager-1F1B's stage-0 bound
-        min(M, 2S - 1) (or its own undelayed peak, where that is higher already).
+  auto  split; the smallest delays that cover the communication as the plan's own simulator judges
+        it (meshjob.delay_choice): candidates are the ratio rule (each stage alone, §4 of "On
+        Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022): ceil(comm / W),
+        comm = the summed makespans of the backward boundaries it sends, W = the stage's
+        weight-gradient time from the cost model, measured with --calibrate) and one delay d for
+        every stage; each is simulated on the plan's network and stage costs, and the smallest
+        within 1% of the fastest (and no slower than the rule) is taken. No stage ever delays so
+        many that its peak stash exceeds eager-1F1B's stage-0 bound min(M, 2S - 1) (or its own
+        undelayed peak, where that is higher already).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from meshjob import balance as bal
+from meshjob import delay_choice
 from meshjob.boundary import BoundaryKey
 from meshjob.costs import CostModel, StageCost
 from meshjob.mesh import Mesh
@@ -134,6 +138,7 @@ class Plan:
     windows: tuple[Window, ...] = ()
     stage_costs: dict[int, StageCost] = field(default_factory=dict)  # what sized the weight delays
     costs_measured: bool = False
+    delay_choice: delay_choice.DelayChoice | None = None  # auto: the simulated candidates and the pick
 
     @property
     def nic_bytes_per_s(self) -> float:
@@ -219,6 +224,7 @@ class Plan:
                 "weight_delay": {str(s): d for s, d in sorted(self.weight_delay.items())},
                 "peak_stashed": {str(s): n for s, n in peak_stashed(self.schedules).items()},
                 "stash_bound": stash_bound(len(self.job.stages), microbatches),
+                "delay_choice": None if self.delay_choice is None else self.delay_choice.to_json(),
             },
             "schedules": {str(s): [str(a) for a in actions] for s, actions in sorted(self.schedules.items())},
         }
@@ -352,28 +358,56 @@ def _sends_gradients(boundaries: Sequence[Boundary], stage: int) -> bool:
     return any(b.is_backward and b.src == stage for b in boundaries)
 
 
-def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], costs: Mapping[int, StageCost]
-                  ) -> tuple[bool, dict[int, int]]:
-    """(split_backward, W's each stage delays) for job.schedule.weightGradDelay."""
+def delay_rooms(job: TrainingJob, boundaries: Sequence[Boundary]) -> dict[int, int]:
+    """Per stage, the most W's it may delay: none where it sends no gradients, else at most M - 1 and
+    never so many that its peak stash passes eager-1F1B's stage-0 bound min(M, 2S - 1) (or its own
+    undelayed peak, where that is higher already)."""
+    num_stages, microbatches = len(job.stages), job.training.microbatches
+    edges = _edges(job)
+    return {stage: min(max(0, microbatches - 1),
+                       max_delay_within(job.schedule.kind, stage, num_stages, microbatches, edges,
+                                        stash_bound(num_stages, microbatches)))
+            if _sends_gradients(boundaries, stage) else 0
+            for stage in range(num_stages)}
+
+
+def weight_delays(job: TrainingJob, boundaries: Sequence[Boundary], costs: Mapping[int, StageCost],
+                  rooms: Mapping[int, int] | None = None) -> tuple[bool, dict[int, int]]:
+    """(split_backward, W's each stage delays) for job.schedule.weightGradDelay; for auto, the ratio
+    rule ceil(comm / W) within each stage's room (`rooms`: delay_rooms, computed when not given;
+    build_plan then simulates candidates around it)."""
     mode = job.schedule.weight_grad_delay
     if mode == 0:
         return False, {}
-    num_stages, microbatches = len(job.stages), job.training.microbatches
-    cap = max(0, microbatches - 1)
-    fixed = mode if isinstance(mode, int) else None  # N, or None for auto
-    edges = _edges(job)
+    microbatches = job.training.microbatches
+    if isinstance(mode, int):
+        return True, {stage: min(mode, max(0, microbatches - 1)) if _sends_gradients(boundaries, stage) else 0
+                      for stage in range(len(job.stages))}
     delays: dict[int, int] = {}
-    for stage in range(num_stages):
-        if not _sends_gradients(boundaries, stage):
-            delays[stage] = 0
-        elif fixed is not None:
-            delays[stage] = min(fixed, cap)
-        else:
-            comm_s = sum(b.makespan_s for b in boundaries if b.is_backward and b.src == stage)
-            room = max_delay_within(job.schedule.kind, stage, num_stages, microbatches, edges,
-                                    stash_bound(num_stages, microbatches))
-            delays[stage] = weight_delay_for(comm_s, costs[stage].weight_grad_s, min(cap, room))
+    for stage, room in (delay_rooms(job, boundaries) if rooms is None else rooms).items():
+        comm_s = sum(b.makespan_s for b in boundaries if b.is_backward and b.src == stage)
+        delays[stage] = weight_delay_for(comm_s, costs[stage].weight_grad_s, room)
     return True, delays
+
+
+def simulated_delays(plan: Plan, rooms: Mapping[int, int]) -> Plan:
+    """`plan` (its delays from the ratio rule, each stage within `rooms`) with the delays
+    meshjob.delay_choice picks by simulating candidates on the plan's own network and stage costs,
+    and the candidates it simulated."""
+    from meshjob.simulate import compute_costs, plan_cost, transfer_costs
+
+    job = plan.job
+    if not delay_choice.within_budget(plan.weight_delay, plan.schedules, rooms):
+        return replace(plan, delay_choice=delay_choice.unsimulated(plan.weight_delay))
+    cost = plan_cost(plan)
+    choice, lists = delay_choice.choose(job.schedule.kind, job.training.microbatches, _edges(job),
+                                        plan.weight_delay, plan.schedules, rooms, compute_costs(plan, cost),
+                                        transfer_costs(plan, cost), cost)
+    if choice.chosen.name == delay_choice.RULE:
+        return replace(plan, delay_choice=choice)
+    validate(lists, _edges(job), job.training.microbatches, True)
+    return replace(plan, schedules={s: tuple(actions) for s, actions in lists.items()},
+                   weight_delay=dict(choice.chosen.delays), delay_choice=choice)
 
 
 def _edges(job: TrainingJob) -> list[tuple[int, int, str]]:
@@ -387,10 +421,13 @@ def build_plan(
     nic_bytes_per_s: float = 1e9 / 8,
     cost: CostModel | None = None,
     network: NetworkModel | None = None,
+    simulate_delays: bool = True,
 ) -> Plan:
     """Place, decompose, balance, lower and schedule. `network` (default: the standard model at
     `nic_bytes_per_s`) is what the balancers optimise; `cost` supplies the per-stage compute times
     that size the weight-gradient delay (default: the formula; measured ones with --calibrate).
+    `weightGradDelay: auto` takes the delays meshjob.delay_choice picks by simulating candidates
+    (`simulate_delays` False: the ratio rule alone, which the search uses to stay fast).
     Raises PlacementError when the hosts cannot hold the job; the same inputs always give the same plan."""
     if network is None:
         if not nic_bytes_per_s > 0:
@@ -400,12 +437,14 @@ def build_plan(
     placement = place(job, default_hosts(job) if hosts is None else hosts)
     boundaries, windows = _boundaries(job, placement, network)
     stage_costs = cost.stage_costs(job)
-    split, delays = weight_delays(job, boundaries, stage_costs)
+    simulate = simulate_delays and job.schedule.weight_grad_delay == "auto"
+    rooms = delay_rooms(job, boundaries) if simulate else None
+    split, delays = weight_delays(job, boundaries, stage_costs, rooms)
     edges = _edges(job)
     microbatches = job.training.microbatches
     lists = generate(job.schedule.kind, len(job.stages), microbatches, edges, split, delays)
     validate(lists, edges, microbatches, split)
-    return Plan(
+    plan = Plan(
         job=job,
         placement=placement,
         boundaries=tuple(boundaries),
@@ -417,3 +456,6 @@ def build_plan(
         stage_costs=stage_costs,
         costs_measured=cost.measured,
     )
+    if rooms is not None:
+        return simulated_delays(plan, rooms)
+    return plan

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from meshjob.api import API_VERSION, KIND
 from meshjob.devices import ComputeMode, parse_compute
@@ -120,6 +120,8 @@ class Row:
     simulated_over_measured: float
     vs_alpa: float = 0.0
     vs_signal: float = 0.0
+    weight_delay: dict[str, int] = field(default_factory=dict)  # the W's each stage delays in the plan run
+    delay_choice: dict | None = None  # auto: the candidates the plan simulated and the one it took
 
 
 def run(job: TrainingJob, nic_rate: str, compute: ComputeMode, plan=None,
@@ -171,10 +173,17 @@ def print_table(rows: list[Row], title: str) -> None:
     t = Table("model", "config", "resharding", "schedule", "step ms", "tokens/s", "vs alpa", "vs signal",
               "simulated / measured", title=title)
     for r in rows:
-        t.add_row(r.model, r.config, f"{r.strategy}, {r.balancer}", f"{r.schedule}, delay {r.weight_grad_delay}",
+        t.add_row(r.model, r.config, f"{r.strategy}, {r.balancer}", f"{r.schedule}, delay {_delays(r)}",
                   f"{r.step_s * 1e3:.0f}", f"{r.tokens_per_s:,.0f}", f"{r.vs_alpa:.2f}", f"{r.vs_signal:.2f}",
                   f"{r.simulated_over_measured:.2f}")
     Console(width=150).print(t)
+
+
+def _delays(r: Row) -> str:
+    """The delay asked for, and for auto the most W's a stage delays in the plan run."""
+    if r.weight_grad_delay != "auto" or not r.weight_delay:
+        return r.weight_grad_delay
+    return f"auto ({max(r.weight_delay.values())})"
 
 
 def plot(rows: list[Row], path: str, subtitle: str) -> None:
@@ -230,7 +239,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             timelines[f"{model}/{config}"] = stage_timelines(records)
             tokens = job.training.global_batch * job.model.seq_len
             rows.append(Row(model, config, str(c["strategy"]), str(c["balancer"]), str(c["kind"]), str(c["delay"]),
-                            step_s, tokens / step_s, predicted, predicted / step_s))
+                            step_s, tokens / step_s, predicted, predicted / step_s,
+                            weight_delay={str(s): d for s, d in sorted(plan.weight_delay.items())},
+                            delay_choice=plan.delay_choice and plan.delay_choice.to_json()))
         mine = {r.config: r for r in rows if r.model == model}
         for r in mine.values():
             r.vs_alpa = r.tokens_per_s / mine["alpa"].tokens_per_s

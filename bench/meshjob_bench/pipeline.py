@@ -445,6 +445,7 @@ def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: d
            "comm_fraction": m.config.comm_fraction, "nic_rate": m.config.nic_rate,
            "nic_bytes_per_s": m.config.nic_bytes_per_s, **compute.to_json(),
            "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
+           "delay_choice": plan.delay_choice and plan.delay_choice.to_json(),  # auto: the candidates simulated
            "job": job_to_dict(job)["spec"],
            "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
            "bubble": statistics.mean(s["bubble"] for s in st.values()),

@@ -3,7 +3,8 @@
 Readable tables by default (placement; the network: per-host egress/ingress bytes per step and each
 balancing window's joint makespan vs its lower bound; each boundary's unit tasks with sender,
 receivers, bytes, chunks and start; makespan vs lower bound; each stage's weight-gradient delay,
-peak stash and action list), or one JSON object with --json (the contract tools rely on, see
+peak stash and action list; with weightGradDelay auto, the delay candidates the plan simulated and the
+one it took), or one JSON object with --json (the contract tools rely on, see
 Plan.to_json). With --cluster a `spec.stages: auto` manifest gets the operator's search on the cluster's
 Nodes first ("tuned" says what it chose); without it `auto` exits 2. `-` reads the manifest from standard input. A file of several YAML documents
 (`---`) holds one job per document: every job is checked first, then each is planned; --json then
@@ -226,6 +227,31 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
                         str(schedule["weight_delay"].get(stage, 0)), str(schedule["peak_stashed"][stage]),
                         " ".join(items))
     console.print(actions)
+    print_delay_choice(console, schedule.get("delay_choice"))
+
+
+def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
+    """weightGradDelay auto: each simulated candidate's step, the ratio rule's and the one taken."""
+    from rich.table import Table
+
+    if choice is None:
+        return
+    if not choice["simulated"]:
+        console.print("weightGradDelay auto: the ratio rule ceil(comm / W) per stage, not simulated (simulating "
+                      f"the candidates would pass the planner's work budget of {choice['work_budget']:,} "
+                      "actions x stages)")
+        return
+    table = Table(title="weightGradDelay auto: delay candidates simulated on the plan's network and stage costs "
+                        f"(taken: the smallest within {choice['tolerance']:.0%} of the fastest, "
+                        "no slower than the rule)")
+    for col in ("candidate", "W delay per stage", "simulated step", "vs rule", "taken"):
+        table.add_column(col, justify="right" if col in ("simulated step", "vs rule") else "left")
+    rule = choice["rule_step_s"]
+    for c in choice["candidates"]:
+        delays = " ".join(f"{d}" for _, d in sorted(c["weight_delay"].items(), key=lambda kv: int(kv[0])))
+        table.add_row(c["name"] + (" (ceil(comm / W))" if c["name"] == "rule" else ""), delays, _ms(c["step_s"]),
+                      f"{c['step_s'] / rule:.3f}" if rule > 0 else "-", "yes" if c["name"] == choice["chosen"] else "")
+    console.print(table)
 
 
 def print_network(console: Any, doc: dict[str, Any]) -> None:

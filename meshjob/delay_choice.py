@@ -1,0 +1,140 @@
+"""`weightGradDelay: auto`: the smallest weight-gradient delays the simulator rates as fast as the fastest.
+
+The ratio rule (meshjob.schedule.weight_delay_for: per stage ceil(comm / W), capped by the stash
+bound) sizes each stage's delay alone, as if its gradient transfers had the NICs to themselves.
+On a step whose transfers queue behind each other on shared NIC links that is often too few W's
+(bench e2e's GPT: the rule gives 1, the simulator rates 7 faster). So the plan simulates a few
+candidate assignments on its own network and stage costs (meshjob.simulate.simulate_pipeline, the
+model `meshjob simulate` and the search trust) and keeps the smallest whose step is within
+TOLERANCE of the fastest candidate and no slower than the rule's.
+
+Candidates (few, so planning stays fast): the rule's delays, and one global delay d, each stage
+taking min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the
+largest room. A stage's room is the most W's it may delay without its peak stash passing
+eager-1F1B's stage-0 bound min(M, 2S-1) (meshjob.schedule.max_delay_within), so no candidate raises
+any stage's stash above the bound. "Smallest": fewest delayed W's summed over stages, then the
+smallest largest delay, then the earlier candidate (the rule first).
+
+A simulation costs about (actions of the step) x (stages) steps of the list scheduler: where all the
+candidates together would cost more than WORK_BUDGET (about 10 s here; e.g. 128 stages of 128
+microbatches), the rule stands unsimulated (DelayChoice.simulated False). The budget counts work, not
+seconds, so every rank that builds the plan picks the same delays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from meshjob.boundary import BoundaryKey
+from meshjob.costs import CostModel
+from meshjob.network import Link
+from meshjob.schedule import Action, Edge, generate
+from meshjob.simulate import simulate_pipeline  # imports nothing of the plan: no cycle
+
+TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated step counts as fast as it
+WORK_BUDGET = 10_000_000  # actions x stages, summed over the candidates
+RULE = "rule"
+
+
+@dataclass(frozen=True)
+class DelayCandidate:
+    name: str  # "rule" (ceil(comm / W) per stage) or "d=N" (one delay N, each stage capped by its room)
+    delays: Mapping[int, int]  # stage -> W's delayed
+    step_s: float  # simulated step on the plan's own network and stage costs
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return sum(self.delays.values()), max(self.delays.values(), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "weight_delay": {str(s): d for s, d in sorted(self.delays.items())},
+                "step_s": self.step_s}
+
+
+@dataclass(frozen=True)
+class DelayChoice:
+    chosen: DelayCandidate
+    candidates: tuple[DelayCandidate, ...]  # the rule's first
+    tolerance: float = TOLERANCE
+    simulated: bool = True  # False: over WORK_BUDGET, the rule alone (its step_s not simulated: nan)
+
+    @property
+    def rule(self) -> DelayCandidate:
+        return self.candidates[0]
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.simulated:
+            return {"chosen": self.chosen.name, "simulated": False, "work_budget": WORK_BUDGET}
+        return {"chosen": self.chosen.name, "simulated": True, "tolerance": self.tolerance,
+                "rule_step_s": self.rule.step_s, "chosen_step_s": self.chosen.step_s,
+                "candidates": [c.to_json() for c in self.candidates]}
+
+
+def global_delays(largest: int) -> list[int]:
+    """0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to `largest`, and `largest` itself."""
+    out, power = [0, 1, 2], 2
+    while 3 * power // 2 < largest:
+        out += [3 * power // 2, 2 * power]
+        power *= 2
+    return sorted({d for d in out if d < largest} | {max(0, largest)})
+
+
+def candidate_delays(rule: Mapping[int, int], rooms: Mapping[int, int]) -> list[tuple[str, dict[int, int]]]:
+    """(name, delays) to simulate: the rule's, then each global d (global_delays of the largest room) with
+    every stage at min(d, room); an assignment already listed is not repeated. `rooms`: stage -> the
+    most W's it may delay (0 for stages that send no gradients)."""
+    out: list[tuple[str, dict[int, int]]] = [(RULE, dict(rule))]
+    seen = {tuple(sorted(rule.items()))}
+    for d in global_delays(max(rooms.values(), default=0)):
+        delays = {s: min(d, room) for s, room in rooms.items()}
+        if tuple(sorted(delays.items())) not in seen:
+            seen.add(tuple(sorted(delays.items())))
+            out.append((f"d={d}", delays))
+    return out
+
+
+def pick(candidates: Sequence[DelayCandidate], tolerance: float = TOLERANCE) -> DelayCandidate:
+    """The smallest candidate whose step is within `tolerance` of the fastest and no slower than the
+    first (the rule's)."""
+    if not candidates:
+        raise ValueError("no delay candidates to choose from")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance {tolerance!r} is invalid: a fraction >= 0")
+    fastest = min(c.step_s for c in candidates)
+    limit = min(fastest * (1 + tolerance), candidates[0].step_s) * (1 + 1e-12)  # float ties count as equal
+    fits = [(c.size, i) for i, c in enumerate(candidates) if c.step_s <= limit]
+    return candidates[min(fits)[1]]
+
+
+def within_budget(rule: Mapping[int, int], rule_lists: Mapping[int, Sequence[Action]],
+                  rooms: Mapping[int, int]) -> bool:
+    """Whether simulating every candidate stays within WORK_BUDGET: actions x stages per candidate."""
+    actions = sum(len(a) for a in rule_lists.values())
+    return actions * len(rule_lists) * len(candidate_delays(rule, rooms)) <= WORK_BUDGET
+
+
+def unsimulated(rule: Mapping[int, int]) -> DelayChoice:
+    """The rule, taken without simulating (over WORK_BUDGET)."""
+    candidate = DelayCandidate(RULE, dict(rule), float("nan"))
+    return DelayChoice(candidate, (candidate,), simulated=False)
+
+
+def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[int, int],
+           rule_lists: Mapping[int, Sequence[Action]], rooms: Mapping[int, int],
+           compute_s: Mapping[tuple[int, str], float],
+           transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]], cost: CostModel,
+           tolerance: float = TOLERANCE) -> tuple[DelayChoice, Mapping[int, Sequence[Action]]]:
+    """Simulate every candidate (split backward) and pick one: (the choice, its action lists).
+    `rule_lists`: the rule's action lists; compute_s and transfers as meshjob.simulate.simulate_pipeline
+    takes them. The caller checks within_budget first."""
+    listed = candidate_delays(rule, rooms)
+    num_stages = len(rule_lists)
+    lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
+    simulated: list[DelayCandidate] = []
+    for name, delays in listed:
+        if name not in lists:
+            lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
+        step = simulate_pipeline(lists[name], compute_s, transfers, cost).step_s
+        simulated.append(DelayCandidate(name, delays, step))
+    chosen = pick(simulated, tolerance)
+    return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]
