@@ -8,9 +8,10 @@ candidate assignments on its own network and stage costs (meshjob.simulate.simul
 model `meshjob simulate` and the search trust) and keeps the smallest whose step is within
 TOLERANCE of the fastest candidate and no slower than the rule's.
 
-Candidates (few, so planning stays fast): the rule's delays, and one global delay d, each stage
-taking min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the
-largest room. A stage's room is the most W's it may delay without its peak stash passing
+Candidates (few, so planning stays fast): the rule's delays; one global delay d, each stage taking
+min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the largest
+room; and the rule's delays raised together, each stage min(rule + k, its room), for the same k >= 1
+(stages whose gradients queue longer keep their larger share). A stage's room is the most W's it may delay without its peak stash passing
 eager-1F1B's stage-0 bound min(M, 2S-1) (meshjob.schedule.max_delay_within), so no candidate raises
 any stage's stash above the bound. "Smallest": fewest delayed W's summed over stages, then the
 smallest largest delay, then the earlier candidate (the rule first).
@@ -80,16 +81,20 @@ def global_delays(largest: int) -> list[int]:
 
 
 def candidate_delays(rule: Mapping[int, int], rooms: Mapping[int, int]) -> list[tuple[str, dict[int, int]]]:
-    """(name, delays) to simulate: the rule's, then each global d (global_delays of the largest room) with
-    every stage at min(d, room); an assignment already listed is not repeated. `rooms`: stage -> the
-    most W's it may delay (0 for stages that send no gradients)."""
-    out: list[tuple[str, dict[int, int]]] = [(RULE, dict(rule))]
-    seen = {tuple(sorted(rule.items()))}
-    for d in global_delays(max(rooms.values(), default=0)):
-        delays = {s: min(d, room) for s, room in rooms.items()}
+    """(name, delays) to simulate: the rule's; each global d (global_delays of the largest room) with
+    every stage at min(d, room); the rule raised by each k >= 1 of the same list, every stage at
+    min(rule + k, room). An assignment already listed is not repeated. `rooms`: stage -> the most W's
+    it may delay (0 for stages that send no gradients)."""
+    steps = global_delays(max(rooms.values(), default=0))
+    listed = [(RULE, dict(rule))]
+    listed += [(f"d={d}", {s: min(d, room) for s, room in rooms.items()}) for d in steps]
+    listed += [(f"rule+{k}", {s: min(rule.get(s, 0) + k, room) for s, room in rooms.items()}) for k in steps if k]
+    out: list[tuple[str, dict[int, int]]] = []
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    for name, delays in listed:
         if tuple(sorted(delays.items())) not in seen:
             seen.add(tuple(sorted(delays.items())))
-            out.append((f"d={d}", delays))
+            out.append((name, delays))
     return out
 
 

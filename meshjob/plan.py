@@ -18,8 +18,8 @@ Weight-grad delay (job.schedule.weightGradDelay, auto or a number of microbatche
         it (meshjob.delay_choice): candidates are the ratio rule (each stage alone, §4 of "On
         Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022): ceil(comm / W),
         comm = the summed makespans of the backward boundaries it sends, W = the stage's
-        weight-gradient time from the cost model, measured with --calibrate) and one delay d for
-        every stage; each is simulated on the plan's network and stage costs, and the smallest
+        weight-gradient time from the cost model, measured with --calibrate), one delay d for
+        every stage and the rule raised by d; each is simulated on the plan's network and stage costs, and the smallest
         within 1% of the fastest (and no slower than the rule) is taken. No stage ever delays so
         many that its peak stash exceeds eager-1F1B's stage-0 bound min(M, 2S - 1) (or its own
         undelayed peak, where that is higher already).

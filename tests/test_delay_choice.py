@@ -108,11 +108,14 @@ def test_pick_takes_the_smallest_within_tolerance_and_never_slower_than_the_rule
         pick([c("rule", 1, 1.0)], tolerance=-0.1)
 
 
-def test_candidates_are_the_rule_and_one_global_delay_capped_by_each_stages_room() -> None:
+def test_candidates_are_the_rule_one_global_delay_and_the_rule_raised_each_capped_by_the_stages_room() -> None:
     assert global_delays(7) == [0, 1, 2, 3, 4, 6, 7] and global_delays(31) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 31]
-    listed = candidate_delays({0: 0, 1: 1, 2: 2}, {0: 0, 1: 3, 2: 2})
-    assert listed == [("rule", {0: 0, 1: 1, 2: 2}), ("d=0", {0: 0, 1: 0, 2: 0}), ("d=1", {0: 0, 1: 1, 2: 1}),
-                      ("d=2", {0: 0, 1: 2, 2: 2}), ("d=3", {0: 0, 1: 3, 2: 2})]
+    listed = candidate_delays({0: 0, 1: 1, 2: 2, 3: 0}, {0: 0, 1: 4, 2: 3, 3: 4})
+    assert listed == [("rule", {0: 0, 1: 1, 2: 2, 3: 0}), ("d=0", {0: 0, 1: 0, 2: 0, 3: 0}),
+                      ("d=1", {0: 0, 1: 1, 2: 1, 3: 1}), ("d=2", {0: 0, 1: 2, 2: 2, 3: 2}),
+                      ("d=3", {0: 0, 1: 3, 2: 3, 3: 3}), ("d=4", {0: 0, 1: 4, 2: 3, 3: 4}),
+                      ("rule+1", {0: 0, 1: 2, 2: 3, 3: 1}), ("rule+2", {0: 0, 1: 3, 2: 3, 3: 2}),
+                      ("rule+3", {0: 0, 1: 4, 2: 3, 3: 3})]  # rule+4 is d=4: listed once
 
 
 def test_over_the_work_budget_the_rule_stands_unsimulated(monkeypatch: pytest.MonkeyPatch) -> None:
