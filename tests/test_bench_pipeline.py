@@ -8,13 +8,15 @@ import os
 import pytest
 
 from meshjob.devices import parse_device
-from meshjob_bench.pipeline import bench_job, busiest_link_bytes, check_targets, main, nic_rate_for
+from meshjob_bench.pipeline import (Config, bench_job, busiest_link_bytes, check_targets, cost_model, link_bound, main,
+                                    nic_rate_for)
 
 pytestmark = pytest.mark.slow
 
 ROW_FIELDS = {"model", "stages_count", "variant", "comm_fraction", "nic_rate", "nic_bytes_per_s", "compute", "device",
               "weight_delay", "job", "step_s", "tokens_per_s", "bubble", "overlap", "stages", "predicted_step_s",
-              "predicted_over_measured", "predicted_stages", "vs_1f1b", "vs_signal", "peak_stashed_vs_1f1b"}
+              "predicted_over_measured", "predicted_stages", "vs_1f1b", "vs_signal", "peak_stashed_vs_1f1b",
+              "delay_choice", "link_bound", "max_vs_signal"}
 STAGE_FIELDS = {"bubble", "overlap", "peak_stashed", "compute_s_per_step", "timeline"}
 
 
@@ -32,12 +34,33 @@ def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
     assert nic_rate_for(job, device, 0.1) == pytest.approx(10 * nic_rate_for(job, device, 1.0))
 
 
+@pytest.mark.parametrize("model", ["gpt", "utransformer"])
+def test_the_nics_bound_is_at_most_every_variants_simulated_step(model):
+    from meshjob.plan import build_plan
+    from meshjob.simulate import simulate_plan
+
+    device = parse_device("3")
+    rate = nic_rate_for(bench_job(model, "1f1b", 2, quick=False), device, 1.0)
+    for variant in ("1f1b", "eager-1f1b", "eager-1f1b+wdelay"):
+        job = bench_job(model, variant, 2, quick=False)
+        cost = cost_model(job, device, Config(model, 4, 1.0, rate).nic_bytes_per_s)
+        plan = build_plan(job, cost=cost, network=cost.network)
+        bound = link_bound(plan, cost)
+        simulated = simulate_plan(plan, cost).step_s
+        assert 0 < bound["step_s"] <= simulated, (variant, bound)
+        assert bound["link"].startswith("host ") and bound["boundaries"]
+
+
 def test_targets_are_checked_on_the_measured_rows_only():
     rows = [{"model": "utransformer", "variant": "eager-1f1b+wdelay", "stages_count": 4, "comm_fraction": f,
              "vs_1f1b": x, "vs_signal": 0.95} for f, x in ((0.1, 1.0), (0.3, 1.4), (1.0, 1.2))]
     speedup, of_signal = check_targets(rows)
     assert speedup["met"] is False and speedup["worst"] == 1.2 and len(speedup["cases"]) == 2  # 0.1 is exempt
-    assert of_signal["met"] is True
+    assert of_signal["met"] is True and of_signal["impossible_cases"] == 0
+    rows[2].update(vs_signal=0.6, max_vs_signal=0.85)  # the NICs bound this case below 0.9
+    of_signal = check_targets(rows)[1]
+    assert of_signal["met"] is False and of_signal["met_where_the_nics_allow"] is True
+    assert of_signal["impossible_cases"] == 1
     assert all(t["met"] is None for t in check_targets([]))
 
 
