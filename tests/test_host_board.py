@@ -238,3 +238,60 @@ def test_a_turn_that_never_comes_times_out_with_the_link_and_the_holder_named(tm
             board.check(6.0)
     finally:
         board.close()
+
+
+# --- when a send is done for its NIC link ------------------------------------------------------------
+
+class _Instant:
+    """A wire whose sends are done the moment they are issued (as gloo reports a send done once its bytes
+    sit in the kernel's socket buffer), recording when each is issued."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.log: list[tuple[float, str]] = []
+
+    def isend(self, tensor, peer, tag, message):
+        self.log.append((time.monotonic(), message))
+
+    def wait(self, work):
+        pass
+
+    def __getattr__(self, name):
+        from meshjob_trainer.wire import GlooWire
+
+        return getattr(GlooWire(), name)
+
+
+class _Large(Job):
+    def nbytes(self, spec):
+        return 4 << 20
+
+    def payload(self, spec):
+        return torch.zeros(1)
+
+    def assemble(self):
+        return None
+
+
+def _send_times(link, nic_bytes_per_s):
+    specs = {KEY: tuple(MessageSpec(i, i, 1 + i, True, link) for i in range(3))}
+    wire = _Instant()
+    engine = CommEngine(0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s)
+    try:
+        engine.submit(_Large(KEY, 0, specs[KEY], 0)).wait(timeout_s=5)
+    finally:
+        engine.close(timeout_s=5)
+    return [t for t, _ in wire.log]
+
+
+def test_a_large_send_holds_its_nic_link_until_its_bytes_can_have_left():
+    """Counted done when the wire says so, the next large send (to another host) would start while the
+    first still drains and share the NIC with it. At 100 MB/s, 4 MiB take 42 ms: the second send is
+    issued no earlier, the third no earlier than 84 ms after the first; on a local link nothing waits."""
+    per_message = (4 << 20) / 1e8
+    times = _send_times((0, "out"), 1e8)
+    assert len(times) == 3
+    assert times[1] - times[0] >= per_message * 0.99 and times[2] - times[0] >= 2 * per_message * 0.99
+    local = _send_times((0, "local"), 1e8)
+    assert local[2] - local[0] < per_message

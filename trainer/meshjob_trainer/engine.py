@@ -29,6 +29,27 @@ meshjob.host_order): a rank's next message on such a link waits for its turn the
 link a message joins others in flight only while those are small (`overlap_bytes`): two large ones
 would share the link instead of running one after the other as the plan times them.
 
+A send on a NIC out-link counts in flight (on the board and in the link's window) until its bytes can
+have left the host at the NIC's rate (`nic_bytes_per_s`: the link's clock advances by each send's
+bytes / rate from its issue or the previous send's end, whichever is later), not merely until the
+wire reports it done: gloo reports a send done once its bytes sit in the kernel's socket buffer, up to
+megabytes before they have crossed the NIC. Counted done then, the next large message of the host
+(another rank's, or this rank's to another peer) started while the first still drained, and the two
+shared the NIC for the rest of the first: its receiver got it late, and the plan's order on the link
+was only nominal. Measured (`meshjob bench resharding --section many_to_many`, 1gbit, 16 MiB, K auto,
+landing lock held): rows with measured / planned > 1.10 went from 9-12 of 32 to 1-5 of 32. The bound
+is the model's rate, a lower bound on when the bytes leave (the real link is no faster), so a link
+never idles because of it; a model faster than the NIC only weakens it, a model slower than the NIC
+would hold sends back.
+
+Receives keep the link's window and byte rule: posting the next large receive from another host
+before the previous one lands (tried: a receive joins those in flight when all come from one sending
+host) measured no better, and two hosts sending into one in-link share it.
+
+`MESHJOB_ENGINE_TRACE` (a folder): every engine writes there, when it closes, each message's job
+start, when only the window or the board held it, its issue and its completion (time.monotonic, one
+clock for every process of a machine), one JSON line each: where a transfer's time went.
+
 Completions come from waiter threads, one per peer and direction, each blocking on its messages in
 issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
 engine thread sleeps until a job starts or a message completes: no polling.
@@ -41,6 +62,9 @@ contiguous until it is sent or has landed. `memory` holds the bytes and their pe
 from __future__ import annotations
 
 import collections
+import itertools
+import json
+import os
 import queue
 import threading
 import time
@@ -56,6 +80,8 @@ from meshjob_trainer.board import may_start
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
+TRACE_ENV = "MESHJOB_ENGINE_TRACE"  # a folder: each engine writes there, on close, every message's times
+_ENGINES = itertools.count()  # engines built by this process (names its trace file)
 
 
 class EngineError(RuntimeError):
@@ -82,6 +108,10 @@ class Message:
     issued: bool = False
     done: bool = False
     nbytes: int = 0  # what it counts in flight on its link
+    ready_s: float = 0.0  # when only its link's window or the board held it back (time.monotonic)
+    issued_s: float = 0.0
+    done_s: float = 0.0
+    floor_s: float = 0.0  # sends on a NIC out-link: the earliest its bytes can have left the host
 
 
 class Job:
@@ -288,12 +318,15 @@ class CommEngine:
 
     def __init__(self, rank: int, wire: Wire, specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
                  in_flight_per_link: int = 2, order: TransferOrder | None = None,
-                 board_for: BoardFor | None = None, overlap_bytes: int | None = None) -> None:
+                 board_for: BoardFor | None = None, overlap_bytes: int | None = None,
+                 nic_bytes_per_s: float | None = None) -> None:
         if in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
         self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
         self.in_flight_per_link = in_flight_per_link
         self.overlap_bytes = overlap_bytes
+        self.nic_bytes_per_s = nic_bytes_per_s
+        self._link_clock: dict[Link, float] = {}  # per NIC out-link: when the bytes issued so far can have left
         self.memory = Memory()
         self._board_for, self.board = board_for, None
         self._blocked_since: float | None = None  # when a message first waited on the board for its turn
@@ -309,6 +342,9 @@ class CommEngine:
         self._error: BaseException | None = None
         self._closing = False
         self._board_waits = False
+        self.serial = next(_ENGINES)
+        self._trace_dir = os.environ.get(TRACE_ENV) or None
+        self._trace: list[tuple[Any, ...]] = []
         if order is not None:
             self._plan_sequences(order)
             self._use_board(None if board_for is None else board_for(order, self._wake))
@@ -390,6 +426,18 @@ class CommEngine:
             waiter.thread.join(timeout_s)
         if self.board is not None:
             self.board.close()
+        if self._trace_dir is not None and self._trace:
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        """Every message's times (time.monotonic: one clock for every process of the machine) as JSON lines:
+        its job's start, when only its link's window or the board held it back, its issue, its completion."""
+        path = os.path.join(self._trace_dir, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
+        names = ("key", "mb", "index", "send", "peer", "link", "nbytes", "job_s", "ready_s", "issued_s", "done_s")
+        with open(path, "w") as f:
+            for row in self._trace:
+                f.write(json.dumps({"rank": self.rank, "engine": self.serial, **dict(zip(names, row))}) + "\n")
+        self._trace = []
 
     @property
     def error(self) -> BaseException | None:
@@ -485,6 +533,7 @@ class CommEngine:
                     break
                 job, message = found
                 message.nbytes = job.nbytes(message.spec)
+                message.ready_s = message.ready_s or time.monotonic()
                 if not self._may_start(link, self._posted[link], message.nbytes):
                     break
                 message.tensor = job.target(message.spec)
@@ -501,6 +550,7 @@ class CommEngine:
                 if not all(job.messages[d].done for d in message.spec.deps):
                     break
                 message.nbytes = job.nbytes(message.spec)
+                message.ready_s = message.ready_s or time.monotonic()
                 if not self._may_start(link, self._in_flight[link], message.nbytes):
                     break
                 if job.source_mark is not None:
@@ -518,6 +568,11 @@ class CommEngine:
 
     def _start(self, job: Job, message: Message, issue: Callable[..., Any]) -> None:
         spec = message.spec
+        message.issued_s = now = time.monotonic()
+        link = spec.link
+        if spec.send and self.nic_bytes_per_s and link is not None and link[1] == "out" and message.nbytes:
+            clock = max(self._link_clock.get(link, 0.0), now) + message.nbytes / self.nic_bytes_per_s
+            message.floor_s = self._link_clock[link] = clock
         message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
         message.issued = True
         self._waiter(spec.peer, spec.send).put((job, message))
@@ -531,6 +586,9 @@ class CommEngine:
     def _completed(self, job: Job, message: Message) -> None:
         message.done = True
         spec = message.spec
+        if self._trace_dir is not None:
+            self._trace.append((str(job.key), job.mb, spec.index, spec.send, spec.peer, spec.link, message.nbytes,
+                                job.started_s, message.ready_s, message.issued_s, message.done_s))
         self._bytes[spec.link] -= message.nbytes
         if self.board is not None and spec.link in self.board.links:
             self.board.completed(spec.link, message.nbytes)
@@ -587,6 +645,9 @@ class _Waiter:
             job, message = item
             try:
                 self.engine.wire.wait(message.work)
+                if (late := message.floor_s - time.monotonic()) > 0:
+                    time.sleep(late)  # a send is done for its link once its bytes can have left the NIC
+                message.done_s = time.monotonic()
                 error = None
             except BaseException as err:  # noqa: BLE001 - reported to the engine, which fails the jobs
                 error = err

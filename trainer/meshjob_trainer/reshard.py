@@ -558,7 +558,8 @@ class ReshardExecutor:
         self.board_timeout_s = board_timeout_s
         use_board = order is not None and (_dist_up() if board is None else board)
         self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
-                                 self._board_for if use_board else None, overlap_bytes(network))
+                                 self._board_for if use_board else None, overlap_bytes(network),
+                                 network.nic_bytes_per_s)
 
     def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
         """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.host_order)."""
