@@ -36,15 +36,17 @@ wire reports it done: gloo reports a send done once its bytes sit in the kernel'
 megabytes before they have crossed the NIC. Counted done then, the next large message of the host
 (another rank's, or this rank's to another peer) started while the first still drained, and the two
 shared the NIC for the rest of the first: its receiver got it late, and the plan's order on the link
-was only nominal. Measured (`meshjob bench resharding --section many_to_many`, 1gbit, 16 MiB, K auto,
-landing lock held): rows with measured / planned > 1.10 went from 9-12 of 32 to 1-5 of 32. The bound
+was only nominal (traced with MESHJOB_ENGINE_TRACE, below: gloo reported a 4 MiB send done 10 ms
+after its issue, its receiver had it 32 ms later). Measured (`meshjob bench resharding --section many_to_many
+--chunks auto`, 1gbit, 16 MiB, landing lock held): many-to-many rows with measured / planned > 1.10,
+before 12 and 9 of 32 (two runs), with this bound 1 of 32 (worst 1.10, was 1.36 and 1.19). The bound
 is the model's rate, a lower bound on when the bytes leave (the real link is no faster), so a link
 never idles because of it; a model faster than the NIC only weakens it, a model slower than the NIC
 would hold sends back.
 
-Receives keep the link's window and byte rule: posting the next large receive from another host
-before the previous one lands (tried: a receive joins those in flight when all come from one sending
-host) measured no better, and two hosts sending into one in-link share it.
+Tried and left out: a large receive joining those in flight on an in-link when all come from one
+sending host (whose out-link keeps them apart), so that the next is posted before the previous one
+lands. Alone it measured no better (13 of 32 rows above 1.10), with the bound above 4 and 5 of 32.
 
 `MESHJOB_ENGINE_TRACE` (a folder): every engine writes there, when it closes, each message's job
 start, when only the window or the board held it, its issue and its completion (time.monotonic, one
