@@ -47,8 +47,9 @@ SIGNAL_BYTES = 1
 # link busy (the gap it leaves is 2% of it); two such messages in flight together would share the link
 # instead of running one after the other as the plan times them (meshjob_trainer.board.may_start).
 # Swept at 10 / 25 / 50 / 100 (bench resharding many-to-many, K auto, with sends held until their bytes can
-# have left, meshjob_trainer.engine, and the receive lanes tried then): 50 had the fewest rows with
-# measured / planned above 1.10 (4 and 5 of 32, against 12 / 14 / 11).
+# have left, meshjob_trainer.engine): 3 / 3 / 4 / 5 of 32 rows with measured / planned above 1.10 (and 1 in
+# another run at 50), within the spread between runs (the threshold's bytes also follow each run's measured
+# per-message cost): 50 is kept.
 OVERLAP_MESSAGE_COSTS = 50
 _BOARDS = itertools.count()  # boards built by this process: every rank of a host counts them alike
 
