@@ -85,9 +85,14 @@ def _holders_by_shard(shape: tuple[int, ...], mesh: Mesh,
 
 
 def split(region: Slice, parts: int) -> list[Slice]:
-    """Cut `region` into at most `parts` non-empty pieces along its longest dim (first on ties)."""
+    """Cut `region` into at most `parts` non-empty pieces along its outermost dim that has `parts`
+    elements, else its longest (first on ties): each piece is then as few contiguous runs of the
+    row-major tensor as the region allows (a piece cut along an inner dim is one short run per outer
+    element, which every executor must pack and unpack through a copy: CPU per byte on shared cores)."""
     sizes = slice_shape(region)
-    axis = max(range(len(sizes)), key=lambda d: (sizes[d], -d))
+    axis = next((d for d, n in enumerate(sizes) if n >= parts), None)
+    if axis is None:
+        axis = max(range(len(sizes)), key=lambda d: (sizes[d], -d))
     start, stop = region[axis]
     n = max(1, min(parts, stop - start))
     bounds = [start + (stop - start) * i // n for i in range(n + 1)]

@@ -122,7 +122,8 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
     if len(finish) != len(steps):
         missing = sorted(set(by_id) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
-    makespan = max(max(finish.values(), default=0.0), network.cpu_s(tuple(tally[False]), tuple(tally[True])))
+    makespan = network.with_cpu(max(finish.values(), default=0.0),
+                                network.cpu_s(tuple(tally[False]), tuple(tally[True])))
     nic = {k for k in busy if k[1] != "local"}
     return TransferResult(makespan, finish, began, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
 

@@ -176,3 +176,39 @@ def test_an_emulated_cluster_is_planned_with_engine_costs_on_its_machines_shared
                                                                              EMULATED_MESSAGE_CPU_S)
     assert model.task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto").chunks < NetworkModel(
         nic_bytes_per_s=RATE).task_cost(FOUR_BY_FOUR, 0, "broadcast", "auto").chunks
+
+
+# ---------------------------------------------------------------- NIC and cores contending (emulated cluster)
+def test_nic_and_cpu_time_add_up_partly_where_neither_dominates():
+    contended = replace(SHARED, cpu_contention_p=4.0)
+    assert SHARED.with_cpu(1.0, 1.0) == 1.0  # p 0: max, no interference
+    assert contended.with_cpu(1.0, 1.0) == pytest.approx(2 ** 0.25)
+    assert contended.with_cpu(1.0, 0.0) == 1.0 and contended.with_cpu(0.0, 1.0) == 1.0
+    assert 1.0 < contended.with_cpu(1.0, 0.5) < replace(SHARED, cpu_contention_p=2.0).with_cpu(1.0, 0.5) < 1.5
+    with pytest.raises(ValueError, match="cpu_contention_p -1 is invalid: a number >= 0"):
+        NetworkModel(cpu_contention_p=-1)
+
+
+# A fully replicated pair between two (2, 4) meshes (RRR -> RRR): either source host sends the whole
+# tensor down a chain through both destination hosts, 4 devices each.
+REPLICATED = HostTask((0, 1), (2, 3), 16 * 2**20, receiver_devices=(4, 4), max_chunks=1024)
+MESSAGES_ONLY = replace(SHARED, message_cpu_s=530e-6, net_byte_cpu_s=0.0, local_byte_cpu_s=0.0)
+
+
+def test_chunks_auto_cuts_a_replicated_pair_into_fewer_chunks_when_the_cores_also_pay_per_byte():
+    """The bytes' CPU work is paid at any K, so the cores run out sooner as chunks add messages."""
+    per_byte = replace(MESSAGES_ONLY, net_byte_cpu_s=1.4e-9, local_byte_cpu_s=0.75e-9)
+    assert per_byte.task_cost(REPLICATED, 0, "broadcast", "auto").chunks < \
+        MESSAGES_ONLY.task_cost(REPLICATED, 0, "broadcast", "auto").chunks
+    contended = replace(per_byte, cpu_contention_p=4.0)
+    assert contended.task_cost(REPLICATED, 0, "broadcast", "auto").chunks < \
+        per_byte.task_cost(REPLICATED, 0, "broadcast", "auto").chunks
+
+
+def test_on_shared_cores_a_chains_time_falls_then_rises_with_its_chunks_and_auto_takes_the_bottom():
+    model = replace(SHARED, message_cpu_s=530e-6, net_byte_cpu_s=1.4e-9, local_byte_cpu_s=0.75e-9,
+                    cpu_contention_p=4.0)
+    times = {k: model.task_cost(REPLICATED, 0, "broadcast", k).seconds for k in (1, 4, 16, 64, 256)}
+    assert times[1] > times[4] > times[16] and times[16] < times[64] < times[256]
+    auto = model.task_cost(REPLICATED, 0, "broadcast", "auto")
+    assert auto.seconds <= min(times.values()) and 4 < auto.chunks < 64

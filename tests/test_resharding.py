@@ -241,6 +241,16 @@ def test_broadcast_chunks_are_capped_by_the_longest_dim():
     assert len([s for s in steps if s.src == 0]) == 64
 
 
+@pytest.mark.parametrize("parts, axis", [(4, 0), (16, 0), (92, 1), (256, 1), (512, 2)])
+def test_a_3d_slice_is_cut_along_its_outermost_dim_that_has_enough_elements(parts, axis):
+    """Cutting the innermost dim would make every piece thousands of short runs to pack and unpack."""
+    region = ((0, 16), (0, 256), (0, 1024))
+    pieces = split(region, parts)
+    assert len(pieces) == parts
+    assert all(p[d] == region[d] for p in pieces for d in range(3) if d != axis)
+    assert sum(p[axis][1] - p[axis][0] for p in pieces) == region[axis][1] - region[axis][0]
+
+
 def test_signal_has_broadcast_shape_with_one_byte_steps():
     task, host_of = one_to_two_by_four()
     signal = lower(task, 0, 0, "signal", 16, host_of)

@@ -253,3 +253,25 @@ def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_i
     assert TransferOrder.of_run(free.order).transfers != planned  # the slow NIC alone would reorder
     kept = simulate_plan(plan, slow_nic)
     assert kept.step_s != free.step_s
+
+
+def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_plans():
+    """chunks: auto and the simulator read one model: the K it plans is at the bottom of the simulated
+    U (too few chunks: the chain's fill; too many: the shared cores' messages)."""
+    from meshjob.network import HostTask
+    from meshjob.resharding import UnitTask, lower
+
+    model = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=530e-6, net_byte_cpu_s=1.4e-9,
+                         local_byte_cpu_s=0.75e-9, cpu_contention_p=4.0)
+    task = UnitTask(((0, 4096), (0, 1024)), (0,), tuple(range(1, 9)), 16 * MiB)  # rank 0 -> 2 hosts x 4 devices
+
+    def host_of(rank: int) -> int:
+        return 0 if rank == 0 else 1 + (rank - 1) // 4
+
+    def simulated(k: int) -> float:
+        return simulate_transfer(lower(task, 0, 0, "broadcast", k, host_of), host_of, model).makespan_s
+
+    auto = model.task_cost(HostTask((0,), (1, 2), 16 * MiB, (4, 4), 4096), 0, "broadcast", "auto").chunks
+    sweep = {k: simulated(k) for k in (1, 4, 16, 64, 256)}
+    assert sweep[1] > sweep[16] < sweep[256]
+    assert simulated(auto) <= 1.03 * min(sweep.values())

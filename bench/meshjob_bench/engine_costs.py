@@ -10,8 +10,9 @@ host (intra_host), in K = 1 and K = 128 messages, at two sizes, median of 5.
 
 - Link time, per link: seconds = per transfer + per byte * bytes + per message * K (least squares
   over the four transfers); the per-message term is the model's message_s / intra_message_s.
-- CPU: the process time of the two ranks, all threads included; CPU = per transfer (each link) +
-  per message * messages + per byte * bytes (each link) gives message_cpu_s and the per-byte costs.
+- CPU: the process time of the two ranks, all threads included; per byte (each link): its slope over
+  the two sizes sent as one message; message_cpu_s: the extra CPU of K = 128 over K = 1 at the same
+  link and size, per extra message, averaged (see `fit`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from meshjob.network import NetworkModel
+from meshjob.network import EMULATED_CPU_CONTENTION_P, NetworkModel
 from meshjob.resharding import CROSS_HOST, INTRA_HOST
 from meshjob.sharding import ShardingSpec
 
@@ -42,7 +43,8 @@ class EngineCosts:
         """`network` with these costs, its hosts sharing `cores` cores."""
         return replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
                        shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
-                       net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s)
+                       net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s,
+                       cpu_contention_p=EMULATED_CPU_CONTENTION_P)
 
     def to_json(self) -> dict[str, Any]:
         return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
@@ -90,12 +92,29 @@ def fit(rows: Sequence[Any]) -> EngineCosts:
         mine = [s for s in samples if s["link"] == link]
         coef = _least_squares([[1.0, s["bytes"], s["messages"]] for s in mine], [s["seconds"] for s in mine])
         per_message[link] = max(0.0, coef[2])
-    # CPU = per transfer (each link) + per message * messages + per byte * bytes (each link)
-    cross = [[s["link"] == CROSS_HOST, s["link"] == INTRA_HOST, s["messages"],
-              s["bytes"] * (s["link"] == CROSS_HOST), s["bytes"] * (s["link"] == INTRA_HOST)] for s in samples]
-    coef = _least_squares(cross, [s["cpu_seconds"] for s in samples])
-    return EngineCosts(per_message[CROSS_HOST], per_message[INTRA_HOST], max(0.0, coef[2]), max(0.0, coef[3]),
-                       max(0.0, coef[4]), tuple(samples))
+    # CPU, each term from the probes that isolate it: per byte (each link) from the single-message
+    # transfers of both sizes, per message from the extra CPU of the many-message transfer over the
+    # single-message one of the same link and size. One least-squares fit of all terms together let
+    # the noise of the many-message probes (their CPU spreads by tens of ms on the shared cores) decide
+    # the per-byte terms, and put them at 0: the bench then charged CPU per message only and chunks:
+    # auto over-chunked where bytes, not messages, kept the cores busy.
+    per_byte = {}
+    for link in LINKS:
+        fewest = min(s["messages"] for s in samples if s["link"] == link)
+        ones = [s for s in samples if s["link"] == link and s["messages"] == fewest]
+        per_byte[link] = max(0.0, _least_squares([[1.0, s["bytes"]] for s in ones],
+                                                 [s["cpu_seconds"] for s in ones])[1]) if len(ones) > 1 else 0.0
+    extra = []
+    for link in LINKS:
+        for nbytes in sorted({s["bytes"] for s in samples if s["link"] == link}):
+            same = sorted((s for s in samples if s["link"] == link and s["bytes"] == nbytes),
+                          key=lambda s: s["messages"])
+            if len(same) > 1 and same[-1]["messages"] > same[0]["messages"]:
+                extra.append((same[-1]["cpu_seconds"] - same[0]["cpu_seconds"])
+                             / (same[-1]["messages"] - same[0]["messages"]))
+    message_cpu = max(0.0, sum(extra) / len(extra)) if extra else 0.0
+    return EngineCosts(per_message[CROSS_HOST], per_message[INTRA_HOST], message_cpu, per_byte[CROSS_HOST],
+                       per_byte[INTRA_HOST], tuple(samples))
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_bench import engine_costs
+from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
@@ -251,8 +252,10 @@ def plan_cases(cases: Sequence[Case], layout: Layout, network: NetworkModel) -> 
 
 
 def bench_network(nic_bytes_per_s: float) -> NetworkModel:
-    """The network model the benchmark plans with before the CPU is measured."""
-    return NetworkModel(nic_bytes_per_s=nic_bytes_per_s)
+    """The network model the benchmark plans with before the CPU is measured: NIC links of the tc rate,
+    of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE (tbf counts the frames' headers too; the
+    physical limit L stays bytes over the tc rate)."""
+    return NetworkModel(nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE)
 
 
 def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_costs.EngineCosts | None:
