@@ -85,18 +85,23 @@ def _holders_by_shard(shape: tuple[int, ...], mesh: Mesh,
 
 
 def split(region: Slice, parts: int) -> list[Slice]:
-    """Cut `region` into at most `parts` non-empty pieces along its outermost dim that has `parts`
-    elements, else its longest (first on ties): each piece is then as few contiguous runs of the
-    row-major tensor as the region allows (a piece cut along an inner dim is one short run per outer
-    element, which every executor must pack and unpack through a copy: CPU per byte on shared cores)."""
+    """Cut `region` into at most `parts` non-empty pieces (no more than its longest dim has elements),
+    each as few contiguous runs of the row-major tensor as the region allows: along its outermost dim
+    that has `parts` elements; where none before it has, every element of the outer dims apart first,
+    then each slab so (a piece cut along an inner dim is one short run per outer element, which every
+    executor must pack and unpack through a copy: CPU per byte on shared cores)."""
     sizes = slice_shape(region)
-    axis = next((d for d, n in enumerate(sizes) if n >= parts), None)
-    if axis is None:
-        axis = max(range(len(sizes)), key=lambda d: (sizes[d], -d))
-    start, stop = region[axis]
-    n = max(1, min(parts, stop - start))
-    bounds = [start + (stop - start) * i // n for i in range(n + 1)]
-    return [region[:axis] + ((lo, hi),) + region[axis + 1:] for lo, hi in zip(bounds, bounds[1:])]
+    parts = max(1, min(parts, max(sizes)))
+    for axis, n in enumerate(sizes):
+        if n >= parts:
+            start, stop = region[axis]
+            bounds = [start + (stop - start) * i // parts for i in range(parts + 1)]
+            return [region[:axis] + ((lo, hi),) + region[axis + 1:] for lo, hi in zip(bounds, bounds[1:])]
+        if n > 1:  # fewer elements than parts: a slab per element, each cut in parts // n
+            start, _ = region[axis]
+            slabs = [region[:axis] + ((start + i, start + i + 1),) + region[axis + 1:] for i in range(n)]
+            return [piece for slab in slabs for piece in split(slab, parts // n)]
+    return [region]
 
 
 def group_by_host(ranks: Iterable[int], host_of: Callable[[int], int]) -> list[list[int]]:

@@ -241,14 +241,18 @@ def test_broadcast_chunks_are_capped_by_the_longest_dim():
     assert len([s for s in steps if s.src == 0]) == 64
 
 
-@pytest.mark.parametrize("parts, axis", [(4, 0), (16, 0), (92, 1), (256, 1), (512, 2)])
-def test_a_3d_slice_is_cut_along_its_outermost_dim_that_has_enough_elements(parts, axis):
-    """Cutting the innermost dim would make every piece thousands of short runs to pack and unpack."""
-    region = ((0, 16), (0, 256), (0, 1024))
-    pieces = split(region, parts)
-    assert len(pieces) == parts
-    assert all(p[d] == region[d] for p in pieces for d in range(3) if d != axis)
-    assert sum(p[axis][1] - p[axis][0] for p in pieces) == region[axis][1] - region[axis][0]
+@pytest.mark.parametrize("parts, pieces", [(1, 1), (4, 4), (16, 16), (92, 80), (256, 256), (512, 512), (5000, 1024)])
+def test_a_3d_slice_is_cut_into_contiguous_pieces_of_the_row_major_tensor(parts, pieces):
+    """Cutting the innermost dim would make every piece thousands of short runs to pack and unpack:
+    pieces cut the outer dims (every element of dim 0 apart first when it has fewer than asked)."""
+    shape = (16, 256, 1024)
+    region = tuple((0, n) for n in shape)
+    cut = split(region, parts)
+    assert len(cut) == pieces
+    flat = np.arange(np.prod(shape)).reshape(shape)
+    runs = [flat[to_index(p)].ravel() for p in cut]
+    assert all((r[1:] - r[:-1] == 1).all() for r in runs)  # one contiguous run each
+    assert (np.sort(np.concatenate(runs)) == flat.ravel()).all()  # disjoint, covering the slice
 
 
 def test_signal_has_broadcast_shape_with_one_byte_steps():
