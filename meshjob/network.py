@@ -13,7 +13,8 @@ nothing else about the network, so the plan optimises the problem that runs:
   message also costs CPU: `message_cpu_s` for its two ranks together plus a cost per byte, measured
   through the communication engine under the run's own ranks (meshjob_trainer.cpu_probe). No task
   ends before the shared cores have done its messages' work, so on two cores a chain cut into many
-  chunks is bound by the CPU, not the NICs, and `chunks: auto` stops where the two meet. Real hosts
+  chunks is bound by the CPU, not the NICs, and `chunks: auto` stops before the two meet: where
+  neither dominates, each message waits for the other resource (`cpu_contention_p`, `with_cpu`). Real hosts
   have CPUs of their own, far from saturated by a few ranks' messages: `shared_cpu_cores` 0.
 
 `duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
@@ -57,12 +58,12 @@ EMULATED_INTRA_MESSAGE_S = 600e-6
 EMULATED_MESSAGE_CPU_S = 560e-6
 EMULATED_NET_BYTE_CPU_S = 0.0
 EMULATED_LOCAL_BYTE_CPU_S = 0.75e-9
-# How NIC time and CPU time combine on the emulated cluster (NetworkModel.cpu_contention_p; the resharding
-# bench plans with it, through meshjob_bench.engine_costs; `emulated_network` keeps max until bench e2e is
-# checked with it): one exponent for every case, from the fixed-K rows of a full resharding bench (bench/results/resharding.json at
-# 9db701a, 170 rows of one-to-many and paper scale): max(net, cpu) under-predicts the rows where both
-# are close (a 3x4 or 4x4 destination at K = 16: -19% to -22%), p = 4 brings those within 10% while
-# rows bound by one resource alone keep their prediction.
+# How NIC time and CPU time combine on the emulated cluster (NetworkModel.cpu_contention_p): one exponent
+# for every case, from the 170 fixed-K rows of one-to-many and paper scale in a full resharding bench
+# (bench/results/resharding.json at 9db701a): max(net, cpu) under-predicted the rows where both are close
+# (a 3x4 or 4x4 destination at K = 16: -19% to -22%); p = 4 brings those within 10% and leaves rows bound
+# by one resource alone as they were. The resharding bench plans with it (meshjob_bench.engine_costs);
+# `emulated_network` keeps max until bench e2e is checked with it.
 EMULATED_CPU_CONTENTION_P = 4.0
 MAX_AUTO_CHUNKS = 256  # beyond this, chunks gain < 1% at every size measured, and each is a plan step
 MAX_CHUNKS = 1 << 30  # no cap from the slice's shape

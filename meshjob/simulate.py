@@ -10,7 +10,8 @@ Two levels, both deterministic and pure:
   With `burst_bytes` > 0 each link is a token bucket like `tc tbf` (the emulated cluster's NICs): bytes
   within the bucket leave at line rate, the rest at the NIC rate. Real NICs: burst 0.
   With `shared_cpu_cores` > 0 (every host on one machine's cores), the cores are one fluid resource:
-  no transfer ends before they have done its messages' CPU work (NetworkModel.cpu_s).
+  no transfer ends before they have done its messages' CPU work (NetworkModel.cpu_s), and where the
+  links' time and the cores' are close, they contend (NetworkModel.with_cpu).
 - `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
   the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
   through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other;
