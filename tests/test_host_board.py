@@ -263,9 +263,11 @@ class _Instant:
         return getattr(GlooWire(), name)
 
 
-class _Large(Job):
+class _Sized(Job):
+    size = 4 << 20
+
     def nbytes(self, spec):
-        return 4 << 20
+        return self.size
 
     def payload(self, spec):
         return torch.zeros(1)
@@ -274,12 +276,14 @@ class _Large(Job):
         return None
 
 
-def _send_times(link, nic_bytes_per_s):
+def _send_times(link, nic_bytes_per_s, nbytes=4 << 20):
     specs = {KEY: tuple(MessageSpec(i, i, 1 + i, True, link) for i in range(3))}
     wire = _Instant()
     engine = CommEngine(0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s)
+    job = _Sized(KEY, 0, specs[KEY], 0)
+    job.size = nbytes
     try:
-        engine.submit(_Large(KEY, 0, specs[KEY], 0)).wait(timeout_s=5)
+        engine.submit(job).wait(timeout_s=5)
     finally:
         engine.close(timeout_s=5)
     return [t for t, _ in wire.log]
@@ -288,10 +292,13 @@ def _send_times(link, nic_bytes_per_s):
 def test_a_large_send_holds_its_nic_link_until_its_bytes_can_have_left():
     """Counted done when the wire says so, the next large send (to another host) would start while the
     first still drains and share the NIC with it. At 100 MB/s, 4 MiB take 42 ms: the second send is
-    issued no earlier, the third no earlier than 84 ms after the first; on a local link nothing waits."""
+    issued no earlier, the third no earlier than 84 ms after the first. On a local link nothing waits,
+    nor do small sends (the window alone bounds them: the socket's buffer keeps a chain of them going)."""
     per_message = (4 << 20) / 1e8
     times = _send_times((0, "out"), 1e8)
     assert len(times) == 3
     assert times[1] - times[0] >= per_message * 0.99 and times[2] - times[0] >= 2 * per_message * 0.99
     local = _send_times((0, "local"), 1e8)
     assert local[2] - local[0] < per_message
+    small = _send_times((0, "out"), 1e4, nbytes=1 << 19)  # 52 s each at this rate, were they held
+    assert small[2] - small[0] < 1.0

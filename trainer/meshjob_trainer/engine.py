@@ -29,21 +29,24 @@ meshjob.host_order): a rank's next message on such a link waits for its turn the
 link a message joins others in flight only while those are small (`overlap_bytes`): two large ones
 would share the link instead of running one after the other as the plan times them.
 
-A send on a NIC out-link counts in flight (on the board and in the link's window) until its bytes can
-have left the host at the NIC's rate (`nic_bytes_per_s`: the link's clock advances by each send's
-bytes / rate from its issue or the previous send's end, whichever is later), not merely until the
-wire reports it done: gloo reports a send done once its bytes sit in the kernel's socket buffer, up to
-megabytes before they have crossed the NIC. Counted done then, the next large message of the host
-(another rank's, or this rank's to another peer) started while the first still drained, and the two
-shared the NIC for the rest of the first: its receiver got it late, and the plan's order on the link
-was only nominal (traced with MESHJOB_ENGINE_TRACE, below: gloo reported a 4 MiB send done 10 ms
-after its issue, its receiver had it 32 ms later). Measured (`meshjob bench resharding --section many_to_many
---chunks auto`, 1gbit, 16 MiB, landing lock held): many-to-many rows with measured / planned > 1.10,
-before 12 and 9 of 32 (two runs, worst 1.36 and 1.19), with this bound 1 to 5 of 32 (five runs, the
-overlap threshold swept: worst 1.10 to 1.18). The bound
-is the model's rate, a lower bound on when the bytes leave (the real link is no faster), so a link
-never idles because of it; a model faster than the NIC only weakens it, a model slower than the NIC
-would hold sends back.
+A large send on a NIC out-link (one that runs alone: more than `overlap_bytes`) counts in flight, on
+the board and in the link's window, until its bytes can have left the host at the NIC's rate
+(`nic_bytes_per_s`: the link's clock advances by each send's bytes / rate from its issue or the
+previous send's end, whichever is later), not merely until the wire reports it done: gloo reports a
+send done once its bytes sit in the kernel's socket buffer, up to megabytes before they have crossed
+the NIC. Counted done then, the next large message of the host (another rank's, or this rank's to
+another peer) started while the first still drained, and the two shared the NIC for the rest of the
+first: its receiver got it late, and the plan's order on the link was only nominal (traced with
+MESHJOB_ENGINE_TRACE, below: gloo reported a 4 MiB send done 10 ms after its issue, its receiver had
+it 32 ms later). Measured (`meshjob bench resharding --section many_to_many --chunks auto`, 1gbit,
+16 MiB, landing lock held, every send held): many-to-many rows with measured / planned > 1.10, before
+12 and 9 of 32 (two runs, worst 1.36 and 1.19), with the bound 1 to 5 of 32 (five runs, the overlap
+threshold swept: worst 1.10 to 1.18). The bound is the model's rate, a lower bound on when the bytes
+leave (the real link is no faster), so a link never idles because of it; a model faster than the NIC
+only weakens it, a model slower than the NIC would hold sends back. Small sends are not held: the
+socket buffer's head start is what keeps a chain of small chunks streaming when the engine wakes late
+on shared cores (held too, one-to-many chains to 3-4 hosts of 3-4 devices measured 1.85-2.59 L
+against 1.40-1.95 L).
 
 Tried and left out: a large receive joining those in flight on an in-link when all come from one
 sending host (whose out-link keeps them apart), so that the next is posted before the previous one
@@ -114,7 +117,7 @@ class Message:
     ready_s: float = 0.0  # when only its link's window or the board held it back (time.monotonic)
     issued_s: float = 0.0
     done_s: float = 0.0
-    floor_s: float = 0.0  # sends on a NIC out-link: the earliest its bytes can have left the host
+    floor_s: float = 0.0  # a large send on a NIC out-link: the earliest its bytes can have left the host
 
 
 class Job:
@@ -575,7 +578,9 @@ class CommEngine:
         link = spec.link
         if spec.send and self.nic_bytes_per_s and link is not None and link[1] == "out" and message.nbytes:
             clock = max(self._link_clock.get(link, 0.0), now) + message.nbytes / self.nic_bytes_per_s
-            message.floor_s = self._link_clock[link] = clock
+            self._link_clock[link] = clock
+            if self.overlap_bytes is not None and message.nbytes > self.overlap_bytes:
+                message.floor_s = clock  # it runs alone on the link: held until its bytes can have left
         message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
         message.issued = True
         self._waiter(spec.peer, spec.send).put((job, message))
