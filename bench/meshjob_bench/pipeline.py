@@ -146,9 +146,6 @@ def link_bound(plan, cost) -> dict:
     least work after, maximised over links and sets. Transfer latency and per-message costs only add.
     Needs the chain edges s -> s+1 (every job of this bench has them); else None."""
     import itertools
-    from dataclasses import replace
-
-    from meshjob.simulate import simulate_transfer
 
     stages, microbatches = len(plan.job.stages), plan.job.training.microbatches
     if not all(any(e.src == s and e.dst == s + 1 for e in plan.job.edges) for s in range(stages - 1)):
@@ -163,8 +160,7 @@ def link_bound(plan, cost) -> dict:
             head, tail = sum(f) + sum(i[k.src:]), sum(i[:k.dst + 1]) + w0
         else:
             head, tail = sum(f[:k.src + 1]), sum(f[k.dst:]) + sum(i) + w0
-        moved = simulate_transfer(b.steps, plan.placement.host_of, replace(net, burst_bytes=0.0), cost.itemsize)
-        for link, nbytes in moved.nic_bytes.items():
+        for link, nbytes in nic_bytes(plan, b, net, cost.itemsize).items():
             through.setdefault(link, []).append((head, microbatches * nbytes / net.nic_bytes_per_s, tail, str(k)))
     best: dict = {"step_s": 0.0, "link": None, "boundaries": []}
     bucket_s = net.burst_bytes / net.nic_bytes_per_s
@@ -178,16 +174,25 @@ def link_bound(plan, cost) -> dict:
     return best
 
 
+def nic_bytes(plan, boundary, network, itemsize: int = 4) -> dict:
+    """NIC link -> the bytes one microbatch of `boundary` moves through it (its steps on plain links)."""
+    from dataclasses import replace
+
+    from meshjob.simulate import simulate_transfer
+
+    return simulate_transfer(boundary.steps, plan.placement.host_of, replace(network, burst_bytes=0.0),
+                             itemsize).nic_bytes
+
+
 def busiest_link_bytes(job: TrainingJob) -> float:
     """Bytes through the busiest NIC direction in one microbatch (every boundary, forward and backward)."""
     from meshjob.network import NetworkModel
     from meshjob.plan import build_plan
-    from meshjob.simulate import simulate_transfer
 
     plan = build_plan(job)
     per_link: dict = {}
     for b in plan.boundaries:
-        for link, n in simulate_transfer(b.steps, plan.placement.host_of, NetworkModel()).nic_bytes.items():
+        for link, n in nic_bytes(plan, b, NetworkModel()).items():
             per_link[link] = per_link.get(link, 0) + n
     return max(per_link.values())
 
