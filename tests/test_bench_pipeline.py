@@ -8,7 +8,7 @@ import os
 import pytest
 
 from meshjob.devices import parse_device
-from meshjob_bench.pipeline import (Config, bench_job, busiest_link_bytes, check_targets, cost_model, link_bound, main,
+from meshjob_bench.pipeline import (Config, bench_job, busiest_link_bytes, check_targets, cost_model, main,
                                     nic_rate_for)
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 ROW_FIELDS = {"model", "stages_count", "variant", "comm_fraction", "nic_rate", "nic_bytes_per_s", "compute", "device",
               "weight_delay", "job", "step_s", "tokens_per_s", "bubble", "overlap", "stages", "predicted_step_s",
               "predicted_over_measured", "predicted_stages", "vs_1f1b", "vs_signal", "peak_stashed_vs_1f1b",
-              "delay_choice", "link_bound", "max_vs_signal"}
+              "delay_choice", "step_bound", "max_vs_signal"}
 STAGE_FIELDS = {"bubble", "overlap", "peak_stashed", "compute_s_per_step", "timeline"}
 
 
@@ -35,9 +35,10 @@ def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
 
 
 @pytest.mark.parametrize("model", ["gpt", "utransformer"])
-def test_the_nics_bound_is_at_most_every_variants_simulated_step(model):
+def test_the_step_bound_is_at_most_every_variants_simulated_step_at_the_bench_shapes(model):
     from meshjob.plan import build_plan
     from meshjob.simulate import simulate_plan
+    from meshjob.step_bound import step_bound
 
     device = parse_device("3")
     rate = nic_rate_for(bench_job(model, "1f1b", 2, quick=False), device, 1.0)
@@ -45,10 +46,10 @@ def test_the_nics_bound_is_at_most_every_variants_simulated_step(model):
         job = bench_job(model, variant, 2, quick=False)
         cost = cost_model(job, device, Config(model, 4, 1.0, rate).nic_bytes_per_s)
         plan = build_plan(job, cost=cost, network=cost.network)
-        bound = link_bound(plan, cost)
+        bound = step_bound(plan, cost)
         simulated = simulate_plan(plan, cost).step_s
-        assert 0 < bound["step_s"] <= simulated, (variant, bound)
-        assert bound["link"].startswith("host ") and bound["boundaries"]
+        assert bound is not None and 0 < bound.step_s <= simulated, (variant, bound)
+        assert bound.to_json()["link"].startswith("host ") and bound.transfers >= job.training.microbatches
 
 
 def test_targets_are_checked_on_the_measured_rows_only():
@@ -57,7 +58,7 @@ def test_targets_are_checked_on_the_measured_rows_only():
     speedup, of_signal = check_targets(rows)
     assert speedup["met"] is False and speedup["worst"] == 1.2 and len(speedup["cases"]) == 2  # 0.1 is exempt
     assert of_signal["met"] is True and of_signal["impossible_cases"] == 0
-    rows[2].update(vs_signal=0.6, max_vs_signal=0.85)  # the NICs bound this case below 0.9
+    rows[2].update(vs_signal=0.6, max_vs_signal=0.85)  # the step bound puts this case below 0.9
     of_signal = check_targets(rows)[1]
     assert of_signal["met"] is False and of_signal["met_where_the_nics_allow"] is True
     assert of_signal["impossible_cases"] == 1

@@ -19,8 +19,9 @@ over a sweep of NIC rates, each chosen so that communication is a given fraction
 busiest NIC direction's bytes per microbatch over the rate, divided by a stage's F + I + W of one
 microbatch (`--comm-fractions`, default 0.1, 0.3 and 1.0). Reported per run: throughput over 1f1b and over
 signal, bubble and communication-overlap fractions, peak stashed microbatches against 1f1b, the
-simulator's prediction of the same plan (predicted / measured step time), and the NICs' bound
-(link_bound: no schedule of the plan's transfers finishes a step sooner; max_vs_signal = signal's step
+simulator's prediction of the same plan (predicted / measured step time), and the step bound
+(meshjob.step_bound: from the NIC links' bytes and the compute chains before and after each transfer,
+no schedule of the plan's transfers finishes a step sooner; max_vs_signal = signal's predicted step
 over it, the most of signal any schedule can reach); the issue's targets,
 checked on the measured rows; a table, JSON, a timeline PNG per model like figure 4 and a bar chart
 like figure 9.
@@ -135,59 +136,11 @@ def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: 
     return CostModel(network=network, stages=emulated_costs(job, device), measured=True)
 
 
-def link_bound(plan, cost) -> dict:
-    """A lower bound on the step of `plan` on `cost` from its NIC links alone. Every microbatch moves each
-    boundary's bytes through its links (meshjob.simulate.simulate_transfer on plain links), and a link moves
-    at most its tbf bucket plus the NIC rate's bytes in any interval. A boundary's transfer cannot start
-    before the compute its data needs along the chain of stages (a forward from stage s: F_0 .. F_s; a
-    gradient from stage a: every F, then I_{S-1} .. I_a), and after it arrives that compute still follows
-    (a forward to stage d: F_d .. F_{S-1}, every I, W_0; a gradient to stage b: I_b .. I_0, W_0). So for any
-    set of boundaries through one link: step >= earliest start + (their bytes per step - bucket) / rate +
-    least work after, maximised over links and sets. Transfer latency and per-message costs only add.
-    Needs the chain edges s -> s+1 (every job of this bench has them); else None."""
-    import itertools
-
-    stages, microbatches = len(plan.job.stages), plan.job.training.microbatches
-    if not all(any(e.src == s and e.dst == s + 1 for e in plan.job.edges) for s in range(stages - 1)):
-        return {"step_s": None}
-    c = cost.stage_costs(plan.job)
-    f, i, w0 = [c[s].forward_s for s in range(stages)], [c[s].input_grad_s for s in range(stages)], c[0].weight_grad_s
-    net = cost.network
-    through: dict = {}  # link -> [(earliest start, seconds per step at the NIC rate, least work after, boundary)]
-    for b in plan.boundaries:
-        k = b.key
-        if k.grad:
-            head, tail = sum(f) + sum(i[k.src:]), sum(i[:k.dst + 1]) + w0
-        else:
-            head, tail = sum(f[:k.src + 1]), sum(f[k.dst:]) + sum(i) + w0
-        for link, nbytes in nic_bytes(plan, b, net, cost.itemsize).items():
-            through.setdefault(link, []).append((head, microbatches * nbytes / net.nic_bytes_per_s, tail, str(k)))
-    best: dict = {"step_s": 0.0, "link": None, "boundaries": []}
-    bucket_s = net.burst_bytes / net.nic_bytes_per_s
-    for link, items in sorted(through.items()):
-        for n in range(1, len(items) + 1):
-            for chosen in itertools.combinations(items, n):
-                step = (min(x[0] for x in chosen) + max(0.0, sum(x[1] for x in chosen) - bucket_s)
-                        + min(x[2] for x in chosen))
-                if step > best["step_s"]:
-                    best = {"step_s": step, "link": f"host {link[0]} {link[1]}", "boundaries": [x[3] for x in chosen]}
-    return best
-
-
-def nic_bytes(plan, boundary, network, itemsize: int = 4) -> dict:
-    """NIC link -> the bytes one microbatch of `boundary` moves through it (its steps on plain links)."""
-    from dataclasses import replace
-
-    from meshjob.simulate import simulate_transfer
-
-    return simulate_transfer(boundary.steps, plan.placement.host_of, replace(network, burst_bytes=0.0),
-                             itemsize).nic_bytes
-
-
 def busiest_link_bytes(job: TrainingJob) -> float:
     """Bytes through the busiest NIC direction in one microbatch (every boundary, forward and backward)."""
     from meshjob.network import NetworkModel
     from meshjob.plan import build_plan
+    from meshjob.step_bound import nic_bytes
 
     plan = build_plan(job)
     per_link: dict = {}
@@ -287,9 +240,11 @@ def calibrated_cost(job: TrainingJob, m: Measured, nic_bytes_per_s: float, emula
 def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: ComputeMode, emulated_nics: bool) -> dict:
     """The simulator on the plan that ran. Emulated compute: the device's modelled costs (the same the
     ranks waited), plus each stage's optimizer step after its last action. Real compute: the costs
-    calibrated from this run's measured compute (the formula's shape, one constant)."""
+    calibrated from this run's measured compute (the formula's shape, one constant). With it, the step
+    bound (meshjob.step_bound) on the same costs: no schedule of this plan's transfers is faster."""
     from meshjob.device_costs import emulated_cost
     from meshjob.simulate import simulate_plan
+    from meshjob.step_bound import step_bound
 
     if compute.emulated:
         cost = cost_model(job, compute.device, config.nic_bytes_per_s, emulated_nics)
@@ -298,7 +253,9 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
         cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
     result = simulate_plan(plan, cost)
     step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
+    bound = step_bound(plan, cost, optimizer)
     return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
+            "step_bound": bound and bound.to_json(),
             "predicted_stages": {str(i): {"bubble": s.bubble_fraction(result.step_s),
                                           "overlap": s.overlap_fraction()} for i, s in result.stages.items()}}
 
@@ -326,7 +283,7 @@ def print_targets(targets: list[dict]) -> None:
         worst = f"; worst {t['worst']:.2f}" if t["worst"] is not None else ""
         allowed = ""
         if t.get("impossible_cases"):
-            allowed = (f"; {t['impossible_cases']} case(s) bounded below it by the NICs, met on the rest: "
+            allowed = (f"; {t['impossible_cases']} case(s) bounded below it by the step bound, met on the rest: "
                        f"{ {True: 'yes', False: 'NO', None: 'none left'}[t['met_where_the_nics_allow']] }")
         print(f"target: {t['target']}: met {met} ({len(t['cases'])} cases{worst}{allowed})")
 
@@ -342,7 +299,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
             (f"utransformer eager-1f1b+wdelay >= {TARGET_OF_SIGNAL:.0%} of signal across the sweep", wdelay,
              "vs_signal", TARGET_OF_SIGNAL)):
         values = [r[key] for r in cases]
-        # of signal: a case whose NIC bound (max_vs_signal) is below the target cannot meet it by any schedule
+        # of signal: a case whose step bound (max_vs_signal) is below the target cannot meet it by any schedule
         possible = [r[key] for r in cases if key != "vs_signal" or (r.get("max_vs_signal") or INF) >= bound]
         out.append({"target": text, "metric": key, "bound": bound,
                     "cases": [{"stages": r["stages_count"], "comm_fraction": r["comm_fraction"], key: r[key],
@@ -487,15 +444,15 @@ def run_config(model: str, stages: int, fractions: list[float], variants: list[s
             m.config, m.variant = config, variant
             measured.append(m)
             rows.append(row(job, plan, m, compute, predict(job, plan, m, config, compute, "namespaces" in network)))
-            rows[-1]["link_bound"] = link_bound(plan, cost)
             if variant == "signal":
                 signal = rows[-1]
     for r in rows:  # ratios at the same fraction; signal's is the same at every fraction
         base = next(b for b in rows if b["variant"] == "1f1b" and b["comm_fraction"] == r["comm_fraction"])
         r["vs_1f1b"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["vs_signal"] = r["tokens_per_s"] / signal["tokens_per_s"]
-        bound = r["link_bound"]["step_s"]
-        r["max_vs_signal"] = signal["step_s"] / bound if bound else None  # the most of signal any schedule reaches
+        bound = (r["step_bound"] or {}).get("step_s")
+        # the most of signal any schedule of this plan reaches: both sides on the simulator's costs
+        r["max_vs_signal"] = signal["predicted_step_s"] / bound if bound else None
         r["peak_stashed_vs_1f1b"] = [r["stages"][i]["peak_stashed"] / base["stages"][i]["peak_stashed"]
                                      for i in sorted(r["stages"])]
     return measured, rows, network
