@@ -11,9 +11,21 @@ Two things the executor needs (meshjob_trainer.engine):
   each posted receive holds a buffer: a stage keeps `depth[b]` receives of boundary b posted ahead
   of the one it consumes next, which bounds the memory of in-flight payloads.
 
-`transfers` is the order in which a list-scheduled run of the step (meshjob.simulate.simulate_plan:
-the plan's action lists, its compute costs and transfer makespans) issues its SENDs: about the order
-in which they happen. It is causal: every transfer comes after the transfers its data depends on.
+`transfers` is the order in which the links of a list-scheduled run of the step (meshjob.simulate:
+the plan's action lists, its compute costs and transfer makespans) take its transfers: about the
+order in which they happen. Two candidates, and the simulator picks:
+- the send order: each link takes transfers as their SENDs are issued. A stage that runs ahead (eager
+  warm-up forwards) queues every microbatch's transfers on its out-link at once, and a receiving
+  in-link then carries microbatches it needs late before one it needs now: the U-Transformer's skip
+  tensors from stage 0 to the last stage queued every warm-up microbatch's skips ahead of the first
+  microbatch's activation from the stage before it (bench pipeline, 4 stages, communication equal to
+  compute: the last stage started its first forward ~1 s late);
+- the need order: by the later of when the transfer was sent and when its receiver reached the RECV
+  that waits for it, in a run of the previous order (a few rounds, each run in the order before it).
+The order of the fastest run is kept (the send order unless another is faster by more than TOLERANCE);
+where the runs would cost more than WORK_BUDGET (actions x stages per run), the send order stands.
+It is causal either way: every transfer comes after the transfers its data depends on (its data
+arrived, so was sent and needed, before it was sent).
 `depth[b]` is one more than the most transfers of b that this run has in flight at once (sent, not
 yet received), so in this run the receive of microbatch m is posted (when m - depth[b] has been
 received) before m is sent. Hence issuing in this order cannot deadlock: by induction over the
@@ -31,6 +43,9 @@ from meshjob.boundary import BoundaryKey
 from meshjob.schedule import Action
 
 Transfer = tuple[BoundaryKey, int]  # (boundary, microbatch)
+NEED_ORDER_ROUNDS = 3  # need orders tried, each from the run of the one before
+TOLERANCE = 0.01  # another order replaces the send order only when its run is this much faster
+WORK_BUDGET = 2_000_000  # actions x stages of one run: above it, the send order stands unsimulated
 
 
 @dataclass(frozen=True)
@@ -51,8 +66,10 @@ class TransferOrder:
                            f"({len(self.transfers)} transfers)") from None
 
     @classmethod
-    def of_run(cls, run: Sequence[tuple[int, Action]]) -> TransferOrder:
-        """From the (stage, action) sequence of a causal run of the step's action lists."""
+    def of_run(cls, run: Sequence[tuple[int, Action]], links_order: Sequence[Transfer] | None = None
+               ) -> TransferOrder:
+        """From the (stage, action) sequence of a causal run of the step's action lists; its links took
+        the transfers in `links_order` (None: as they were sent)."""
         transfers: list[Transfer] = []
         in_flight: dict[BoundaryKey, int] = {}
         depth: dict[BoundaryKey, int] = {}
@@ -66,7 +83,8 @@ class TransferOrder:
                 depth[key] = max(depth.get(key, 0), in_flight[key])
             else:
                 in_flight[key] = in_flight.get(key, 0) - 1
-        return cls(tuple(transfers), {key: most + 1 for key, most in depth.items()})
+        return cls(tuple(links_order if links_order is not None else transfers),
+                   {key: most + 1 for key, most in depth.items()})
 
     def forward_only(self) -> TransferOrder:
         """The order of a pass of forwards only (evaluation): the step's, less its gradients. Still
@@ -80,10 +98,52 @@ class TransferOrder:
 
 
 def transfer_order(plan: Any) -> TransferOrder:
-    """The order of `plan` (a meshjob.plan.Plan): its list-scheduled step on its own cost model."""
-    from meshjob.simulate import plan_cost, simulate_plan
+    """The order of `plan` (a meshjob.plan.Plan): its links' order in the fastest of the send order's and
+    the need orders' list-scheduled runs, on its own cost model."""
+    from meshjob.simulate import compute_costs, plan_cost, transfer_costs
 
-    return TransferOrder.of_run(simulate_plan(plan, plan_cost(plan), follow_plan_order=False).order)
+    cost = plan_cost(plan)
+    return fastest_order(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)[0]
+
+
+def fastest_order(schedules: Mapping[int, Sequence[Action]], compute_s: Mapping[tuple[int, str], float],
+                  transfers: Mapping[BoundaryKey, Any], cost: Any, rounds: int = NEED_ORDER_ROUNDS
+                  ) -> tuple[TransferOrder, float]:
+    """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of
+    `rounds` need orders' (arguments as meshjob.simulate.simulate_pipeline takes them)."""
+    from meshjob.simulate import simulate_pipeline
+
+    run = simulate_pipeline(schedules, compute_s, transfers, cost)
+    best, best_s = TransferOrder.of_run(run.order), run.step_s
+    if run_work(schedules) > WORK_BUDGET:
+        return best, best_s
+    for _ in range(rounds):
+        order = need_order(run)
+        try:
+            run = simulate_pipeline(schedules, compute_s, transfers, cost, order)
+        except ValueError:  # a link would wait on a transfer never sent: not an order to run
+            break
+        if run.step_s < best_s * (1 - TOLERANCE):
+            best, best_s = TransferOrder.of_run(run.order, order), run.step_s
+    return best, best_s
+
+
+def run_work(schedules: Mapping[int, Sequence[Action]]) -> int:
+    """What one simulated run of `schedules` costs: actions x stages (the list scheduler's steps)."""
+    return sum(len(a) for a in schedules.values()) * len(schedules)
+
+
+def need_order(run: Any) -> list[Transfer]:
+    """A run's transfers (a meshjob.simulate.PipelineResult) by the later of when each was sent and when
+    its receiver reached the RECV that waits for it; ties in the run's send order."""
+    sent: dict[Transfer, float] = {}
+    needed: dict[Transfer, float] = {}
+    for (stage, action), at in zip(run.order, run.started_s):
+        if action.is_comm:
+            transfer = (BoundaryKey.of_action(stage, action), action.mb)
+            (sent if action.kind.startswith("SEND") else needed)[transfer] = at
+    rank = {t: i for i, t in enumerate(sent)}
+    return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), rank[t]))
 
 
 def recv_depths(schedules: Mapping[int, Sequence[Action]], order: TransferOrder) -> dict[int, dict[BoundaryKey, int]]:

@@ -5,8 +5,11 @@ bound) sizes each stage's delay alone, as if its gradient transfers had the NICs
 On a step whose transfers queue behind each other on shared NIC links that is often too few W's
 (bench e2e's GPT: the rule gives 1, the simulator rates 7 faster). So the plan simulates a few
 candidate assignments on its own network and stage costs (meshjob.simulate.simulate_pipeline, the
-model `meshjob simulate` and the search trust) and keeps the smallest whose step is within
-TOLERANCE of the fastest candidate and no slower than the rule's.
+model `meshjob simulate` and the search trust), each in the transfer order its plan would take (the
+send order or a need order, meshjob.comm_order: it can change which delay is fastest; bench pipeline's
+U-Transformer, 4 stages, communication equal to compute: d = 1 in the send order, d = 2 about 10%
+faster once the last stage's in-link takes what it needs first), and keeps the smallest whose step is
+within TOLERANCE of the fastest candidate and no slower than the rule's.
 
 Candidates (few, so planning stays fast): the rule's delays; one global delay d, each stage taking
 min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the largest
@@ -18,8 +21,9 @@ smallest largest delay, then the earlier candidate (the rule first).
 
 A simulation costs about (actions of the step) x (stages) steps of the list scheduler: where all the
 candidates together would cost more than WORK_BUDGET (about 10 s here; e.g. 128 stages of 128
-microbatches), the rule stands unsimulated (DelayChoice.simulated False). The budget counts work, not
-seconds, so every rank that builds the plan picks the same delays.
+microbatches), the rule stands unsimulated (DelayChoice.simulated False); where only the need orders'
+extra runs would pass it, candidates are simulated in the send order alone. The budget counts work,
+not seconds, so every rank that builds the plan picks the same delays.
 """
 from __future__ import annotations
 
@@ -27,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import NEED_ORDER_ROUNDS, fastest_order, run_work  # imports nothing of the plan: no cycle
 from meshjob.costs import CostModel
 from meshjob.network import Link
 from meshjob.schedule import Action, Edge, generate
-from meshjob.simulate import simulate_pipeline  # imports nothing of the plan: no cycle
 
 TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated step counts as fast as it
 WORK_BUDGET = 10_000_000  # actions x stages, summed over the candidates
@@ -112,10 +116,10 @@ def pick(candidates: Sequence[DelayCandidate], tolerance: float = TOLERANCE) -> 
 
 
 def within_budget(rule: Mapping[int, int], rule_lists: Mapping[int, Sequence[Action]],
-                  rooms: Mapping[int, int]) -> bool:
-    """Whether simulating every candidate stays within WORK_BUDGET: actions x stages per candidate."""
-    actions = sum(len(a) for a in rule_lists.values())
-    return actions * len(rule_lists) * len(candidate_delays(rule, rooms)) <= WORK_BUDGET
+                  rooms: Mapping[int, int], runs: int = 1) -> bool:
+    """Whether simulating every candidate, `runs` runs each, stays within WORK_BUDGET: actions x stages
+    per run."""
+    return run_work(rule_lists) * runs * len(candidate_delays(rule, rooms)) <= WORK_BUDGET
 
 
 def unsimulated(rule: Mapping[int, int]) -> DelayChoice:
@@ -134,12 +138,15 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     takes them. The caller checks within_budget first."""
     listed = candidate_delays(rule, rooms)
     num_stages = len(rule_lists)
+    # each candidate with the transfer order its plan would take (meshjob.comm_order), where the need
+    # orders' runs fit the budget too: the order can change which delay is fastest
+    rounds = NEED_ORDER_ROUNDS if within_budget(rule, rule_lists, rooms, 1 + NEED_ORDER_ROUNDS) else 0
     lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
     simulated: list[DelayCandidate] = []
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        step = simulate_pipeline(lists[name], compute_s, transfers, cost).step_s
+        step = fastest_order(lists[name], compute_s, transfers, cost, rounds)[1]
         simulated.append(DelayCandidate(name, delays, step))
     chosen = pick(simulated, tolerance)
     return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]

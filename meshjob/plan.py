@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 from meshjob import balance as bal
 from meshjob import delay_choice
 from meshjob.boundary import BoundaryKey
+from meshjob.comm_order import TransferOrder, transfer_order
 from meshjob.costs import CostModel, StageCost
 from meshjob.mesh import Mesh
 from meshjob.network import HostTask, NetworkModel
@@ -152,6 +153,11 @@ class Plan:
             if b.key == key:
                 return b
         raise KeyError(f"no boundary {key} in plan {self.job.name!r}")
+
+    @functools.cached_property
+    def transfer_order(self) -> TransferOrder:
+        """The order every rank issues the step's transfers in (meshjob.comm_order), computed once."""
+        return transfer_order(self)
 
     @functools.cached_property
     def _programs(self) -> dict[int, dict[int, RankProgram]]:

@@ -153,6 +153,7 @@ class PipelineResult:
     # (stage, action) in the order the list scheduler ran them: a causal order of the whole step
     # (a RECV comes after its SEND), which meshjob.comm_order turns into the order transfers are issued in
     order: tuple[tuple[int, Action], ...] = ()
+    started_s: tuple[float, ...] = ()  # when each action of `order` began (a RECV: when its stage reached it)
 
     def bubble_fraction(self) -> float:
         return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
@@ -197,6 +198,7 @@ def simulate_pipeline(
     queue = _LinkQueue(transfers, order)
     remaining = sum(len(v) for v in schedules.values())
     run: list[tuple[int, Action]] = []
+    started: list[float] = []
 
     def book(key: BoundaryKey, mb: int, ready: float) -> None:
         seconds, per_link = transfers[key]
@@ -238,13 +240,14 @@ def simulate_pipeline(
             pos[stage] += 1
             remaining -= 1
             run.append((stage, a))
+            started.append(now)
             progressed = True
             break
         if not progressed:
             blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
             raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
     step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
-    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(run))
+    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(run), tuple(started))
 
 
 class _LinkQueue:
@@ -308,16 +311,12 @@ def plan_cost(plan) -> CostModel:
 
 
 def simulate_plan(plan, cost: CostModel | None = None, follow_plan_order: bool = True) -> PipelineResult:
-    """The plan's step on `cost` (default: the plan's own). The executor issues transfers in the order
-    the plan's own costs give (meshjob.comm_order.transfer_order); on other costs (another NIC rate or
-    bucket, measured compute) the links follow that order all the same (`follow_plan_order`), which a
-    run on those costs alone would not."""
+    """The plan's step on `cost` (default: the plan's own). The executor issues transfers in the plan's
+    order (meshjob.comm_order.transfer_order, chosen on the plan's own costs); the links follow it here
+    too (`follow_plan_order`), on other costs (another NIC rate or bucket, measured compute) as well,
+    where a run on those costs alone would not. Without it, each link takes transfers as they are sent."""
     cost = cost or CostModel(network=plan.network)
-    order = None
-    if follow_plan_order and (cost.network != plan.network or cost.stage_costs(plan.job) != dict(plan.stage_costs)):
-        from meshjob.comm_order import transfer_order
-
-        order = transfer_order(plan).transfers
+    order = plan.transfer_order.transfers if follow_plan_order else None
     return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost, order)
 
 

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, recv_depths, transfer_order
+from meshjob.comm_order import TransferOrder, need_order, recv_depths, transfer_order
+from meshjob.costs import CostModel
+from meshjob.device_costs import emulated_costs
+from meshjob.devices import parse_device
+from meshjob.network import NetworkModel
 from meshjob.plan import build_plan
 from meshjob.schedule import SCHEDULE_KINDS, Action
-from meshjob.spec import load_job
+from meshjob.simulate import plan_cost, simulate_plan
+from meshjob.spec import load_job, parse_job
 
 EXAMPLES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -39,14 +44,12 @@ def test_every_transfer_of_the_step_is_ordered_once(example, kind):
     assert sorted(order.transfers) == sorted(sends_of(plan))
 
 
-@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: Path(p).stem)
-def test_the_order_is_causal_a_stage_sends_after_what_it_received_before(example, kind):
-    plan = plan_of(example, kind, delay="on")
-    order = transfer_order(plan)
+def assert_causal(plan, order: TransferOrder) -> None:
+    """Every send comes after what its stage received before it in its list, and the transfers between
+    two stages keep their sender's list order (the order both ends of a pair issue them in)."""
     for stage, actions in plan.schedules.items():
         received: list[tuple[BoundaryKey, int]] = []
-        last_send = -1
+        last_to: dict[int, int] = {}  # receiving stage -> position of the last send to it
         for a in actions:
             if not a.is_comm:
                 continue
@@ -55,10 +58,58 @@ def test_the_order_is_causal_a_stage_sends_after_what_it_received_before(example
                 received.append(transfer)
                 continue
             at = order.position(*transfer)
-            assert at > last_send, f"stage {stage} sends {transfer} before a send listed earlier"
+            assert at > last_to.get(a.peer, -1), f"stage {stage} sends {transfer} before a send to its peer listed earlier"
             assert all(order.position(*r) < at for r in received), \
                 f"stage {stage} sends {transfer} before one it received earlier in its list"
-            last_send = at
+            last_to[a.peer] = at
+
+
+@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: Path(p).stem)
+def test_the_order_is_causal_a_stage_sends_after_what_it_received_before(example, kind):
+    plan = plan_of(example, kind, delay="on")
+    assert_causal(plan, transfer_order(plan))
+
+
+def heavy_skip_plan(kind: str = "eager-1f1b", delay: int | str = "auto"):
+    """The bench's U-Transformer shape in small: skips from stage 0 to the last stage share stage 0's
+    out-link with its activations, on NICs about as slow as the compute."""
+    job = parse_job({
+        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "heavy-skips"},
+        "spec": {"model": {"kind": "utransformer", "layers": 16, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                 "training": {"globalBatch": 8, "microbatches": 8}, "topology": {"devicesPerHost": 1},
+                 "stages": [{"layers": [4 * i, 4 * i + 4], "mesh": [1, 1]} for i in range(4)],
+                 "schedule": {"kind": kind, "weightGradDelay": delay}}})
+    cost = CostModel(network=NetworkModel(nic_bytes_per_s=4e6), stages=emulated_costs(job, parse_device("1")),
+                     measured=True)
+    return build_plan(job, cost=cost, network=cost.network)
+
+
+def test_links_take_transfers_in_need_order_where_the_send_order_runs_slower():
+    plan = heavy_skip_plan()
+    cost = plan_cost(plan)
+    sent_first = simulate_plan(plan, cost, follow_plan_order=False)
+    order = transfer_order(plan)
+    assert order.transfers != TransferOrder.of_run(sent_first.order).transfers
+    assert simulate_plan(plan, cost).step_s < 0.97 * sent_first.step_s
+    assert_causal(plan, order)
+
+
+def test_the_send_order_stands_where_no_need_order_runs_faster():
+    plan = plan_of(EXAMPLES[0], "1f1b")
+    sent_first = simulate_plan(plan, plan_cost(plan), follow_plan_order=False)
+    assert transfer_order(plan).transfers == TransferOrder.of_run(sent_first.order).transfers
+
+
+def test_a_need_order_puts_a_transfer_needed_now_before_ones_sent_earlier_but_needed_later():
+    plan = heavy_skip_plan()
+    sent_first = simulate_plan(plan, plan_cost(plan), follow_plan_order=False)
+    order = need_order(sent_first)
+    first_activation = (BoundaryKey(2, 3, "activation"), 0)
+    late_skip = (BoundaryKey(0, 3, "skip0"), 6)
+    sends = TransferOrder.of_run(sent_first.order).transfers
+    assert sends.index(late_skip) < sends.index(first_activation)
+    assert order.index(first_activation) < order.index(late_skip)
 
 
 def test_depth_is_one_more_than_the_most_transfers_of_a_boundary_in_flight():

@@ -52,9 +52,9 @@ def make_job(kind: str, schedule: str, weight_grad_delay: int | str, stages=STAG
     })
 
 
-def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None) -> list[TrainResult]:
-    world = build_plan(job).placement.world_size
-    target = functools.partial(train_rank, job=job, schedules=schedules, checkpoint_dir=checkpoint_dir)
+def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None, plan=None) -> list[TrainResult]:
+    world = (plan or build_plan(job)).placement.world_size
+    target = functools.partial(train_rank, job=job, schedules=schedules, checkpoint_dir=checkpoint_dir, plan=plan)
     result = launch(world, lambda ctx: target(ctx.env), timeout_s=55)
     return result.raise_on_failure().values
 
@@ -102,6 +102,48 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
              {"from": 2, "to": 3, "send": "RRR", "recv": "RS1R"}]
     results = run_job(make_job("gpt", "1f1b", 0, stages=stages, edges=edges))
     ref = reference("gpt")
+    for reported in pipeline_losses(results):
+        assert reported == pytest.approx(ref.losses, abs=1e-5)
+    weights = full_parameters([r.params for r in results])
+    for name, expected in ref.weights.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.slow
+def test_ranks_that_follow_a_need_order_of_transfers_train_the_same():
+    """On NICs as slow as the compute, stage 0's skips to the last stage would hold the last stage's
+    in-link ahead of the activation it needs first: the plan's links take transfers in need order, not
+    in the order they are sent (meshjob.comm_order), and real ranks issuing them so still match."""
+    from meshjob.comm_order import TransferOrder
+    from meshjob.costs import CostModel
+    from meshjob.network import NetworkModel
+    from meshjob.simulate import plan_cost, simulate_plan
+
+    one_device = [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(4)]
+    job = make_job("utransformer", "eager-1f1b", 1, stages=one_device, microbatches=8)
+    cost = CostModel(network=NetworkModel(nic_bytes_per_s=1e6), layer_forward_s=1e-3, measured=True)
+    plan = build_plan(job, cost=cost, network=cost.network)
+    sent_first = simulate_plan(plan, plan_cost(plan), follow_plan_order=False)
+    assert plan.transfer_order.transfers != TransferOrder.of_run(sent_first.order).transfers
+
+    def target(ctx):  # the order checked: any message issued out of the planned order fails the run
+        from meshjob_trainer.dist import WorkerContext, init_distributed, shutdown_distributed
+        from meshjob_trainer.reshard import ReshardExecutor
+        from meshjob_trainer.train import train
+        from meshjob_trainer.wire import CheckedWire, GlooWire
+
+        init_distributed(ctx.env, timeout_s=30)
+        try:
+            reshard = ReshardExecutor(plan, ctx.env.rank, wire=CheckedWire(GlooWire(), ctx.env.rank))
+            result = train(WorkerContext(env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank),
+                                         reshard=reshard))
+            torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
+            return result
+        finally:
+            shutdown_distributed()
+
+    results = launch(plan.placement.world_size, target, timeout_s=55).raise_on_failure().values
+    ref = reference_for_job(job)
     for reported in pipeline_losses(results):
         assert reported == pytest.approx(ref.losses, abs=1e-5)
     weights = full_parameters([r.params for r in results])

@@ -238,14 +238,16 @@ def test_a_link_carries_transfers_in_the_planned_order_even_when_a_later_one_is_
 def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_it():
     from pathlib import Path
 
-    from meshjob.comm_order import TransferOrder, transfer_order
+    from meshjob.comm_order import TransferOrder, fastest_order, transfer_order
     from meshjob.plan import build_plan
-    from meshjob.simulate import plan_cost, simulate_plan
+    from meshjob.simulate import compute_costs, plan_cost, simulate_plan, transfer_costs
     from meshjob.spec import load_job
 
     plan = build_plan(load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml")))
     own = simulate_plan(plan)
-    assert own.step_s == simulate_plan(plan, plan_cost(plan), follow_plan_order=False).step_s
+    cost = plan_cost(plan)
+    assert own.step_s == fastest_order(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)[1]
+    assert own.step_s <= simulate_plan(plan, cost, follow_plan_order=False).step_s
     slow_nic = CostModel(network=NetworkModel(nic_bytes_per_s=plan.network.nic_bytes_per_s / 20),
                          stages=plan_cost(plan).stages)
     free = simulate_plan(plan, slow_nic, follow_plan_order=False)
