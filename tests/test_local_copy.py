@@ -106,6 +106,74 @@ def test_a_receive_of_another_size_than_the_message_is_named():
     assert "local copy from rank 0: 32 bytes sent, 16 expected" in result.ranks[1].error
 
 
+def _mailbox_files(pid: int) -> list[str]:
+    import os
+
+    from meshjob_trainer.board import shm_dir
+    from meshjob_trainer.local_copy import PREFIX
+
+    return [f for f in os.listdir(shm_dir()) if f.startswith(f"{PREFIX}{pid}-")]
+
+
+@pytest.mark.slow
+def test_more_messages_than_the_mailbox_ring_holds_arrive_in_order_and_leave_no_file(gang):
+    import os
+
+    from meshjob_trainer.local_copy import SLOTS
+
+    sends = [(0, 1, tag) for tag in range(2 * SLOTS + 5)]  # all issued before any is waited: the ring fills
+    results = gang(2, lambda env: (exchange(env, {0: {1}, 1: {0}}, sends), _mailbox_files(os.getpid())))
+    (_, files0), ((got1, peers1), files1) = results
+    assert got1 == {tag: list(torch.arange(8.0) * (tag + 1)) for tag in range(2 * SLOTS + 5)}
+    assert peers1 == [] and files0 == files1 == []
+
+
+def _posts_out_of_order(env):
+    from meshjob_trainer.dist import init_distributed
+
+    init_distributed(env, timeout_s=20)
+    wire = LocalCopyWire(RecordingWire(), {1 - env.rank})
+    if env.rank == 0:
+        works = [wire.isend(torch.arange(8.0), 1, tag, f"m{tag}") for tag in (0, 1, 2)]
+    else:
+        works = [wire.irecv(torch.empty(8), 0, tag, f"m{tag}") for tag in (0, 2, 1)]
+    for work in works:
+        wire.wait(work)
+
+
+@pytest.mark.slow
+def test_a_receiver_that_posts_in_another_order_than_its_sender_issued_is_named():
+    from meshjob_trainer.launch import launch
+
+    result = launch(2, lambda ctx: _posts_out_of_order(ctx.env), timeout_s=30, kill_grace_s=0.5)
+    assert not result.ok
+    assert ("local copy from rank 0: message 1 carries tag 1, the receiver posted tag 2; the two ranks issue their "
+            "messages in different orders") in result.ranks[1].error
+
+
+def _sender_leaves_early(env):
+    from meshjob_trainer.dist import init_distributed
+
+    init_distributed(env, timeout_s=20)
+    wire = LocalCopyWire(RecordingWire(), {1 - env.rank})
+    if env.rank == 0:
+        wire.wait(wire.isend(torch.arange(8.0), 1, 0, "m0"))  # then leaves without sending the second
+        return "left"
+    first, second = (wire.irecv(torch.empty(8), 0, tag, f"m{tag}") for tag in (0, 1))
+    wire.wait(first)
+    wire.wait(second)
+
+
+@pytest.mark.slow
+def test_a_receiver_whose_sender_is_gone_fails_instead_of_waiting_forever():
+    from meshjob_trainer.launch import launch
+
+    result = launch(2, lambda ctx: _sender_leaves_early(ctx.env), timeout_s=30, kill_grace_s=0.5)
+    assert not result.ok and result.ranks[0].exit_code == 0
+    assert "local copy: receive 1 from rank 0 waits for its message, but process" in result.ranks[1].error
+    assert "is gone" in result.ranks[1].error
+
+
 def test_a_ranks_local_peers_are_the_ranks_of_its_host_it_exchanges_messages_with():
     from meshjob.plan import build_plan
     from meshjob.spec import load_job
