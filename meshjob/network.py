@@ -16,6 +16,11 @@ nothing else about the network, so the plan optimises the problem that runs:
   chunks is bound by the CPU, not the NICs, and `chunks: auto` stops before the two meet: where
   neither dominates, each message waits for the other resource (`cpu_contention_p`, `with_cpu`). Real hosts
   have CPUs of their own, far from saturated by a few ranks' messages: `shared_cpu_cores` 0.
+- a NIC message larger than `alone_bytes` (the executor's overlap threshold) runs alone on its link:
+  the executor issues the link's next message only once its bytes can have left, so the next one's
+  cost cannot overlap it on the wire, and it takes `alone_message_s` more (the resharding bench: one
+  message's CPU on the shared cores). On the emulated cluster this is what made one-to-many chains
+  of 16-44 chunks of 16 MiB (0.4-1 MiB each) measure 5-10% over their plan and over 48 chunks.
 
 `duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
 kept for the ablation in `meshjob bench planner` only.
@@ -135,6 +140,12 @@ class NetworkModel:
     # message needs both, so where neither dominates, each waits for the other (a chunk ready to send
     # waits for a core, a core for the chunk on the wire): 0 is max(net, cpu), no interference.
     cpu_contention_p: float = 0.0
+    # A NIC message of more than `alone_bytes` runs alone on its link: the executor issues the link's
+    # next message only once its bytes can have left (meshjob_trainer.engine; the threshold is
+    # meshjob_trainer.reshard.overlap_bytes), so the next message's own cost no longer overlaps this
+    # one on the wire: each such message takes `alone_message_s` more of its link. 0: none is held.
+    alone_bytes: float = 0.0
+    alone_message_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nic_bytes_per_s", "intra_host_bytes_per_s", "line_bytes_per_s"):
@@ -142,7 +153,7 @@ class NetworkModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
         for name in ("message_s", "intra_message_s", "burst_bytes", "message_cpu_s", "net_byte_cpu_s",
-                     "local_byte_cpu_s", "cpu_contention_p"):
+                     "local_byte_cpu_s", "cpu_contention_p", "alone_bytes", "alone_message_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
@@ -162,7 +173,12 @@ class NetworkModel:
 
     def net_s(self, nbytes: float) -> float:
         """One message between hosts."""
-        return nbytes / self.nic_bytes_per_s + self.message_s
+        return nbytes / self.nic_bytes_per_s + self.net_message_s(nbytes)
+
+    def net_message_s(self, nbytes: float) -> float:
+        """What a message of `nbytes` between hosts takes of its link beyond its bytes: message_s, and
+        alone_message_s more where it runs alone on the link (more than alone_bytes)."""
+        return self.message_s + (self.alone_message_s if 0 < self.alone_bytes < nbytes else 0.0)
 
     def local_s(self, nbytes: float) -> float:
         """One message between devices of one host."""
@@ -193,7 +209,8 @@ class NetworkModel:
                 "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
                 "in_flight_per_link": self.in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
                 "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
-                "local_byte_cpu_s": self.local_byte_cpu_s, "cpu_contention_p": self.cpu_contention_p}
+                "local_byte_cpu_s": self.local_byte_cpu_s, "cpu_contention_p": self.cpu_contention_p,
+                "alone_bytes": self.alone_bytes, "alone_message_s": self.alone_message_s}
 
     # ---------------------------------------------------------------- unit tasks
     def task_cost(self, task: HostTask, sender: int, strategy: str, chunks: int | str = "auto") -> TaskCost:
@@ -210,7 +227,7 @@ class NetworkModel:
         forced: dict[Link, float] = {}
         pooled, pool_hosts = 0.0, set()
         for task in tasks:
-            one = self.net_s(task.bytes)
+            one = task.bytes / self.nic_bytes_per_s + self.message_s  # chunks need not run alone
             for h in set(task.receiver_hosts) - set(task.sender_hosts):
                 _add(forced, self.link(h, "in"), one)
             if all(set(task.receiver_hosts) - {s} for s in task.sender_hosts):  # every holder must send

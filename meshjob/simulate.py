@@ -55,14 +55,14 @@ class Links:
         tokens = min(n.burst_bytes, tokens + (start - at) * n.nic_bytes_per_s)
         return max(nbytes / n.line_bytes_per_s, (nbytes - tokens) / n.nic_bytes_per_s)
 
-    def _message_s(self, link: Link) -> float:
-        return self.network.intra_message_s if link[1] == "local" else self.network.message_s
+    def _message_s(self, link: Link, nbytes: float) -> float:
+        return self.network.intra_message_s if link[1] == "local" else self.network.net_message_s(nbytes)
 
     def book(self, links: Sequence[Link], nbytes: Sequence[float], ready: float,
              messages: int = 0) -> tuple[float, float]:
         """(start, end) of a transfer of nbytes[i] over links[i], all starting together."""
         start = max([ready] + [self.free.get(link, 0.0) for link in links])
-        end = start + max((self._seconds(link, n, start) + messages * self._message_s(link)
+        end = start + max((self._seconds(link, n, start) + messages * self._message_s(link, n)
                            for link, n in zip(links, nbytes)), default=0.0)
         for link, n in zip(links, nbytes):
             self.free[link] = end

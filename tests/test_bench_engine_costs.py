@@ -1,4 +1,6 @@
 """The engine probe's fit: the network model's per-message costs from measured transfers."""
+import dataclasses
+
 import pytest
 
 from meshjob.network import NetworkModel
@@ -52,3 +54,50 @@ def test_the_bench_plans_on_the_nics_tcp_payload_rate_and_the_cores_contending()
     planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.nic_bytes_per_s == pytest.approx(RATE * TCP_PAYLOAD_PER_FRAME_BYTE)
     assert planning.cpu_contention_p == EMULATED_CPU_CONTENTION_P > 0
+
+
+def _round_rows(r: int, link_s: float, per_message_cpu: float = 500e-6) -> list[Row]:
+    """One probe round of clean transfers whose cross-host link takes `link_s` per message."""
+    rows = []
+    for link, per_byte in (("cross_host", 1.0e-9), ("intra_host", 0.5e-9)):
+        for mib in (2, 8):
+            for k in (1, 128):
+                seconds = 2e-3 + mib * 2**20 / RATE + k * (link_s if link == "cross_host" else 80e-6)
+                row = _row(link, mib, k, seconds, 1e-3 + k * per_message_cpu + mib * 2**20 * per_byte)
+                rows.append(dataclasses.replace(row, case=f"{link} {mib} MiB round {r}"))
+    return rows
+
+
+def test_a_round_slowed_by_other_load_moves_the_spread_not_the_fitted_costs():
+    """Each round is fitted alone and every cost is the median over the rounds: one round whose many-message
+    transfers ran 5x slower (other processes on the shared cores) shows in the spread only."""
+    rows = _round_rows(0, 100e-6) + _round_rows(1, 500e-6, per_message_cpu=900e-6) + _round_rows(2, 100e-6)
+    costs = fit(rows)
+    assert costs.rounds == 3 and len(costs.samples) == 24
+    assert costs.message_s == pytest.approx(100e-6) and costs.message_cpu_s == pytest.approx(500e-6)
+    assert costs.spread["message_s"] == pytest.approx((100e-6, 500e-6))
+    assert costs.spread_ratio("message_s") == pytest.approx(5.0)
+    doc = costs.to_json()
+    assert doc["rounds"] == 3 and doc["spread"]["message_cpu_s"] == pytest.approx([500e-6, 900e-6])
+
+
+def test_the_probe_interleaves_its_rounds_link_by_link():
+    from meshjob_bench.engine_costs import PROBE_CHUNKS, PROBE_MIB, probe_cases
+    from meshjob_bench.resharding import Case, Layout, Variant, bench_network, variant_boundary
+
+    cases = probe_cases(Layout(), RATE, bench_network(RATE), Case, Variant, variant_boundary, rounds=2)
+    names = [c.name for c in cases]
+    assert names[:2] == ["cross_host 2 MiB round 0", "cross_host 8 MiB round 0"]
+    assert len(names) == 2 * 2 * len(PROBE_MIB) and names[len(names) // 2].endswith("round 1")
+    assert all([v.chunks for v in c.variants] == list(PROBE_CHUNKS) for c in cases)
+
+
+def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshold_for_a_message_of_cpu():
+    """A send above meshjob_trainer.reshard.overlap_bytes runs alone: the model charges it the CPU of one
+    message on the shared cores (its successor is issued only once it has left)."""
+    from meshjob_bench.resharding import bench_network
+    from meshjob_trainer.reshard import overlap_bytes
+
+    planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
+    assert planning.alone_bytes == overlap_bytes(planning) > 0
+    assert planning.alone_message_s == pytest.approx(150e-6)

@@ -144,7 +144,8 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert all(sum(r["messages"].values()) >= 1 for r in rows)
     # planned with per-message costs measured through the engine first, on this machine's shared cores
     costs, model = doc["message_costs"], doc["network_model"]
-    assert costs["message_cpu_s"] > 0 and len(costs["samples"]) == 8
+    assert costs["message_cpu_s"] > 0 and len(costs["samples"]) == 8 * costs["rounds"] and costs["rounds"] > 1
+    assert all(lo <= costs[term] <= hi for term, (lo, hi) in costs["spread"].items())
     assert model["shared_cpu_cores"] == os.cpu_count() and model["message_s"] == costs["message_s"]
     assert "planning model: measured through the engine" in proc.stdout
     assert {t["name"] for t in doc["targets"]} >= {"paper scale: broadcast, every balancer"}

@@ -212,3 +212,34 @@ def test_on_shared_cores_a_chains_time_falls_then_rises_with_its_chunks_and_auto
     assert times[1] > times[4] > times[16] and times[16] < times[64] < times[256]
     auto = model.task_cost(REPLICATED, 0, "broadcast", "auto")
     assert auto.seconds <= min(times.values()) and 4 < auto.chunks < 64
+
+
+# ---------------------------------------------------------------- messages that run alone on their link
+HELD = replace(SHARED, message_s=60e-6, message_cpu_s=530e-6, net_byte_cpu_s=1.4e-9, local_byte_cpu_s=0.75e-9,
+               cpu_contention_p=4.0, alone_bytes=RATE * 60e-6 * 50, alone_message_s=530e-6 / 2)
+
+
+def test_a_message_above_the_alone_threshold_takes_its_link_the_alone_cost_longer():
+    small, large = HELD.alone_bytes, HELD.alone_bytes + 1
+    assert HELD.net_s(small) == pytest.approx(small / RATE + 60e-6)
+    assert HELD.net_s(large) == pytest.approx(large / RATE + 60e-6 + 265e-6)
+    assert replace(HELD, alone_bytes=0.0).net_s(large) == pytest.approx(large / RATE + 60e-6)  # 0: none held
+    assert HELD.to_json()["alone_bytes"] == HELD.alone_bytes and HELD.to_json()["alone_message_s"] == 265e-6
+    with pytest.raises(ValueError, match="alone_message_s -1 is invalid: a number >= 0"):
+        NetworkModel(alone_message_s=-1)
+
+
+def test_chunks_auto_cuts_one_device_per_host_below_the_alone_threshold_where_held_chunks_cost_more():
+    """One device per host: the chain's time is flat around its fastest K, so the held chunks' extra cost
+    moves auto to chunks small enough to keep two in flight on each link."""
+    task = HostTask((0,), (1, 2, 3, 4), 16 * 2**20)
+    plain = replace(HELD, alone_bytes=0.0).task_cost(task, 0, "broadcast", "auto").chunks
+    held = HELD.task_cost(task, 0, "broadcast", "auto")
+    assert task.bytes / plain > HELD.alone_bytes >= task.bytes / held.chunks
+    times = {k: HELD.task_cost(task, 0, "broadcast", k).seconds for k in range(1, MAX_AUTO_CHUNKS + 1)}
+    assert held.seconds == pytest.approx(min(times.values()))
+
+
+def test_the_lower_bound_does_not_charge_the_alone_cost_chunks_can_avoid():
+    task = HostTask((0,), (1,), 16 * 2**20)
+    assert HELD.lower_bound([task]) == pytest.approx(task.bytes / RATE + 60e-6)

@@ -81,6 +81,18 @@ def test_every_message_pays_the_per_message_cost_on_its_links():
     assert result.makespan_s == pytest.approx((chunks + hosts - 1) * per_chunk)
 
 
+def test_a_message_that_runs_alone_on_its_nic_link_pays_the_alone_cost_and_a_small_one_does_not():
+    """Chunks above alone_bytes are held by the executor until they have left, so the next one's cost no
+    longer overlaps them: the simulator charges alone_message_s on each, as the chain formula does."""
+    held = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=1e-4,
+                        alone_bytes=MiB, alone_message_s=1e-3)
+    nbytes, hosts = 64 * MiB, 3
+    for chunks, alone in ((16, 1e-3), (64, 0.0)):  # 4 MiB chunks run alone, 1 MiB ones do not
+        result = simulate_transfer(chain_steps(hosts, chunks, nbytes), host_of_rank, held)
+        per_chunk = nbytes / chunks / held.nic_bytes_per_s + 1e-4 + alone
+        assert result.makespan_s == pytest.approx((chunks + hosts - 1) * per_chunk)
+
+
 def test_half_duplex_makes_a_host_send_and_receive_one_after_the_other():
     half = NetworkModel(nic_bytes_per_s=100 * MiB, duplex="half", **BYTES_ONLY)
     nbytes = 8 * MiB

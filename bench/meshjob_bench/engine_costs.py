@@ -6,18 +6,28 @@ cut into many chunks runs out of CPU before it runs out of NIC (`shared_cpu_core
 is only as good as these figures. The benchmark that plans with them measures them first, in a gang
 on the same emulated cluster, through the executor the timed transfers use (engine, wires, waiter
 threads): one rank sends a tensor to a rank on another host (cross_host) and to a rank on its own
-host (intra_host), in K = 1 and K = 128 messages, at two sizes, median of 5.
+host (intra_host), in K = 1 and K = 128 messages, at two sizes: PROBE_ROUNDS rounds, each every link,
+size and K in turn, PROBE_REPEATS timed transfers each (their median).
+
+Each round is fitted alone (below) and every cost is the median over the rounds; their spread (least
+and most over the rounds) is recorded beside it (`EngineCosts.spread`, the JSON's message_costs). One
+round of median-of-5 varied ~5x between runs in the per-message link time (81-431 µs: it comes from
+the 2 MiB transfer cut in 128 messages, whose time follows whatever else runs on the shared cores);
+the rounds interleave the probes, so a burst of load moves one round, not the fit.
 
 - Link time, per link: seconds = per transfer + per byte * bytes + per message * K (least squares
   over the four transfers); the per-message term is the model's message_s / intra_message_s.
 - CPU: the process time of the two ranks, all threads included; per byte (each link): its slope over
   the two sizes sent as one message; message_cpu_s: the extra CPU of K = 128 over K = 1 at the same
   link and size, per extra message, averaged (see `fit`).
+- A NIC message above the executor's overlap threshold runs alone (`EngineCosts.apply`: the model's
+  alone_bytes and alone_message_s).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from meshjob.network import EMULATED_CPU_CONTENTION_P, NetworkModel
@@ -26,7 +36,9 @@ from meshjob.sharding import ShardingSpec
 
 PROBE_CHUNKS = (1, 128)
 PROBE_MIB = (2, 8)
-PROBE_REPEATS = 5
+PROBE_REPEATS = 3  # timed transfers per round, link, size and K (their median)
+PROBE_ROUNDS = 5  # rounds fitted alone; each cost is the median over them
+TERMS = ("message_s", "intra_message_s", "message_cpu_s", "net_byte_cpu_s", "local_byte_cpu_s")
 LINKS = (CROSS_HOST, INTRA_HOST)
 
 
@@ -38,55 +50,91 @@ class EngineCosts:
     net_byte_cpu_s: float
     local_byte_cpu_s: float
     samples: tuple[dict[str, Any], ...]  # every probe transfer: link, bytes, chunks, messages, seconds, cpu_seconds
+    # per cost (TERMS): (least, most) over the rounds' fits; rounds: how many were fitted
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)
+    rounds: int = 1
 
     def apply(self, network: NetworkModel, cores: int) -> NetworkModel:
-        """`network` with these costs, its hosts sharing `cores` cores."""
-        return replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
-                       shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
-                       net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s,
-                       cpu_contention_p=EMULATED_CPU_CONTENTION_P)
+        """`network` with these costs, its hosts sharing `cores` cores. A NIC message above the executor's
+        overlap threshold runs alone (meshjob_trainer.reshard.overlap_bytes of this model): its link's
+        next message is issued only once it has left, so that message's CPU work on the shared cores
+        (message_cpu_s / cores) is on the link's path each time (NetworkModel.alone_message_s)."""
+        from meshjob_trainer.reshard import overlap_bytes
+
+        costed = replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
+                         shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
+                         net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s,
+                         cpu_contention_p=EMULATED_CPU_CONTENTION_P)
+        return replace(costed, alone_bytes=float(overlap_bytes(costed)),
+                       alone_message_s=self.message_cpu_s / cores if cores else 0.0)
 
     def to_json(self) -> dict[str, Any]:
         return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
                 "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
-                "local_byte_cpu_s": self.local_byte_cpu_s, "samples": list(self.samples)}
+                "local_byte_cpu_s": self.local_byte_cpu_s, "rounds": self.rounds,
+                "spread": {term: list(lo_hi) for term, lo_hi in self.spread.items()}, "samples": list(self.samples)}
+
+    def spread_ratio(self, term: str) -> float:
+        """Most over least of `term` across the rounds (1.0: they agree; inf: one round fitted 0)."""
+        lo, hi = self.spread.get(term, (getattr(self, term), getattr(self, term)))
+        return 1.0 if hi == lo else (hi / lo if lo > 0 else math.inf)
 
     def describe(self, cores: int) -> str:
         return (f"measured through the engine: {self.message_s * 1e6:.0f} µs per message between hosts, "
                 f"{self.intra_message_s * 1e6:.0f} µs inside a host; CPU {self.message_cpu_s * 1e6:.0f} µs per "
                 f"message, {self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
-                f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores")
+                f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores (median of "
+                f"{self.rounds} rounds; per message between hosts {self._range('message_s', 1e6)} µs, CPU "
+                f"{self._range('message_cpu_s', 1e6)} µs)")
+
+    def _range(self, term: str, scale: float) -> str:
+        lo, hi = self.spread.get(term, (getattr(self, term), getattr(self, term)))
+        return f"{lo * scale:.0f}-{hi * scale:.0f}"
 
 
 def probe_cases(layout: Any, nic_bytes_per_s: float, network: NetworkModel, case_type: Any, variant_type: Any,
-                plan: Callable[..., Any]) -> list[Any]:
-    """One case per link and size, each with a broadcast variant per K (the bench's Case and Variant)."""
+                plan: Callable[..., Any], rounds: int = PROBE_ROUNDS) -> list[Any]:
+    """Per round, one case per link and size, each with a broadcast variant per K (the bench's Case and
+    Variant), named "<link> <MiB> MiB round <r>"."""
     from meshjob.mesh import Mesh
 
     sender = layout.grid((1, 1), 0)
     neighbour = layout.rank(0, 1)
     targets = {CROSS_HOST: layout.grid((1, 1), 1), INTRA_HOST: Mesh((1, 1), (neighbour,), (0,))}
     cases = []
-    for link in LINKS:
-        for mib in PROBE_MIB:
-            shape = (mib * 2**20 // 4 // 1024, 1024)
-            case = case_type("engine_probe", f"{link} {mib} MiB", shape, sender, targets[link],
-                             ShardingSpec.parse("RR"), ShardingSpec.parse("RR"))
-            case.limit_s = mib * 2**20 / nic_bytes_per_s
-            case.variants = [variant_type("broadcast", k, "greedy") for k in PROBE_CHUNKS]
-            case.boundaries = [plan(case, v, i, layout.host_of, network) for i, v in enumerate(case.variants)]
-            case.simulated_s = [math.nan] * len(case.variants)
-            case.planned_s = [math.nan] * len(case.variants)
-            case.messages = [{link: len(b.steps)} for b in case.boundaries]
-            cases.append(case)
+    for r in range(rounds):  # interleaved: a burst of load on the shared cores moves one round
+        for link in LINKS:
+            for mib in PROBE_MIB:
+                shape = (mib * 2**20 // 4 // 1024, 1024)
+                case = case_type("engine_probe", f"{link} {mib} MiB round {r}", shape, sender, targets[link],
+                                 ShardingSpec.parse("RR"), ShardingSpec.parse("RR"))
+                case.limit_s = mib * 2**20 / nic_bytes_per_s
+                case.variants = [variant_type("broadcast", k, "greedy") for k in PROBE_CHUNKS]
+                case.boundaries = [plan(case, v, i, layout.host_of, network) for i, v in enumerate(case.variants)]
+                case.simulated_s = [math.nan] * len(case.variants)
+                case.planned_s = [math.nan] * len(case.variants)
+                case.messages = [{link: len(b.steps)} for b in case.boundaries]
+                cases.append(case)
     return cases
 
 
 def fit(rows: Sequence[Any]) -> EngineCosts:
-    """The costs from the probe's rows (the bench's Row: seconds, cpu_seconds, messages)."""
+    """The costs from the probe's rows (the bench's Row: seconds, cpu_seconds, messages; case
+    "<link> <MiB> MiB [round <r>]"): each round fitted alone (`fit_round`), each cost the median over
+    the rounds, its spread the least and most of them."""
     samples = [{"link": r.case.split()[0], "bytes": int(r.case.split()[1]) * 2**20, "chunks": r.chunks,
-                "messages": sum(r.messages.values()), "seconds": r.seconds, "cpu_seconds": r.cpu_seconds}
+                "messages": sum(r.messages.values()), "seconds": r.seconds, "cpu_seconds": r.cpu_seconds,
+                "round": int(r.case.split()[4]) if len(r.case.split()) > 4 else 0}
                for r in rows]
+    rounds = sorted({s["round"] for s in samples})
+    fits = [fit_round([s for s in samples if s["round"] == r]) for r in rounds]
+    costs = {term: statistics.median(f[term] for f in fits) for term in TERMS}
+    spread = {term: (min(f[term] for f in fits), max(f[term] for f in fits)) for term in TERMS}
+    return EngineCosts(**costs, samples=tuple(samples), spread=spread, rounds=len(fits))
+
+
+def fit_round(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """One round's costs (TERMS) from its samples: every link at both sizes and both K."""
     per_message = {}
     for link in LINKS:  # seconds = per transfer + per byte * bytes + per message * messages
         mine = [s for s in samples if s["link"] == link]
@@ -113,8 +161,8 @@ def fit(rows: Sequence[Any]) -> EngineCosts:
                 extra.append((same[-1]["cpu_seconds"] - same[0]["cpu_seconds"])
                              / (same[-1]["messages"] - same[0]["messages"]))
     message_cpu = max(0.0, sum(extra) / len(extra)) if extra else 0.0
-    return EngineCosts(per_message[CROSS_HOST], per_message[INTRA_HOST], message_cpu, per_byte[CROSS_HOST],
-                       per_byte[INTRA_HOST], tuple(samples))
+    return dict(zip(TERMS, (per_message[CROSS_HOST], per_message[INTRA_HOST], message_cpu, per_byte[CROSS_HOST],
+                            per_byte[INTRA_HOST])))
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

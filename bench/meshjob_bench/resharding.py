@@ -684,7 +684,9 @@ def main(args: argparse.Namespace) -> int:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1
                 planning = costs.apply(planning, os.cpu_count() or 1)
-                print(f"planning model: {costs.describe(planning.shared_cpu_cores)}")
+                print(f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
+                      f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
+                      f"{planning.alone_message_s * 1e6:.0f} µs more each")
             plan_cases(cases, layout, planning)
             result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning),
                             **cluster.gang(layout.hosts).launch_args())
