@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, recv_depths, transfer_order
+from meshjob.comm_order import TransferOrder, recv_depths
 from meshjob.mesh import Mesh
 from meshjob.network import Link, NetworkModel
 from meshjob.plan import ITEMSIZE, Boundary
@@ -537,7 +537,7 @@ class ReshardExecutor:
             host = host or plan.placement.hosts[plan.placement.host_of(rank)].name
             network = plan.network
             if order == "plan":
-                order = transfer_order(plan)
+                order = plan.transfer_order  # computed once per plan (meshjob.plan)
             if order is not None:
                 self.recv_depth = recv_depths(plan.schedules, order).get(plan.placement.stage_of(rank), {})
         order = None if order == "plan" else order  # explicit routes: no plan to take an order from
