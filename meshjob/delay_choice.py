@@ -27,11 +27,11 @@ not seconds, so every rank that builds the plan picks the same delays.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import NEED_ORDER_ROUNDS, fastest_order, run_work  # imports nothing of the plan: no cycle
+from meshjob.comm_order import NEED_ORDER_ROUNDS, TransferOrder, fastest_order, run_work  # imports nothing of the plan: no cycle
 from meshjob.costs import CostModel
 from meshjob.network import Link
 from meshjob.schedule import Action, Edge, generate
@@ -46,6 +46,9 @@ class DelayCandidate:
     name: str  # "rule" (ceil(comm / W) per stage) or "d=N" (one delay N, each stage capped by its room)
     delays: Mapping[int, int]  # stage -> W's delayed
     step_s: float  # simulated step on the plan's own network and stage costs
+    # the transfer order that step ran in, where it is the one the plan takes (meshjob.comm_order.transfer_order:
+    # every need order tried); None where the budget held the candidates to the send order
+    order: TransferOrder | None = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -146,7 +149,7 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        step = fastest_order(lists[name], compute_s, transfers, cost, rounds)[1]
-        simulated.append(DelayCandidate(name, delays, step))
+        order, step = fastest_order(lists[name], compute_s, transfers, cost, rounds)
+        simulated.append(DelayCandidate(name, delays, step, order if rounds == NEED_ORDER_ROUNDS else None))
     chosen = pick(simulated, tolerance)
     return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]

@@ -410,10 +410,19 @@ def simulated_delays(plan: Plan, rooms: Mapping[int, int]) -> Plan:
                                         plan.weight_delay, plan.schedules, rooms, compute_costs(plan, cost),
                                         transfer_costs(plan, cost), cost)
     if choice.chosen.name == delay_choice.RULE:
-        return replace(plan, delay_choice=choice)
+        return _with_order(replace(plan, delay_choice=choice), choice.chosen.order)
     validate(lists, _edges(job), job.training.microbatches, True)
-    return replace(plan, schedules={s: tuple(actions) for s, actions in lists.items()},
-                   weight_delay=dict(choice.chosen.delays), delay_choice=choice)
+    return _with_order(replace(plan, schedules={s: tuple(actions) for s, actions in lists.items()},
+                               weight_delay=dict(choice.chosen.delays), delay_choice=choice), choice.chosen.order)
+
+
+def _with_order(plan: Plan, order: TransferOrder | None) -> Plan:
+    """`plan` with its transfer order already known, where the delay choice ran the same runs that
+    comm_order.transfer_order would (same action lists, costs and rounds): not computed twice. It fills
+    the cached_property's slot; dataclasses.replace builds a new Plan, so a changed plan computes its own."""
+    if order is not None:
+        plan.__dict__["transfer_order"] = order
+    return plan
 
 
 def _edges(job: TrainingJob) -> list[tuple[int, int, str]]:

@@ -262,7 +262,8 @@ class _LinkQueue:
         for key, mb in order or ():
             for link in transfers[key][1]:
                 self.heads[link].append((key, mb))
-        self.ready: dict[tuple[BoundaryKey, int], float] = {}
+        self.ready: dict[tuple[BoundaryKey, int], float] = {}  # sent, waiting for their links
+        self.arrived: dict[tuple[BoundaryKey, int], int] = {}  # when each was sent, as a count
 
     def send(self, key: BoundaryKey, mb: int, now: float) -> list[tuple[BoundaryKey, int, float]]:
         """The transfer (key, mb) is sent at `now`: the transfers that take their links now, in order,
@@ -270,15 +271,21 @@ class _LinkQueue:
         if not self.planned:
             return [(key, mb, now)]
         self.ready[(key, mb)] = now
+        self.arrived[(key, mb)] = len(self.arrived)
+        # No other ready transfer was first on all its links (the last call took every one that was), so
+        # only this one can start; then only new heads of links just freed: rounds of those, each round
+        # the ones first on all their links, in the order they were sent.
         out = []
-        progressed = True
-        while progressed:
-            progressed = False
-            for t in [t for t in self.ready if self._first(t)]:
+        batch = [(key, mb)] if self._first((key, mb)) else []
+        while batch:
+            freed: list[Link] = []
+            for t in batch:
                 for link in self.transfers[t[0]][1]:
                     self.heads[link].popleft()
+                    freed.append(link)
                 out.append((t[0], t[1], self.ready.pop(t)))
-                progressed = True
+            candidates = {self.heads[link][0] for link in freed if self.heads[link]}
+            batch = sorted((t for t in candidates if t in self.ready and self._first(t)), key=self.arrived.__getitem__)
         return out
 
     def _first(self, transfer: tuple[BoundaryKey, int]) -> bool:

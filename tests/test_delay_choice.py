@@ -1,13 +1,14 @@
 """weightGradDelay auto picks its delays by simulating candidates on the plan's own network and costs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from meshjob import delay_choice
+from meshjob import comm_order, delay_choice
 from meshjob.costs import CostModel
 from meshjob.delay_choice import DelayCandidate, candidate_delays, global_delays, pick
 from meshjob.device_costs import emulated_costs
@@ -84,6 +85,20 @@ def test_where_the_steps_transfers_share_the_nics_the_rule_delays_too_little_and
     assert all(chosen.weight_delay[s] > rule.weight_delay[s] for s in (1, 2, 3))
     assert step_s(chosen) < 0.95 * step_s(rule)
     assert max(peak_stashed(chosen.schedules).values()) <= stash_bound(4, 8)
+
+
+def test_the_plan_takes_the_chosen_candidates_transfer_order_without_simulating_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = queued_gradients_job()
+    cost = emulated_cost(job)
+    plan = build_plan(job, cost=cost, network=cost.network)
+    assert plan.delay_choice.chosen.order is not None
+    recomputed = comm_order.transfer_order(plan)  # what every rank would derive from the plan alone
+    monkeypatch.setattr(comm_order, "fastest_order", lambda *a, **k: pytest.fail("simulated again"))
+    assert plan.transfer_order == recomputed
+    changed = dataclasses.replace(plan, schedules=dict(plan.schedules))  # a changed plan computes its own
+    with pytest.raises(pytest.fail.Exception, match="simulated again"):
+        changed.transfer_order
 
 
 def test_an_integer_weight_grad_delay_still_forces_the_delay() -> None:
