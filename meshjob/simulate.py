@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from meshjob.boundary import BoundaryKey
 from meshjob.costs import CostModel, StageCost
@@ -33,7 +33,7 @@ from meshjob.network import Link, NetworkModel
 from meshjob.resharding import Step
 from meshjob.schedule import Action
 
-__all__ = ["CostModel", "Link", "StageCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
+__all__ = ["CostModel", "Link", "StageCost", "TransferCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
 
 
 class Links:
@@ -71,6 +71,34 @@ class Links:
                 tokens = min(self.network.burst_bytes, tokens + (start - at) * self.network.nic_bytes_per_s) - n
                 self.tokens[link] = (tokens, start)  # negative: still owed, refilled at the NIC rate
         return start, end
+
+    def paced(self, per_link: Mapping[Link, float], ready: float, seconds: float, early_s: float) -> float:
+        """A transfer whose every NIC message is held until its bytes can have left at the NIC rate
+        (TransferCost.early_s not None): it holds its links for `seconds` (its makespan on plain links,
+        every message's cost included) from when they are all free. Its last message lands `early_s`
+        before that (its bytes leave faster, from the bucket), freeing the in-links then. Paced at the
+        NIC rate, a bucket is full again by each message's end. Returns when the data has landed."""
+        start = max([ready] + [self.free.get(link, 0.0) for link in per_link])
+        done = start + seconds
+        landed = max(start, done - early_s)
+        for link in per_link:
+            self.free[link] = landed if link[1] == "in" else done
+            if self.network.burst_bytes > 0 and link[1] != "local":
+                self.tokens[link] = (self.network.burst_bytes, done)
+        return landed
+
+
+class TransferCost(NamedTuple):
+    """One microbatch's transfer of a boundary, as simulate_pipeline takes it (a plain (seconds,
+    per_link) pair means early_s None)."""
+
+    seconds: float  # its makespan on plain links (no bucket), every message's cost included
+    per_link: Mapping[Link, float]  # bytes through each NIC link (host, "out"|"in")
+    # Not None where every NIC message is above the network's alone_bytes: the executor holds each on
+    # its out-link until its bytes can have left at the NIC rate (meshjob_trainer.engine), so a tbf
+    # bucket shortens none of them (each also pays alone_message_s, in `seconds`); its last message
+    # lands this much sooner than its link is free (its bytes leave from the refilled bucket)
+    early_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +207,7 @@ class PipelineResult:
 def simulate_pipeline(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
+    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]] | TransferCost],
     cost: CostModel | None = None,
     order: Sequence[tuple[BoundaryKey, int]] | None = None,
 ) -> PipelineResult:
@@ -201,14 +229,19 @@ def simulate_pipeline(
     started: list[float] = []
 
     def book(key: BoundaryKey, mb: int, ready: float) -> None:
-        seconds, per_link = transfers[key]
-        # the busiest link's share goes through the (token-bucket) links; the rest of the
-        # transfer's makespan (chain fill, intra-host hops) is added as it is
-        bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
-        _, end = links.book(list(per_link), list(per_link.values()), ready)
-        end += max(0.0, seconds - bottleneck)
-        for link in per_link:
-            links.free[link] = end
+        spec = transfers[key]
+        seconds, per_link = spec[0], spec[1]
+        early = spec[2] if len(spec) > 2 else None
+        if early is not None:  # paced (TransferCost): its links for its plain makespan, the bucket unused
+            end = links.paced(per_link, ready, seconds, early)
+        else:
+            # the busiest link's share goes through the (token-bucket) links; the rest of the
+            # transfer's makespan (chain fill, intra-host hops) is added as it is
+            bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
+            _, end = links.book(list(per_link), list(per_link.values()), ready)
+            end += max(0.0, seconds - bottleneck)
+            for link in per_link:
+                links.free[link] = end
         sent[(key, mb)] = end
         stats[key.src].comm_s += end - ready
 
@@ -301,15 +334,33 @@ def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
     return out
 
 
-def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, tuple[float, Mapping[Link, float]]]:
+def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, TransferCost]:
     """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
-    (token buckets act across transfers, in the pipeline simulation)."""
+    (token buckets act across transfers, in the pipeline simulation), and whether it is paced."""
     plain = replace(cost.network, burst_bytes=0.0)
     out = {}
     for b in plan.boundaries:
         res = simulate_transfer(b.steps, plan.placement.host_of, plain, cost.itemsize)
-        out[b.key] = (res.makespan_s, dict(res.nic_bytes))
+        out[b.key] = TransferCost(res.makespan_s, dict(res.nic_bytes),
+                                  paced_early_s(b.steps, plan.placement.host_of, res, cost.network, cost.itemsize))
     return out
+
+
+def paced_early_s(steps: Sequence[Step], host_of: Callable[[int], int], res: TransferResult,
+                  network: NetworkModel, itemsize: int = 4) -> float | None:
+    """TransferCost.early_s of a boundary: None unless every message between hosts is above
+    network.alone_bytes (> 0); else how much sooner than its link time its last such message lands:
+    held to the NIC rate, it leaves from a full bucket (max(m / line rate, (m - burst) / NIC rate))."""
+    nic = [s for s in steps if host_of(s.src) != host_of(s.dst)]
+    if network.alone_bytes <= 0 or not nic or any(s.signal or s.nbytes(itemsize) <= network.alone_bytes
+                                                  for s in nic):
+        return None
+    last = max(nic, key=lambda s: res.finish_s[s.id])
+    m = last.nbytes(itemsize)
+    if network.burst_bytes <= 0:
+        return 0.0
+    wire = max(m / network.line_bytes_per_s, (m - network.burst_bytes) / network.nic_bytes_per_s)
+    return max(0.0, m / network.nic_bytes_per_s - wire)
 
 
 def plan_cost(plan) -> CostModel:

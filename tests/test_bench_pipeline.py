@@ -34,6 +34,15 @@ def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
     assert nic_rate_for(job, device, 0.1) == pytest.approx(10 * nic_rate_for(job, device, 1.0))
 
 
+def test_the_bench_plans_messages_above_the_executors_overlap_threshold_as_run_alone():
+    from meshjob_trainer.reshard import overlap_bytes
+
+    job, device = bench_job("utransformer", "eager-1f1b", 2, quick=False), parse_device("3")
+    network = cost_model(job, device, nic_rate_for(job, device, 1.0)).network
+    assert network.alone_bytes == overlap_bytes(network) > 0  # the threshold the executor runs with
+    assert network.alone_message_s > 0
+
+
 @pytest.mark.parametrize("model", ["gpt", "utransformer"])
 def test_the_step_bound_is_at_most_every_variants_simulated_step_at_the_bench_shapes(model):
     from meshjob.plan import build_plan

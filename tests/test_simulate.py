@@ -1,6 +1,8 @@
 """The simulator against analytic cases: broadcast chains, send/recv fan-out, 1F1B bubbles."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from meshjob.boundary import BoundaryKey
@@ -289,3 +291,40 @@ def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_pla
     sweep = {k: simulated(k) for k in (1, 4, 16, 64, 256)}
     assert sweep[1] > sweep[16] < sweep[256]
     assert simulated(auto) <= 1.03 * min(sweep.values())
+
+
+def paced_pair(burst_bytes: float) -> tuple[dict, dict, NetworkModel, int]:
+    """Stage 0 sends two activations to stage 1 (another host), each one step of 4 MiB above alone_bytes."""
+    network = NetworkModel(nic_bytes_per_s=4 * 2**20, message_s=0.0, burst_bytes=burst_bytes,
+                           alone_bytes=2**20, alone_message_s=0.25)
+    key = BoundaryKey(0, 1, "activation")
+    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 1), Action("F", 1, None), Action("SEND_F", 1, 1)],
+                 1: [Action("RECV_F", 0, 0), Action("RECV_F", 1, 0), Action("F", 0, None)]}
+    compute = {(0, "F"): 0.0, (1, "F"): 1.0}
+    return schedules, compute, network, key
+
+
+def test_a_transfer_whose_messages_run_alone_holds_its_link_for_bytes_and_message_costs_the_bucket_unused():
+    from meshjob.simulate import TransferCost, paced_early_s
+
+    for burst in (0.0, 2**20):
+        schedules, compute, network, key = paced_pair(burst)
+        step = Step(id=0, task=0, src=0, dst=1, region=((0, 2**20),), after=(), scope="cross_host")  # 4 MiB
+        res = simulate_transfer([step], lambda r: r, replace(network, burst_bytes=0.0))
+        assert res.makespan_s == pytest.approx(1.25)  # 4 MiB at 4 MiB/s plus the alone message's cost
+        early = paced_early_s([step], lambda r: r, res, network)
+        assert early == pytest.approx(burst / network.nic_bytes_per_s)  # its last MiB left from the bucket
+        transfers = {key: TransferCost(res.makespan_s, dict(res.nic_bytes), early)}
+        result = simulate_pipeline(schedules, compute, transfers, CostModel(network=network))
+        # back to back on one link: the second starts when the first's link time (1.25) is over
+        assert result.step_s == pytest.approx(2 * 1.25 - early + 1.0)
+
+
+def test_a_transfer_of_small_messages_is_not_paced():
+    from meshjob.simulate import paced_early_s
+
+    _, _, network, _ = paced_pair(2**20)
+    small = Step(id=0, task=0, src=0, dst=1, region=((0, 2**10),), after=(), scope="cross_host")
+    res = simulate_transfer([small], lambda r: r, network)
+    assert paced_early_s([small], lambda r: r, res, network) is None
+    assert paced_early_s([small], lambda r: r, res, replace(network, alone_bytes=0.0)) is None
