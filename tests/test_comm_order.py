@@ -139,3 +139,22 @@ def test_a_forward_only_pass_keeps_the_steps_forwards_in_order_and_drops_the_gra
     only = order.forward_only()
     assert only.transfers == ((forward, 0), (forward, 1), (forward, 2))
     assert dict(only.depth) == {forward: 2}
+
+
+def test_a_need_order_times_every_receive_a_compute_takes_by_the_first_of_them():
+    """Stage 2's F takes stage 0's activation (sent at 2) and stage 1's (sent at 0.5) through one in-link;
+    the list-scheduled run reaches stage 1's RECV only once stage 0's transfer has landed, but stage 2
+    needs both from the start: stage 1's, sent first, goes first and the in-link does not idle."""
+    from meshjob.simulate import simulate_pipeline
+
+    keys = {0: BoundaryKey(0, 2, "activation"), 1: BoundaryKey(1, 2, "skip")}
+    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+                 1: [Action("F", 0, None), Action("SEND_F", 0, 2, "skip")],
+                 2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1, "skip"), Action("F", 0, None)]}
+    compute = {(0, "F"): 2.0, (1, "F"): 0.5, (2, "F"): 1.0}
+    nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
+    transfers = {key: (1.0, {(src, "out"): nbytes, (2, "in"): nbytes}) for src, key in keys.items()}
+    run = simulate_pipeline(schedules, compute, transfers)
+    order = need_order(run)
+    assert order.index((keys[1], 0)) < order.index((keys[0], 0))
+    assert simulate_pipeline(schedules, compute, transfers, order=order).step_s == pytest.approx(4.0)
