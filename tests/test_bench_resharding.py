@@ -256,3 +256,16 @@ def test_a_case_runs_its_variants_in_a_planned_order_one_microbatch_a_repetition
     keys = [b.key for b in cases[0].boundaries]
     assert order.transfers == tuple((k, rep) for k in keys for rep in range(3))
     assert len(set(keys)) == len(keys)  # every variant its own transfer
+
+
+def test_case_text_that_names_no_case_is_refused_with_the_option_and_value():
+    import argparse
+
+    from meshjob.errors import SpecError
+    from meshjob_bench.resharding import add_arguments, main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--section", "one_to_many", "--case", "no such case"])
+    with pytest.raises(SpecError, match="--case"):
+        main(args)

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "modelled)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
                         help="run only this section (repeatable; default all)")
+    parser.add_argument("--case", action="append", default=None,
+                        help="run only the cases whose name contains this text, e.g. 'x1' or 'S0R -> RR' "
+                             "(repeatable; default all)")
 
 
 ALPA_DEFAULT = "alpa default"
@@ -667,6 +670,10 @@ def main(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     layout = Layout()
     cases = build_cases(quick, int(size_mib * 2**20), chunks, nic_bytes_per_s, layout, args.section or SECTIONS)
+    if getattr(args, "case", None):
+        cases = [c for c in cases if any(text in c.name for text in args.case)]
+        if not cases:
+            raise SpecError([FieldError("--case", args.case, "text in a case's name, e.g. x1 or 'S0R -> RR'")])
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
@@ -686,7 +693,9 @@ def main(args: argparse.Namespace) -> int:
                 planning = costs.apply(planning, os.cpu_count() or 1)
                 print(f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
                       f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
-                      f"{planning.alone_message_s * 1e6:.0f} µs more each")
+                      f"{planning.alone_message_s * 1e6:.0f} µs more each; a NIC message costs its link "
+                      f"{planning.message_s * 1e6:.0f} µs plus what its wire time leaves unhidden of a "
+                      f"{planning.turnaround_s * 1e6:.0f} µs turnaround")
             plan_cases(cases, layout, planning)
             result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning),
                             **cluster.gang(layout.hosts).launch_args())
