@@ -8,13 +8,7 @@ nothing else about the network, so the plan optimises the problem that runs:
 - copies between devices of one host use a separate intra-host link (`intra_host_bytes_per_s`);
 - every message (one chunk of one point-to-point step) costs `message_s` on its link on top of its
   bytes (`intra_message_s` inside a host): the syscalls, framing and the receiver's wake-up of one
-  send. It is what makes chunks cost something, so `chunks: auto` can pick K. Where it is measured
-  through the engine (the resharding bench), a NIC message also pays the part of the engine's
-  turnaround its own wire time does not hide behind the message in flight before it (`turnaround_s`):
-  the probe's 16 KiB messages cost their link 120-220 µs each, its 64 KiB ones 0-70 µs, so one figure
-  for both (73-107 µs) over-charged the 150-350 KiB chunks of a chain and `chunks: auto` cut it too
-  coarsely (one device to 2 / 3 / 4 hosts, median of 5: K = 96 measured 1.084 / 1.091 / 1.125 L, the
-  48 / 64 / 68 chunks auto took then 1.096 / 1.103 / 1.139 L);
+  send. It is what makes chunks cost something, so `chunks: auto` can pick K;
 - where every host's ranks share one machine's cores (the emulated cluster: `shared_cpu_cores`), a
   message also costs CPU: `message_cpu_s` for its two ranks together plus a cost per byte, measured
   through the communication engine under the run's own ranks (meshjob_trainer.cpu_probe). No task
@@ -152,12 +146,6 @@ class NetworkModel:
     # one on the wire: each such message takes `alone_message_s` more of its link. 0: none is held.
     alone_bytes: float = 0.0
     alone_message_s: float = 0.0
-    # Between hosts, the engine issues a link's next message only after it took a completion: with
-    # in_flight_per_link messages in flight, a message whose bytes take less than this turnaround on the
-    # wire behind the one before it leaves its link idle for the difference (message_s is then what a
-    # long message costs beyond its bytes). Measured by the resharding bench's probe from short and long
-    # messages alike; 0: not modelled, every NIC message costs message_s.
-    turnaround_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nic_bytes_per_s", "intra_host_bytes_per_s", "line_bytes_per_s"):
@@ -165,7 +153,7 @@ class NetworkModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
         for name in ("message_s", "intra_message_s", "burst_bytes", "message_cpu_s", "net_byte_cpu_s",
-                     "local_byte_cpu_s", "cpu_contention_p", "alone_bytes", "alone_message_s", "turnaround_s"):
+                     "local_byte_cpu_s", "cpu_contention_p", "alone_bytes", "alone_message_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
@@ -188,13 +176,9 @@ class NetworkModel:
         return nbytes / self.nic_bytes_per_s + self.net_message_s(nbytes)
 
     def net_message_s(self, nbytes: float) -> float:
-        """What a message of `nbytes` between hosts takes of its link beyond its bytes: message_s, the
-        part of the engine's turnaround its bytes do not hide (`turnaround_s`), and alone_message_s more
-        where it runs alone on the link (more than alone_bytes: nothing in flight hides anything then)."""
-        if 0 < self.alone_bytes < nbytes:
-            return self.message_s + self.alone_message_s
-        hidden = (self.in_flight_per_link - 1) * nbytes / self.nic_bytes_per_s
-        return self.message_s + max(0.0, self.turnaround_s - hidden)
+        """What a message of `nbytes` between hosts takes of its link beyond its bytes: message_s, and
+        alone_message_s more where it runs alone on the link (more than alone_bytes)."""
+        return self.message_s + (self.alone_message_s if 0 < self.alone_bytes < nbytes else 0.0)
 
     def local_s(self, nbytes: float) -> float:
         """One message between devices of one host."""
@@ -226,8 +210,7 @@ class NetworkModel:
                 "in_flight_per_link": self.in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
                 "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
                 "local_byte_cpu_s": self.local_byte_cpu_s, "cpu_contention_p": self.cpu_contention_p,
-                "alone_bytes": self.alone_bytes, "alone_message_s": self.alone_message_s,
-                "turnaround_s": self.turnaround_s}
+                "alone_bytes": self.alone_bytes, "alone_message_s": self.alone_message_s}
 
     # ---------------------------------------------------------------- unit tasks
     def task_cost(self, task: HostTask, sender: int, strategy: str, chunks: int | str = "auto") -> TaskCost:

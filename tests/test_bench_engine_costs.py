@@ -101,35 +101,3 @@ def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshol
     planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.alone_bytes == overlap_bytes(planning) > 0
     assert planning.alone_message_s == pytest.approx(150e-6)
-
-
-def test_short_probe_messages_that_cost_more_than_long_ones_give_the_engines_turnaround():
-    """The short probe messages' extra link time over the long ones' is the turnaround their wire time
-    does not hide: the model then charges a long message the long ones' cost and a short one the rest."""
-    from meshjob_bench.engine_costs import SHORT_MESSAGE_BYTES
-    from meshjob_bench.resharding import bench_network
-    from meshjob_trainer.reshard import overlap_bytes
-
-    network = bench_network(RATE)
-    wire = SHORT_MESSAGE_BYTES / network.nic_bytes_per_s
-    turnaround = wire + 130e-6  # a short message leaves its link idle 130 µs
-    per_size = {2: 15e-6 + 130e-6, 8: 15e-6}
-    rows = [_row(link, mib, k, 2e-3 + mib * 2**20 / RATE + k * per_size[mib], 1e-3 + k * 300e-6)
-            for link in ("cross_host", "intra_host") for mib in (2, 8) for k in (1, 128)]
-    costs = fit(rows)
-    assert (costs.short_message_s, costs.long_message_s) == (pytest.approx(145e-6), pytest.approx(15e-6))
-    assert costs.message_s == pytest.approx(80e-6, rel=0.01)  # the one line through both sizes
-    planning = costs.apply(network, cores=2)
-    assert planning.turnaround_s == pytest.approx(turnaround) and planning.message_s == pytest.approx(15e-6)
-    assert planning.net_message_s(SHORT_MESSAGE_BYTES) == pytest.approx(145e-6)
-    assert planning.net_message_s(4 * SHORT_MESSAGE_BYTES) == pytest.approx(15e-6)
-    # the executor's overlap threshold stays 50 of the one fitted figure, as the model's alone_bytes
-    assert planning.alone_bytes == overlap_bytes(planning) == pytest.approx(network.nic_bytes_per_s * 80e-6 * 50,
-                                                                             rel=0.01)
-    assert costs.to_json()["short_message_s"] == pytest.approx(145e-6)
-
-
-def test_probe_messages_that_cost_the_same_short_and_long_leave_the_turnaround_out():
-    costs = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, (), short_message_s=140e-6, long_message_s=160e-6)
-    planning = costs.apply(NetworkModel(), cores=2)
-    assert planning.turnaround_s == 0.0 and planning.message_s == 150e-6

@@ -243,26 +243,3 @@ def test_chunks_auto_cuts_one_device_per_host_below_the_alone_threshold_where_he
 def test_the_lower_bound_does_not_charge_the_alone_cost_chunks_can_avoid():
     task = HostTask((0,), (1,), 16 * 2**20)
     assert HELD.lower_bound([task]) == pytest.approx(task.bytes / RATE + 60e-6)
-
-
-# ---------------------------------------------------------------- the engine's turnaround on a NIC link
-def test_a_nic_message_pays_the_turnaround_its_bytes_do_not_hide_behind_the_one_in_flight():
-    model = NetworkModel(nic_bytes_per_s=RATE, message_s=15e-6, turnaround_s=300e-6)
-    assert model.net_message_s(RATE * 100e-6) == pytest.approx(15e-6 + 200e-6)  # 100 µs on the wire hides 100
-    assert model.net_message_s(RATE * 1e-3) == pytest.approx(15e-6)  # a long one hides all of it
-    three = replace(model, in_flight_per_link=3)  # two in flight before it hide twice its wire time
-    assert three.net_message_s(RATE * 100e-6) == pytest.approx(15e-6 + 100e-6)
-    assert replace(model, turnaround_s=0.0).net_message_s(1) == 15e-6  # not modelled: message_s alone
-    assert model.to_json()["turnaround_s"] == 300e-6
-    with pytest.raises(ValueError, match="turnaround_s -1 is invalid: a number >= 0"):
-        NetworkModel(turnaround_s=-1)
-
-
-def test_chunks_auto_cuts_a_chain_finer_when_only_short_messages_pay_the_turnaround():
-    """A chain of 16 MiB to 4 hosts: with the per-message cost of short messages charged to every
-    chunk, K stays low; charged only where a chunk is too short to hide it, K rises and the plan is faster."""
-    task = HostTask((0,), (1, 2, 3, 4), 16 * 2**20)
-    flat = NetworkModel(nic_bytes_per_s=RATE, message_s=80e-6)
-    turned = NetworkModel(nic_bytes_per_s=RATE, message_s=15e-6, turnaround_s=280e-6)
-    k_flat, k_turned = (m.task_cost(task, 0, "broadcast", "auto") for m in (flat, turned))
-    assert k_turned.chunks > k_flat.chunks and k_turned.seconds < k_flat.seconds

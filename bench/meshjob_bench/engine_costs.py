@@ -38,12 +38,7 @@ PROBE_CHUNKS = (1, 128)
 PROBE_MIB = (2, 8)
 PROBE_REPEATS = 3  # timed transfers per round, link, size and K (their median)
 PROBE_ROUNDS = 5  # rounds fitted alone; each cost is the median over them
-TERMS = ("message_s", "intra_message_s", "message_cpu_s", "net_byte_cpu_s", "local_byte_cpu_s", "short_message_s",
-         "long_message_s")
-# The probe's messages between hosts, short and long: the many-message transfers of the smallest and the
-# largest size (their per-message link time: EngineCosts.short_message_s, long_message_s).
-SHORT_MESSAGE_BYTES = min(PROBE_MIB) * 2**20 // max(PROBE_CHUNKS)
-LONG_MESSAGE_BYTES = max(PROBE_MIB) * 2**20 // max(PROBE_CHUNKS)
+TERMS = ("message_s", "intra_message_s", "message_cpu_s", "net_byte_cpu_s", "local_byte_cpu_s")
 LINKS = (CROSS_HOST, INTRA_HOST)
 
 
@@ -58,49 +53,25 @@ class EngineCosts:
     # per cost (TERMS): (least, most) over the rounds' fits; rounds: how many were fitted
     spread: dict[str, tuple[float, float]] = field(default_factory=dict)
     rounds: int = 1
-    # Link time per message between hosts of the short and the long probe messages alone (message_s
-    # fits one figure to both): the engine's turnaround shows in the short ones, a long one hides it
-    # behind the message in flight before it (NetworkModel.turnaround_s; `apply`).
-    short_message_s: float = 0.0
-    long_message_s: float = 0.0
 
     def apply(self, network: NetworkModel, cores: int) -> NetworkModel:
         """`network` with these costs, its hosts sharing `cores` cores. A NIC message above the executor's
         overlap threshold runs alone (meshjob_trainer.reshard.overlap_bytes of this model): its link's
         next message is issued only once it has left, so that message's CPU work on the shared cores
-        (message_cpu_s / cores) is on the link's path each time (NetworkModel.alone_message_s).
-        A NIC message's link time is the long probe message's, plus the engine's turnaround where its
-        bytes are too short to hide it (`turnaround`); the overlap threshold stays the one the
-        executor's was tuned on, 50 times the one figure fitted to both (message_s)."""
+        (message_cpu_s / cores) is on the link's path each time (NetworkModel.alone_message_s)."""
         from meshjob_trainer.reshard import overlap_bytes
 
         costed = replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
                          shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
                          net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s,
                          cpu_contention_p=EMULATED_CPU_CONTENTION_P)
-        costed = replace(costed, alone_bytes=float(overlap_bytes(costed)),
-                         alone_message_s=self.message_cpu_s / cores if cores else 0.0)
-        turnaround = self.turnaround(costed)
-        if turnaround <= 0:
-            return costed
-        return replace(costed, message_s=max(0.0, self.long_message_s), turnaround_s=turnaround)
-
-    def turnaround(self, network: NetworkModel) -> float:
-        """The engine's turnaround on a NIC link (NetworkModel.turnaround_s) from the short and long probe
-        messages: a short one costs its link the long one's per-message time plus the turnaround less
-        what the message in flight before it hides (its wire time); 0 where the short ones cost no
-        more than the long ones (nothing to tell them apart)."""
-        long_s = max(0.0, self.long_message_s)
-        if self.short_message_s <= long_s:
-            return 0.0
-        hidden = (network.in_flight_per_link - 1) * SHORT_MESSAGE_BYTES / network.nic_bytes_per_s
-        return self.short_message_s - long_s + hidden
+        return replace(costed, alone_bytes=float(overlap_bytes(costed)),
+                       alone_message_s=self.message_cpu_s / cores if cores else 0.0)
 
     def to_json(self) -> dict[str, Any]:
         return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
                 "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
-                "local_byte_cpu_s": self.local_byte_cpu_s, "short_message_s": self.short_message_s,
-                "long_message_s": self.long_message_s, "rounds": self.rounds,
+                "local_byte_cpu_s": self.local_byte_cpu_s, "rounds": self.rounds,
                 "spread": {term: list(lo_hi) for term, lo_hi in self.spread.items()}, "samples": list(self.samples)}
 
     def spread_ratio(self, term: str) -> float:
@@ -190,23 +161,8 @@ def fit_round(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
                 extra.append((same[-1]["cpu_seconds"] - same[0]["cpu_seconds"])
                              / (same[-1]["messages"] - same[0]["messages"]))
     message_cpu = max(0.0, sum(extra) / len(extra)) if extra else 0.0
-    by_size = _per_message_by_size([s for s in samples if s["link"] == CROSS_HOST])
-    short = by_size.get(SHORT_MESSAGE_BYTES, per_message[CROSS_HOST])
-    long = by_size.get(LONG_MESSAGE_BYTES, per_message[CROSS_HOST])
     return dict(zip(TERMS, (per_message[CROSS_HOST], per_message[INTRA_HOST], message_cpu, per_byte[CROSS_HOST],
-                            per_byte[INTRA_HOST], short, long)))
-
-
-def _per_message_by_size(samples: Sequence[dict[str, Any]]) -> dict[int, float]:
-    """Per size sent in both K: message bytes of the many-message transfer -> its extra seconds over the
-    one-message transfer, per extra message (may be < 0 in noise)."""
-    out = {}
-    for nbytes in sorted({s["bytes"] for s in samples}):
-        same = sorted((s for s in samples if s["bytes"] == nbytes), key=lambda s: s["messages"])
-        if len(same) > 1 and same[-1]["messages"] > same[0]["messages"]:
-            out[nbytes // same[-1]["messages"]] = ((same[-1]["seconds"] - same[0]["seconds"])
-                                                   / (same[-1]["messages"] - same[0]["messages"]))
-    return out
+                            per_byte[INTRA_HOST])))
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

@@ -647,11 +647,7 @@ class ReshardExecutor:
 
 
 def overlap_bytes(network: NetworkModel) -> int:
-    """In-flight bytes on a NIC link up to which another message may join them: the model's alone_bytes
-    where it has one (the threshold the plan was costed with), else OVERLAP_MESSAGE_COSTS per-message
-    costs of bytes."""
-    if network.alone_bytes > 0:
-        return int(network.alone_bytes)
+    """In-flight bytes on a NIC link up to which another message may join them (OVERLAP_MESSAGE_COSTS)."""
     return int(network.nic_bytes_per_s * network.message_s * OVERLAP_MESSAGE_COSTS)
 
 
