@@ -693,9 +693,7 @@ def main(args: argparse.Namespace) -> int:
                 planning = costs.apply(planning, os.cpu_count() or 1)
                 print(f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
                       f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
-                      f"{planning.alone_message_s * 1e6:.0f} µs more each; a NIC message costs its link "
-                      f"{planning.message_s * 1e6:.0f} µs plus what its wire time leaves unhidden of a "
-                      f"{planning.turnaround_s * 1e6:.0f} µs turnaround")
+                      f"{planning.alone_message_s * 1e6:.0f} µs more each")
             plan_cases(cases, layout, planning)
             result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning),
                             **cluster.gang(layout.hosts).launch_args())
