@@ -229,9 +229,7 @@ def simulate_pipeline(
     started: list[float] = []
 
     def book(key: BoundaryKey, mb: int, ready: float) -> None:
-        spec = transfers[key]
-        seconds, per_link = spec[0], spec[1]
-        early = spec[2] if len(spec) > 2 else None
+        seconds, per_link, early = TransferCost(*transfers[key])  # a plain (seconds, per_link) pair: not paced
         if early is not None:  # paced (TransferCost): its links for its plain makespan, the bucket unused
             end = links.paced(per_link, ready, seconds, early)
         else:
