@@ -67,9 +67,16 @@ EMULATED_LOCAL_BYTE_CPU_S = 0.75e-9
 # for every case, from the 170 fixed-K rows of one-to-many and paper scale in a full resharding bench
 # (bench/results/resharding.json at 9db701a): max(net, cpu) under-predicted the rows where both are close
 # (a 3x4 or 4x4 destination at K = 16: -19% to -22%); p = 4 brings those within 10% and leaves rows bound
-# by one resource alone as they were. The resharding bench plans with it (meshjob_bench.engine_costs);
-# `emulated_network` keeps max until bench e2e is checked with it.
+# by one resource alone as they were. The resharding bench and `meshjob run` plan with it (on_shared_cores).
 EMULATED_CPU_CONTENTION_P = 4.0
+# A NIC message that lasts this many per-message costs needs no second one in flight behind it to keep its
+# link busy (the gap it leaves is 2% of it); two such messages in flight together would share the link
+# instead of running one after the other as the plan times them (meshjob_trainer.board.may_start).
+# Swept at 10 / 25 / 50 / 100 (bench resharding many-to-many, K auto, with sends held until their bytes can
+# have left, meshjob_trainer.engine): 3 / 3 / 4 / 5 of 32 rows with measured / planned above 1.10 (and 1 in
+# another run at 50), within the spread between runs (the threshold's bytes also follow each run's measured
+# per-message cost): 50 is kept.
+OVERLAP_MESSAGE_COSTS = 50
 MAX_AUTO_CHUNKS = 256  # beyond this, chunks gain < 1% at every size measured, and each is a plan step
 MAX_CHUNKS = 1 << 30  # no cap from the slice's shape
 
@@ -142,7 +149,7 @@ class NetworkModel:
     cpu_contention_p: float = 0.0
     # A NIC message of more than `alone_bytes` runs alone on its link: the executor issues the link's
     # next message only once its bytes can have left (meshjob_trainer.engine; the threshold is
-    # meshjob_trainer.reshard.overlap_bytes), so the next message's own cost no longer overlaps this
+    # meshjob.network.overlap_bytes), so the next message's own cost no longer overlaps this
     # one on the wire: each such message takes `alone_message_s` more of its link. 0: none is held.
     alone_bytes: float = 0.0
     alone_message_s: float = 0.0
@@ -241,12 +248,39 @@ class NetworkModel:
         return most
 
 
+def overlap_bytes(network: NetworkModel) -> int:
+    """The executor's overlap threshold: in-flight bytes on a NIC link up to which another message may
+    join them (OVERLAP_MESSAGE_COSTS of the link's per-message cost); a larger message runs alone."""
+    return int(network.nic_bytes_per_s * network.message_s * OVERLAP_MESSAGE_COSTS)
+
+
+def with_alone(network: NetworkModel, message_cpu_s: float, cores: int) -> NetworkModel:
+    """`network` as the executor runs it where every host shares `cores` cores: a NIC message above the
+    overlap threshold runs alone, held on its out-link until its bytes can have left, and the link's next
+    message is issued only then, so that one's CPU on the shared cores (`message_cpu_s` / cores) is on the
+    link's path each time (NetworkModel.alone_message_s; the simulator paces such transfers)."""
+    return replace(network, alone_bytes=float(overlap_bytes(network)),
+                   alone_message_s=message_cpu_s / cores if cores else 0.0)
+
+
+def on_shared_cores(network: NetworkModel, cores: int, message_s: float, intra_message_s: float,
+                    message_cpu_s: float, net_byte_cpu_s: float, local_byte_cpu_s: float) -> NetworkModel:
+    """`network` with every host's ranks on `cores` cores of one machine and the engine's costs there:
+    link time per message between and inside hosts, CPU per message (both ranks) and per byte, NIC and
+    CPU time contending (EMULATED_CPU_CONTENTION_P), and the messages the executor runs alone priced as
+    it runs them (with_alone)."""
+    costed = replace(network, message_s=message_s, intra_message_s=intra_message_s, shared_cpu_cores=cores,
+                     message_cpu_s=message_cpu_s, net_byte_cpu_s=net_byte_cpu_s, local_byte_cpu_s=local_byte_cpu_s,
+                     cpu_contention_p=EMULATED_CPU_CONTENTION_P)
+    return with_alone(costed, message_cpu_s, cores)
+
+
 def emulated_network(nic_bytes_per_s: float, cores: int) -> NetworkModel:
-    """The model of an emulated cluster whose hosts all run on `cores` cores of one machine."""
-    return NetworkModel(nic_bytes_per_s=nic_bytes_per_s, message_s=EMULATED_MESSAGE_S,
-                        intra_message_s=EMULATED_INTRA_MESSAGE_S, shared_cpu_cores=cores,
-                        message_cpu_s=EMULATED_MESSAGE_CPU_S, net_byte_cpu_s=EMULATED_NET_BYTE_CPU_S,
-                        local_byte_cpu_s=EMULATED_LOCAL_BYTE_CPU_S)
+    """The model of an emulated cluster whose hosts all run on `cores` cores of one machine, with the
+    engine's costs as `meshjob bench resharding` measured them (the EMULATED_* figures)."""
+    return on_shared_cores(NetworkModel(nic_bytes_per_s=nic_bytes_per_s), cores, EMULATED_MESSAGE_S,
+                           EMULATED_INTRA_MESSAGE_S, EMULATED_MESSAGE_CPU_S, EMULATED_NET_BYTE_CPU_S,
+                           EMULATED_LOCAL_BYTE_CPU_S)
 
 
 def _add(loads: dict[Link, float], link: Link, seconds: float) -> None:

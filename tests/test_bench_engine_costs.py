@@ -93,11 +93,25 @@ def test_the_probe_interleaves_its_rounds_link_by_link():
 
 
 def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshold_for_a_message_of_cpu():
-    """A send above meshjob_trainer.reshard.overlap_bytes runs alone: the model charges it the CPU of one
+    """A send above meshjob.network.overlap_bytes runs alone: the model charges it the CPU of one
     message on the shared cores (its successor is issued only once it has left)."""
     from meshjob_bench.resharding import bench_network
-    from meshjob_trainer.reshard import overlap_bytes
+    from meshjob.network import overlap_bytes
 
     planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.alone_bytes == overlap_bytes(planning) > 0
     assert planning.alone_message_s == pytest.approx(150e-6)
+
+
+def test_meshjob_run_plans_an_emulated_cluster_as_the_resharding_bench_does_with_its_measured_costs():
+    """One model: `meshjob run` (emulated_network, the EMULATED_* costs) and the bench (EngineCosts.apply)
+    price shared cores, contention and messages run alone the same way."""
+    from meshjob.network import (EMULATED_INTRA_MESSAGE_S, EMULATED_LOCAL_BYTE_CPU_S, EMULATED_MESSAGE_CPU_S,
+                                 EMULATED_MESSAGE_S, EMULATED_NET_BYTE_CPU_S, NetworkModel, emulated_network,
+                                 overlap_bytes)
+
+    measured = EngineCosts(EMULATED_MESSAGE_S, EMULATED_INTRA_MESSAGE_S, EMULATED_MESSAGE_CPU_S,
+                           EMULATED_NET_BYTE_CPU_S, EMULATED_LOCAL_BYTE_CPU_S, ())
+    model = emulated_network(RATE, cores=2)
+    assert model == measured.apply(NetworkModel(nic_bytes_per_s=RATE), cores=2)
+    assert model.alone_bytes == overlap_bytes(model) > 0 and model.alone_message_s == EMULATED_MESSAGE_CPU_S / 2

@@ -35,7 +35,7 @@ def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
 
 
 def test_the_bench_plans_messages_above_the_executors_overlap_threshold_as_run_alone():
-    from meshjob_trainer.reshard import overlap_bytes
+    from meshjob.network import overlap_bytes
 
     job, device = bench_job("utransformer", "eager-1f1b", 2, quick=False), parse_device("3")
     network = cost_model(job, device, nic_rate_for(job, device, 1.0)).network

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from meshjob.network import EMULATED_CPU_CONTENTION_P, NetworkModel
+from meshjob.network import NetworkModel, on_shared_cores
 from meshjob.resharding import CROSS_HOST, INTRA_HOST
 from meshjob.sharding import ShardingSpec
 
@@ -55,18 +55,11 @@ class EngineCosts:
     rounds: int = 1
 
     def apply(self, network: NetworkModel, cores: int) -> NetworkModel:
-        """`network` with these costs, its hosts sharing `cores` cores. A NIC message above the executor's
-        overlap threshold runs alone (meshjob_trainer.reshard.overlap_bytes of this model): its link's
-        next message is issued only once it has left, so that message's CPU work on the shared cores
-        (message_cpu_s / cores) is on the link's path each time (NetworkModel.alone_message_s)."""
-        from meshjob_trainer.reshard import overlap_bytes
-
-        costed = replace(network, message_s=self.message_s, intra_message_s=self.intra_message_s,
-                         shared_cpu_cores=cores, message_cpu_s=self.message_cpu_s,
-                         net_byte_cpu_s=self.net_byte_cpu_s, local_byte_cpu_s=self.local_byte_cpu_s,
-                         cpu_contention_p=EMULATED_CPU_CONTENTION_P)
-        return replace(costed, alone_bytes=float(overlap_bytes(costed)),
-                       alone_message_s=self.message_cpu_s / cores if cores else 0.0)
+        """`network` with these costs, its hosts sharing `cores` cores (meshjob.network.on_shared_cores:
+        a NIC message above the executor's overlap threshold runs alone and pays one message's CPU on
+        the shared cores more of its link)."""
+        return on_shared_cores(network, cores, self.message_s, self.intra_message_s, self.message_cpu_s,
+                               self.net_byte_cpu_s, self.local_byte_cpu_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,

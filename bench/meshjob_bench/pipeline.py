@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from meshjob_bench import parsed_arguments
 from meshjob_trainer.commands.run import add_compute_arguments
@@ -146,10 +146,9 @@ def alone_network(network, cores: int):
     prices it), is on the link's path each time, and tbf's bucket does not shorten it (the simulator's
     paced transfers). Measured (U-Transformer, 4 stages, comm fraction 1.0, 1 MiB in 4 messages of 256
     KiB): a held send's next one was issued 0.28-0.33 ms (median) after its bytes could have left."""
-    from meshjob.network import EMULATED_MESSAGE_CPU_S
-    from meshjob_trainer.reshard import overlap_bytes
+    from meshjob.network import EMULATED_MESSAGE_CPU_S, with_alone
 
-    return replace(network, alone_bytes=float(overlap_bytes(network)), alone_message_s=EMULATED_MESSAGE_CPU_S / cores)
+    return with_alone(network, EMULATED_MESSAGE_CPU_S, cores)
 
 
 def busiest_link_bytes(job: TrainingJob) -> float:

@@ -32,7 +32,7 @@ import torch
 from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder, recv_depths
 from meshjob.mesh import Mesh
-from meshjob.network import Link, NetworkModel
+from meshjob.network import Link, NetworkModel, overlap_bytes
 from meshjob.plan import ITEMSIZE, Boundary
 from meshjob.host_order import HostLinkOrder, Side, host_link_orders
 from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
@@ -43,14 +43,6 @@ from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, R
 from meshjob_trainer.wire import Wire, wire_for
 
 SIGNAL_BYTES = 1
-# A NIC message that lasts this many per-message costs needs no second one in flight behind it to keep its
-# link busy (the gap it leaves is 2% of it); two such messages in flight together would share the link
-# instead of running one after the other as the plan times them (meshjob_trainer.board.may_start).
-# Swept at 10 / 25 / 50 / 100 (bench resharding many-to-many, K auto, with sends held until their bytes can
-# have left, meshjob_trainer.engine): 3 / 3 / 4 / 5 of 32 rows with measured / planned above 1.10 (and 1 in
-# another run at 50), within the spread between runs (the threshold's bytes also follow each run's measured
-# per-message cost): 50 is kept.
-OVERLAP_MESSAGE_COSTS = 50
 _BOARDS = itertools.count()  # boards built by this process: every rank of a host counts them alike
 
 
@@ -644,11 +636,6 @@ class ReshardExecutor:
     def close(self, timeout_s: float = 60.0) -> None:
         """Let the transfers under way finish (a chain's last forwards), then stop the engine."""
         self.engine.close(timeout_s)
-
-
-def overlap_bytes(network: NetworkModel) -> int:
-    """In-flight bytes on a NIC link up to which another message may join them (OVERLAP_MESSAGE_COSTS)."""
-    return int(network.nic_bytes_per_s * network.message_s * OVERLAP_MESSAGE_COSTS)
 
 
 def _dist_up() -> bool:
