@@ -127,28 +127,19 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
 def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: bool = True):
     """The plan's and the simulator's costs: the device's modelled compute, the emulated NICs (tc rate
     `nic_bytes_per_s`, of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE, and tbf's bucket), and
-    what a message that runs alone on its link costs there (alone_network)."""
+    what a message that runs alone on its link costs there (meshjob.network.with_alone: the turn-around
+    after a held send, one message's CPU on the machine's shared cores, is on the link's path each time,
+    and tbf's bucket does not shorten it. Measured: U-Transformer, 4 stages, comm fraction 1.0, 1 MiB in
+    4 messages of 256 KiB: a held send's next one was issued 0.28-0.33 ms (median) after its bytes could
+    have left)."""
     from meshjob.costs import CostModel
     from meshjob.device_costs import emulated_costs
-    from meshjob.network import NetworkModel
+    from meshjob.network import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
 
     network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
                            burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0)
-    return CostModel(network=alone_network(network, os.cpu_count() or 1), stages=emulated_costs(job, device),
-                     measured=True)
-
-
-def alone_network(network, cores: int):
-    """`network` with the executor's overlap threshold as alone_bytes: a NIC message above it runs alone,
-    held on its out-link until its bytes can have left at the NIC rate, and the link's next message is
-    issued only then (meshjob_trainer.engine), so the turn-around between them, one message's CPU on
-    the machine's shared `cores` (EMULATED_MESSAGE_CPU_S / cores, as meshjob_bench.engine_costs
-    prices it), is on the link's path each time, and tbf's bucket does not shorten it (the simulator's
-    paced transfers). Measured (U-Transformer, 4 stages, comm fraction 1.0, 1 MiB in 4 messages of 256
-    KiB): a held send's next one was issued 0.28-0.33 ms (median) after its bytes could have left."""
-    from meshjob.network import EMULATED_MESSAGE_CPU_S, with_alone
-
-    return with_alone(network, EMULATED_MESSAGE_CPU_S, cores)
+    return CostModel(network=with_alone(network, EMULATED_MESSAGE_CPU_S, os.cpu_count() or 1),
+                     stages=emulated_costs(job, device), measured=True)
 
 
 def busiest_link_bytes(job: TrainingJob) -> float:
