@@ -68,6 +68,15 @@ def test_a_large_message_runs_alone_on_its_link_and_small_ones_overlap():
     assert may_start(1, 4 << 20, 1 << 16, 2, None)  # no byte bound: the window alone
 
 
+def test_behind_a_large_message_the_next_goes_a_lead_before_the_links_clock_says_it_is_through():
+    assert may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=1e-3, lead_s=2e-3)  # due within the lead
+    assert may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=-1e-3, lead_s=2e-3)  # just overdue: a late wake
+    assert not may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=-5e-3, lead_s=2e-3)  # long overdue: sent late
+    assert not may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=10e-3, lead_s=2e-3)  # still far: wait
+    assert not may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=-5e-3)  # no lead: wait for its completion
+    assert not may_start(2, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=0.0, lead_s=2e-3)  # the window still binds
+
+
 # --- the board across processes ---------------------------------------------------------------------
 
 class _Recorder:
@@ -276,10 +285,11 @@ class _Sized(Job):
         return None
 
 
-def _send_times(link, nic_bytes_per_s, nbytes=4 << 20):
+def _send_times(link, nic_bytes_per_s, nbytes=4 << 20, lead_s=0.0):
     specs = {KEY: tuple(MessageSpec(i, i, 1 + i, True, link) for i in range(3))}
     wire = _Instant()
-    engine = CommEngine(0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s)
+    engine = CommEngine(0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s,
+                        lead_s=lead_s)
     job = _Sized(KEY, 0, specs[KEY], 0)
     job.size = nbytes
     try:
@@ -302,3 +312,12 @@ def test_a_large_send_holds_its_nic_link_until_its_bytes_can_have_left():
     assert local[2] - local[0] < per_message
     small = _send_times((0, "out"), 1e4, nbytes=1 << 19)  # 52 s each at this rate, were they held
     assert small[2] - small[0] < 1.0
+
+
+def test_the_next_large_send_is_issued_its_lead_before_the_links_clock_frees_the_link_with_no_other_wake_up():
+    """4 MiB at 100 MB/s take 42 ms; with a 10 ms lead the second send goes at ~32 ms, woken by the engine's
+    own timer (nothing else happens on this rank then), not at 42 ms when the first is counted done."""
+    per_message, lead = (4 << 20) / 1e8, 10e-3
+    times = _send_times((0, "out"), 1e8, lead_s=lead)
+    assert len(times) == 3
+    assert per_message - lead - 1e-3 <= times[1] - times[0] < per_message - lead / 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import errno
+import math
 import mmap
 import os
 import select
@@ -46,16 +47,22 @@ class BoardError(RuntimeError):
     """A rank waited on its host's board for a peer that died or never took its turn."""
 
 
-def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, overlap_bytes: int | None) -> bool:
+def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, overlap_bytes: int | None,
+              due_in_s: float = math.inf, lead_s: float = 0.0) -> bool:
     """Whether a message may join a NIC link's `in_flight` messages: always onto an idle link; behind
     others only within the window, and only while those in flight are small (`overlap_bytes`): a second
     message in flight hides the gap between two small ones, but two large ones would share the link
-    for their whole length instead of running one after the other as the plan times them."""
+    for their whole length instead of running one after the other as the plan times them. Behind a
+    large one, the next may go `lead_s` before the link's clock says those in flight are through
+    (`due_in_s` from now): its notice reaches the peer while the link still carries the previous one,
+    instead of a hand-over gap of wake-ups on the shared cores (meshjob.network.HANDOVER_LEAD_S). Not
+    once they are overdue by more than that: their sender started late, and the clock does not know
+    how much they have left."""
     if in_flight == 0:
         return True
     if in_flight >= window:
         return False
-    return overlap_bytes is None or in_flight_bytes <= overlap_bytes
+    return overlap_bytes is None or in_flight_bytes <= overlap_bytes or (lead_s > 0 and abs(due_in_s) <= lead_s)
 
 
 def shm_dir() -> str:
@@ -71,6 +78,7 @@ class _Turns:
     length: int  # messages of the host on the link per pass
     peers: tuple[int, ...]  # slots of the other ranks on the link
     owners: tuple[int, ...]  # slot of the rank of each of the link's messages
+    due: int  # index of the link's clock: when (ns, time.monotonic) the bytes issued so far are through
     next: int = 0
     rounds: int = 0
 
@@ -88,8 +96,10 @@ class HostBoard:
     """One rank's view of its host's board for one pass order (`order`: the host's link orders)."""
 
     def __init__(self, order: HostLinkOrder, rank: int, window: int, overlap_bytes: int | None, store: Any,
-                 key: str, on_wake: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0) -> None:
+                 key: str, on_wake: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0,
+                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0) -> None:
         self.order, self.rank, self.window, self.overlap_bytes = order, rank, window, overlap_bytes
+        self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
         self.timeout_s, self._on_wake = timeout_s, on_wake
         self.ranks = order.ranks
         if rank not in self.ranks:
@@ -97,13 +107,14 @@ class HostBoard:
         self.slot = self.ranks.index(rank)
         n = len(self.ranks)
         self.turns: dict[Link, _Turns] = {}
+        clocks = n + len(order.links) * (1 + 2 * n)  # one clock per link after the links' counters
         for i, (link, entries) in enumerate(order.links.items()):
             on_link = {self.ranks.index(e[0]) for e in entries}
             if self.slot in on_link:
                 self.turns[link] = _Turns(n + i * (1 + 2 * n), order.positions(rank, link), len(entries),
                                           tuple(sorted(on_link - {self.slot})),
-                                          tuple(self.ranks.index(e[0]) for e in entries))
-        self._size = n + len(order.links) * (1 + 2 * n)
+                                          tuple(self.ranks.index(e[0]) for e in entries), clocks + i)
+        self._size = clocks + len(order.links)
         self._closed = False
         name = store.compare_set(f"{key}/name", "", f"{PREFIX}{uuid.uuid4().hex}").decode()
         self.path = os.path.join(shm_dir(), name)
@@ -149,12 +160,22 @@ class HostBoard:
             return False
         done = sum(c[t.base + 1 + 2 * s] for s in range(n))
         in_bytes = sum(c[t.base + 2 + 2 * s] for s in range(n))
-        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes)
+        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, self.due_in_s(link),
+                         self.lead_s)
+
+    def due_in_s(self, link: Link) -> float:
+        """How long until the host's messages issued on `link` are through by its clock (inf: no clock)."""
+        if not self.nic_bytes_per_s:
+            return math.inf
+        return (self._cells[self.turns[link].due] - time.monotonic_ns()) * 1e-9
 
     def issued(self, link: Link, nbytes: int) -> None:
         t = self.turns[link]
         mine = t.base + 2 + 2 * self.slot
         self._cells[mine] = self._cells[mine] + nbytes
+        if self.nic_bytes_per_s:  # the host's link clock (only the rank whose turn it is writes it)
+            self._cells[t.due] = (max(self._cells[t.due], time.monotonic_ns())
+                                  + int(nbytes / self.nic_bytes_per_s * 1e9))
         self._cells[t.base] = t.target() + 1  # the next message's turn: written last
         t.advance()
         self._notify(t)

@@ -32,7 +32,7 @@ import torch
 from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder, recv_depths
 from meshjob.mesh import Mesh
-from meshjob.network import Link, NetworkModel, overlap_bytes
+from meshjob.network import HANDOVER_LEAD_S, Link, NetworkModel, overlap_bytes
 from meshjob.plan import ITEMSIZE, Boundary
 from meshjob.host_order import HostLinkOrder, Side, host_link_orders
 from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
@@ -555,7 +555,7 @@ class ReshardExecutor:
         use_board = order is not None and (_dist_up() if board is None else board)
         self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
                                  self._board_for if use_board else None, overlap_bytes(network),
-                                 network.nic_bytes_per_s)
+                                 network.nic_bytes_per_s, HANDOVER_LEAD_S)
 
     def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
         """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.host_order)."""
@@ -577,7 +577,8 @@ class ReshardExecutor:
 
         store = dist.distributed_c10d._get_default_store()
         return HostBoard(mine, self.rank, self.in_flight_per_link, overlap_bytes(self.network), store,
-                         f"meshjob/board/{serial}/h{host}", wake, self.board_timeout_s)
+                         f"meshjob/board/{serial}/h{host}", wake, self.board_timeout_s,
+                         nic_bytes_per_s=self.network.nic_bytes_per_s, lead_s=HANDOVER_LEAD_S)
 
     def route(self, key: BoundaryKey) -> Route:
         try:
