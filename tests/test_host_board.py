@@ -16,7 +16,7 @@ from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder
 from meshjob.host_order import HostLinkOrder, check_subsequence, host_link_orders
 from meshjob.resharding import STRATEGIES
-from meshjob_trainer.board import BoardError, HostBoard, may_start
+from meshjob_trainer.board import BoardError, HostBoard, link_clock_after, may_start
 from meshjob_trainer.engine import CommEngine, Job, MessageSpec
 from meshjob_trainer.reshard import ReshardExecutor, make_routes
 
@@ -75,6 +75,18 @@ def test_behind_a_large_message_the_next_goes_a_lead_before_the_links_clock_says
     assert not may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=10e-3, lead_s=2e-3)  # still far: wait
     assert not may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=-5e-3)  # no lead: wait for its completion
     assert not may_start(2, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=0.0, lead_s=2e-3)  # the window still binds
+
+
+def test_a_links_clock_advances_by_each_messages_bytes_at_the_nic_rate_from_its_issue_or_the_previous_end():
+    ms = 1_000_000  # ns
+    rate = 1e9  # bytes per second: 1 MB per ms
+    assert link_clock_after(0, 5 * ms, 2_000_000, rate) == 7 * ms  # an idle link: from the issue
+    assert link_clock_after(9 * ms, 5 * ms, 2_000_000, rate) == 11 * ms  # a busy one: from the previous end
+    assert link_clock_after(9 * ms, 5 * ms, 0, rate) == 9 * ms  # nothing issued: unchanged
+    with pytest.raises(ValueError, match="nic_bytes_per_s 0 is invalid"):
+        link_clock_after(0, 0, 1, 0)
+    with pytest.raises(ValueError, match="nbytes -1 is invalid"):
+        link_clock_after(0, 0, -1, rate)
 
 
 # --- the board across processes ---------------------------------------------------------------------

@@ -65,6 +65,18 @@ def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, ov
     return overlap_bytes is None or in_flight_bytes <= overlap_bytes or (lead_s > 0 and abs(due_in_s) <= lead_s)
 
 
+def link_clock_after(clock_ns: int, now_ns: int, nbytes: int, nic_bytes_per_s: float) -> int:
+    """A NIC link's clock once `nbytes` more are issued on it at `now_ns`: when the bytes issued so far can
+    be through (ns, time.monotonic_ns), at the NIC's rate from the issue or from the end of those before,
+    whichever is later. A lower bound on when they leave: the real link is no faster. The engine keeps one
+    per rank and NIC link, the board one per shared link of the host (meshjob_trainer.engine)."""
+    if not nic_bytes_per_s > 0:
+        raise ValueError(f"nic_bytes_per_s {nic_bytes_per_s!r} is invalid: a rate > 0")
+    if nbytes < 0:
+        raise ValueError(f"nbytes {nbytes!r} is invalid: an integer >= 0")
+    return max(clock_ns, now_ns) + int(nbytes / nic_bytes_per_s * 1e9)
+
+
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -174,8 +186,8 @@ class HostBoard:
         mine = t.base + 2 + 2 * self.slot
         self._cells[mine] = self._cells[mine] + nbytes
         if self.nic_bytes_per_s:  # the host's link clock (only the rank whose turn it is writes it)
-            self._cells[t.due] = (max(self._cells[t.due], time.monotonic_ns())
-                                  + int(nbytes / self.nic_bytes_per_s * 1e9))
+            self._cells[t.due] = link_clock_after(self._cells[t.due], time.monotonic_ns(), nbytes,
+                                                  self.nic_bytes_per_s)
         self._cells[t.base] = t.target() + 1  # the next message's turn: written last
         t.advance()
         self._notify(t)

@@ -32,7 +32,7 @@ would share the link instead of running one after the other as the plan times th
 A large send on a NIC out-link (one that runs alone: more than `overlap_bytes`) counts in flight, on
 the board and in the link's window, until its bytes can have left the host at the NIC's rate
 (`nic_bytes_per_s`: the link's clock advances by each send's bytes / rate from its issue or the
-previous send's end, whichever is later), not merely until the wire reports it done: gloo reports a
+previous send's end, whichever is later: meshjob_trainer.board.link_clock_after), not merely until the wire reports it done: gloo reports a
 send done once its bytes sit in the kernel's socket buffer, up to megabytes before they have crossed
 the NIC. Counted done then, the next large message of the host (another rank's, or this rank's to
 another peer) started while the first still drained, and the two shared the NIC for the rest of the
@@ -105,7 +105,7 @@ import torch
 from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder
 from meshjob.network import Link
-from meshjob_trainer.board import may_start
+from meshjob_trainer.board import link_clock_after, may_start
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
@@ -355,7 +355,7 @@ class CommEngine:
         self.in_flight_per_link = in_flight_per_link
         self.overlap_bytes = overlap_bytes
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
-        self._link_clock: dict[Link, float] = {}  # per NIC link: when the bytes issued so far can be through
+        self._link_clock: dict[Link, int] = {}  # per NIC link: when the bytes issued so far can be through (ns)
         self.memory = Memory()
         self._board_for, self.board = board_for, None
         self._blocked_since: float | None = None  # when a message first waited on the board for its turn
@@ -551,7 +551,7 @@ class CommEngine:
             return False
         if link is None or link[1] == "local":
             return True
-        due_in_s = self._link_clock[link] - time.monotonic() if link in self._link_clock else math.inf
+        due_in_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
         if may_start(count, self._bytes[link], nbytes, self.in_flight_per_link, self.overlap_bytes, due_in_s,
                      self.lead_s):
             return True
@@ -614,13 +614,14 @@ class CommEngine:
 
     def _start(self, job: Job, message: Message, issue: Callable[..., Any]) -> None:
         spec = message.spec
-        message.issued_s = now = time.monotonic()
+        now_ns = time.monotonic_ns()
+        message.issued_s = now_ns * 1e-9
         link = spec.link
         if self.nic_bytes_per_s and link is not None and link[1] in ("out", "in") and message.nbytes:
-            clock = max(self._link_clock.get(link, 0.0), now) + message.nbytes / self.nic_bytes_per_s
-            self._link_clock[link] = clock
+            clock_ns = link_clock_after(self._link_clock.get(link, 0), now_ns, message.nbytes, self.nic_bytes_per_s)
+            self._link_clock[link] = clock_ns
             if spec.send and self.overlap_bytes is not None and message.nbytes > self.overlap_bytes:
-                message.floor_s = clock  # it runs alone on the link: held until its bytes can have left
+                message.floor_s = clock_ns * 1e-9  # it runs alone on the link: held until its bytes can have left
         message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
         message.issued = True
         self._waiter(spec.peer, spec.send).put((job, message))
