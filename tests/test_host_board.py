@@ -333,3 +333,48 @@ def test_the_next_large_send_is_issued_its_lead_before_the_links_clock_frees_the
     times = _send_times((0, "out"), 1e8, lead_s=lead)
     assert len(times) == 3
     assert per_message - lead - 1e-3 <= times[1] - times[0] < per_message - lead / 2
+
+
+def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not_the_ranks_own(tmp_path):
+    """Two ranks of host 0 share its out-link (order: rank 0, rank 1, rank 0), 4 MiB each at 100 MB/s (42 ms),
+    a 10 ms lead, sends done the moment they are issued. Rank 1's send goes its lead before rank 0's first is
+    through by the host's clock (~32 ms) and is held until both can have left (84 ms: the host's clock; its own
+    bytes alone would free it at ~74 ms); rank 0's second goes its lead before that (~74 ms)."""
+    import threading
+
+    link, per_message, lead = (0, "out"), (4 << 20) / 1e8, 10e-3
+    order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, KEY, 0, 1), (0, KEY, 0, 2))})
+    specs = {0: {KEY: (MessageSpec(0, 0, 5, True, link), MessageSpec(2, 2, 5, True, link))},
+             1: {KEY: (MessageSpec(1, 1, 5, True, link),)}}
+    path = str(tmp_path / "store")
+    wires, jobs, engines, errors = {r: _Instant() for r in (0, 1)}, {}, {}, []
+
+    def rank(r):
+        try:
+            store = dist.FileStore(path, 2)
+
+            def board_for(transfers, wake):
+                return HostBoard(order, r, 2, 1 << 20, store, "k", wake, timeout_s=10, nic_bytes_per_s=1e8,
+                                 lead_s=lead)
+
+            engines[r] = CommEngine(r, wires[r], specs[r], 2, TransferOrder(((KEY, 0),)), board_for,
+                                    overlap_bytes=1 << 20, nic_bytes_per_s=1e8, lead_s=lead)
+            jobs[r] = _Sized(KEY, 0, specs[r][KEY], 0)
+            engines[r].submit(jobs[r]).wait(timeout_s=5)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for engine in engines.values():
+        engine.close(timeout_s=5)
+    assert not errors, errors
+    first, second = (jobs[0].messages[i] for i in (0, 2))
+    other = jobs[1].messages[1]
+    t0 = first.issued_s
+    assert per_message - lead - 1e-3 <= other.issued_s - t0 < per_message - lead / 2  # the lead, host clock
+    assert other.done_s - t0 >= 2 * per_message * 0.99  # held by the host's clock, not its own (~74 ms)
+    assert 2 * per_message - lead - 1e-3 <= second.issued_s - t0 < 2 * per_message - lead / 2

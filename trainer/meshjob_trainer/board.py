@@ -181,16 +181,21 @@ class HostBoard:
             return math.inf
         return (self._cells[self.turns[link].due] - time.monotonic_ns()) * 1e-9
 
-    def issued(self, link: Link, nbytes: int) -> None:
+    def issued(self, link: Link, nbytes: int, now_ns: int | None = None) -> int | None:
+        """This rank's next message on `link` is issued (at `now_ns`, time.monotonic_ns; default: now): count
+        its bytes, advance the host's link clock and hand the turn on. Returns that clock (ns: when the
+        host's bytes issued on the link so far are through; None: no NIC rate)."""
         t = self.turns[link]
         mine = t.base + 2 + 2 * self.slot
         self._cells[mine] = self._cells[mine] + nbytes
+        clock_ns = None
         if self.nic_bytes_per_s:  # the host's link clock (only the rank whose turn it is writes it)
-            self._cells[t.due] = link_clock_after(self._cells[t.due], time.monotonic_ns(), nbytes,
-                                                  self.nic_bytes_per_s)
+            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            clock_ns = self._cells[t.due] = link_clock_after(self._cells[t.due], now_ns, nbytes, self.nic_bytes_per_s)
         self._cells[t.base] = t.target() + 1  # the next message's turn: written last
         t.advance()
         self._notify(t)
+        return clock_ns
 
     def completed(self, link: Link, nbytes: int) -> None:
         t = self.turns[link]

@@ -31,8 +31,12 @@ would share the link instead of running one after the other as the plan times th
 
 A large send on a NIC out-link (one that runs alone: more than `overlap_bytes`) counts in flight, on
 the board and in the link's window, until its bytes can have left the host at the NIC's rate
-(`nic_bytes_per_s`: the link's clock advances by each send's bytes / rate from its issue or the
-previous send's end, whichever is later: meshjob_trainer.board.link_clock_after), not merely until the wire reports it done: gloo reports a
+(`nic_bytes_per_s`: the link's clock advances by each message's bytes / rate from its issue or the
+previous one's end, whichever is later: meshjob_trainer.board.link_clock_after), not merely until the
+wire reports it done. On a board's link the clock is the host's, kept on the board for all its ranks:
+a rank's large send is held until its bytes, and those the host's other ranks issued before them, can
+have left; the hand-over lead below reads the same clock. Off the board (no plan, or no other rank of
+the host on the link) each rank keeps its own clock per NIC link. Why the bound: gloo reports a
 send done once its bytes sit in the kernel's socket buffer, up to megabytes before they have crossed
 the NIC. Counted done then, the next large message of the host (another rank's, or this rank's to
 another peer) started while the first still drained, and the two shared the NIC for the rest of the
@@ -355,7 +359,7 @@ class CommEngine:
         self.in_flight_per_link = in_flight_per_link
         self.overlap_bytes = overlap_bytes
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
-        self._link_clock: dict[Link, int] = {}  # per NIC link: when the bytes issued so far can be through (ns)
+        self._link_clock: dict[Link, int] = {}  # NIC links off the board: when their bytes are through (ns)
         self.memory = Memory()
         self._board_for, self.board = board_for, None
         self._blocked_since: float | None = None  # when a message first waited on the board for its turn
@@ -565,11 +569,6 @@ class CommEngine:
             at = time.monotonic() + due_in_s - self.lead_s
             self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
-    def _issued(self, link: Link | None, message: Message) -> None:
-        self._bytes[link] += message.nbytes
-        if self.board is not None and link in self.board.links:
-            self.board.issued(link, message.nbytes)
-
     def _issue(self) -> None:
         self._board_waits, self._wake_at = False, None
         for link, seq in self._recvs.items():
@@ -585,7 +584,6 @@ class CommEngine:
                 message.tensor = job.target(message.spec)
                 self._posted[link] += 1
                 self._start(job, message, self.wire.irecv)
-                self._issued(link, message)
                 seq.advance()
         for link, seq in self._sends.items():
             while self._in_flight[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
@@ -605,7 +603,6 @@ class CommEngine:
                 message.tensor = job.payload(message.spec)
                 self._in_flight[link] += 1
                 self._start(job, message, self.wire.isend)
-                self._issued(link, message)
                 seq.advance()
         if not self._board_waits:
             self._blocked_since = None
@@ -616,15 +613,25 @@ class CommEngine:
         spec = message.spec
         now_ns = time.monotonic_ns()
         message.issued_s = now_ns * 1e-9
-        link = spec.link
-        if self.nic_bytes_per_s and link is not None and link[1] in ("out", "in") and message.nbytes:
-            clock_ns = link_clock_after(self._link_clock.get(link, 0), now_ns, message.nbytes, self.nic_bytes_per_s)
-            self._link_clock[link] = clock_ns
-            if spec.send and self.overlap_bytes is not None and message.nbytes > self.overlap_bytes:
-                message.floor_s = clock_ns * 1e-9  # it runs alone on the link: held until its bytes can have left
         message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
         message.issued = True
+        self._issued(spec.link, message, now_ns)
         self._waiter(spec.peer, spec.send).put((job, message))
+
+    def _issued(self, link: Link | None, message: Message, now_ns: int) -> None:
+        """Count an issued message in flight on its link and advance the link's clock: on a board link the
+        host's (the board's, one for all its ranks), else this rank's own. A large send (it runs alone on a
+        NIC link) is held until that clock: until its bytes, and the host's issued before them, can have left."""
+        self._bytes[link] += message.nbytes
+        clock_ns = None
+        if self.board is not None and link in self.board.links:
+            clock_ns = self.board.issued(link, message.nbytes, now_ns)
+        elif self.nic_bytes_per_s and link is not None and link[1] in ("out", "in") and message.nbytes:
+            clock_ns = link_clock_after(self._link_clock.get(link, 0), now_ns, message.nbytes, self.nic_bytes_per_s)
+            self._link_clock[link] = clock_ns
+        if (clock_ns is not None and message.spec.send and self.overlap_bytes is not None
+                and message.nbytes > self.overlap_bytes):
+            message.floor_s = clock_ns * 1e-9
 
     def _waiter(self, peer: int, send: bool) -> "_Waiter":
         waiter = self._waiters.get((peer, send))
