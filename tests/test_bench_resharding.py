@@ -148,6 +148,11 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert all(lo <= costs[term] <= hi for term, (lo, hi) in costs["spread"].items())
     assert model["shared_cpu_cores"] == os.cpu_count() and model["message_s"] == costs["message_s"]
     assert "planning model: measured through the engine" in proc.stdout
+    # the probe's guard: --quick probes once, its verdict recorded (engine_costs.guarded_probe)
+    (attempt,) = costs["attempts"]
+    assert costs["used_attempt"] == 0 and costs["disturbed"] == attempt["verdict"]["disturbed"]
+    assert attempt["machine"]["wall_s"] > 0 and attempt["machine"]["own_cpu_s"] > 0
+    assert "engine probe: attempt 1 of 1 used" in proc.stdout or "engine probe DISTURBED" in proc.stdout
     assert {t["name"] for t in doc["targets"]} >= {"paper scale: broadcast, every balancer"}
     for png in ("fig5_one_to_many.png", "fig6_many_to_many.png", "fig6_paper_scale.png", "fig8_balancers.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

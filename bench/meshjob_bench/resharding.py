@@ -263,7 +263,7 @@ def bench_network(nic_bytes_per_s: float) -> NetworkModel:
 
 def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs); None if
-    the probe failed."""
+    the probe failed. One attempt: `main` runs it under engine_costs.guarded_probe (retried when disturbed)."""
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
                                      variant_boundary)
@@ -679,17 +679,20 @@ def main(args: argparse.Namespace) -> int:
 
     cleanup_stale()
     planning = bench_network(nic_bytes_per_s)
-    costs = None
+    probe = None  # engine_costs.GuardedCosts: every attempt of the probe, the one used
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         with EmulatedCluster(max(layout.hosts) + 1, args.nic_rate, use_netns=not args.no_netns) as cluster:
             network = cluster.describe()
             emulated = cluster.emulated
             if args.message_costs == "measured":
-                costs = measure_engine(cluster, nic_bytes_per_s)
-                if costs is None:
+                probe = engine_costs.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s),
+                                                   attempts=1 if quick else engine_costs.PROBE_ATTEMPTS)
+                if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1
+                print(probe.describe())
+                costs = probe.costs
                 planning = costs.apply(planning, os.cpu_count() or 1)
                 print(f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
                       f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
@@ -712,7 +715,7 @@ def main(args: argparse.Namespace) -> int:
     targets = check_targets(rows) + check_paper_targets(rows, cases)
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
-           "network_model": model, "message_costs": costs.to_json() if costs else None, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
+           "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
@@ -721,4 +724,6 @@ def main(args: argparse.Namespace) -> int:
     with open(path, "w") as f:
         json.dump(_finite(doc), f, indent=2)
     print(f"wrote {path} and {', '.join(pngs)} in {doc['wall_seconds']:.0f} s")
+    if probe is not None and probe.disturbed:
+        print(probe.describe())  # again at the end: the whole run planned with a disturbed probe
     return 0 if all(r.correct for r in rows) else 1
