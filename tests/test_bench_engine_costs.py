@@ -179,8 +179,8 @@ def test_rounds_that_disagree_badly_disturb_the_probe_and_one_bad_round_does_not
 
     assert not judge(_costs(118e-6, spread=(59e-6, 326e-6)), _machine()).disturbed  # 5.5x: one bad round
     verdict = judge(_costs(118e-6, spread=(20e-6, 400e-6)), _machine())
-    assert verdict.disturbed and verdict.reasons == ("rounds disagree: message_s 20-400 µs over the 5 rounds, "
-                                                     "20x (limit 8x)",)
+    assert verdict.disturbed and verdict.reasons == (
+        "rounds disagree: message_s 20-400 µs over the 5 rounds, 20x (limit 8x)",)
     assert judge(_costs(118e-6, spread=(0.0, 300e-6)), _machine()).disturbed  # a round fitted 0
 
 

@@ -355,7 +355,8 @@ class GuardedCosts:
 
 
 def wait_for_quiet(max_s: float, cores: int, snapshot: Callable[[], CpuSnapshot] = cpu_snapshot,
-                   sleep: Callable[[float], None] = time.sleep, window_s: float = QUIET_WINDOW_S) -> tuple[float, float]:
+                   sleep: Callable[[float], None] = time.sleep,
+                   window_s: float = QUIET_WINDOW_S) -> tuple[float, float]:
     """Wait, window by window, until the foreign CPU of a window is at most FOREIGN_CPU_MAX of the cores, or
     `max_s` has passed; (seconds waited, the last window's foreign fraction)."""
     first = last = snapshot()
