@@ -249,8 +249,9 @@ def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicatin
     assert four_hosts.met is False and four_hosts.failures == ["4x2 RR -> RR: 2.50x"]
 
 
-def test_a_case_runs_its_variants_in_a_planned_order_one_microbatch_a_repetition():
-    """Planned, so the ranks of a host take their turns on its NIC links (meshjob_trainer.board)."""
+def test_a_case_runs_its_variants_in_a_planned_order_interleaved_one_microbatch_a_repetition():
+    """Planned, so the ranks of a host take their turns on its NIC links (meshjob_trainer.board);
+    repetition by repetition, so a burst of load moves one repetition of every variant."""
     from meshjob_bench.resharding import Layout, bench_network, build_cases, case_order, plan_cases
 
     layout = Layout()
@@ -259,7 +260,7 @@ def test_a_case_runs_its_variants_in_a_planned_order_one_microbatch_a_repetition
     plan_cases(cases[:1], layout, bench_network(1.25e8))
     order = case_order(cases[0], 3)
     keys = [b.key for b in cases[0].boundaries]
-    assert order.transfers == tuple((k, rep) for k in keys for rep in range(3))
+    assert order.transfers == tuple((k, rep) for rep in range(3) for k in keys)
     assert len(set(keys)) == len(keys)  # every variant its own transfer
 
 

@@ -297,12 +297,15 @@ def _common_start(lead_s: float = 0.03) -> float:
 
 
 def case_order(case: Case, reps: int) -> Any:
-    """The order a case's transfers run in: each variant's repetitions (one microbatch each), variant by
-    variant. Planned, so the ranks of a host take their turns on its NIC links as the plan orders them
-    (meshjob_trainer.board)."""
+    """The order a case's transfers run in: repetition by repetition (one microbatch each), every variant
+    in each. Interleaved, so a burst of load on the shared cores (seconds long: another process, a
+    kernel thread) moves one repetition of every variant, and the median of each, instead of every
+    repetition of the variants that happened to run then; the comparisons between variants are what
+    the benchmark reports. Planned, so the ranks of a host take their turns on its NIC links as the
+    plan orders them (meshjob_trainer.board)."""
     from meshjob.comm_order import TransferOrder
 
-    return TransferOrder(tuple((b.key, rep) for b in case.boundaries for rep in range(reps)))
+    return TransferOrder(tuple((b.key, rep) for rep in range(reps) for b in case.boundaries))
 
 
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
@@ -330,8 +333,8 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
             routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv},
                                  network)
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats))
-            for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
-                for rep in range(warmup + repeats):
+            for rep in range(warmup + repeats):  # the case's order (case_order)
+                for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                     t0 = _common_start()
                     if not inside:
                         continue
