@@ -10,8 +10,9 @@ nothing else about the network, so the plan optimises the problem that runs:
   bytes (`intra_message_s` inside a host): the syscalls, framing and the receiver's wake-up of one
   send. It is what makes chunks cost something, so `chunks: auto` can pick K;
 - where every host's ranks share one machine's cores (the emulated cluster: `shared_cpu_cores`), a
-  message also costs CPU: `message_cpu_s` for its two ranks together plus a cost per byte, measured
-  through the communication engine under the run's own ranks (meshjob_trainer.cpu_probe). No task
+  message also costs CPU: `message_cpu_s` for its two ranks together between hosts (gloo),
+  `intra_message_cpu_s` inside a host (the engine's one-copy local wire: about 2.4x less), plus a cost
+  per byte, measured through the communication engine under the run's own ranks. No task
   ends before the shared cores have done its messages' work, so on two cores a chain cut into many
   chunks is bound by the CPU, not the NICs, and `chunks: auto` stops before the two meet: where
   neither dominates, each message waits for the other resource (`cpu_contention_p`, `with_cpu`). Real hosts
@@ -55,14 +56,17 @@ DEFAULT_INTRA_MESSAGE_S = 40e-6
 # the communication engine (engine thread, waiter threads, gloo or the one-copy local wire) costs more than
 # raw gloo. Measured through the engine by `meshjob bench resharding` before it plans, with nothing else
 # running (bench/results/resharding.json: message_costs; meshjob_bench.engine_costs): link time per message
-# between hosts and inside a host, and the CPU a message costs its two ranks plus per byte. Probes on this
-# shared machine spread by about +-50% between runs; the fit put the CPU of bytes between hosts into the
-# per-transfer term (0 below).
-EMULATED_MESSAGE_S = 150e-6
-EMULATED_INTRA_MESSAGE_S = 600e-6
-EMULATED_MESSAGE_CPU_S = 560e-6
-EMULATED_NET_BYTE_CPU_S = 0.0
-EMULATED_LOCAL_BYTE_CPU_S = 0.75e-9
+# between hosts and inside a host, and the CPU a message costs its two ranks, between hosts (gloo) and inside
+# a host (the one-copy local wire), plus per byte. The figures of the last two full runs (main 8d959ac and
+# 8c239a8, medians of 5 rounds each): 73 / 118 µs and 106 / 78 µs of link time, CPU 394 / 386 µs and
+# 173 / 150 µs per message, 1.43 / 1.53 and 0.65 / 0.93 ns per byte. Probes on this shared machine spread
+# by about +-50% between runs.
+EMULATED_MESSAGE_S = 120e-6
+EMULATED_INTRA_MESSAGE_S = 90e-6
+EMULATED_MESSAGE_CPU_S = 390e-6
+EMULATED_INTRA_MESSAGE_CPU_S = 160e-6
+EMULATED_NET_BYTE_CPU_S = 1.5e-9
+EMULATED_LOCAL_BYTE_CPU_S = 0.8e-9
 # How NIC time and CPU time combine on the emulated cluster (NetworkModel.cpu_contention_p): one exponent
 # for every case, from the 170 fixed-K rows of one-to-many and paper scale in a full resharding bench
 # (bench/results/resharding.json at 9db701a): max(net, cpu) under-predicted the rows where both are close
@@ -147,7 +151,8 @@ class NetworkModel:
     # The CPU messages take where all hosts share one machine (see the module's docstring); 0 cores:
     # not modelled.
     shared_cpu_cores: int = 0
-    message_cpu_s: float = 0.0  # both ranks of one message together
+    message_cpu_s: float = 0.0  # both ranks of one message between hosts together
+    intra_message_cpu_s: float = 0.0  # both ranks of one message inside a host together
     net_byte_cpu_s: float = 0.0  # per byte between hosts (kernel copies through the NIC path)
     local_byte_cpu_s: float = 0.0  # per byte inside a host
     # How a task's NIC time and its CPU time on the shared cores combine: (net^p + cpu^p)^(1/p). Every
@@ -166,8 +171,8 @@ class NetworkModel:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value!r} is invalid: a positive number of bytes per second")
-        for name in ("message_s", "intra_message_s", "burst_bytes", "message_cpu_s", "net_byte_cpu_s",
-                     "local_byte_cpu_s", "cpu_contention_p", "alone_bytes", "alone_message_s"):
+        for name in ("message_s", "intra_message_s", "burst_bytes", "message_cpu_s", "intra_message_cpu_s",
+                     "net_byte_cpu_s", "local_byte_cpu_s", "cpu_contention_p", "alone_bytes", "alone_message_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} is invalid: a number >= 0")
@@ -202,7 +207,7 @@ class NetworkModel:
         """Seconds the shared cores need for (messages, bytes) between hosts and inside hosts."""
         if not self.shared_cpu_cores:
             return 0.0
-        work = ((net[0] + local[0]) * self.message_cpu_s + net[1] * self.net_byte_cpu_s
+        work = (net[0] * self.message_cpu_s + local[0] * self.intra_message_cpu_s + net[1] * self.net_byte_cpu_s
                 + local[1] * self.local_byte_cpu_s)
         return work / self.shared_cpu_cores
 
@@ -222,7 +227,8 @@ class NetworkModel:
                 "duplex": self.duplex,
                 "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
                 "in_flight_per_link": self.in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
-                "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
+                "message_cpu_s": self.message_cpu_s, "intra_message_cpu_s": self.intra_message_cpu_s,
+                "net_byte_cpu_s": self.net_byte_cpu_s,
                 "local_byte_cpu_s": self.local_byte_cpu_s, "cpu_contention_p": self.cpu_contention_p,
                 "alone_bytes": self.alone_bytes, "alone_message_s": self.alone_message_s}
 
@@ -273,13 +279,16 @@ def with_alone(network: NetworkModel, message_cpu_s: float, cores: int) -> Netwo
 
 
 def on_shared_cores(network: NetworkModel, cores: int, message_s: float, intra_message_s: float,
-                    message_cpu_s: float, net_byte_cpu_s: float, local_byte_cpu_s: float) -> NetworkModel:
+                    message_cpu_s: float, intra_message_cpu_s: float, net_byte_cpu_s: float,
+                    local_byte_cpu_s: float) -> NetworkModel:
     """`network` with every host's ranks on `cores` cores of one machine and the engine's costs there:
-    link time per message between and inside hosts, CPU per message (both ranks) and per byte, NIC and
+    link time per message between and inside hosts, CPU per message (both ranks; between and inside
+    hosts) and per byte, NIC and
     CPU time contending (EMULATED_CPU_CONTENTION_P), and the messages the executor runs alone priced as
     it runs them (with_alone)."""
     costed = replace(network, message_s=message_s, intra_message_s=intra_message_s, shared_cpu_cores=cores,
-                     message_cpu_s=message_cpu_s, net_byte_cpu_s=net_byte_cpu_s, local_byte_cpu_s=local_byte_cpu_s,
+                     message_cpu_s=message_cpu_s, intra_message_cpu_s=intra_message_cpu_s,
+                     net_byte_cpu_s=net_byte_cpu_s, local_byte_cpu_s=local_byte_cpu_s,
                      cpu_contention_p=EMULATED_CPU_CONTENTION_P)
     return with_alone(costed, message_cpu_s, cores)
 
@@ -288,7 +297,8 @@ def emulated_network(nic_bytes_per_s: float, cores: int) -> NetworkModel:
     """The model of an emulated cluster whose hosts all run on `cores` cores of one machine, with the
     engine's costs as `meshjob bench resharding` measured them (the EMULATED_* figures)."""
     return on_shared_cores(NetworkModel(nic_bytes_per_s=nic_bytes_per_s), cores, EMULATED_MESSAGE_S,
-                           EMULATED_INTRA_MESSAGE_S, EMULATED_MESSAGE_CPU_S, EMULATED_NET_BYTE_CPU_S,
+                           EMULATED_INTRA_MESSAGE_S, EMULATED_MESSAGE_CPU_S, EMULATED_INTRA_MESSAGE_CPU_S,
+                           EMULATED_NET_BYTE_CPU_S,
                            EMULATED_LOCAL_BYTE_CPU_S)
 
 

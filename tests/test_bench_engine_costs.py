@@ -16,22 +16,22 @@ def _row(link: str, mib: int, chunks: int, seconds: float, cpu_seconds: float) -
                1.0, 1.0, 0.1, 0.1, True, cpu_seconds=cpu_seconds, messages={link: chunks})
 
 
-def test_the_fit_recovers_each_links_message_time_and_the_cpu_per_message_and_byte():
-    truth = {"cross_host": (2e-3, 1e-9, 150e-6, 1 / RATE), "intra_host": (1e-3, 0.4e-9, 90e-6, 1e-9)}
-    per_message_cpu = 300e-6
-    rows = [_row(link, mib, k, fixed + k * link_s + mib * 2**20 * wire, fixed + k * per_message_cpu + mib * 2**20 * cpu)
-            for link, (fixed, cpu, link_s, wire) in truth.items() for mib in (2, 8) for k in (1, 128)]
+def test_the_fit_recovers_each_links_message_time_and_its_cpu_per_message_and_byte():
+    truth = {"cross_host": (2e-3, 1e-9, 150e-6, 1 / RATE, 300e-6), "intra_host": (1e-3, 0.4e-9, 90e-6, 1e-9, 120e-6)}
+    rows = [_row(link, mib, k, fixed + k * link_s + mib * 2**20 * wire, fixed + k * message_cpu + mib * 2**20 * cpu)
+            for link, (fixed, cpu, link_s, wire, message_cpu) in truth.items() for mib in (2, 8) for k in (1, 128)]
     costs = fit(rows)
     assert costs.message_s == pytest.approx(150e-6) and costs.intra_message_s == pytest.approx(90e-6)
-    assert costs.message_cpu_s == pytest.approx(per_message_cpu)
+    assert costs.message_cpu_s == pytest.approx(300e-6) and costs.intra_message_cpu_s == pytest.approx(120e-6)
     assert costs.net_byte_cpu_s == pytest.approx(1e-9) and costs.local_byte_cpu_s == pytest.approx(0.4e-9)
     assert len(costs.samples) == 8
 
 
 def test_measured_costs_replace_the_models_defaults_on_the_machines_shared_cores():
-    model = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(NetworkModel(), cores=2)
+    model = EngineCosts(150e-6, 90e-6, 300e-6, 120e-6, 1e-9, 0.5e-9, ()).apply(NetworkModel(), cores=2)
     assert (model.message_s, model.intra_message_s) == (150e-6, 90e-6)
-    assert (model.shared_cpu_cores, model.message_cpu_s, model.local_byte_cpu_s) == (2, 300e-6, 0.5e-9)
+    assert (model.shared_cpu_cores, model.message_cpu_s, model.intra_message_cpu_s, model.local_byte_cpu_s) == (
+        2, 300e-6, 120e-6, 0.5e-9)
     assert model.to_json()["shared_cpu_cores"] == 2
 
 
@@ -52,7 +52,7 @@ def test_the_bench_plans_on_the_nics_tcp_payload_rate_and_the_cores_contending()
     from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
     from meshjob_bench.resharding import bench_network
 
-    planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
+    planning = EngineCosts(150e-6, 90e-6, 300e-6, 120e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.nic_bytes_per_s == pytest.approx(RATE * TCP_PAYLOAD_PER_FRAME_BYTE)
     assert planning.cpu_contention_p == EMULATED_CPU_CONTENTION_P > 0
 
@@ -99,7 +99,7 @@ def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshol
     from meshjob_bench.resharding import bench_network
     from meshjob.network import overlap_bytes
 
-    planning = EngineCosts(150e-6, 90e-6, 300e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
+    planning = EngineCosts(150e-6, 90e-6, 300e-6, 120e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.alone_bytes == overlap_bytes(planning) > 0
     assert planning.alone_message_s == pytest.approx(150e-6)
 
@@ -107,12 +107,12 @@ def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshol
 def test_meshjob_run_plans_an_emulated_cluster_as_the_resharding_bench_does_with_its_measured_costs():
     """One model: `meshjob run` (emulated_network, the EMULATED_* costs) and the bench (EngineCosts.apply)
     price shared cores, contention and messages run alone the same way."""
-    from meshjob.network import (EMULATED_INTRA_MESSAGE_S, EMULATED_LOCAL_BYTE_CPU_S, EMULATED_MESSAGE_CPU_S,
-                                 EMULATED_MESSAGE_S, EMULATED_NET_BYTE_CPU_S, NetworkModel, emulated_network,
-                                 overlap_bytes)
+    from meshjob.network import (EMULATED_INTRA_MESSAGE_CPU_S, EMULATED_INTRA_MESSAGE_S, EMULATED_LOCAL_BYTE_CPU_S,
+                                 EMULATED_MESSAGE_CPU_S, EMULATED_MESSAGE_S, EMULATED_NET_BYTE_CPU_S, NetworkModel,
+                                 emulated_network, overlap_bytes)
 
     measured = EngineCosts(EMULATED_MESSAGE_S, EMULATED_INTRA_MESSAGE_S, EMULATED_MESSAGE_CPU_S,
-                           EMULATED_NET_BYTE_CPU_S, EMULATED_LOCAL_BYTE_CPU_S, ())
+                           EMULATED_INTRA_MESSAGE_CPU_S, EMULATED_NET_BYTE_CPU_S, EMULATED_LOCAL_BYTE_CPU_S, ())
     model = emulated_network(RATE, cores=2)
     assert model == measured.apply(NetworkModel(nic_bytes_per_s=RATE), cores=2)
     assert model.alone_bytes == overlap_bytes(model) > 0 and model.alone_message_s == EMULATED_MESSAGE_CPU_S / 2

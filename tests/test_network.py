@@ -116,8 +116,8 @@ def test_a_bad_network_model_is_rejected_naming_field_value_and_what_is_allowed(
 
 
 # ---------------------------------------------------------------- the shared cores of an emulated cluster
-SHARED = NetworkModel(nic_bytes_per_s=RATE, shared_cpu_cores=2, message_cpu_s=300e-6, net_byte_cpu_s=1e-9,
-                      local_byte_cpu_s=0.5e-9)
+SHARED = NetworkModel(nic_bytes_per_s=RATE, shared_cpu_cores=2, message_cpu_s=300e-6, intra_message_cpu_s=120e-6,
+                      net_byte_cpu_s=1e-9, local_byte_cpu_s=0.5e-9)
 FOUR_BY_FOUR = HostTask((0,), (1, 2, 3, 4), 16 * 2**20, receiver_devices=(4, 4, 4, 4))
 
 
@@ -128,15 +128,15 @@ def test_without_shared_cores_messages_cost_no_cpu_and_tasks_cost_what_they_did(
         FOUR_BY_FOUR, 0, "broadcast", 64)
 
 
-def test_shared_cores_share_every_messages_cpu_work():
+def test_shared_cores_share_every_messages_cpu_work_each_link_at_its_own_cost():
     # 10 messages between hosts (1 MB), 20 inside hosts (2 MB), on 2 cores
-    expected = (30 * 300e-6 + 1e6 * 1e-9 + 2e6 * 0.5e-9) / 2
+    expected = (10 * 300e-6 + 20 * 120e-6 + 1e6 * 1e-9 + 2e6 * 0.5e-9) / 2
     assert SHARED.cpu_s((10, 1e6), (20, 2e6)) == pytest.approx(expected)
 
 
 def test_a_chain_in_many_chunks_ends_no_sooner_than_the_shared_cores_do_its_messages():
     k = 128  # 4 hops and 12 copies per chunk
-    work = (16 * k * 300e-6 + 4 * FOUR_BY_FOUR.bytes * 1e-9 + 12 * FOUR_BY_FOUR.bytes * 0.5e-9) / 2
+    work = (4 * k * 300e-6 + 12 * k * 120e-6 + 4 * FOUR_BY_FOUR.bytes * 1e-9 + 12 * FOUR_BY_FOUR.bytes * 0.5e-9) / 2
     cost = SHARED.task_cost(FOUR_BY_FOUR, 0, "broadcast", k)
     assert cost.seconds == pytest.approx(work)
     assert cost.seconds > NetworkModel(nic_bytes_per_s=RATE).task_cost(FOUR_BY_FOUR, 0, "broadcast", k).seconds

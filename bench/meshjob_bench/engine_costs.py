@@ -18,8 +18,12 @@ the rounds interleave the probes, so a burst of load moves one round, not the fi
 - Link time, per link: seconds = per transfer + per byte * bytes + per message * K (least squares
   over the four transfers); the per-message term is the model's message_s / intra_message_s.
 - CPU: the process time of the two ranks, all threads included; per byte (each link): its slope over
-  the two sizes sent as one message; message_cpu_s: the extra CPU of K = 128 over K = 1 at the same
-  link and size, per extra message, averaged (see `fit`).
+  the two sizes sent as one message; per message (each link: message_cpu_s between hosts,
+  intra_message_cpu_s inside one): the extra CPU of K = 128 over K = 1 at the same size, per extra
+  message, averaged over the sizes (see `fit_round`). The two links cost different CPU per message:
+  between hosts gloo's send and receive (and its socket threads), inside a host the engine's one-copy
+  local wire; two full runs measured 300-510 µs and 120-225 µs (rounds), so one figure for both
+  over-charged the copies inside a host and under-charged the messages between hosts.
 - A NIC message above the executor's overlap threshold runs alone (`EngineCosts.apply`: the model's
   alone_bytes and alone_message_s).
 
@@ -64,7 +68,8 @@ PROBE_CHUNKS = (1, 128)
 PROBE_MIB = (2, 8)
 PROBE_REPEATS = 3  # timed transfers per round, link, size and K (their median)
 PROBE_ROUNDS = 5  # rounds fitted alone; each cost is the median over them
-TERMS = ("message_s", "intra_message_s", "message_cpu_s", "net_byte_cpu_s", "local_byte_cpu_s")
+TERMS = ("message_s", "intra_message_s", "message_cpu_s", "intra_message_cpu_s", "net_byte_cpu_s",
+         "local_byte_cpu_s")
 LINKS = (CROSS_HOST, INTRA_HOST)
 
 
@@ -72,7 +77,8 @@ LINKS = (CROSS_HOST, INTRA_HOST)
 class EngineCosts:
     message_s: float  # link time per message between hosts
     intra_message_s: float  # inside a host
-    message_cpu_s: float  # CPU per message, both ranks together
+    message_cpu_s: float  # CPU per message between hosts, both ranks together
+    intra_message_cpu_s: float  # inside a host
     net_byte_cpu_s: float
     local_byte_cpu_s: float
     samples: tuple[dict[str, Any], ...]  # every probe transfer: link, bytes, chunks, messages, seconds, cpu_seconds
@@ -85,11 +91,12 @@ class EngineCosts:
         a NIC message above the executor's overlap threshold runs alone and pays one message's CPU on
         the shared cores more of its link)."""
         return on_shared_cores(network, cores, self.message_s, self.intra_message_s, self.message_cpu_s,
-                               self.net_byte_cpu_s, self.local_byte_cpu_s)
+                               self.intra_message_cpu_s, self.net_byte_cpu_s, self.local_byte_cpu_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
-                "message_cpu_s": self.message_cpu_s, "net_byte_cpu_s": self.net_byte_cpu_s,
+                "message_cpu_s": self.message_cpu_s, "intra_message_cpu_s": self.intra_message_cpu_s,
+                "net_byte_cpu_s": self.net_byte_cpu_s,
                 "local_byte_cpu_s": self.local_byte_cpu_s, "rounds": self.rounds,
                 "spread": {term: list(lo_hi) for term, lo_hi in self.spread.items()}, "samples": list(self.samples)}
 
@@ -101,10 +108,11 @@ class EngineCosts:
     def describe(self, cores: int) -> str:
         return (f"measured through the engine: {self.message_s * 1e6:.0f} µs per message between hosts, "
                 f"{self.intra_message_s * 1e6:.0f} µs inside a host; CPU {self.message_cpu_s * 1e6:.0f} µs per "
-                f"message, {self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
+                f"message between hosts, {self.intra_message_cpu_s * 1e6:.0f} µs inside a host, "
+                f"{self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
                 f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores (median of "
                 f"{self.rounds} rounds; per message between hosts {self._range('message_s', 1e6)} µs, CPU "
-                f"{self._range('message_cpu_s', 1e6)} µs)")
+                f"{self._range('message_cpu_s', 1e6)} µs, inside a host {self._range('intra_message_cpu_s', 1e6)} µs)")
 
     def _range(self, term: str, scale: float) -> str:
         lo, hi = self.spread.get(term, (getattr(self, term), getattr(self, term)))
@@ -171,17 +179,18 @@ def fit_round(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
         ones = [s for s in samples if s["link"] == link and s["messages"] == fewest]
         per_byte[link] = max(0.0, _least_squares([[1.0, s["bytes"]] for s in ones],
                                                  [s["cpu_seconds"] for s in ones])[1]) if len(ones) > 1 else 0.0
-    extra = []
+    per_message_cpu = {}
     for link in LINKS:
+        extra = []
         for nbytes in sorted({s["bytes"] for s in samples if s["link"] == link}):
             same = sorted((s for s in samples if s["link"] == link and s["bytes"] == nbytes),
                           key=lambda s: s["messages"])
             if len(same) > 1 and same[-1]["messages"] > same[0]["messages"]:
                 extra.append((same[-1]["cpu_seconds"] - same[0]["cpu_seconds"])
                              / (same[-1]["messages"] - same[0]["messages"]))
-    message_cpu = max(0.0, sum(extra) / len(extra)) if extra else 0.0
-    return dict(zip(TERMS, (per_message[CROSS_HOST], per_message[INTRA_HOST], message_cpu, per_byte[CROSS_HOST],
-                            per_byte[INTRA_HOST])))
+        per_message_cpu[link] = max(0.0, sum(extra) / len(extra)) if extra else 0.0
+    return dict(zip(TERMS, (per_message[CROSS_HOST], per_message[INTRA_HOST], per_message_cpu[CROSS_HOST],
+                            per_message_cpu[INTRA_HOST], per_byte[CROSS_HOST], per_byte[INTRA_HOST])))
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
