@@ -38,9 +38,9 @@ severity the largest; above 1 is disturbed):
 - foreign CPU above FOREIGN_CPU_MAX (0.25) of the cores over the probe: one other busy process is 0.5 of
   2 cores; a burst short enough for the median over the rounds to absorb (under two rounds' worth) stays
   below it.
-- per-message link time between hosts outside EMULATED_MESSAGE_S (150 µs, nominal) / MESSAGE_S_FACTOR .. *
-  MESSAGE_S_FACTOR (4: 38-600 µs): quiet probes measured 0.5-1.2x nominal, the disturbed one 8.3x; 4x leaves
-  3x headroom over the quiet ones and 2x under it.
+- per-message link time between hosts outside EMULATED_MESSAGE_S (120 µs, nominal) / MESSAGE_S_FACTOR .. *
+  MESSAGE_S_FACTOR (4: 30-480 µs): quiet probes measured 76-182 µs (0.6-1.5x nominal), the disturbed one
+  1240 µs (10x); 4x leaves 2.6x headroom over the quiet ones and 2.6x under it.
 - rounds disagreeing: EngineCosts.spread_ratio of message_s or message_cpu_s above SPREAD_MAX (8): quiet
   runs spread 2.4-5.5x (one bad round; the median leaves it out) and 1.2x; above 8x (or a round fitted 0)
   the median is a draw between rounds. (A probe slowed throughout, as the 1240 µs one, agrees with itself:
