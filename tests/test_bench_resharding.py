@@ -148,7 +148,7 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert all(lo <= costs[term] <= hi for term, (lo, hi) in costs["spread"].items())
     assert model["shared_cpu_cores"] == os.cpu_count() and model["message_s"] == costs["message_s"]
     assert "planning model: measured through the engine" in proc.stdout
-    # the probe's guard: --quick probes once, its verdict recorded (engine_costs.guarded_probe)
+    # the probe's guard: --quick probes once, its verdict recorded (probe_guard.guarded_probe)
     (attempt,) = costs["attempts"]
     assert costs["used_attempt"] == 0 and costs["disturbed"] == attempt["verdict"]["disturbed"]
     assert attempt["machine"]["wall_s"] > 0 and attempt["machine"]["own_cpu_s"] > 0

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
-from meshjob_bench import engine_costs
+from meshjob_bench import engine_costs, probe_guard
 from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
 from meshjob_trainer.launch import RankContext, launch
 from meshjob.boundary import BoundaryKey
@@ -263,7 +263,7 @@ def bench_network(nic_bytes_per_s: float) -> NetworkModel:
 
 def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs); None if
-    the probe failed. One attempt: `main` runs it under engine_costs.guarded_probe (retried when disturbed)."""
+    the probe failed. One attempt: `main` runs it under probe_guard.guarded_probe (retried when disturbed)."""
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
                                      variant_boundary)
@@ -682,15 +682,15 @@ def main(args: argparse.Namespace) -> int:
 
     cleanup_stale()
     planning = bench_network(nic_bytes_per_s)
-    probe = None  # engine_costs.GuardedCosts: every attempt of the probe, the one used
+    probe = None  # probe_guard.GuardedCosts: every attempt of the probe, the one used
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         with EmulatedCluster(max(layout.hosts) + 1, args.nic_rate, use_netns=not args.no_netns) as cluster:
             network = cluster.describe()
             emulated = cluster.emulated
             if args.message_costs == "measured":
-                probe = engine_costs.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s),
-                                                   attempts=1 if quick else engine_costs.PROBE_ATTEMPTS)
+                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s),
+                                                  attempts=1 if quick else probe_guard.PROBE_ATTEMPTS)
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1
