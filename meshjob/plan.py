@@ -19,7 +19,8 @@ Weight-grad delay (job.schedule.weightGradDelay, auto or a number of microbatche
         Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022): ceil(comm / W),
         comm = the summed makespans of the backward boundaries it sends, W = the stage's
         weight-gradient time from the cost model, measured with --calibrate), one delay d for
-        every stage and the rule raised by d; each is simulated on the plan's network and stage costs, and the smallest
+        every stage, the rule raised by d, and the rule ramped up to d toward the last stage; each is
+        simulated on the plan's network and stage costs, and the smallest
         within 1% of the fastest (and no slower than the rule) is taken. No stage ever delays so
         many that its peak stash exceeds eager-1F1B's stage-0 bound min(M, 2S - 1) (or its own
         undelayed peak, where that is higher already).
@@ -403,7 +404,8 @@ def simulated_delays(plan: Plan, rooms: Mapping[int, int]) -> Plan:
     from meshjob.simulate import compute_costs, plan_cost, transfer_costs
 
     job = plan.job
-    if not delay_choice.within_budget(plan.weight_delay, plan.schedules, rooms):
+    leads = delay_choice.warmup_leads(job.schedule.kind, len(job.stages), job.training.microbatches)
+    if not delay_choice.within_budget(plan.weight_delay, plan.schedules, rooms, leads):
         return replace(plan, delay_choice=delay_choice.unsimulated(plan.weight_delay))
     cost = plan_cost(plan)
     choice, lists = delay_choice.choose(job.schedule.kind, job.training.microbatches, _edges(job),

@@ -10,7 +10,7 @@ import pytest
 
 from meshjob import comm_order, delay_choice
 from meshjob.costs import CostModel
-from meshjob.delay_choice import DelayCandidate, candidate_delays, global_delays, pick
+from meshjob.delay_choice import DelayCandidate, candidate_delays, global_delays, pick, warmup_leads
 from meshjob.device_costs import emulated_costs
 from meshjob.devices import parse_device
 from meshjob.network import NetworkModel
@@ -131,6 +131,40 @@ def test_candidates_are_the_rule_one_global_delay_and_the_rule_raised_each_cappe
                       ("d=3", {0: 0, 1: 3, 2: 3, 3: 3}), ("d=4", {0: 0, 1: 4, 2: 3, 3: 4}),
                       ("rule+1", {0: 0, 1: 2, 2: 3, 3: 1}), ("rule+2", {0: 0, 1: 3, 2: 3, 3: 2}),
                       ("rule+3", {0: 0, 1: 4, 2: 3, 3: 3})]  # rule+4 is d=4: listed once
+
+
+def test_ramp_candidates_raise_the_rule_toward_the_last_stage_by_its_shorter_warm_up() -> None:
+    leads = warmup_leads("eager-1f1b", 8, 8)
+    assert leads == {0: 7, 1: 7, 2: 7, 3: 7, 4: 6, 5: 4, 6: 2, 7: 0}  # warm-ups min(8, 2(8-s)-1) less the last's 1
+    rule, rooms = {0: 0, **{s: 1 for s in range(1, 8)}}, {0: 0, **{s: 7 for s in range(1, 8)}}
+    ramps = dict(c for c in candidate_delays(rule, rooms, leads) if c[0].startswith("ramp="))
+    assert ramps["ramp=7"] == {0: 0, 1: 1, 2: 1, 3: 1, 4: 1, 5: 3, 6: 5, 7: 7}
+    assert ramps["ramp=4"] == {0: 0, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 4}
+    assert "ramp=1" not in ramps  # the rule itself: listed once
+    assert not any(name.startswith("ramp=") for name, _ in candidate_delays(rule, rooms))  # no leads, no ramps
+
+
+def eight_stage_job() -> Any:
+    """8 stages of a small GPT on one device each, M = 8: every stage's room is 7 W's (the stash bound is M)."""
+    return parse_job({
+        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "eight-stages"},
+        "spec": {"model": {"kind": "gpt", "layers": 16, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                 "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 1},
+                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(8)],
+                 "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
+
+
+def test_eight_stages_delay_more_ws_toward_the_last_stage_and_that_is_faster_than_one_delay_for_all() -> None:
+    job = eight_stage_job()
+    cost = emulated_cost(job)
+    plan = build_plan(job, cost=cost, network=cost.network)
+    choice = plan.delay_choice
+    assert choice.chosen.name.startswith("ramp=")
+    delays = [plan.weight_delay[s] for s in range(8)]
+    assert delays == sorted(delays) and delays[-1] > delays[1]
+    others = [c.step_s for c in choice.candidates if not c.name.startswith("ramp=")]
+    assert step_s(plan) < 0.95 * min(others)
+    assert max(peak_stashed(plan.schedules).values()) <= stash_bound(8, 8)
 
 
 def test_over_the_work_budget_the_rule_stands_unsimulated(monkeypatch: pytest.MonkeyPatch) -> None:

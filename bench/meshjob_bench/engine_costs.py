@@ -87,10 +87,11 @@ class EngineCosts:
                 f"message between hosts, {self.intra_message_cpu_s * 1e6:.0f} µs inside a host, "
                 f"{self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
                 f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores (median of "
-                f"{self.rounds} rounds; per message between hosts {self._range('message_s', 1e6)} µs, CPU "
-                f"{self._range('message_cpu_s', 1e6)} µs, inside a host {self._range('intra_message_cpu_s', 1e6)} µs)")
+                f"{self.rounds} rounds; per message between hosts {self.range_text('message_s', 1e6)} µs, CPU "
+                f"{self.range_text('message_cpu_s', 1e6)} µs, inside a host {self.range_text('intra_message_cpu_s', 1e6)} µs)")
 
-    def _range(self, term: str, scale: float) -> str:
+    def range_text(self, term: str, scale: float) -> str:
+        """`term`'s lowest-highest over the rounds, times `scale` (1e6: in µs), as "lo-hi"."""
         lo, hi = self.spread.get(term, (getattr(self, term), getattr(self, term)))
         return f"{lo * scale:.0f}-{hi * scale:.0f}"
 

@@ -132,7 +132,7 @@ def judge(costs: EngineCosts, machine: Machine, nominal_message_s: float = EMULA
     for term in SPREAD_TERMS:
         checks[f"spread_{term}"] = costs.spread_ratio(term) / SPREAD_MAX
         if checks[f"spread_{term}"] > 1:
-            reasons.append(f"rounds disagree: {term} {costs._range(term, 1e6)} µs over the {costs.rounds} rounds, "
+            reasons.append(f"rounds disagree: {term} {costs.range_text(term, 1e6)} µs over the {costs.rounds} rounds, "
                            f"{costs.spread_ratio(term):.3g}x (limit {SPREAD_MAX:g}x)")
     severity = max(checks.values())
     return Verdict(severity > 1, severity, checks, tuple(reasons))
