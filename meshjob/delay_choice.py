@@ -5,7 +5,11 @@ bound) sizes each stage's delay alone, as if its gradient transfers had the NICs
 On a step whose transfers queue behind each other on shared NIC links that is often too few W's
 (bench e2e's GPT: the rule gives 1, the simulator rates 7 faster). So the plan simulates a few
 candidate assignments on its own network and stage costs (meshjob.simulate.simulate_pipeline, the
-model `meshjob simulate` and the search trust), each in the transfer order its plan would take (the
+model `meshjob simulate` and the search trust), each rated by its steady-state period (meshjob.steady:
+the step run three times over, as a job runs it, where a stage's delayed W's at the end of one step
+overlap the next step's warm-up; one isolated step counts them in full and rated 0/1/2/4 and 0/2/4/6
+alike on bench pipeline's 4 stages at 10% communication, where the steady period rates 0/2/4/6 6%
+faster), each in the transfer order its plan would take (the
 send order or a need order, meshjob.comm_order: it can change which delay is fastest; bench pipeline's
 U-Transformer, 4 stages, communication equal to compute: d = 1 in the send order, d = 2 about 10%
 faster once the last stage's in-link takes what it needs first), and keeps the smallest whose step is
@@ -44,8 +48,9 @@ from meshjob.comm_order import NEED_ORDER_ROUNDS, TransferOrder, fastest_order, 
 from meshjob.costs import CostModel
 from meshjob.network import Link
 from meshjob.schedule import Action, Edge, generate, warmup_forwards
+from meshjob.steady import STEADY_STEPS, steady_period_s
 
-TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated step counts as fast as it
+TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated period counts as fast as it
 WORK_BUDGET = 10_000_000  # actions x stages, summed over the candidates
 RULE = "rule"
 
@@ -54,7 +59,7 @@ RULE = "rule"
 class DelayCandidate:
     name: str  # "rule" (ceil(comm / W) per stage) or "d=N" (one delay N, each stage capped by its room)
     delays: Mapping[int, int]  # stage -> W's delayed
-    step_s: float  # simulated step on the plan's own network and stage costs
+    step_s: float  # simulated steady-state step period (meshjob.steady) on the plan's own network and costs
     # the transfer order that step ran in, where it is the one the plan takes (meshjob.comm_order.transfer_order:
     # every need order tried); None where the budget held the candidates to the send order
     order: TransferOrder | None = field(default=None, compare=False, repr=False)
@@ -140,9 +145,10 @@ def pick(candidates: Sequence[DelayCandidate], tolerance: float = TOLERANCE) -> 
 
 def within_budget(rule: Mapping[int, int], rule_lists: Mapping[int, Sequence[Action]],
                   rooms: Mapping[int, int], leads: Mapping[int, int] | None = None, runs: int = 1) -> bool:
-    """Whether simulating every candidate (candidate_delays), `runs` runs each, stays within
-    WORK_BUDGET: actions x stages per run."""
-    return run_work(rule_lists) * runs * len(candidate_delays(rule, rooms, leads)) <= WORK_BUDGET
+    """Whether simulating every candidate (candidate_delays), `runs` one-step runs each and its steady
+    period (STEADY_STEPS steps), stays within WORK_BUDGET: actions x stages per step."""
+    per_candidate = runs + STEADY_STEPS
+    return run_work(rule_lists) * per_candidate * len(candidate_delays(rule, rooms, leads)) <= WORK_BUDGET
 
 
 def unsimulated(rule: Mapping[int, int]) -> DelayChoice:
@@ -170,7 +176,8 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        order, step = fastest_order(lists[name], compute_s, transfers, cost, rounds)
-        simulated.append(DelayCandidate(name, delays, step, order if rounds == NEED_ORDER_ROUNDS else None))
+        order, _ = fastest_order(lists[name], compute_s, transfers, cost, rounds)
+        period = steady_period_s(lists[name], compute_s, transfers, cost, microbatches, order.transfers)
+        simulated.append(DelayCandidate(name, delays, period, order if rounds == NEED_ORDER_ROUNDS else None))
     chosen = pick(simulated, tolerance)
     return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]

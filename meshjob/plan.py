@@ -20,7 +20,7 @@ Weight-grad delay (job.schedule.weightGradDelay, auto or a number of microbatche
         comm = the summed makespans of the backward boundaries it sends, W = the stage's
         weight-gradient time from the cost model, measured with --calibrate), one delay d for
         every stage, the rule raised by d, and the rule ramped up to d toward the last stage; each is
-        simulated on the plan's network and stage costs, and the smallest
+        simulated on the plan's network and stage costs, step after step (meshjob.steady), and the smallest
         within 1% of the fastest (and no slower than the rule) is taken. No stage ever delays so
         many that its peak stash exceeds eager-1F1B's stage-0 bound min(M, 2S - 1) (or its own
         undelayed peak, where that is higher already).

@@ -210,6 +210,7 @@ def simulate_pipeline(
     transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]] | TransferCost],
     cost: CostModel | None = None,
     order: Sequence[tuple[BoundaryKey, int]] | None = None,
+    pause_s: Mapping[tuple[int, int], float] | None = None,
 ) -> PipelineResult:
     """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
     microbatch's transfer on plain links, the bytes it moves through each NIC link (host, "out"|"in")).
@@ -217,8 +218,11 @@ def simulate_pipeline(
     `order`: the step's transfer order the executor follows (meshjob.comm_order.TransferOrder.transfers);
     each NIC link then carries its transfers in that order, a sent transfer waiting for the ones planned
     before it on its links (meshjob_trainer.engine issues each link's messages in the planned order).
-    None: each link takes its transfers as they are sent (the run that defines the order)."""
+    None: each link takes its transfers as they are sent (the run that defines the order).
+    `pause_s[(stage, i)]`: seconds the stage spends after its i-th action before its next (the optimizer
+    step between repeated steps: meshjob.steady)."""
     cost = cost or CostModel()
+    pause_s = pause_s or {}
     stats = {s: StageStats() for s in schedules}
     pos = {s: 0 for s in schedules}
     sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
@@ -268,6 +272,7 @@ def simulate_pipeline(
                 wait = max(0.0, arrival - now)
                 st.exposed_comm_s += wait
                 st.busy_until_s = now + wait
+            st.busy_until_s += pause_s.get((stage, pos[stage]), 0.0)
             pos[stage] += 1
             remaining -= 1
             run.append((stage, a))

@@ -16,7 +16,8 @@ from meshjob.devices import parse_device
 from meshjob.network import NetworkModel
 from meshjob.plan import build_plan
 from meshjob.schedule import generate, peak_stashed, stash_bound
-from meshjob.simulate import plan_cost, simulate_plan
+from meshjob.simulate import compute_costs, plan_cost, transfer_costs
+from meshjob.steady import steady_period_s
 from meshjob.spec import job_to_dict, load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
@@ -29,7 +30,10 @@ def with_schedule(job: Any, kind: str, delay: Any = "auto") -> Any:
 
 
 def step_s(plan: Any) -> float:
-    return simulate_plan(plan, plan_cost(plan)).step_s
+    """The plan's steady-state period on its own costs, in its own transfer order: what the choice rates."""
+    cost = plan_cost(plan)
+    return steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
+                           plan.job.training.microbatches, plan.transfer_order.transfers)
 
 
 def queued_gradients_job() -> Any:
@@ -175,3 +179,32 @@ def test_over_the_work_budget_the_rule_stands_unsimulated(monkeypatch: pytest.Mo
     doc = plan.to_json()["schedule"]["delay_choice"]
     assert doc == {"chosen": "rule", "simulated": False, "work_budget": 0}
     json.dumps(plan.to_json(), allow_nan=False)  # the plan contract stays plain JSON
+
+
+def four_stage_job() -> Any:
+    """4 stages of a small GPT on one device each, M = 8: rooms 0/2/4/6."""
+    return parse_job({
+        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "four-stages"},
+        "spec": {"model": {"kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                 "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 1},
+                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(4)],
+                 "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
+
+
+def test_candidates_are_rated_by_their_steady_period_where_the_last_stages_ws_overlap_the_next_step() -> None:
+    job = four_stage_job()
+    cost = emulated_cost(job)
+    plan = build_plan(job, cost=cost, network=cost.network)
+    choice = plan.delay_choice
+    assert plan.weight_delay == {0: 0, 1: 2, 2: 4, 3: 6}
+    pc = plan_cost(plan)
+    compute, transfers = compute_costs(plan, pc), transfer_costs(plan, pc)
+    edges = [(e.src, e.dst, e.tensor) for e in job.edges]
+
+    def one_step(delays: dict) -> float:
+        return comm_order.fastest_order(generate("eager-1f1b", 4, 8, edges, True, delays), compute, transfers, pc)[1]
+
+    chosen = one_step(dict(choice.chosen.delays))
+    # one isolated step rates a smaller candidate as fast, but run step after step it is slower
+    smaller = [c for c in choice.candidates if c.size < choice.chosen.size and one_step(dict(c.delays)) <= chosen * 1.01]
+    assert smaller and all(c.step_s > 1.03 * choice.chosen.step_s for c in smaller)

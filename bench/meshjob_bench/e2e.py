@@ -157,13 +157,16 @@ def stage_timelines(records: list[dict]) -> dict[str, list]:
 
 
 def predicted_step_s(job: TrainingJob, plan, cost, compute: ComputeMode) -> float:
-    """The simulator's step time for the plan that ran, on the same NICs and costs, plus each stage's
-    optimizer step after its last action (the ranks wait it too)."""
+    """The simulator's steady-state step period for the plan that ran (meshjob.steady: steps run over
+    and over, as measured), on the same NICs and costs, each stage's optimizer step after its last
+    action of each step (the ranks wait it too)."""
     from meshjob.device_costs import emulated_cost
-    from meshjob.simulate import simulate_plan
+    from meshjob.simulate import compute_costs, transfer_costs
+    from meshjob.steady import steady_period_s
 
-    result = simulate_plan(plan, cost)
-    return max(s.busy_until_s + emulated_cost(job, i, compute.device).optimizer_s for i, s in result.stages.items())
+    optimizer = {i: emulated_cost(job, i, compute.device).optimizer_s for i in range(len(job.stages))}
+    return steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
+                           job.training.microbatches, plan.transfer_order.transfers, optimizer)
 
 
 def print_table(rows: list[Row], title: str) -> None:

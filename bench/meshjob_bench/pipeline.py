@@ -19,7 +19,7 @@ over a sweep of NIC rates, each chosen so that communication is a given fraction
 busiest NIC direction's bytes per microbatch over the rate, divided by a stage's F + I + W of one
 microbatch (`--comm-fractions`, default 0.1, 0.3 and 1.0). Reported per run: throughput over 1f1b and over
 signal, bubble and communication-overlap fractions, peak stashed microbatches against 1f1b, the
-simulator's prediction of the same plan (predicted / measured step time), and the step bound
+simulator's prediction of the same plan (predicted / measured step period: meshjob.steady), and the step bound
 (meshjob.step_bound: from the NIC links' bytes and the compute chains before and after each transfer,
 no schedule of the plan's transfers finishes a step sooner; max_vs_signal = signal's predicted step
 over it, the most of signal any schedule can reach); the issue's targets,
@@ -246,10 +246,13 @@ def calibrated_cost(job: TrainingJob, m: Measured, nic_bytes_per_s: float, emula
 def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: ComputeMode, emulated_nics: bool) -> dict:
     """The simulator on the plan that ran. Emulated compute: the device's modelled costs (the same the
     ranks waited), plus each stage's optimizer step after its last action. Real compute: the costs
-    calibrated from this run's measured compute (the formula's shape, one constant). With it, the step
-    bound (meshjob.step_bound) on the same costs: no schedule of this plan's transfers is faster."""
+    calibrated from this run's measured compute (the formula's shape, one constant). The prediction is
+    the steady-state period (meshjob.steady: steps run over and over, as measured); one isolated step
+    beside it, and the step bound (meshjob.step_bound) on the same costs: no schedule of this plan's
+    transfers runs one step faster."""
     from meshjob.device_costs import emulated_cost
-    from meshjob.simulate import simulate_plan
+    from meshjob.simulate import compute_costs, simulate_plan, transfer_costs
+    from meshjob.steady import steady_period_s
     from meshjob.step_bound import step_bound
 
     if compute.emulated:
@@ -258,9 +261,12 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     else:
         cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
     result = simulate_plan(plan, cost)
-    step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
+    one_step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
+    step = steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
+                           job.training.microbatches, plan.transfer_order.transfers, dict(enumerate(optimizer)))
     bound = step_bound(plan, cost, optimizer)
     return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
+            "predicted_one_step_s": one_step,
             "step_bound": bound and bound.to_json(),
             "predicted_stages": {str(i): {"bubble": s.bubble_fraction(result.step_s),
                                           "overlap": s.overlap_fraction()} for i, s in result.stages.items()}}
@@ -457,8 +463,8 @@ def run_config(model: str, stages: int, fractions: list[float], variants: list[s
         r["vs_1f1b"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["vs_signal"] = r["tokens_per_s"] / signal["tokens_per_s"]
         bound = (r["step_bound"] or {}).get("step_s")
-        # the most of signal any schedule of this plan reaches: both sides on the simulator's costs
-        r["max_vs_signal"] = signal["predicted_step_s"] / bound if bound else None
+        # the most of signal any schedule of this plan reaches: both sides one step on the simulator's costs
+        r["max_vs_signal"] = signal["predicted_one_step_s"] / bound if bound else None
         r["peak_stashed_vs_1f1b"] = [r["stages"][i]["peak_stashed"] / base["stages"][i]["peak_stashed"]
                                      for i in sorted(r["stages"])]
     return measured, rows, network
@@ -521,8 +527,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
            "note": "throughput = global-batch tokens / the steady-state step period (over ranks, the median of "
                    "each rank's mean timed step); vs_signal = fraction "
                    "of the 1-byte-transfer bound; comm_fraction = the busiest NIC direction's bytes of one "
-                   "microbatch at nic_rate over a stage's F+I+W of one microbatch; predicted = meshjob.simulate "
-                   "on the plan that ran with the device's modelled costs (no constants fitted to the run)"
+                   "microbatch at nic_rate over a stage's F+I+W of one microbatch; predicted = meshjob.steady's "
+                   "period (the step run three times, as measured) of the plan that ran with the device's modelled "
+                   "costs (no constants fitted to the run); predicted_one_step_s: one isolated step, which "
+                   "step_bound bounds"
                    + ("" if compute.emulated else "; real compute: the costs calibrated from the measured compute")}
     path = os.path.join(args.out, "pipeline.json")
     with open(path, "w") as f:

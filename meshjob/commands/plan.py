@@ -231,7 +231,8 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
 
 
 def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
-    """weightGradDelay auto: each simulated candidate's step, the ratio rule's and the one taken."""
+    """weightGradDelay auto: each simulated candidate's step period (meshjob.steady), the ratio rule's and
+    the one taken."""
     from rich.table import Table
 
     if choice is None:
@@ -241,11 +242,12 @@ def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
                       f"the candidates would pass the planner's work budget of {choice['work_budget']:,} "
                       "actions x stages)")
         return
-    table = Table(title="weightGradDelay auto: delay candidates simulated on the plan's network and stage costs "
+    table = Table(title="weightGradDelay auto: delay candidates simulated step after step on the plan's network "
+                        "and stage costs "
                         f"(taken: the smallest within {choice['tolerance']:.0%} of the fastest, "
                         "no slower than the rule)")
-    for col in ("candidate", "W delay per stage", "simulated step", "vs rule", "taken"):
-        table.add_column(col, justify="right" if col in ("simulated step", "vs rule") else "left")
+    for col in ("candidate", "W delay per stage", "simulated period", "vs rule", "taken"):
+        table.add_column(col, justify="right" if col in ("simulated period", "vs rule") else "left")
     rule = choice["rule_step_s"]
     for c in choice["candidates"]:
         delays = " ".join(f"{d}" for _, d in sorted(c["weight_delay"].items(), key=lambda kv: int(kv[0])))
