@@ -148,18 +148,18 @@ def test_ramp_candidates_raise_the_rule_toward_the_last_stage_by_its_shorter_war
     assert not any(name.startswith("ramp=") for name, _ in candidate_delays(rule, rooms))  # no leads, no ramps
 
 
-def eight_stage_job() -> Any:
-    """8 stages of a small GPT on one device each, M = 8: every stage's room is 7 W's (the stash bound is M)."""
+def one_device_stages_job(stages: int) -> Any:
+    """`stages` stages of a small GPT (2 layers each) on one device each, M = 8."""
     return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "eight-stages"},
-        "spec": {"model": {"kind": "gpt", "layers": 16, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": f"stages-{stages}"},
+        "spec": {"model": {"kind": "gpt", "layers": 2 * stages, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
                  "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 1},
-                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(8)],
+                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(stages)],
                  "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
 
 
 def test_eight_stages_delay_more_ws_toward_the_last_stage_and_that_is_faster_than_one_delay_for_all() -> None:
-    job = eight_stage_job()
+    job = one_device_stages_job(8)  # every stage's room is 7 W's (the stash bound is M)
     cost = emulated_cost(job)
     plan = build_plan(job, cost=cost, network=cost.network)
     choice = plan.delay_choice
@@ -181,18 +181,8 @@ def test_over_the_work_budget_the_rule_stands_unsimulated(monkeypatch: pytest.Mo
     json.dumps(plan.to_json(), allow_nan=False)  # the plan contract stays plain JSON
 
 
-def four_stage_job() -> Any:
-    """4 stages of a small GPT on one device each, M = 8: rooms 0/2/4/6."""
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "four-stages"},
-        "spec": {"model": {"kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
-                 "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 1},
-                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(4)],
-                 "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
-
-
 def test_candidates_are_rated_by_their_steady_period_where_the_last_stages_ws_overlap_the_next_step() -> None:
-    job = four_stage_job()
+    job = one_device_stages_job(4)  # rooms 0/2/4/6
     cost = emulated_cost(job)
     plan = build_plan(job, cost=cost, network=cost.network)
     choice = plan.delay_choice

@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
 from meshjob.schedule import generate
 from meshjob.simulate import simulate_pipeline
 from meshjob.steady import repeated, steady_period_s
-
-
-def chain_edges(stages: int) -> list[tuple[int, int, str]]:
-    return [(i, i + 1, "activation") for i in range(stages - 1)]
-
-
-def free_transfers(stages: int) -> dict:
-    out = {}
-    for i in range(stages - 1):
-        out[BoundaryKey(i, i + 1, "activation")] = (0.0, {})
-        out[BoundaryKey(i + 1, i, "activation", grad=True)] = (0.0, {})
-    return out
+from test_simulate import chain_edges, free_transfers
 
 
 def costs(stages: int, f: float = 1.0) -> dict:
