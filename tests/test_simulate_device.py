@@ -24,6 +24,15 @@ def test_simulate_json_prints_each_stages_timeline_with_the_devices_costs(capsys
         assert first[0] == "F0" and first[2] - first[1] == pytest.approx(costs[int(stage)].forward_s)
 
 
+def test_simulate_prints_the_steady_period_of_steps_run_one_after_another(capsys):
+    assert main(["simulate", "examples/gpt-demo.yaml", "--device", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    compute = max(sum(t[2] - t[1] for t in doc["timeline"]) for doc in out["stages"].values())
+    assert compute <= out["period_s"] <= out["step_s"] * (1 + 1e-9)  # no stage computes faster; steps overlap
+    assert main(["simulate", "examples/gpt-demo.yaml", "--device", "h100"]) == 0
+    assert "per step run after step (steady period)" in " ".join(capsys.readouterr().out.split())  # wrapped at 80
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "fast"], "--device: 'fast' is invalid: one of a100, h100"),
     (["--tbf-burst", "lots"], "--tbf-burst: 'lots' is invalid"),

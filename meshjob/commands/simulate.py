@@ -1,4 +1,8 @@
-"""`meshjob simulate job.yaml`: predict a plan's step time, bubbles and resharding time (no processes run)."""
+"""`meshjob simulate job.yaml`: predict a plan's step time, bubbles and resharding time (no processes run).
+
+Two step times: one step from an empty pipeline (the timeline and bubbles are that step's), and the
+steady-state period of steps run one after another (meshjob.steady: what a running job's step takes,
+and what `weightGradDelay: auto` rates its candidates by)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from meshjob.errors import UsageError
     from meshjob.plan import build_plan
-    from meshjob.simulate import scale_job, simulate_plan, summarize
+    from meshjob.simulate import compute_costs, scale_job, simulate_plan, summarize, transfer_costs
+    from meshjob.steady import steady_period_s
     from meshjob.spec import load_job
 
     network = cost_options.network_from_args(args)
@@ -48,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(job, network=network, cost=cost)  # the costs size the plan's weight delays too
     t_plan = time.perf_counter() - t0
     result = simulate_plan(plan, cost)
+    period = steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
+                             job.training.microbatches, plan.transfer_order.transfers)
     t_sim = time.perf_counter() - t0 - t_plan
     out = {"job": job.name, "world_size": plan.placement.world_size, "hosts": len(plan.placement.hosts_used()),
            "nic_rate": args.nic_rate, "schedule": job.schedule.kind, "plan_seconds": t_plan,
            "simulate_seconds": t_sim, "cost_model": cost.to_json(),
            "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
-           **result.to_json(), "boundaries": summarize(plan, result)}
+           **result.to_json(), "period_s": period, "boundaries": summarize(plan, result)}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -61,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"[bold]{job.name}[/]: {out['world_size']} devices on {out['hosts']} hosts, NIC {args.nic_rate} "
               f"({network.duplex} duplex), {job.schedule.kind}; planned in {t_plan:.2f}s, simulated in {t_sim:.2f}s"
               + ("; measured compute costs" if cost.measured else ""))
-    con.print(f"predicted step time {result.step_s * 1e3:.2f} ms, mean bubble {result.bubble_fraction():.1%}")
+    con.print(f"predicted step time {result.step_s * 1e3:.2f} ms from an empty pipeline, {period * 1e3:.2f} ms per "
+              f"step run after step (steady period); mean bubble {result.bubble_fraction():.1%}")
     t = Table("stage", "compute ms", "bubble", "comm overlap", "exposed comm ms", "W delay", title="stages")
     for i, s in result.stages.items():
         t.add_row(str(i), f"{s.compute_s * 1e3:.2f}", f"{s.bubble_fraction(result.step_s):.1%}",
