@@ -12,8 +12,8 @@ alike on bench pipeline's 4 stages at 10% communication, where the steady period
 faster), each in the transfer order its plan would take (the
 send order or a need order, meshjob.comm_order: it can change which delay is fastest; bench pipeline's
 U-Transformer, 4 stages, communication equal to compute: d = 1 in the send order, d = 2 about 10%
-faster once the last stage's in-link takes what it needs first), and keeps the smallest whose step is
-within TOLERANCE of the fastest candidate and no slower than the rule's.
+faster once the last stage's in-link takes what it needs first), and keeps the smallest whose period is
+within TOLERANCE of the fastest candidate's and no slower than the rule's.
 
 Candidates (few, so planning stays fast): the rule's delays; one global delay d, each stage taking
 min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the largest
@@ -57,7 +57,7 @@ RULE = "rule"
 
 @dataclass(frozen=True)
 class DelayCandidate:
-    name: str  # "rule" (ceil(comm / W) per stage) or "d=N" (one delay N, each stage capped by its room)
+    name: str  # "rule" (ceil(comm / W) per stage), "d=N" (one delay N), "rule+K" or "ramp=D" (candidate_delays)
     delays: Mapping[int, int]  # stage -> W's delayed
     step_s: float  # simulated steady-state step period (meshjob.steady) on the plan's own network and costs
     # the transfer order that step ran in, where it is the one the plan takes (meshjob.comm_order.transfer_order:
