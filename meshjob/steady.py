@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 from meshjob.boundary import BoundaryKey
 from meshjob.costs import CostModel
 from meshjob.schedule import Action
+from meshjob.simulate import compute_costs, simulate_pipeline, transfer_costs
 
 STEADY_STEPS = 3  # the first step fills the pipeline; the two after it give the period
 
@@ -43,8 +44,6 @@ def steady_period_s(schedules: Mapping[int, Sequence[Action]], compute_s: Mappin
     """The period of `schedules` run `steps` times (arguments as meshjob.simulate.simulate_pipeline
     takes them; `order`: one step's transfer order; `tail_s`: per stage, seconds after each step's
     last action, e.g. its optimizer step)."""
-    from meshjob.simulate import simulate_pipeline
-
     if steps < 2:
         raise ValueError(f"steps {steps!r} is invalid: at least 2 (the first fills the pipeline)")
     tail_s = tail_s or {}
@@ -55,16 +54,19 @@ def steady_period_s(schedules: Mapping[int, Sequence[Action]], compute_s: Mappin
     run = simulate_pipeline(lists, compute_s, transfers, cost, steps_order, pause)
     # a stage's step k ends when its step k + 1 begins (its next action starts when it is free); the last
     # step ends when the stage is done
-    ends: dict[int, list[float]] = {stage: [] for stage in schedules}
-    done = {stage: 0 for stage in schedules}
+    starts: dict[int, list[float]] = {stage: [] for stage in schedules}
     for (stage, _), started in zip(run.order, run.started_s):
-        n = len(schedules[stage])
-        if done[stage] and done[stage] % n == 0:
-            ends[stage].append(started)
-        done[stage] += 1
+        starts[stage].append(started)
     periods = []
     for stage, stats in run.stages.items():
-        marks = ends[stage] + [stats.busy_until_s]
-        if len(marks) == steps:
-            periods.append((marks[-1] - marks[0]) / (steps - 1))
+        n = len(schedules[stage])
+        if n:  # the first step ends as the second begins, with the stage's action n
+            periods.append((stats.busy_until_s - starts[stage][n]) / (steps - 1))
     return statistics.median(periods) if periods else 0.0
+
+
+def plan_period_s(plan: Any, cost: CostModel, tail_s: Mapping[int, float] | None = None) -> float:
+    """`plan`'s period on `cost`, its links in the plan's transfer order (as meshjob.simulate.simulate_plan
+    runs one step of it)."""
+    return steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
+                           plan.job.training.microbatches, plan.transfer_order.transfers, tail_s)

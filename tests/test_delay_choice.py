@@ -17,7 +17,7 @@ from meshjob.network import NetworkModel
 from meshjob.plan import build_plan
 from meshjob.schedule import generate, peak_stashed, stash_bound
 from meshjob.simulate import compute_costs, plan_cost, transfer_costs
-from meshjob.steady import steady_period_s
+from meshjob.steady import plan_period_s
 from meshjob.spec import job_to_dict, load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
@@ -31,9 +31,7 @@ def with_schedule(job: Any, kind: str, delay: Any = "auto") -> Any:
 
 def step_s(plan: Any) -> float:
     """The plan's steady-state period on its own costs, in its own transfer order: what the choice rates."""
-    cost = plan_cost(plan)
-    return steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
-                           plan.job.training.microbatches, plan.transfer_order.transfers)
+    return plan_period_s(plan, plan_cost(plan))
 
 
 def queued_gradients_job() -> Any:

@@ -161,12 +161,10 @@ def predicted_step_s(job: TrainingJob, plan, cost, compute: ComputeMode) -> floa
     and over, as measured), on the same NICs and costs, each stage's optimizer step after its last
     action of each step (the ranks wait it too)."""
     from meshjob.device_costs import emulated_cost
-    from meshjob.simulate import compute_costs, transfer_costs
-    from meshjob.steady import steady_period_s
+    from meshjob.steady import plan_period_s
 
-    optimizer = {i: emulated_cost(job, i, compute.device).optimizer_s for i in range(len(job.stages))}
-    return steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
-                           job.training.microbatches, plan.transfer_order.transfers, optimizer)
+    return plan_period_s(plan, cost, {i: emulated_cost(job, i, compute.device).optimizer_s
+                                      for i in range(len(job.stages))})
 
 
 def print_table(rows: list[Row], title: str) -> None:

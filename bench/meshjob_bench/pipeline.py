@@ -251,8 +251,8 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     beside it, and the step bound (meshjob.step_bound) on the same costs: no schedule of this plan's
     transfers runs one step faster."""
     from meshjob.device_costs import emulated_cost
-    from meshjob.simulate import compute_costs, simulate_plan, transfer_costs
-    from meshjob.steady import steady_period_s
+    from meshjob.simulate import simulate_plan
+    from meshjob.steady import plan_period_s
     from meshjob.step_bound import step_bound
 
     if compute.emulated:
@@ -262,8 +262,7 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
         cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
     result = simulate_plan(plan, cost)
     one_step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
-    step = steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
-                           job.training.microbatches, plan.transfer_order.transfers, dict(enumerate(optimizer)))
+    step = plan_period_s(plan, cost, dict(enumerate(optimizer)))
     bound = step_bound(plan, cost, optimizer)
     return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
             "predicted_one_step_s": one_step,

@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from meshjob.errors import UsageError
     from meshjob.plan import build_plan
-    from meshjob.simulate import compute_costs, scale_job, simulate_plan, summarize, transfer_costs
-    from meshjob.steady import steady_period_s
+    from meshjob.simulate import scale_job, simulate_plan, summarize
+    from meshjob.steady import plan_period_s
     from meshjob.spec import load_job
 
     network = cost_options.network_from_args(args)
@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(job, network=network, cost=cost)  # the costs size the plan's weight delays too
     t_plan = time.perf_counter() - t0
     result = simulate_plan(plan, cost)
-    period = steady_period_s(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost,
-                             job.training.microbatches, plan.transfer_order.transfers)
+    period = plan_period_s(plan, cost)
     t_sim = time.perf_counter() - t0 - t_plan
     out = {"job": job.name, "world_size": plan.placement.world_size, "hosts": len(plan.placement.hosts_used()),
            "nic_rate": args.nic_rate, "schedule": job.schedule.kind, "plan_seconds": t_plan,
