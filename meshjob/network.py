@@ -148,6 +148,12 @@ class NetworkModel:
     # The executor keeps at most this many chunks in flight per link: one on the wire while the next
     # is posted; more would let the NIC's queue, not the plan, decide the order.
     in_flight_per_link: int = 2
+    # Small messages pack beyond that window on a NIC link: up to this many in flight, each of at most
+    # overlap_bytes / this and all together within overlap_bytes, so a stream of small chunks is not held
+    # to two round trips of wake-ups on the shared cores at a time (meshjob_trainer.board.may_start).
+    # The simulator does not model it (it charges such chunks message_s each, as probed unpacked).
+    # Equal to in_flight_per_link: no packing.
+    small_in_flight_per_link: int = 8
     # The CPU messages take where all hosts share one machine (see the module's docstring); 0 cores:
     # not modelled.
     shared_cpu_cores: int = 0
@@ -180,6 +186,10 @@ class NetworkModel:
             raise ValueError(f"duplex {self.duplex!r} is invalid: one of {', '.join(DUPLEX)}")
         if not isinstance(self.in_flight_per_link, int) or self.in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {self.in_flight_per_link!r} is invalid: an integer >= 1")
+        small = self.small_in_flight_per_link
+        if not isinstance(small, int) or small < self.in_flight_per_link:
+            raise ValueError(f"small_in_flight_per_link {self.small_in_flight_per_link!r} is invalid: an integer >= "
+                             f"in_flight_per_link ({self.in_flight_per_link})")
         if not isinstance(self.shared_cpu_cores, int) or self.shared_cpu_cores < 0:
             raise ValueError(f"shared_cpu_cores {self.shared_cpu_cores!r} is invalid: an integer >= 0")
 
@@ -226,7 +236,8 @@ class NetworkModel:
                 "intra_host_bytes_per_s": self.intra_host_bytes_per_s, "intra_message_s": self.intra_message_s,
                 "duplex": self.duplex,
                 "burst_bytes": self.burst_bytes, "line_bytes_per_s": self.line_bytes_per_s,
-                "in_flight_per_link": self.in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
+                "in_flight_per_link": self.in_flight_per_link,
+                "small_in_flight_per_link": self.small_in_flight_per_link, "shared_cpu_cores": self.shared_cpu_cores,
                 "message_cpu_s": self.message_cpu_s, "intra_message_cpu_s": self.intra_message_cpu_s,
                 "net_byte_cpu_s": self.net_byte_cpu_s,
                 "local_byte_cpu_s": self.local_byte_cpu_s, "cpu_contention_p": self.cpu_contention_p,

@@ -68,6 +68,16 @@ def test_a_large_message_runs_alone_on_its_link_and_small_ones_overlap():
     assert may_start(1, 4 << 20, 1 << 16, 2, None)  # no byte bound: the window alone
 
 
+def test_beyond_the_window_small_messages_pack_while_their_bytes_together_stay_within_the_threshold():
+    assert may_start(2, 1 << 16, 1 << 16, 2, 1 << 20, small_window=8)  # 3 small ones: 192 KiB of 1 MiB
+    assert may_start(7, 7 << 17, 1 << 17, 2, 1 << 20, small_window=8)  # the eighth: 1 MiB in all
+    assert not may_start(8, 8 << 16, 1 << 16, 2, 1 << 20, small_window=8)  # the small window is full
+    assert not may_start(6, 15 << 16, 1 << 17, 2, 1 << 20, small_window=8)  # it would pass the threshold
+    assert not may_start(2, 1 << 10, 1 << 18, 2, 1 << 20, small_window=8)  # 256 KiB: more than 1 MiB / 8
+    assert not may_start(2, 1 << 16, 1 << 16, 2, None, small_window=8)  # no byte bound: the window alone
+    assert not may_start(2, 1 << 16, 1 << 16, 2, 1 << 20)  # no small window: no packing
+
+
 def test_behind_a_large_message_the_next_goes_a_lead_before_the_links_clock_says_it_is_through():
     assert may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=1e-3, lead_s=2e-3)  # due within the lead
     assert may_start(1, 4 << 20, 4 << 20, 2, 1 << 20, due_in_s=-1e-3, lead_s=2e-3)  # just overdue: a late wake

@@ -109,6 +109,8 @@ def test_chunks_never_exceed_what_the_slice_can_be_cut_into():
     ({"message_s": -1e-6}, "message_s -1e-06 is invalid: a number >= 0"),
     ({"duplex": "simplex"}, "duplex 'simplex' is invalid: one of full, half"),
     ({"in_flight_per_link": 0}, "in_flight_per_link 0 is invalid: an integer >= 1"),
+    ({"in_flight_per_link": 4, "small_in_flight_per_link": 3},
+     r"small_in_flight_per_link 3 is invalid: an integer >= in_flight_per_link \(4\)"),
 ])
 def test_a_bad_network_model_is_rejected_naming_field_value_and_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from meshjob.network import NetworkModel, on_shared_cores
@@ -94,6 +94,16 @@ class EngineCosts:
         """`term`'s lowest-highest over the rounds, times `scale` (1e6: in µs), as "lo-hi"."""
         lo, hi = self.spread.get(term, (getattr(self, term), getattr(self, term)))
         return f"{lo * scale:.0f}-{hi * scale:.0f}"
+
+
+def unpacked(network: NetworkModel) -> NetworkModel:
+    """`network` with no small messages packed beyond the window (NetworkModel.small_in_flight_per_link):
+    the probe measures what a message costs one window at a time, the cost the model charges each; the
+    overlap threshold comes from it too. Probed packed, the 16 KiB messages measured about half the link
+    time and two thirds the CPU, the threshold fell below the 256 KiB chunks of one-to-many at K = 64,
+    which then ran alone, and `chunks: auto` cut more chunks than the shared cores could carry (1 -> 4x3,
+    1 -> 4x4: 1.5-2.4 L against 1.35-1.75 L, two interleaved runs each)."""
+    return replace(network, small_in_flight_per_link=network.in_flight_per_link)
 
 
 def probe_cases(layout: Any, nic_bytes_per_s: float, network: NetworkModel, case_type: Any, variant_type: Any,

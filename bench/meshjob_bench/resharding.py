@@ -267,7 +267,7 @@ def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_c
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), Case, Variant,
                                      variant_boundary)
-    network = bench_network(nic_bytes_per_s)
+    network = engine_costs.unpacked(bench_network(nic_bytes_per_s))
     result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network),
                     **cluster.gang(layout.hosts).launch_args())
     if not result.ok:

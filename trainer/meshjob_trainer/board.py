@@ -48,7 +48,7 @@ class BoardError(RuntimeError):
 
 
 def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, overlap_bytes: int | None,
-              due_in_s: float = math.inf, lead_s: float = 0.0) -> bool:
+              due_in_s: float = math.inf, lead_s: float = 0.0, small_window: int = 0) -> bool:
     """Whether a message may join a NIC link's `in_flight` messages: always onto an idle link; behind
     others only within the window, and only while those in flight are small (`overlap_bytes`): a second
     message in flight hides the gap between two small ones, but two large ones would share the link
@@ -57,11 +57,15 @@ def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, ov
     (`due_in_s` from now): its notice reaches the peer while the link still carries the previous one,
     instead of a hand-over gap of wake-ups on the shared cores (meshjob.network.HANDOVER_LEAD_S). Not
     once they are overdue by more than that: their sender started late, and the clock does not know
-    how much they have left."""
+    how much they have left. Beyond the window, small messages pack: one of at most overlap_bytes /
+    small_window bytes joins while fewer than `small_window` are in flight and their bytes, its own
+    included, stay within `overlap_bytes` (together they are as short as one message the threshold lets
+    another join)."""
     if in_flight == 0:
         return True
     if in_flight >= window:
-        return False
+        return (in_flight < small_window and overlap_bytes is not None and nbytes * small_window <= overlap_bytes
+                and in_flight_bytes + nbytes <= overlap_bytes)
     return overlap_bytes is None or in_flight_bytes <= overlap_bytes or (lead_s > 0 and abs(due_in_s) <= lead_s)
 
 
@@ -109,8 +113,9 @@ class HostBoard:
 
     def __init__(self, order: HostLinkOrder, rank: int, window: int, overlap_bytes: int | None, store: Any,
                  key: str, on_wake: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0,
-                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0) -> None:
+                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0, small_window: int = 0) -> None:
         self.order, self.rank, self.window, self.overlap_bytes = order, rank, window, overlap_bytes
+        self.small_window = small_window
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
         self.timeout_s, self._on_wake = timeout_s, on_wake
         self.ranks = order.ranks
@@ -173,7 +178,7 @@ class HostBoard:
         done = sum(c[t.base + 1 + 2 * s] for s in range(n))
         in_bytes = sum(c[t.base + 2 + 2 * s] for s in range(n))
         return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, self.due_in_s(link),
-                         self.lead_s)
+                         self.lead_s, self.small_window)
 
     def due_in_s(self, link: Link) -> float:
         """How long until the host's messages issued on `link` are through by its clock (inf: no clock)."""

@@ -60,6 +60,16 @@ Tried and left out: a large receive joining those in flight on an in-link when a
 sending host (whose out-link keeps them apart), so that the next is posted before the previous one
 lands. Alone it measured no better (13 of 32 rows above 1.10), with the bound above 4 and 5 of 32.
 
+Small messages pack: on a NIC link, beyond the window, a message of at most overlap_bytes /
+`small_in_flight_per_link` (meshjob.network: 8) joins while fewer than that many are in flight and their
+bytes, its own included, stay within overlap_bytes (meshjob_trainer.board.may_start). Held to the window
+of two, a stream of 16-64 KiB chunks waited on wake-ups, not on the cores: over many-to-many S01R -> RS01
+at K = 64 (1,024 such messages) this machine's cores were 13-34% idle (/proc/stat over each transfer).
+Measured (bench resharding, 1gbit, 16 MiB, small window 8 against 2, two interleaved runs each):
+many-to-many K = 64 RS0 -> S0R 1.24 / 1.31 L against 1.69 / 1.78, S01R -> RS01 2.34 / 2.29 against 3.92 /
+3.74; paper scale 2x4 RS1 -> S1R K = 64 2.22 against 3.85 L (one run); one-to-many 3x2, 4x3, 4x4 and
+the K = auto rows alike within the runs' spread. The cost probe runs unpacked (meshjob_bench.engine_costs.unpacked).
+
 The hand-over lead: behind a large message on a NIC link (its own or, through the board, another rank's
 of the host), the next one is issued HANDOVER_LEAD_S (meshjob.network, 2 ms) before the link's clock
 says the first is through, and the engine wakes itself for it (`_wake_at`: nothing else may happen then);
@@ -356,11 +366,18 @@ class CommEngine:
     def __init__(self, rank: int, wire: Wire, specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
                  in_flight_per_link: int = 2, order: TransferOrder | None = None,
                  board_for: BoardFor | None = None, overlap_bytes: int | None = None,
-                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0) -> None:
+                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0,
+                 small_in_flight_per_link: int | None = None) -> None:
         if in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
+        small = in_flight_per_link if small_in_flight_per_link is None else small_in_flight_per_link
+        if small < in_flight_per_link:
+            raise ValueError(f"small_in_flight_per_link {small!r} is invalid: an integer >= in_flight_per_link "
+                             f"({in_flight_per_link})")
         self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
         self.in_flight_per_link = in_flight_per_link
+        # on NIC links small messages pack beyond the window, within overlap_bytes (board.may_start)
+        self.small_in_flight_per_link = small if overlap_bytes is not None else in_flight_per_link
         self.overlap_bytes = overlap_bytes
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
         self._link_clock: dict[Link, int] = {}  # NIC links off the board: when their bytes are through (ns)
@@ -561,7 +578,7 @@ class CommEngine:
             return True
         due_in_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
         if may_start(count, self._bytes[link], nbytes, self.in_flight_per_link, self.overlap_bytes, due_in_s,
-                     self.lead_s):
+                     self.lead_s, self.small_in_flight_per_link):
             return True
         self._wake_for(due_in_s)
         return False
@@ -573,10 +590,14 @@ class CommEngine:
             at = time.monotonic() + due_in_s - self.lead_s
             self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
+    def _window(self, link: Link | None) -> int:
+        """The most messages in flight on `link` (small ones on a NIC link may pack up to more)."""
+        return self.in_flight_per_link if link is None or link[1] == "local" else self.small_in_flight_per_link
+
     def _issue(self) -> None:
         self._board_waits, self._wake_at = False, None
         for link, seq in self._recvs.items():
-            while self._posted[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
+            while self._posted[link] < self._window(link) and (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break
@@ -590,7 +611,7 @@ class CommEngine:
                 self._start(job, message, self.wire.irecv)
                 seq.advance()
         for link, seq in self._sends.items():
-            while self._in_flight[link] < self.in_flight_per_link and (entry := seq.head()) is not None:
+            while self._in_flight[link] < self._window(link) and (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break

@@ -517,7 +517,8 @@ class ReshardExecutor:
                  routes: Sequence[Route] | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
                  order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None,
-                 board: bool | None = None, board_timeout_s: float = 300.0) -> None:
+                 board: bool | None = None, board_timeout_s: float = 300.0,
+                 small_in_flight_per_link: int | None = None) -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
@@ -548,6 +549,8 @@ class ReshardExecutor:
         self.host = host or (f"host-{mine[0].host_of(rank)}" if mine else "")
         self.specs = {k: r.message_specs(rank) for k, r in self.routes.items()}
         self.in_flight_per_link = in_flight_per_link or network.in_flight_per_link
+        self.small_in_flight_per_link = max(self.in_flight_per_link, small_in_flight_per_link
+                                            or network.small_in_flight_per_link)
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
         self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank))
         self.network = network
@@ -555,7 +558,7 @@ class ReshardExecutor:
         use_board = order is not None and (_dist_up() if board is None else board)
         self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
                                  self._board_for if use_board else None, overlap_bytes(network),
-                                 network.nic_bytes_per_s, HANDOVER_LEAD_S)
+                                 network.nic_bytes_per_s, HANDOVER_LEAD_S, self.small_in_flight_per_link)
 
     def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
         """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.host_order)."""
@@ -578,7 +581,8 @@ class ReshardExecutor:
         store = dist.distributed_c10d._get_default_store()
         return HostBoard(mine, self.rank, self.in_flight_per_link, overlap_bytes(self.network), store,
                          f"meshjob/board/{serial}/h{host}", wake, self.board_timeout_s,
-                         nic_bytes_per_s=self.network.nic_bytes_per_s, lead_s=HANDOVER_LEAD_S)
+                         nic_bytes_per_s=self.network.nic_bytes_per_s, lead_s=HANDOVER_LEAD_S,
+                         small_window=self.small_in_flight_per_link)
 
     def route(self, key: BoundaryKey) -> Route:
         try:
@@ -608,7 +612,8 @@ class ReshardExecutor:
 
     def memory_bound_bytes(self) -> int:
         """The most payload memory the engine can hold when the stage keeps `recv_depth` receives posted
-        per boundary: that many receiving jobs' buffers, plus a staging copy per send in flight."""
+        per boundary: that many receiving jobs' buffers, plus a staging copy per send in flight (on a NIC
+        link, small ones packed beyond the window hold overlap_bytes at most together)."""
         total = 0
         for key, depth in self.recv_depth.items():
             total += depth * self.routes[key].receive_bytes(self.rank, self.dtype)
@@ -619,7 +624,9 @@ class ReshardExecutor:
                 if spec.send and not route.contiguous_at(self.rank, spec.index):
                     nbytes = route.step_at(spec.index).nbytes(_itemsize(self.dtype))
                     largest[spec.link] = max(largest.get(spec.link, 0), nbytes)
-        return total + self.in_flight_per_link * sum(largest.values())
+        packed = overlap_bytes(self.network) if self.small_in_flight_per_link > self.in_flight_per_link else 0
+        return total + sum(self.in_flight_per_link * nbytes + (packed if link[1] != "local" else 0)
+                           for link, nbytes in largest.items() if link is not None)
 
     @contextlib.contextmanager
     def forward_only(self) -> Iterator[None]:
