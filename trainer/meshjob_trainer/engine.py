@@ -69,6 +69,7 @@ Measured (bench resharding, 1gbit, 16 MiB, small window 8 against 2, two interle
 many-to-many K = 64 RS0 -> S0R 1.24 / 1.31 L against 1.69 / 1.78, S01R -> RS01 2.34 / 2.29 against 3.92 /
 3.74; paper scale 2x4 RS1 -> S1R K = 64 2.22 against 3.85 L (one run); one-to-many 3x2, 4x3, 4x4 and
 the K = auto rows alike within the runs' spread. The cost probe runs unpacked (meshjob_bench.engine_costs.unpacked).
+A message that cannot pack meets a full window as before: it waits for a completion (`_within_window`).
 
 The hand-over lead: behind a large message on a NIC link (its own or, through the board, another rank's
 of the host), the next one is issued HANDOVER_LEAD_S (meshjob.network, 2 ms) before the link's clock
@@ -590,19 +591,27 @@ class CommEngine:
             at = time.monotonic() + due_in_s - self.lead_s
             self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
-    def _window(self, link: Link | None) -> int:
-        """The most messages in flight on `link` (small ones on a NIC link may pack up to more)."""
-        return self.in_flight_per_link if link is None or link[1] == "local" else self.small_in_flight_per_link
+    def _within_window(self, link: Link | None, count: int, nbytes: int) -> bool:
+        """Whether a message of `nbytes` fits `link`'s window beside `count` in flight: within it, or beyond
+        it on a NIC link a small one that may pack (board.may_start then checks their bytes). Anything else
+        waits for a completion, as it did before small messages packed."""
+        if count < self.in_flight_per_link:
+            return True
+        return (link is not None and link[1] != "local" and self.overlap_bytes is not None
+                and count < self.small_in_flight_per_link
+                and nbytes * self.small_in_flight_per_link <= self.overlap_bytes)
 
     def _issue(self) -> None:
         self._board_waits, self._wake_at = False, None
         for link, seq in self._recvs.items():
-            while self._posted[link] < self._window(link) and (entry := seq.head()) is not None:
+            while (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break
                 job, message = found
                 message.nbytes = job.nbytes(message.spec)
+                if not self._within_window(link, self._posted[link], message.nbytes):
+                    break
                 message.ready_s = message.ready_s or time.monotonic()
                 if not self._may_start(link, self._posted[link], message.nbytes):
                     break
@@ -611,7 +620,7 @@ class CommEngine:
                 self._start(job, message, self.wire.irecv)
                 seq.advance()
         for link, seq in self._sends.items():
-            while self._in_flight[link] < self._window(link) and (entry := seq.head()) is not None:
+            while (entry := seq.head()) is not None:
                 found = self._job_for(entry)
                 if found is None:
                     break
@@ -619,6 +628,8 @@ class CommEngine:
                 if not all(job.messages[d].done for d in message.spec.deps):
                     break
                 message.nbytes = job.nbytes(message.spec)
+                if not self._within_window(link, self._in_flight[link], message.nbytes):
+                    break
                 message.ready_s = message.ready_s or time.monotonic()
                 if not self._may_start(link, self._in_flight[link], message.nbytes):
                     break
