@@ -64,9 +64,14 @@ def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, ov
     if in_flight == 0:
         return True
     if in_flight >= window:
-        return (in_flight < small_window and overlap_bytes is not None and nbytes * small_window <= overlap_bytes
+        return (in_flight < small_window and packs(nbytes, small_window, overlap_bytes)
                 and in_flight_bytes + nbytes <= overlap_bytes)
     return overlap_bytes is None or in_flight_bytes <= overlap_bytes or (lead_s > 0 and abs(due_in_s) <= lead_s)
+
+
+def packs(nbytes: int, small_window: int, overlap_bytes: int | None) -> bool:
+    """Whether a message is small enough to pack beyond the window: at most overlap_bytes / small_window."""
+    return overlap_bytes is not None and nbytes * small_window <= overlap_bytes
 
 
 def link_clock_after(clock_ns: int, now_ns: int, nbytes: int, nic_bytes_per_s: float) -> int:

@@ -124,7 +124,7 @@ import torch
 from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder
 from meshjob.network import Link
-from meshjob_trainer.board import link_clock_after, may_start
+from meshjob_trainer.board import link_clock_after, may_start, packs
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
@@ -597,9 +597,8 @@ class CommEngine:
         waits for a completion, as it did before small messages packed."""
         if count < self.in_flight_per_link:
             return True
-        return (link is not None and link[1] != "local" and self.overlap_bytes is not None
-                and count < self.small_in_flight_per_link
-                and nbytes * self.small_in_flight_per_link <= self.overlap_bytes)
+        return (link is not None and link[1] != "local" and count < self.small_in_flight_per_link
+                and packs(nbytes, self.small_in_flight_per_link, self.overlap_bytes))
 
     def _issue(self) -> None:
         self._board_waits, self._wake_at = False, None
