@@ -249,6 +249,55 @@ def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicatin
     assert four_hosts.met is False and four_hosts.failures == ["4x2 RR -> RR: 2.50x"]
 
 
+def _one_to_many_row(case: str, planned_over_l: float, measured_over_l: float) -> Row:
+    return Row("one_to_many", case, "broadcast", "auto", "greedy", "broadcast K=auto greedy", measured_over_l,
+               [measured_over_l], 1.0, measured_over_l, 1.0, 1.0, planned_over_l, 1.0, True)
+
+
+def test_a_one_to_many_miss_whose_own_plan_is_beyond_the_limit_is_bounded():
+    from meshjob_bench.resharding import check_targets
+
+    rows = [_one_to_many_row("1 -> 2x1", 1.05, 1.08), _one_to_many_row("1 -> 4x1", 1.14, 1.15)]
+    one_device = {t.name: t for t in check_targets(rows)}["one-to-many broadcast, chunks auto, one device per host"]
+    assert one_device.met is False and one_device.failures == ["1 -> 4x1: 1.15"]
+    assert one_device.bounded == ["1 -> 4x1: 1.15 (plan 1.14)"]
+    assert one_device.met_where_allowed is True  # 2x1, the one row its plan lets meet it, does
+
+
+def test_a_miss_whose_plan_is_within_the_limit_is_not_bounded():
+    from meshjob_bench.resharding import check_targets
+
+    rows = [_one_to_many_row("1 -> 2x1", 1.05, 1.12), _one_to_many_row("1 -> 4x1", 1.14, 1.15)]
+    one_device = {t.name: t for t in check_targets(rows)}["one-to-many broadcast, chunks auto, one device per host"]
+    assert one_device.bounded == ["1 -> 4x1: 1.15 (plan 1.14)"]
+    assert one_device.met_where_allowed is False
+    assert one_device.to_json()["met_where_allowed"] is False and one_device.to_json()["met"] is False
+
+
+def test_every_row_bounded_leaves_nothing_to_meet_where_allowed():
+    from meshjob_bench.resharding import check_targets
+
+    one_device = {t.name: t for t in check_targets([_one_to_many_row("1 -> 4x1", 1.14, 1.15)])}[
+        "one-to-many broadcast, chunks auto, one device per host"]
+    assert one_device.met is False and one_device.met_where_allowed is None
+
+
+def test_a_speed_up_over_alpas_default_beyond_the_tcp_floor_is_bounded():
+    from meshjob_bench.resharding import ALPA_DEFAULT, TCP_FLOOR, build_cases, check_paper_targets
+
+    cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
+                        sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
+    rows = []
+    for case, alpa_s in (("2x4 RR -> RR", 1.6), ("4x2 RR -> RR", 3.5)):  # L = 1 s: Alpa's default 1.6 / 3.5 L
+        rows += [_paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
+                 _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.2)]
+    _, two_hosts, four_hosts = check_paper_targets(rows, cases)
+    assert two_hosts.met is False and two_hosts.met_where_allowed is None  # 1.6 / 1.8 is below the TCP floor
+    bound = f"at most {1.6 / TCP_FLOOR:.2f}x: Alpa's default 1.60 L, the TCP floor {TCP_FLOOR:.3f} L"
+    assert two_hosts.bounded == [f"2x4 RR -> RR: 1.33x ({bound})"]
+    assert four_hosts.met is False and four_hosts.bounded == [] and four_hosts.met_where_allowed is False
+
+
 def test_a_case_runs_its_variants_in_a_planned_order_interleaved_one_microbatch_a_repetition():
     """Planned, so the ranks of a host take their turns on its NIC links (meshjob_trainer.board);
     repetition by repetition, so a burst of load moves one repetition of every variant."""

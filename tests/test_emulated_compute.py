@@ -104,6 +104,35 @@ def test_emulated_compute_takes_the_modelled_time_within_5_percent_on_one_rank()
     assert all(math.isnan(loss) for loss in losses)  # not a loss: reported as such
 
 
+@pytest.mark.slow
+def test_after_its_first_step_a_ranks_collector_skips_the_jobs_objects_until_training_ends():
+    """A full collection over the model, plan and engine stalled the rank that ran it (meshjob_trainer.launch)."""
+    import gc
+
+    from meshjob_trainer.train import train_rank
+
+    job, device = one_rank_job(), parse_device("4")
+
+    class FreezeCounts:
+        def __init__(self):
+            self.at_steps = []
+
+        def emit(self, event):
+            if type(event).__name__ == "StepFinished":
+                self.at_steps.append(gc.get_freeze_count())
+
+    def target(ctx):
+        counts = FreezeCounts()
+        inherited = gc.get_freeze_count()  # the launcher's: the parent's objects
+        train_rank(ctx.env, job, compute=ComputeMode("emulated", device), events=counts)
+        return inherited, counts.at_steps, gc.get_freeze_count()
+
+    inherited, at_steps, after = launch(1, target, timeout_s=60).raise_on_failure().values[0]
+    assert at_steps[0] <= inherited  # nothing of the job frozen yet (inherited objects may die meanwhile)
+    assert all(n > at_steps[0] + 100 for n in at_steps[1:])  # then what outlives the first step is
+    assert after == 0  # and handed back when training ends
+
+
 class SizedWire:
     """Delegates to a CheckedWire and records every message issued: (op, peer, message, bytes, dtype)."""
 

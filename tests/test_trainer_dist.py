@@ -202,6 +202,22 @@ def test_pre_exec_runs_in_each_child_before_the_target():
     assert entered == []
 
 
+def test_ranks_inherit_the_parents_objects_frozen_and_the_parent_keeps_collecting_its_own():
+    """A rank's cyclic collections skip what it inherits (gc.freeze before the fork): unfrozen, each full
+    collection of a rank walked the parent's whole heap (200-300 ms with 8 ranks on 2 cores)."""
+    import gc
+
+    inherited = [[] for _ in range(1000)]  # tracked by the parent's collector before the fork
+
+    def target(ctx: RankContext) -> tuple[int, bool]:
+        return gc.get_freeze_count(), any(o is inherited for o in gc.get_objects())
+
+    result = launch(2, target, timeout_s=30).raise_on_failure()
+    for frozen, seen in result.values:
+        assert frozen > len(inherited) and not seen  # frozen in the rank: its collections skip them
+    assert gc.get_freeze_count() == 0 and any(o is inherited for o in gc.get_objects())
+
+
 def test_a_free_port_for_the_rendezvous_is_below_the_ports_outgoing_connections_take():
     import socket
 

@@ -13,6 +13,7 @@ forward actions of the same list over spec.training.evalBatches validation batch
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -235,6 +236,9 @@ def train(ctx: Any) -> TrainResult:
         ctx.events.emit(PayloadMemory(rt.stage, step_peak, bound))
         _maybe_evaluate(ctx, rt, step + 1, val_losses)
         _save(ctx, rt, step + 1)
+        if step == start_step:  # what outlives the first step (model, optimizer, plan, engine) lives as long as
+            gc.freeze()  # the job: the collector's full passes skip it (meshjob_trainer.launch: each was a stall)
+    gc.unfreeze()  # the caller's objects are its collector's again (in-process tests call this function)
     ctx.reshard.close()  # the last forwards of a chain may still be on their way to a peer
     return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
                        job.training.steps, rt.transport.comm_s, step_seconds, val_losses, norms, peak, bound)
