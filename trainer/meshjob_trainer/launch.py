@@ -25,6 +25,7 @@ the tests.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -39,7 +40,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from meshjob_trainer.dist import WorkerEnv
 
@@ -312,6 +313,17 @@ def _load_outcomes(results: dict[int, RankResult], folder: str) -> None:
                 res.error = payload + "\n" + res.error
 
 
+@contextlib.contextmanager
+def _frozen_for_fork() -> Iterator[None]:
+    """The parent's objects frozen while ranks are forked: each rank inherits them frozen, so its collections
+    skip them (module docstring); the parent's own are its collector's again afterwards."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequence[int] | None = None,
            master_addr: str = "127.0.0.1", master_port: int | None = None, node_rank: int = 0, attempt: int = 0,
            pre_exec: Callable[[int], None] | None = None, on_event: Callable[[int, Any], None] | None = None,
@@ -332,25 +344,23 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
     gang = _Gang({}, {r: RankResult(rank=r, exit_code=0) for r in ranks}, _EventReader(read_fd, on_event),
                  timeout_s, kill_grace_s)
     with tempfile.TemporaryDirectory(prefix="meshjob-launch-") as tmp:
-        gc.freeze()  # the ranks inherit the parent's objects as frozen: their collections skip them (below)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
-            for local_rank, rank in enumerate(ranks):
-                env = WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank,
-                                master_addr=master_addr, master_port=port)
-                ctx = RankContext(env, attempt, EventPipe(write_fd, rank))
-                pid = os.fork()
-                if pid == 0:
-                    os.close(read_fd)
-                    _run_child(ctx, target, pre_exec, os.path.join(tmp, f"{rank}.pkl"), threads_per_rank)
-                gang.pids[pid] = rank
+            with _frozen_for_fork():
+                for local_rank, rank in enumerate(ranks):
+                    env = WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank,
+                                    master_addr=master_addr, master_port=port)
+                    ctx = RankContext(env, attempt, EventPipe(write_fd, rank))
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(read_fd)
+                        _run_child(ctx, target, pre_exec, os.path.join(tmp, f"{rank}.pkl"), threads_per_rank)
+                    gang.pids[pid] = rank
             os.close(write_fd)
             write_fd = -1
-            gc.unfreeze()  # the parent's own objects are its collector's again
             gang.wait(started)
         finally:
-            gc.unfreeze()
             if gang.pids:  # interrupted (Ctrl-C, an exception in on_event): take the gang down with us
                 gang.stop("killed: the launcher stopped")
             for fd in (read_fd, write_fd):
