@@ -141,6 +141,7 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
         "naive", "load_balance", "dfs", "greedy"}
     assert all(r["correct"] for r in rows)
     assert all(r["seconds"] > 0 and r["limit_s"] > 0 and r["cpu_seconds"] > 0 for r in rows)
+    assert all(r["minor_faults"] >= 0 for r in rows)
     assert all(sum(r["messages"].values()) >= 1 for r in rows)
     # planned with per-message costs measured through the engine first, on this machine's shared cores
     costs, model = doc["message_costs"], doc["network_model"]

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from meshjob_trainer.dist import WorkerEnv
+from meshjob_trainer.heap import keep_freed_memory
 
 PR_SET_PDEATHSIG = 1
 _FRAME = struct.Struct("!I")  # length prefix of one pickled (rank, event) in the event pipe
@@ -200,6 +201,7 @@ def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec:
         _die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (e.g. the cluster's cleanup)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops the gang
+        keep_freed_memory()  # a rank's next step reuses its tensors' pages (meshjob_trainer.heap)
         if threads is not None and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)  # ranks share the cores; more threads only contend
         if pre_exec is not None:

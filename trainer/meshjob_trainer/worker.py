@@ -18,6 +18,7 @@ from meshjob.api import MASTER_PORT
 from meshjob_trainer.dist import (DEFAULT_TIMEOUT_S, DistError, NodeEnv, WorkerContext, WorkerEnv, WorkerSettings,
                                   check_world_size, device_for_backend, init_distributed, shutdown_distributed)
 from meshjob_trainer.events import Fanout, MetricsSink
+from meshjob_trainer.heap import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
     from meshjob_trainer.train import train
 
     check_world_size(env, setup.plan.placement.world_size, setup.job.name)
+    keep_freed_memory()  # each step reuses the last one's tensor pages (meshjob_trainer.heap)
     backend = init_distributed(env, timeout_s)
     metrics = None
     try:
