@@ -78,6 +78,16 @@ def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_
     assert bc.measured_over_planned == pytest.approx(0.6 / 0.4)
 
 
+def test_collect_sums_cpu_and_faults_over_ranks_and_takes_their_median_over_repeats():
+    case = _case([Variant("broadcast", 16, "greedy")], limit_s=0.5)
+    events = [dict(case=0, variant=0, rep=rep, start=0.0, end=1.0, cpu=cpu, faults=faults)
+              for rep, per_rank in enumerate([[(0.1, 10), (0.2, 5)], [(0.5, 100), (0.4, 50)], [(0.3, 1), (0.0, 0)]])
+              for cpu, faults in per_rank]
+    row = collect([case], events)[0]
+    assert row.cpu_seconds == pytest.approx(0.3)  # sums 0.3, 0.9, 0.3
+    assert row.minor_faults == 15  # sums 15, 150, 1
+
+
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
     from meshjob_bench.resharding import Layout, bench_network, build_cases, plan_cases
 

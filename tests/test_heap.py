@@ -39,7 +39,7 @@ def steps():
 
 
 def _faults_in_a_fresh_process(keep: bool) -> list[int]:
-    code = STEP_LOOP + ("from meshjob_trainer.heap import keep_freed_memory\nkeep_freed_memory()\n" if keep else "")
+    code = STEP_LOOP + ("from meshjob_trainer.heap import keep_freed_memory\nassert keep_freed_memory()\n" if keep else "")
     code += "print(*steps())\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     return [int(x) for x in out.stdout.split()]

@@ -391,8 +391,7 @@ class Row:
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
     spans: dict[tuple[int, int, int], list[float]] = {}
-    cpu: dict[tuple[int, int, int], float] = {}
-    faults: dict[tuple[int, int, int], int] = {}
+    totals: dict[tuple[int, int, int], list[float]] = {}  # summed over ranks: [CPU seconds, minor faults]
     wrong: set[tuple[int, int]] = set()
     for e in events:
         if not e.get("correct", True):
@@ -402,8 +401,14 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
         key = (e["case"], e["variant"], e["rep"])
         lo, hi = spans.get(key, [math.inf, -math.inf])
         spans[key] = [min(lo, e["start"]), max(hi, e["end"])]
-        cpu[key] = cpu.get(key, 0.0) + e.get("cpu", 0.0)
-        faults[key] = faults.get(key, 0) + e.get("faults", 0)
+        total = totals.setdefault(key, [0.0, 0])
+        total[0] += e.get("cpu", 0.0)
+        total[1] += e.get("faults", 0)
+
+    def median_over_reps(ci: int, vi: int, index: int) -> float:
+        values = [total[index] for (c, v, _), total in totals.items() if c == ci and v == vi]
+        return statistics.median(values) if values else math.nan
+
     rows: list[Row] = []
     for ci, case in enumerate(cases):
         times = {vi: [hi - lo for (c, v, _), (lo, hi) in sorted(spans.items()) if c == ci and v == vi]
@@ -420,10 +425,8 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
                             planned, b.lower_bound_s, (ci, vi) not in wrong, simulated,
                             simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
                             med[vi] / planned if planned > 0 else math.nan,
-                            statistics.median(c for (cc, v, _), c in cpu.items() if cc == ci and v == vi)
-                            if times[vi] else math.nan,
-                            statistics.median(f for (cc, v, _), f in faults.items() if cc == ci and v == vi)
-                            if times[vi] else math.nan, case.messages[vi] if case.messages else {}))
+                            median_over_reps(ci, vi, 0), median_over_reps(ci, vi, 1),
+                            case.messages[vi] if case.messages else {}))
     return rows
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from dataclasses import dataclass
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -34,24 +33,16 @@ TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 TOP_PAD_BYTES = 64 * 1024 * 1024  # a thread arena's heap: an empty one is kept only below this
 
 
-@dataclass(frozen=True)
-class HeapSettings:
-    applied: bool  # False where the C library has no mallopt (not glibc) or refused a value
-    mmap_threshold_bytes: int
-    trim_threshold_bytes: int
-    top_pad_bytes: int
-
-
-def keep_freed_memory() -> HeapSettings:
+def keep_freed_memory() -> bool:
     """Set this process's allocator to keep what it frees (above). Idempotent; a rank calls it once its
-    process starts, before its threads allocate."""
+    process starts, before its threads allocate. False where the C library has no mallopt (not glibc) or
+    refused a value."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):
         mallopt = None
-    applied = bool(mallopt is not None
-                   and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-                   and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-                   and mallopt(M_TOP_PAD, TOP_PAD_BYTES) == 1)
-    return HeapSettings(applied, MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, TOP_PAD_BYTES)
+    return bool(mallopt is not None
+                and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+                and mallopt(M_TOP_PAD, TOP_PAD_BYTES) == 1)
