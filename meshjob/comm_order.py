@@ -21,15 +21,7 @@ order in which they happen. Two candidates, and the simulator picks:
   microbatch's activation from the stage before it (bench pipeline, 4 stages, communication equal to
   compute: the last stage started its first forward ~1 s late);
 - the need order: by the later of when the transfer was sent and when its receiver reached the RECV
-  that waits for it, in a run of the previous order (a few rounds, each run in the order before it);
-  ties in the run's send order, or, in a second series of rounds, by when the receiver used it (began
-  the compute after its RECVs). A stage that ends a backward sends its input gradients to the stage
-  before it and its skip gradients to a stage far back at the same instant, and the stages they go
-  to both wait at their RECVs; in the send order the skip gradients, used long after, went first and
-  the chain's gradient waited behind them on the out-link at every hop (bench pipeline's U-Transformer,
-  8 stages, 4 skip tensors a stage pair: backward hops ~80 ms against ~15 ms forward). Broken by use,
-  the simulated step of 8 stages at 10% / 30% communication ran 1.9% / 1.2% faster, 1F1B up to 7.8%,
-  and 100% 0.9% slower: neither series is always faster, so both run.
+  that waits for it, in a run of the previous order (a few rounds, each run in the order before it).
 The order of the fastest run is kept (the send order unless another is faster by more than TOLERANCE);
 where the runs would cost more than WORK_BUDGET (actions x stages per run), the send order stands.
 It is causal either way: every transfer comes after the transfers its data depends on (its data
@@ -51,9 +43,7 @@ from meshjob.boundary import BoundaryKey
 from meshjob.schedule import Action
 
 Transfer = tuple[BoundaryKey, int]  # (boundary, microbatch)
-NEED_ORDER_ROUNDS = 3  # need orders tried in a series, each from the run of the one before
-TIE_BREAKS = ("sent", "used")  # one series of need orders for each way of breaking their ties
-NEED_ORDER_RUNS = NEED_ORDER_ROUNDS * len(TIE_BREAKS)  # runs of need orders a fastest_order takes
+NEED_ORDER_ROUNDS = 3  # need orders tried, each from the run of the one before
 TOLERANCE = 0.01  # another order replaces the send order only when its run is this much faster
 WORK_BUDGET = 2_000_000  # actions x stages of one run: above it, the send order stands unsimulated
 
@@ -119,25 +109,22 @@ def transfer_order(plan: Any) -> TransferOrder:
 def fastest_order(schedules: Mapping[int, Sequence[Action]], compute_s: Mapping[tuple[int, str], float],
                   transfers: Mapping[BoundaryKey, Any], cost: Any, rounds: int = NEED_ORDER_ROUNDS
                   ) -> tuple[TransferOrder, float]:
-    """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of the
-    need orders' (`rounds` of each TIE_BREAKS series; arguments as meshjob.simulate.simulate_pipeline
-    takes them)."""
+    """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of
+    `rounds` need orders' (arguments as meshjob.simulate.simulate_pipeline takes them)."""
     from meshjob.simulate import simulate_pipeline
 
-    sent_first = simulate_pipeline(schedules, compute_s, transfers, cost)
-    best, best_s = TransferOrder.of_run(sent_first.order), sent_first.step_s
+    run = simulate_pipeline(schedules, compute_s, transfers, cost)
+    best, best_s = TransferOrder.of_run(run.order), run.step_s
     if run_work(schedules) > WORK_BUDGET:
         return best, best_s
-    for ties in TIE_BREAKS:
-        run = sent_first
-        for _ in range(rounds):
-            order = need_order(run, ties)
-            try:
-                run = simulate_pipeline(schedules, compute_s, transfers, cost, order)
-            except ValueError:  # a link would wait on a transfer never sent: not an order to run
-                break
-            if run.step_s < best_s * (1 - TOLERANCE):
-                best, best_s = TransferOrder.of_run(run.order, order), run.step_s
+    for _ in range(rounds):
+        order = need_order(run)
+        try:
+            run = simulate_pipeline(schedules, compute_s, transfers, cost, order)
+        except ValueError:  # a link would wait on a transfer never sent: not an order to run
+            break
+        if run.step_s < best_s * (1 - TOLERANCE):
+            best, best_s = TransferOrder.of_run(run.order, order), run.step_s
     return best, best_s
 
 
@@ -146,40 +133,27 @@ def run_work(schedules: Mapping[int, Sequence[Action]]) -> int:
     return sum(len(a) for a in schedules.values()) * len(schedules)
 
 
-def need_order(run: Any, ties: str = "sent") -> list[Transfer]:
+def need_order(run: Any) -> list[Transfer]:
     """A run's transfers (a meshjob.simulate.PipelineResult) by the later of when each was sent and when
-    its receiver needed it; ties (TIE_BREAKS) in the run's send order ("sent") or first the one its
-    receiver used first ("used": when it began the action after its RECVs), then the send order. A
-    receiver needs every transfer of a run of
+    its receiver needed it; ties in the run's send order. A receiver needs every transfer of a run of
     consecutive RECVs when it reaches the first of them: the compute after them takes them all (the
     executor posts receives ahead), while the list-scheduled run reaches each later RECV only once the
     one before it has arrived. Timed by its own RECV, a skip gradient that the U-Transformer's last
     stage sent early queued on stage 0's in-link behind the activation gradient sent after it, and the
     link idled meanwhile (bench pipeline, 4 stages, communication equal to compute: ~0.7 s a step)."""
-    if ties not in TIE_BREAKS:
-        raise ValueError(f"ties {ties!r} is invalid: one of {', '.join(TIE_BREAKS)}")
     sent: dict[Transfer, float] = {}
     needed: dict[Transfer, float] = {}
-    used: dict[Transfer, float] = {}
     reached: dict[int, float] = {}  # stage -> when it reached the first RECV of the run it is in
-    waiting: dict[int, list[Transfer]] = {}  # stage -> the transfers of the RECVs of that run
     for (stage, action), at in zip(run.order, run.started_s):
         if action.kind.startswith("RECV"):
             at = reached.setdefault(stage, at)
         else:
             reached.pop(stage, None)
-            used.update((t, at) for t in waiting.pop(stage, ()))
         if action.is_comm:
             transfer = (BoundaryKey.of_action(stage, action), action.mb)
             (sent if action.kind.startswith("SEND") else needed)[transfer] = at
-            if action.kind.startswith("RECV"):
-                waiting.setdefault(stage, []).append(transfer)
     rank = {t: i for i, t in enumerate(sent)}
-
-    def key(t: Transfer) -> tuple[float, float, int]:
-        return (max(sent[t], needed.get(t, sent[t])), used.get(t, sent[t]) if ties == "used" else 0.0, rank[t])
-
-    return sorted(sent, key=key)
+    return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), rank[t]))
 
 
 def recv_depths(schedules: Mapping[int, Sequence[Action]], order: TransferOrder) -> dict[int, dict[BoundaryKey, int]]:

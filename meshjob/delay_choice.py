@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import NEED_ORDER_ROUNDS, NEED_ORDER_RUNS, TransferOrder, fastest_order, run_work  # imports nothing of the plan: no cycle
+from meshjob.comm_order import NEED_ORDER_ROUNDS, TransferOrder, fastest_order, run_work  # imports nothing of the plan: no cycle
 from meshjob.costs import CostModel
 from meshjob.network import Link
 from meshjob.schedule import Action, Edge, generate, warmup_forwards
@@ -170,7 +170,7 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     listed = candidate_delays(rule, rooms, leads)
     # each candidate with the transfer order its plan would take (meshjob.comm_order), where the need
     # orders' runs fit the budget too: the order can change which delay is fastest
-    rounds = NEED_ORDER_ROUNDS if within_budget(rule, rule_lists, rooms, leads, 1 + NEED_ORDER_RUNS) else 0
+    rounds = NEED_ORDER_ROUNDS if within_budget(rule, rule_lists, rooms, leads, 1 + NEED_ORDER_ROUNDS) else 0
     lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
     simulated: list[DelayCandidate] = []
     for name, delays in listed:

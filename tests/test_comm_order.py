@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, fastest_order, need_order, recv_depths, transfer_order
+from meshjob.comm_order import TransferOrder, need_order, recv_depths, transfer_order
 from meshjob.costs import CostModel
 from meshjob.device_costs import emulated_costs
 from meshjob.devices import parse_device
@@ -158,43 +158,3 @@ def test_a_need_order_times_every_receive_a_compute_takes_by_the_first_of_them()
     order = need_order(run)
     assert order.index((keys[1], 0)) < order.index((keys[0], 0))
     assert simulate_pipeline(schedules, compute, transfers, order=order).step_s == pytest.approx(4.0)
-
-
-def _two_sends_at_once():
-    """Stage 0 sends a skip tensor to stage 2 and then an activation to stage 1 at the same instant, over
-    its one out-link; stage 1 uses the activation at once, stage 2 the skip only after stage 1's output."""
-    skip, activation, chain = BoundaryKey(0, 2, "skip"), BoundaryKey(0, 1, "activation"), BoundaryKey(1, 2, "activation")
-    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 2, "skip"), Action("SEND_F", 0, 1)],
-                 1: [Action("RECV_F", 0, 0), Action("F", 0, None), Action("SEND_F", 0, 2)],
-                 2: [Action("RECV_F", 0, 1), Action("RECV_F", 0, 0, "skip"), Action("F", 0, None)]}
-    compute = {(stage, "F"): 1.0 for stage in schedules}
-    nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
-    transfers = {key: (1.0, {(key.src, "out"): nbytes, (key.dst, "in"): nbytes}) for key in (skip, activation, chain)}
-    return schedules, compute, transfers, (skip, 0), (activation, 0)
-
-
-def test_need_order_ties_broken_by_use_put_first_what_its_receiver_uses_first():
-    from meshjob.simulate import simulate_pipeline
-
-    schedules, compute, transfers, skip, activation = _two_sends_at_once()
-    run = simulate_pipeline(schedules, compute, transfers)
-    assert need_order(run).index(skip) < need_order(run).index(activation)  # the send order's tie
-    by_use = need_order(run, "used")
-    assert by_use.index(activation) < by_use.index(skip)
-    assert simulate_pipeline(schedules, compute, transfers, order=by_use).step_s == pytest.approx(5.0)
-    assert run.step_s == pytest.approx(6.0)  # the activation waited a second behind the skip
-
-
-def test_the_fastest_order_tries_need_orders_with_ties_broken_by_use_too():
-    schedules, compute, transfers, skip, activation = _two_sends_at_once()
-    order, step_s = fastest_order(schedules, compute, transfers, CostModel())
-    assert step_s == pytest.approx(5.0)
-    assert order.position(*activation) < order.position(*skip)
-
-
-def test_an_unknown_tie_break_is_refused_naming_the_allowed_ones():
-    from meshjob.simulate import simulate_pipeline
-
-    schedules, compute, transfers, _, _ = _two_sends_at_once()
-    with pytest.raises(ValueError, match=r"ties 'late' is invalid: one of sent, used"):
-        need_order(simulate_pipeline(schedules, compute, transfers), "late")
