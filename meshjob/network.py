@@ -481,10 +481,8 @@ def _scatter_ring_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
     part's hops start as soon as it lands, so the ring overlaps the scatter; 1.25x (local) and up to
     1.43x (global) the simulated time on the resharding bench's cases, whose measurements follow the
     simulator."""
-    hosts = ([sender] if own else []) + [h for h, _ in remote]
-    devices = [own] if own else []
-    devices += [b for _, b in remote]
-    groups = [[h] * b for h, b in zip(hosts, devices)]
+    groups = [[sender] * own] if own else []  # the host of each receiving device, host by host
+    groups += [[h] * b for h, b in remote]
     rings = [[h for g in groups for h in g]] if one_ring else groups
     steps: list[tuple[int, int, float, int]] = []  # (from host, to host, bytes, index of the step it waits on or -1)
     for ring in rings:
