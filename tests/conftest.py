@@ -11,13 +11,31 @@ except ImportError:  # the plan-layer and operator tests run without torch
     torch = None
 
 
+# gloo's TCP mesh on loopback now and then fails to form while the process group starts ("Connection
+# closed by peer" in connectFullMesh; PyTorch's own gloo tests flake the same way, pytorch/pytorch#53270).
+# Seen once here in a CI run of 1736 tests; the same test passed on every rerun.
+GLOO_MESH_FLAKE = "Gloo connectFullMesh failed"
+KILLED_FOR_ANOTHER = "killed: another rank failed"
+
+
+def failed_only_forming_the_mesh(result) -> bool:
+    """Whether a gang failed only because gloo's connection mesh did not form: some rank's process group
+    did not start for that reason, and every other failed rank was killed for it."""
+    failures = result.failures()
+    return (any(GLOO_MESH_FLAKE in r.error for r in failures)
+            and all(GLOO_MESH_FLAKE in r.error or KILLED_FOR_ANOTHER in r.error for r in failures))
+
+
 @pytest.fixture
 def gang():
-    """launch(world_size, target(env), **kw) -> values; fails the test with every rank's traceback."""
+    """launch(world_size, target(env), **kw) -> values; fails the test with every rank's traceback. A gang
+    whose gloo mesh did not form (above) is launched once more: its ranks start over."""
     from meshjob_trainer.launch import launch as launch_gang
 
     def launch(world_size: int, target, timeout_s: float = 45.0, **kwargs):
         result = launch_gang(world_size, lambda ctx: target(ctx.env), timeout_s=timeout_s, **kwargs)
+        if not result.ok and failed_only_forming_the_mesh(result):
+            result = launch_gang(world_size, lambda ctx: target(ctx.env), timeout_s=timeout_s, **kwargs)
         return result.raise_on_failure().values
 
     return launch
