@@ -37,11 +37,11 @@ one task then costs exactly what the simulator times for its steps.
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from meshjob.ready_order import in_ready_order
 from meshjob.resharding import STRATEGIES
 
 DUPLEX = ("full", "half")
@@ -484,27 +484,22 @@ def _scatter_ring_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
     groups = [[sender] * own] if own else []  # the host of each receiving device, host by host
     groups += [[h] * b for h, b in remote]
     rings = [[h for g in groups for h in g]] if one_ring else groups
-    steps: list[tuple[int, int, float, int]] = []  # (from host, to host, bytes, index of the step it waits on or -1)
+    steps: list[tuple[int, int, float, tuple[int, ...]]] = []  # (from host, to host, bytes, the steps it waits on)
     for ring in rings:
         n = len(ring)
         part = nbytes / n
         last = []
         for h in ring:  # the scatter: part p to ring device p
-            steps.append((sender, h, part, -1))
+            steps.append((sender, h, part, ()))
             last.append(len(steps) - 1)
         for k in range(1, n):  # round k: part p from device p + k - 1 to device p + k
             for p in range(n):
-                steps.append((ring[(p + k - 1) % n], ring[(p + k) % n], part, last[p]))
+                steps.append((ring[(p + k - 1) % n], ring[(p + k) % n], part, (last[p],)))
                 last[p] = len(steps) - 1
-    waiting: dict[int, list[int]] = {}
-    for i, (_, _, _, after) in enumerate(steps):
-        waiting.setdefault(after, []).append(i)
-    ready = [(0.0, i) for i in waiting.get(-1, ())]
-    heapq.heapify(ready)
     free: dict[Link, float] = {}
-    holds, finish = _Holds(), 0.0
-    while ready:
-        at, i = heapq.heappop(ready)
+    holds = _Holds()
+
+    def book(i: int, at: float) -> float:
         src, dst, part, _ = steps[i]
         links = [model.link(src, "local")] if src == dst else [model.link(src, "out"), model.link(dst, "in")]
         begin = max([at] + [free.get(link, 0.0) for link in links])
@@ -513,7 +508,7 @@ def _scatter_ring_cost(model: NetworkModel, nbytes: int, sender: int, own: int,
             free[link] = end
             if src != dst:
                 holds.add(link, begin, end)
-        finish = max(finish, end)
-        for j in waiting.get(i, ()):
-            heapq.heappush(ready, (end, j))
+        return end
+
+    finish = max(in_ready_order([after for *_, after in steps], book).values(), default=0.0)
     return holds.cost(finish, 1)

@@ -23,13 +23,13 @@ Two levels, both deterministic and pure:
 from __future__ import annotations
 
 import collections
-import heapq
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 from meshjob.boundary import BoundaryKey
 from meshjob.costs import CostModel, StageCost
 from meshjob.network import Link, NetworkModel
+from meshjob.ready_order import in_ready_order
 from meshjob.resharding import Step
 from meshjob.schedule import Action
 
@@ -114,24 +114,16 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
                       itemsize: int = 4) -> TransferResult:
     """Run one boundary's steps over FIFO links; steps become ready when their `after` steps finish.
     Each step is one message: its bytes plus the network's per-message cost."""
-    by_id = {s.id: s for s in steps}
-    waiting = {s.id: len(s.after) for s in steps}
-    dependents: dict[int, list[int]] = {}
-    for s in steps:
-        for d in s.after:
-            dependents.setdefault(d, []).append(s.id)
-    order = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
-    ready: list[tuple[float, int, int]] = [(0.0, order[s.id], s.id) for s in steps if not s.after]
-    heapq.heapify(ready)
+    index = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
     links = Links(network)
     tally = {False: [0, 0], True: [0, 0]}  # inside a host? -> [messages, bytes]: their CPU work
     busy: dict[Link, float] = {}
     moved: dict[Link, int] = {}
     finish: dict[int, float] = {}
     began: dict[int, float] = {}
-    while ready:
-        t_ready, _, sid = heapq.heappop(ready)
-        step = by_id[sid]
+
+    def book(i: int, t_ready: float) -> float:
+        step = steps[i]
         src_h, dst_h = host_of(step.src), host_of(step.dst)
         nbytes = 1 if step.signal else step.nbytes(itemsize)
         used = [network.link(src_h, "local")] if src_h == dst_h else \
@@ -142,14 +134,12 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
         for link in used:
             busy[link] = busy.get(link, 0.0) + end - start
             moved[link] = moved.get(link, 0) + nbytes
-        finish[sid], began[sid] = end, start
-        for nxt in dependents.get(sid, ()):
-            waiting[nxt] -= 1
-            if waiting[nxt] == 0:
-                t_next = max(finish[d] for d in by_id[nxt].after)
-                heapq.heappush(ready, (t_next, order[nxt], nxt))
+        finish[step.id], began[step.id] = end, start
+        return end
+
+    in_ready_order([tuple(index.get(d, -1) for d in s.after) for s in steps], book)
     if len(finish) != len(steps):
-        missing = sorted(set(by_id) - set(finish))[:5]
+        missing = sorted(set(index) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
     makespan = network.with_cpu(max(finish.values(), default=0.0),
                                 network.cpu_s(tuple(tally[False]), tuple(tally[True])))
