@@ -1,7 +1,7 @@
 """`meshjob crd [--check FILE...]`: print the TrainingJob CRD generated from the spec model.
 
 With --check, compare each FILE with the generated text instead and exit 1 (with a unified diff)
-when any differs, so CI notices a committed CRD that lags behind meshjob/spec.py.
+when any differs, so CI notices a committed CRD that lags behind the field table (meshjob/spec_table.py).
 """
 from __future__ import annotations
 
