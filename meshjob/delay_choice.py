@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import NEED_ORDER_ROUNDS, TransferOrder, fastest_order, run_work  # imports nothing of the plan: no cycle
+from meshjob.comm_order import NEED_ORDER_ROUNDS, TIES, TransferOrder, fastest_order, run_work  # imports nothing of the plan: no cycle
 from meshjob.costs import CostModel
 from meshjob.network import Link
 from meshjob.schedule import Action, Edge, generate, warmup_forwards
@@ -170,14 +170,17 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     listed = candidate_delays(rule, rooms, leads)
     # each candidate with the transfer order its plan would take (meshjob.comm_order), where the need
     # orders' runs fit the budget too: the order can change which delay is fastest
-    rounds = NEED_ORDER_ROUNDS if within_budget(rule, rule_lists, rooms, leads, 1 + NEED_ORDER_ROUNDS) else 0
+    # (both tie rules where their runs fit the budget, else the send order's ties alone)
+    ties = next((TIES[:n] for n in (len(TIES), 1)
+                 if within_budget(rule, rule_lists, rooms, leads, 1 + n * NEED_ORDER_ROUNDS)), ())
+    rounds = NEED_ORDER_ROUNDS if ties else 0
     lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
     simulated: list[DelayCandidate] = []
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        order, _ = fastest_order(lists[name], compute_s, transfers, cost, rounds)
+        order, _ = fastest_order(lists[name], compute_s, transfers, cost, rounds, ties)
         period = steady_period_s(lists[name], compute_s, transfers, cost, microbatches, order.transfers)
-        simulated.append(DelayCandidate(name, delays, period, order if rounds == NEED_ORDER_ROUNDS else None))
+        simulated.append(DelayCandidate(name, delays, period, order if ties == TIES else None))
     chosen = pick(simulated, tolerance)
     return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]

@@ -158,3 +158,50 @@ def test_a_need_order_times_every_receive_a_compute_takes_by_the_first_of_them()
     order = need_order(run)
     assert order.index((keys[1], 0)) < order.index((keys[0], 0))
     assert simulate_pipeline(schedules, compute, transfers, order=order).step_s == pytest.approx(4.0)
+
+
+def two_waiting_receivers():
+    """Stage 2 sends, at one instant, a skip gradient to stage 0 and then an activation gradient to
+    stage 1, over its one out-link; both receivers wait already, but stage 0 also needs stage 1's
+    gradient, which stage 1 computes only once its own has landed (the U-Transformer's last stage
+    after its first I)."""
+    schedules = {0: [Action("RECV_B", 0, 2, "skip"), Action("RECV_B", 0, 1), Action("I", 0, None)],
+                 1: [Action("RECV_B", 0, 2), Action("I", 0, None), Action("SEND_B", 0, 0)],
+                 2: [Action("I", 0, None), Action("SEND_B", 0, 0, "skip"), Action("SEND_B", 0, 1)]}
+    compute = {(s, "I"): 1.0 for s in range(3)}
+    nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
+    skip, chain = BoundaryKey(2, 0, "skip", grad=True), BoundaryKey(2, 1, "activation", grad=True)
+    transfers = {skip: (1.0, {(2, "out"): nbytes, (0, "in"): nbytes}),
+                 chain: (1.0, {(2, "out"): nbytes, (1, "in"): nbytes}),
+                 BoundaryKey(1, 0, "activation", grad=True): (1.0, {(1, "out"): nbytes, (0, "in"): nbytes})}
+    return schedules, compute, transfers, skip, chain
+
+
+def test_need_order_ties_go_in_the_send_order_or_to_the_transfer_its_receiver_uses_first():
+    from meshjob.simulate import simulate_pipeline
+
+    schedules, compute, transfers, skip, chain = two_waiting_receivers()
+    run = simulate_pipeline(schedules, compute, transfers)
+    sent, used = need_order(run, "sent"), need_order(run, "used")
+    assert sent.index((skip, 0)) < sent.index((chain, 0))
+    assert used.index((chain, 0)) < used.index((skip, 0))
+    # the chain's gradient first: stage 1 computes while the skip crosses, and stage 0 starts a second sooner
+    assert simulate_pipeline(schedules, compute, transfers, order=used).step_s == pytest.approx(5.0)
+    assert simulate_pipeline(schedules, compute, transfers, order=sent).step_s == pytest.approx(6.0)
+
+
+def test_the_fastest_order_tries_both_tie_rules():
+    from meshjob.comm_order import TIES, fastest_order
+
+    schedules, compute, transfers, *_ = two_waiting_receivers()
+    alone = {rule: fastest_order(schedules, compute, transfers, None, ties=(rule,))[1] for rule in TIES}
+    assert alone["used"] < alone["sent"]
+    assert fastest_order(schedules, compute, transfers, None)[1] == min(alone.values())
+
+
+def test_an_unknown_tie_rule_is_named():
+    from meshjob.simulate import simulate_pipeline
+
+    schedules, compute, transfers, *_ = two_waiting_receivers()
+    with pytest.raises(ValueError, match=r"ties 'random' is invalid: one of sent, used"):
+        need_order(simulate_pipeline(schedules, compute, transfers), "random")
