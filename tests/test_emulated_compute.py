@@ -92,12 +92,14 @@ def _emulated_rank(job, device):
 
 @pytest.mark.slow
 def test_emulated_compute_takes_the_modelled_time_within_5_percent_on_one_rank():
-    job, device = one_rank_job(), parse_device("4")
+    # 2 TFLOP/s: each F waits ~0.12 s. The executor's own time between the waits is about fixed (~25 ms a
+    # step on a slow shared machine): at 4 TFLOP/s it was 2.5-3.5% of the step and one CI run in many saw 5.2%
+    job, device = one_rank_job(), parse_device("2")
     cost = emulated_cost(job, 0, device)
     step_s, timeline, losses = launch(1, _emulated_rank(job, device), timeout_s=60).raise_on_failure().values[0]
     m = job.training.microbatches
     modelled = m * (cost.stage.forward_s + cost.stage.backward_s) + cost.optimizer_s
-    assert cost.stage.forward_s > 0.02  # long enough that the executor's own time is noise
+    assert cost.stage.forward_s > 0.1  # long enough that the executor's own time is noise
     assert statistics.median(step_s[1:]) == pytest.approx(modelled, rel=0.05)
     forwards = [end - start for name, start, end in timeline if name.startswith("F")]
     assert statistics.median(forwards) == pytest.approx(cost.stage.forward_s, rel=0.05)
