@@ -171,8 +171,12 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
     # each candidate with the transfer order its plan would take (meshjob.comm_order), where the need
     # orders' runs fit the budget too: the order can change which delay is fastest
     # (both tie rules where their runs fit the budget, else the send order's ties alone)
-    ties = next((TIES[:n] for n in (len(TIES), 1)
-                 if within_budget(rule, rule_lists, rooms, leads, 1 + n * NEED_ORDER_ROUNDS)), ())
+    if within_budget(rule, rule_lists, rooms, leads, 1 + len(TIES) * NEED_ORDER_ROUNDS):
+        ties = TIES
+    elif within_budget(rule, rule_lists, rooms, leads, 1 + NEED_ORDER_ROUNDS):
+        ties = TIES[:1]
+    else:
+        ties = ()
     rounds = NEED_ORDER_ROUNDS if ties else 0
     lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
     simulated: list[DelayCandidate] = []
