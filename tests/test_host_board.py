@@ -17,7 +17,8 @@ from meshjob.comm_order import TransferOrder
 from meshjob.host_order import HostLinkOrder, check_subsequence, host_link_orders
 from meshjob.resharding import STRATEGIES
 from meshjob_trainer.board import BoardError, HostBoard, link_clock_after, may_start
-from meshjob_trainer.engine import CommEngine, Job, MessageSpec
+from meshjob_trainer.engine import CommEngine
+from meshjob_trainer.engine_job import Job, MessageSpec
 from meshjob_trainer.reshard import ReshardExecutor, make_routes
 
 from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, mesh, natural_tile

@@ -38,7 +38,8 @@ from meshjob.host_order import HostLinkOrder, Side, host_link_orders
 from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
 from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
-from meshjob_trainer.engine import CommEngine, Handle, Job, MessageSpec
+from meshjob_trainer.engine import CommEngine
+from meshjob_trainer.engine_job import Handle, Job, MessageSpec
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
 from meshjob_trainer.wire import Wire, wire_for
 
@@ -354,7 +355,7 @@ def _add(table: dict[Any, int], key: Any, nbytes: int) -> None:
 
 
 class _Transfer(Job):
-    """One (boundary, microbatch) on one rank: the data behind its messages (meshjob_trainer.engine.Job)."""
+    """One (boundary, microbatch) on one rank: the data behind its messages (meshjob_trainer.engine_job.Job)."""
 
     def __init__(self, route: Route, rank: int, mb: int, specs: Sequence[MessageSpec], tag_base: int,
                  natural_local: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
