@@ -49,7 +49,7 @@ def test_noise_in_the_many_message_probes_leaves_the_cpu_per_byte_to_the_single_
 def test_the_bench_plans_on_the_nics_tcp_payload_rate_and_the_cores_contending():
     from meshjob.network import EMULATED_CPU_CONTENTION_P
     from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
-    from meshjob_bench.resharding import bench_network
+    from meshjob_bench.resharding_cases import bench_network
 
     planning = EngineCosts(150e-6, 90e-6, 300e-6, 120e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)
     assert planning.nic_bytes_per_s == pytest.approx(RATE * TCP_PAYLOAD_PER_FRAME_BYTE)
@@ -83,9 +83,9 @@ def test_a_round_slowed_by_other_load_moves_the_spread_not_the_fitted_costs():
 
 def test_the_probe_interleaves_its_rounds_link_by_link():
     from meshjob_bench.engine_costs import PROBE_CHUNKS, PROBE_MIB, probe_cases
-    from meshjob_bench.resharding import Case, Layout, Variant, bench_network, variant_boundary
+    from meshjob_bench.resharding_cases import Layout, bench_network
 
-    cases = probe_cases(Layout(), RATE, bench_network(RATE), Case, Variant, variant_boundary, rounds=2)
+    cases = probe_cases(Layout(), RATE, bench_network(RATE), rounds=2)
     names = [c.name for c in cases]
     assert names[:2] == ["cross_host 2 MiB round 0", "cross_host 8 MiB round 0"]
     assert len(names) == 2 * 2 * len(PROBE_MIB) and names[len(names) // 2].endswith("round 1")
@@ -95,7 +95,7 @@ def test_the_probe_interleaves_its_rounds_link_by_link():
 def test_the_bench_model_holds_nic_messages_above_the_executors_overlap_threshold_for_a_message_of_cpu():
     """A send above meshjob.network.overlap_bytes runs alone: the model charges it the CPU of one
     message on the shared cores (its successor is issued only once it has left)."""
-    from meshjob_bench.resharding import bench_network
+    from meshjob_bench.resharding_cases import bench_network
     from meshjob.network import overlap_bytes
 
     planning = EngineCosts(150e-6, 90e-6, 300e-6, 120e-6, 1e-9, 0.5e-9, ()).apply(bench_network(RATE), cores=2)

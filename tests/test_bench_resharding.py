@@ -12,7 +12,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
 
-from meshjob_bench.resharding import ITEMSIZE, Case, Layout, Row, Variant, collect, physical_limit, summarize  # noqa: E402
+from meshjob_bench.resharding import Row, collect, summarize  # noqa: E402
+from meshjob_bench.resharding_cases import ITEMSIZE, Case, Layout, Variant, physical_limit  # noqa: E402
 from meshjob_trainer.emulate.netns import netns_available
 from meshjob.network import DEFAULT_INTRA_MESSAGE_S, DEFAULT_MESSAGE_S
 from meshjob.resharding import decompose
@@ -89,7 +90,7 @@ def test_collect_sums_cpu_and_faults_over_ranks_and_takes_their_median_over_repe
 
 
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
-    from meshjob_bench.resharding import Layout, bench_network, build_cases, plan_cases
+    from meshjob_bench.resharding_cases import Layout, bench_network, build_cases, plan_cases
 
     layout = Layout()
     cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout)
@@ -177,7 +178,7 @@ def test_meshjob_bench_finds_the_bench_folder_from_any_working_directory(tmp_pat
 
 
 def test_alpa_default_shards_the_destination_over_each_hosts_devices_too():
-    from meshjob_bench.resharding import host_sharded
+    from meshjob_bench.resharding_cases import host_sharded
 
     mesh = Layout().grid((2, 2), 2)
     assert str(host_sharded(ShardingSpec.parse("RR"), mesh, (64, 256))) == str(ShardingSpec.parse("S1R"))
@@ -186,7 +187,7 @@ def test_alpa_default_shards_the_destination_over_each_hosts_devices_too():
 
 
 def test_alpa_default_is_planned_as_its_send_recv_then_the_all_gather_inside_each_host():
-    from meshjob_bench.resharding import ALPA_DEFAULT, bench_network, build_cases, plan_cases
+    from meshjob_bench.resharding_cases import ALPA_DEFAULT, bench_network, build_cases, plan_cases
 
     layout = Layout()
     (case,) = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,
@@ -206,7 +207,7 @@ def _rows_of_one_case(planned_and_measured: list[tuple[str, float, float]]) -> l
 
 
 def test_targets_hold_when_every_run_follows_its_plan():
-    from meshjob_bench.resharding import check_targets
+    from meshjob_bench.resharding_targets import check_targets
 
     targets = {t.name: t for t in check_targets(_rows_of_one_case([("greedy", 1.0, 1.05), ("naive", 1.5, 1.6)]))}
     assert targets["many-to-many measured / planned, every balancer"].met is True
@@ -215,7 +216,7 @@ def test_targets_hold_when_every_run_follows_its_plan():
 
 
 def test_targets_name_a_run_slower_than_planned_and_a_better_plan_that_measures_worse():
-    from meshjob_bench.resharding import check_targets
+    from meshjob_bench.resharding_targets import check_targets
 
     targets = {t.name: t for t in check_targets(_rows_of_one_case([("greedy", 1.0, 1.7), ("naive", 1.5, 1.6)]))}
     over = targets["many-to-many measured / planned, every balancer"]
@@ -225,7 +226,8 @@ def test_targets_name_a_run_slower_than_planned_and_a_better_plan_that_measures_
 
 
 def test_paper_scale_cases_run_between_2x4_and_4x2_meshes_with_2d_and_3d_tensors():
-    from meshjob_bench.resharding import build_cases, replicated_hosts
+    from meshjob_bench.resharding_cases import build_cases
+    from meshjob_bench.resharding_targets import replicated_hosts
 
     layout = Layout()
     cases = build_cases(quick=False, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=layout,
@@ -245,7 +247,8 @@ def _paper_row(case: str, label: str, strategy: str, balancer: str, seconds: flo
 
 
 def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicating_hosts():
-    from meshjob_bench.resharding import ALPA_DEFAULT, build_cases, check_paper_targets
+    from meshjob_bench.resharding_cases import ALPA_DEFAULT, build_cases
+    from meshjob_bench.resharding_targets import check_paper_targets
 
     cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
                         sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
@@ -266,7 +269,7 @@ def _one_to_many_row(case: str, planned_over_l: float, measured_over_l: float) -
 
 
 def test_a_one_to_many_miss_whose_own_plan_is_beyond_the_limit_is_bounded():
-    from meshjob_bench.resharding import check_targets
+    from meshjob_bench.resharding_targets import check_targets
 
     rows = [_one_to_many_row("1 -> 2x1", 1.05, 1.08), _one_to_many_row("1 -> 4x1", 1.14, 1.15)]
     one_device = {t.name: t for t in check_targets(rows)}["one-to-many broadcast, chunks auto, one device per host"]
@@ -276,7 +279,7 @@ def test_a_one_to_many_miss_whose_own_plan_is_beyond_the_limit_is_bounded():
 
 
 def test_a_miss_whose_plan_is_within_the_limit_is_not_bounded():
-    from meshjob_bench.resharding import check_targets
+    from meshjob_bench.resharding_targets import check_targets
 
     rows = [_one_to_many_row("1 -> 2x1", 1.05, 1.12), _one_to_many_row("1 -> 4x1", 1.14, 1.15)]
     one_device = {t.name: t for t in check_targets(rows)}["one-to-many broadcast, chunks auto, one device per host"]
@@ -286,7 +289,7 @@ def test_a_miss_whose_plan_is_within_the_limit_is_not_bounded():
 
 
 def test_every_row_bounded_leaves_nothing_to_meet_where_allowed():
-    from meshjob_bench.resharding import check_targets
+    from meshjob_bench.resharding_targets import check_targets
 
     one_device = {t.name: t for t in check_targets([_one_to_many_row("1 -> 4x1", 1.14, 1.15)])}[
         "one-to-many broadcast, chunks auto, one device per host"]
@@ -294,7 +297,8 @@ def test_every_row_bounded_leaves_nothing_to_meet_where_allowed():
 
 
 def test_a_speed_up_over_alpas_default_beyond_the_tcp_floor_is_bounded():
-    from meshjob_bench.resharding import ALPA_DEFAULT, TCP_FLOOR, build_cases, check_paper_targets
+    from meshjob_bench.resharding_cases import ALPA_DEFAULT, build_cases
+    from meshjob_bench.resharding_targets import TCP_FLOOR, check_paper_targets
 
     cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
                         sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
@@ -312,7 +316,7 @@ def test_a_speed_up_over_alpas_default_beyond_the_tcp_floor_is_bounded():
 def test_a_case_runs_its_variants_in_a_planned_order_interleaved_one_microbatch_a_repetition():
     """Planned, so the ranks of a host take their turns on its NIC links (meshjob_trainer.board);
     repetition by repetition, so a burst of load moves one repetition of every variant."""
-    from meshjob_bench.resharding import Layout, bench_network, build_cases, case_order, plan_cases
+    from meshjob_bench.resharding_cases import Layout, bench_network, build_cases, case_order, plan_cases
 
     layout = Layout()
     cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,

@@ -34,8 +34,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from meshjob_bench.resharding_cases import Case, Layout, Variant, variant_boundary
 from meshjob.network import NetworkModel, on_shared_cores
 from meshjob.resharding import CROSS_HOST, INTRA_HOST
 from meshjob.sharding import ShardingSpec
@@ -106,10 +107,10 @@ def unpacked(network: NetworkModel) -> NetworkModel:
     return replace(network, small_in_flight_per_link=network.in_flight_per_link)
 
 
-def probe_cases(layout: Any, nic_bytes_per_s: float, network: NetworkModel, case_type: Any, variant_type: Any,
-                plan: Callable[..., Any], rounds: int = PROBE_ROUNDS) -> list[Any]:
-    """Per round, one case per link and size, each with a broadcast variant per K (the bench's Case and
-    Variant), named "<link> <MiB> MiB round <r>"."""
+def probe_cases(layout: Layout, nic_bytes_per_s: float, network: NetworkModel,
+                rounds: int = PROBE_ROUNDS) -> list[Case]:
+    """Per round, one case per link and size, each with a broadcast variant per K, named
+    "<link> <MiB> MiB round <r>"."""
     from meshjob.mesh import Mesh
 
     sender = layout.grid((1, 1), 0)
@@ -120,11 +121,12 @@ def probe_cases(layout: Any, nic_bytes_per_s: float, network: NetworkModel, case
         for link in LINKS:
             for mib in PROBE_MIB:
                 shape = (mib * 2**20 // 4 // 1024, 1024)
-                case = case_type("engine_probe", f"{link} {mib} MiB round {r}", shape, sender, targets[link],
+                case = Case("engine_probe", f"{link} {mib} MiB round {r}", shape, sender, targets[link],
                                  ShardingSpec.parse("RR"), ShardingSpec.parse("RR"))
                 case.limit_s = mib * 2**20 / nic_bytes_per_s
-                case.variants = [variant_type("broadcast", k, "greedy") for k in PROBE_CHUNKS]
-                case.boundaries = [plan(case, v, i, layout.host_of, network) for i, v in enumerate(case.variants)]
+                case.variants = [Variant("broadcast", k, "greedy") for k in PROBE_CHUNKS]
+                case.boundaries = [variant_boundary(case, v, i, layout.host_of, network)
+                                   for i, v in enumerate(case.variants)]
                 case.simulated_s = [math.nan] * len(case.variants)
                 case.planned_s = [math.nan] * len(case.variants)
                 case.messages = [{link: len(b.steps)} for b in case.boundaries]
