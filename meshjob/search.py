@@ -29,419 +29,30 @@ Structure (Alpa's stage construction, then a full simulation to rank):
    simulations, `max_candidates` listed or WALK_NODES stage choices tried per walk, and say so
    (`Result.proven` False, with the least lower bound of what was not simulated).
 Everything iterates in sorted order and ties break on the candidate's key: the same inputs give the
-same result in every process.
+same result in every process. The space, its candidates and the objective: meshjob.search_problem; the
+per-stage tables and the DP over them: meshjob.search_tables.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
-import math
-import operator
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
-from meshjob.costs import CostModel, StageCost
-from meshjob.tune_cluster import Cluster
-from meshjob.errors import PlacementError, UsageError
-from meshjob.gradient_sync import stage_hosts, tail_ends
-from meshjob.schedule import SCHEDULE_KINDS, stash_bound, warmup_forwards
-from meshjob.spec import MAX_SCHEDULE_CELLS, job_to_dict, parse_job
-from meshjob.memory_model import FLOAT32
-from meshjob.stage_model import StageChoice, StageFigures, stage_bytes, stage_choices, stage_figures
+from meshjob.errors import UsageError
+from meshjob.search_problem import (DEFAULT_MAX_MICROBATCHES, DEFAULT_MAX_STAGES, Candidate, Fixed, Prediction,
+                                    Problem, Space, StageFix, default_space)
+from meshjob.search_tables import INF, stash_from_end, stashed
+from meshjob.spec import MAX_SCHEDULE_CELLS
+from meshjob.stage_model import StageChoice
 
-STRATEGIES = ("broadcast", "global_allgather", "local_allgather", "send_recv")  # not `signal`: a baseline
-BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, at many times the work
-SCHEDULES = (("gpipe", 0), ("1f1b", 0), ("1f1b", "auto"), ("eager-1f1b", 0), ("eager-1f1b", "auto"))
-DEFAULT_MAX_STAGES = 16
-DEFAULT_MAX_MICROBATCHES = 64
+# what callers of the search import from here with it
+__all__ = ["DEFAULT_MAX_CANDIDATES", "DEFAULT_MAX_EVALUATIONS", "DEFAULT_MAX_MICROBATCHES", "DEFAULT_MAX_STAGES",
+           "Candidate", "Fixed", "Infeasible", "Prediction", "Problem", "Result", "Space", "StageFix",
+           "default_space", "exhaustive", "search"]
+
 DEFAULT_MAX_EVALUATIONS = 100
 DEFAULT_MAX_CANDIDATES = 20000
 WALK_NODES = 4000  # stage choices one walk (microbatches, schedule, stage count) may try
-INF = math.inf
-
-
-# ------------------------------------------------------------------------------ inputs
-@dataclass(frozen=True)
-class StageFix:
-    """What the user wrote for one stage: its layer range, or its mesh with the dims as written."""
-
-    layers: tuple[int, int] | None = None
-    choice: StageChoice | None = None
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """The fields the user set: the search keeps them."""
-
-    stages: int | None = None
-    per_stage: tuple[StageFix, ...] = ()
-    microbatches: int | None = None
-    kind: str | None = None
-    weight_grad_delay: int | str | None = None
-    strategy: str | None = None
-    balancer: str | None = None
-    chunks: int | str = "auto"
-
-
-@dataclass(frozen=True)
-class Space:
-    """The choices the search enumerates (after the fixed fields narrowed them)."""
-
-    microbatches: tuple[int, ...]
-    schedules: tuple[tuple[str, int | str], ...]
-    strategies: tuple[str, ...]
-    balancers: tuple[str, ...]
-    max_stages: int
-    chunks: int | str = "auto"
-
-
-def default_space(job, fixed: Fixed, cluster: Cluster, max_stages: int = DEFAULT_MAX_STAGES,
-                  max_microbatches: int = DEFAULT_MAX_MICROBATCHES) -> Space:
-    batch = job.training.global_batch
-    ms = (fixed.microbatches,) if fixed.microbatches else \
-        tuple(m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0)
-    schedules = tuple((k, d) for k, d in SCHEDULES if fixed.kind in (None, k)
-                      and (fixed.weight_grad_delay is None or d == fixed.weight_grad_delay))
-    if not schedules:  # a fixed pair outside the defaults (e.g. gpipe with a delay of 2)
-        schedules = ((fixed.kind or "eager-1f1b",
-                      "auto" if fixed.weight_grad_delay is None else fixed.weight_grad_delay),)
-    stages = min(job.model.layers, cluster.devices, max_stages) if fixed.stages is None else fixed.stages
-    return Space(ms, schedules, (fixed.strategy,) if fixed.strategy else STRATEGIES,
-                 (fixed.balancer,) if fixed.balancer else BALANCERS, stages, fixed.chunks)
-
-
-# ------------------------------------------------------------------------------ candidates
-@dataclass(frozen=True, order=True)
-class Candidate:
-    microbatches: int
-    kind: str
-    delay: str  # "auto" or the number of delayed W's, as text (sortable)
-    layers: tuple[int, ...]  # layers per stage
-    choices: tuple[StageChoice, ...]
-    strategy: str = "broadcast"
-    balancer: str = "greedy"
-
-    @property
-    def weight_grad_delay(self) -> int | str:
-        return self.delay if self.delay == "auto" else int(self.delay)
-
-    @property
-    def ranges(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.layers:
-            out.append((start, start + n))
-            start += n
-        return out
-
-    @property
-    def devices(self) -> int:
-        return sum(c.devices for c in self.choices)
-
-    def label(self) -> str:
-        stages = " | ".join(f"{a}-{b} {c.label()}" for (a, b), c in zip(self.ranges, self.choices))
-        return (f"{len(self.layers)} stages [{stages}], M={self.microbatches}, {self.kind} "
-                f"delay {self.delay}, {self.strategy}/{self.balancer}")
-
-
-def stashed(kind: str, split: bool, stage: int, num_stages: int, microbatches: int) -> int:
-    """Microbatches a stage keeps at its peak: its warm-up forwards; with split backward also up to
-    eager-1F1B's bound min(M, 2S - 1), the most meshjob.plan lets the weight delay stash."""
-    warm = warmup_forwards(kind, stage, num_stages, microbatches)
-    return max(warm, stash_bound(num_stages, microbatches)) if split else warm
-
-
-def _directions(first: bool, last: bool) -> int:
-    """Boundary directions of a chain stage: forward in and gradient out, forward out and gradient in."""
-    return 2 * (not first) + 2 * (not last)
-
-
-# ------------------------------------------------------------------------------ the tables
-@dataclass(frozen=True)
-class Option:
-    choice: StageChoice
-    figures: StageFigures
-    compute_s: float  # M (F + B) + all-reduce + optimizer: this stage's term of LB, without the forwards ahead
-    nic_s: float  # the least time its hosts' NICs take to receive its inputs and gradients (whole hosts only)
-    mem_fixed: int  # bytes without activations stashed
-    mem_per_stash: int  # bytes per stashed microbatch
-
-    def memory(self, stash: int) -> int:
-        return self.mem_fixed + stash * self.mem_per_stash
-
-    @property
-    def bound_s(self) -> float:
-        """This stage's term of LB without the forwards ahead (what the DP bounds)."""
-        return max(self.compute_s, self.nic_s)
-
-    def term_s(self, ahead_s: float) -> float:
-        return max(ahead_s + self.compute_s, self.nic_s)
-
-
-@dataclass(frozen=True)
-class PerLayer:
-    forward_s: float
-    bound_s: float
-
-
-class Tables:
-    """Per microbatch count: every (layers, first?, last?) -> its options, and the DP over them."""
-
-    def __init__(self, job, cluster: Cluster, microbatches: int, extra: Sequence[StageChoice] = ()):
-        self.job = replace(job, training=replace(job.training, microbatches=microbatches))
-        self.cluster = cluster
-        self.m = microbatches
-        self.layers = job.model.layers
-        self.choices = sorted(set(stage_choices(self.job.model, self.job.training, cluster)) | set(extra))
-        self._options: dict[tuple[int, bool, bool], list[Option]] = {}
-        self._frontiers: dict[tuple[int, bool, bool, int, str], tuple[list[float], list[int]]] = {}
-        self._fewest: dict[tuple[str, float, int, str], list[list[float]]] = {}
-
-    def options(self, layers: int, first: bool, last: bool) -> list[Option]:
-        key = (layers, first, last)
-        if key not in self._options:
-            self._options[key] = sorted((self._option(layers, first, last, c) for c in self.choices),
-                                        key=lambda o: (o.bound_s, o.choice))
-        return self._options[key]
-
-    def _option(self, layers: int, first: bool, last: bool, c: StageChoice) -> Option:
-        m, t = self.job.model, self.job.training
-        a = 0 if first else (self.layers - layers if last else 1)  # any range with these ends costs the same
-        d = _directions(first, last)
-        one, two = (stage_bytes(m, t, a, a + layers, c, n, d) for n in (1, 2))  # linear in the stash
-        fig = stage_figures(m, t, self.cluster, a, a + layers, c)
-        return Option(c, fig, self.m * fig.per_microbatch_s + fig.tail_s, self._nic_s(first, last, c),
-                      one - (two - one), two - one)
-
-    def _nic_s(self, first: bool, last: bool, c: StageChoice) -> float:
-        """A stage on whole hosts has them to itself: every activation and gradient it receives crosses
-        their NICs, each host at least its share (1/hosts of the batch when data parallel runs across
-        hosts, else all of it), M times per step. Stages inside one host may share it with a neighbour: 0."""
-        if c.mesh[1] < self.cluster.devices_per_host:
-            return 0.0
-        t, m = self.job.training, self.job.model
-        share = FLOAT32 * t.microbatch_size * m.seq_len * m.hidden / (c.mesh[0] if c.dp_dim == 0 else 1)
-        return self.m * (2 - first - last) * share / self.cluster.network.nic_bytes_per_s
-
-    def least_per_layer(self) -> "PerLayer":
-        """The least forward and the least M (F + B) one middle layer takes on any choice: all the layers
-        ahead of a stage add at least their forwards to its term, and it holds at least one layer."""
-        if self.layers < 3:
-            return PerLayer(0.0, 0.0)
-        options = self.options(1, False, False)
-        return PerLayer(min(o.figures.cost.forward_s for o in options),
-                        min(self.m * o.figures.per_microbatch_s for o in options))
-
-    def frontier(self, layers: int, first: bool, last: bool, stash: int, key: str
-                 ) -> tuple[list[float], list[int]]:
-        """Options sorted by `key` (time: bound_s among those that fit; overflow: bytes over the device's
-        memory) with the fewest devices among the first i: nmin(threshold) is one bisection."""
-        k = (layers, first, last, stash, key)
-        if k not in self._frontiers:
-            cap = self.cluster.memory
-            rows = []
-            for o in self.options(layers, first, last):
-                mem = o.memory(stash)
-                if key == "time":
-                    if mem <= cap:
-                        rows.append((o.bound_s, o.choice.devices))
-                else:
-                    rows.append((float(mem - cap), o.choice.devices))
-            rows.sort()
-            keys, best, low = [], [], 1 << 60
-            for value, devices in rows:
-                low = min(low, devices)
-                keys.append(value)
-                best.append(low)
-            self._frontiers[k] = (keys, best)
-        return self._frontiers[k]
-
-    def nmin(self, layers: int, first: bool, last: bool, stash: int, threshold: float, key: str) -> float:
-        keys, best = self.frontier(layers, first, last, stash, key)
-        i = bisect.bisect_right(keys, threshold)
-        return best[i - 1] if i else INF
-
-    def fewest_devices(self, kind: str, threshold: float, stages: int, key: str = "time") -> list[list[float]]:
-        """G[s][a]: fewest devices for layers [a, L) in s stages, each stage's key <= threshold, each stage
-        with the stash it keeps as stage S - s of S without split backward (split only adds: a relaxation)."""
-        memo = (kind, threshold, stages, key)
-        if memo not in self._fewest:
-            self._fewest[memo] = self._fewest_devices(kind, threshold, stages, key)
-        return self._fewest[memo]
-
-    def _fewest_devices(self, kind: str, threshold: float, stages: int, key: str) -> list[list[float]]:
-        n = self.layers
-        g = [[INF] * (n + 1) for _ in range(stages + 1)]
-        for a in range(n):
-            g[1][a] = self.nmin(n - a, a == 0, True, _stash_from_end(kind, 1, self.m), threshold, key)
-        for s in range(2, stages + 1):
-            stash = _stash_from_end(kind, s, self.m)
-            # fewest devices per stage size (index: layers), as the first stage and as a middle one
-            first = [INF] + [self.nmin(size, True, False, stash, threshold, key) for size in range(1, n)]
-            middle = [INF] + [self.nmin(size, False, False, stash, threshold, key) for size in range(1, n)]
-            prev = g[s - 1]
-            for a in range(n - s + 1):
-                most = n - a - s + 1  # the largest stage that leaves a layer to each later stage
-                own = first if a == 0 else middle
-                g[s][a] = min(map(operator.add, own[1:most + 1], prev[a + 1:a + most + 1]), default=INF)
-        return g
-
-
-def _stash_from_end(kind: str, from_end: int, microbatches: int) -> int:
-    """warmup_forwards of the stage `from_end` stages from the last (it depends on S - stage only)."""
-    return warmup_forwards(kind, 0, from_end, microbatches)
-
-
-# ------------------------------------------------------------------------------ prediction
-@dataclass(frozen=True)
-class Prediction:
-    candidate: Candidate
-    step_s: float
-    bound_s: float
-    tokens_per_s: float
-    bubble: float
-    resharding_s: float  # one microbatch of every boundary, summed
-    exposed_comm_s: float  # the most any stage waited on a transfer
-    allreduce_s: float  # the largest gradient all-reduce
-    compute_s: float  # the busiest stage's compute
-    memory: tuple[int, ...]  # bytes per device, per stage
-    weight_delay: Mapping[int, int] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.candidate.label(), "step_s": self.step_s, "lower_bound_s": self.bound_s,
-                "tokens_per_s": self.tokens_per_s, "bubble": self.bubble, "resharding_s": self.resharding_s,
-                "exposed_comm_s": self.exposed_comm_s, "allreduce_s": self.allreduce_s,
-                "compute_s": self.compute_s, "memory_bytes": list(self.memory),
-                "max_memory_bytes": max(self.memory), "weight_delay": {str(k): v for k, v in
-                                                                     sorted(self.weight_delay.items())}}
-
-
-class Problem:
-    """A job, a cluster and the fixed fields: builds candidates' manifests, checks and predicts them."""
-
-    def __init__(self, doc: Mapping[str, Any], job, cluster: Cluster, fixed: Fixed, space: Space):
-        self.doc, self.job, self.cluster, self.fixed, self.space = doc, job, cluster, fixed, space
-        self._tables: dict[int, Tables] = {}
-
-    def tables(self, microbatches: int) -> Tables:
-        if microbatches not in self._tables:
-            extra = [f.choice for f in self.fixed.per_stage if f.choice is not None]  # the user's meshes
-            self._tables[microbatches] = Tables(self.job, self.cluster, microbatches, extra)
-        return self._tables[microbatches]
-
-    def manifest(self, c: Candidate) -> dict[str, Any]:
-        """The job's document with the candidate's choices: the manifest `meshjob tune --out` writes."""
-        doc = _copy(self.doc)
-        spec = doc.setdefault("spec", {})
-        spec["stages"] = [ch.to_stage(a, b) for (a, b), ch in zip(c.ranges, c.choices)]
-        spec.pop("edges", None)  # the defaults follow the chosen natural layouts
-        spec.setdefault("training", {})["microbatches"] = c.microbatches
-        topology = spec.setdefault("topology", {})
-        topology["devicesPerHost"] = self.cluster.devices_per_host
-        spec["schedule"] = {**spec.get("schedule", {}), "kind": c.kind, "weightGradDelay": c.weight_grad_delay}
-        spec["resharding"] = {**spec.get("resharding", {}), "strategy": c.strategy, "balancer": c.balancer,
-                              "chunks": self.space.chunks}
-        return doc
-
-    def memory(self, c: Candidate) -> tuple[int, ...]:
-        """Bytes per device of each stage (the real stash: with split backward, eager-1F1B's bound)."""
-        t = self.tables(c.microbatches)
-        split = c.weight_grad_delay != 0
-        out = []
-        for k, ((a, b), ch) in enumerate(zip(c.ranges, c.choices)):
-            opt = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
-            out.append(opt.memory(stashed(c.kind, split, k, len(c.layers), c.microbatches)))
-        return tuple(out)
-
-    def figures(self, c: Candidate) -> list[StageFigures]:
-        t = self.tables(c.microbatches)
-        return [_find(t.options(b - a, a == 0, b == self.job.model.layers), ch).figures
-                for (a, b), ch in zip(c.ranges, c.choices)]
-
-    def bound(self, c: Candidate) -> float:
-        t = self.tables(c.microbatches)
-        ahead, out = 0.0, 0.0
-        for (a, b), ch in zip(c.ranges, c.choices):
-            o = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
-            out = max(out, o.term_s(ahead))
-            ahead += o.figures.cost.forward_s
-        return out
-
-    def estimate(self, c: Candidate) -> float:
-        """Alpa's pipeline estimate, the order candidates are simulated in (not a bound): sum of the
-        stages' per-microbatch times + (M - 1) x the largest, a stage's time counting its inputs and
-        gradients over one host's NIC per host it spans, plus the largest gradient all-reduce and optimizer step."""
-        t = self.tables(c.microbatches)
-        m = self.job.model
-        act = FLOAT32 * t.job.training.microbatch_size * m.seq_len * m.hidden
-        times, ar = [], 0.0
-        for k, ((a, b), ch) in enumerate(zip(c.ranges, c.choices)):
-            o = _find(t.options(b - a, a == 0, b == m.layers), ch)
-            comm = (2 - (k == 0) - (k == len(c.layers) - 1)) * act / ch.mesh[0] / self.cluster.network.nic_bytes_per_s
-            times.append(o.figures.per_microbatch_s + comm)
-            ar = max(ar, o.figures.tail_s)
-        return sum(times) + (c.microbatches - 1) * max(times) + ar
-
-    def predict(self, c: Candidate) -> Prediction | None:
-        """Simulate the candidate's plan; None when its meshes do not fit on the cluster's hosts."""
-        from meshjob.plan import build_plan
-        from meshjob.simulate import compute_costs, simulate_pipeline, transfer_costs
-
-        figures = self.figures(c)
-        job = parse_job(self.manifest(c))
-        cost = CostModel(network=self.cluster.network, stages=tuple(f.cost for f in figures))
-        try:
-            # the ratio rule sizes an auto delay here: simulating delay candidates per candidate plan made the
-            # 96-layer search 8x slower; the job's own plan (build_plan) then simulates them, never slower
-            plan = build_plan(job, self.cluster.host_list(), network=self.cluster.network, cost=cost,
-                              simulate_delays=False)
-        except PlacementError:
-            return None
-        result = simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
-        ends = tail_ends([result.stages[k].busy_until_s for k in range(len(figures))], [f.sync for f in figures],
-                         stage_hosts(plan.placement))
-        step = max(ends)
-        tokens = job.training.global_batch * job.model.seq_len
-        return Prediction(
-            candidate=c, step_s=step, bound_s=self.bound(c), tokens_per_s=tokens / step if step > 0 else INF,
-            bubble=sum(max(0.0, 1 - s.compute_s / step) for s in result.stages.values()) / len(ends),
-            resharding_s=sum(result.transfer_s.values()),
-            exposed_comm_s=max((s.exposed_comm_s for s in result.stages.values()), default=0.0),
-            allreduce_s=max(f.allreduce_s for f in figures),
-            compute_s=max(s.compute_s for s in result.stages.values()),
-            memory=self.memory(c), weight_delay=dict(plan.weight_delay))
-
-    def expand(self, m: int, kind: str, delay: int | str, layers: Sequence[int],
-               choices: Sequence[StageChoice]) -> list[Candidate]:
-        """The structure with every strategy and balancer of the space."""
-        return [Candidate(m, kind, str(delay), tuple(layers), tuple(choices), s, b)
-                for s in self.space.strategies for b in self.space.balancers]
-
-    def stage_allowed(self, index: int, stages: int, first: int, last: int, choice: StageChoice) -> bool:
-        if self.fixed.stages is None or index >= len(self.fixed.per_stage):
-            return True
-        fix = self.fixed.per_stage[index]
-        return (fix.layers is None or fix.layers == (first, last)) and (fix.choice is None or fix.choice == choice)
-
-    def stage_counts(self) -> list[int]:
-        if self.fixed.stages is not None:
-            return [self.fixed.stages]
-        return list(range(1, self.space.max_stages + 1))
-
-
-def _find(options: Sequence[Option], choice: StageChoice) -> Option:
-    for o in options:
-        if o.choice == choice:
-            return o
-    raise UsageError(f"stage mesh {list(choice.mesh)} (dataParallelDim {choice.dp_dim}, tensorParallelDim "
-                     f"{choice.tp_dim}) is not one the search may use on this cluster and model")
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 # ------------------------------------------------------------------------------ the search
@@ -620,47 +231,46 @@ def _walk(problem: Problem, m: int, kind: str, delay: int | str, threshold: floa
         return
     per_layer = t.least_per_layer()
     tried = [0]
-    if True:
 
-        def step(k: int, a: int, used: int, prefix: float, layers: list[int], chosen: list[StageChoice]
-                 ) -> Iterator[Candidate]:
-            left = stages - k
-            if left == 0:
-                yield Candidate(m, kind, str(delay), tuple(layers), tuple(chosen))
-                return
-            even = (n - a) / left
-            sizes = [n - a] if left == 1 else sorted(range(1, n - a - left + 2), key=lambda x: (abs(x - even), x))
-            for size in sizes:
-                first, last = a == 0, a + size == n
-                rest = g[left - 1][a + size] if left > 1 else 0
-                if used + rest >= devices + 1:
+    def step(k: int, a: int, used: int, prefix: float, layers: list[int], chosen: list[StageChoice]
+             ) -> Iterator[Candidate]:
+        left = stages - k
+        if left == 0:
+            yield Candidate(m, kind, str(delay), tuple(layers), tuple(chosen))
+            return
+        even = (n - a) / left
+        sizes = [n - a] if left == 1 else sorted(range(1, n - a - left + 2), key=lambda x: (abs(x - even), x))
+        for size in sizes:
+            first, last = a == 0, a + size == n
+            rest = g[left - 1][a + size] if left > 1 else 0
+            if used + rest >= devices + 1:
+                continue
+            if left > 1 and prefix + per_layer.forward_s * (n - a - 1) + per_layer.bound_s > threshold:
+                continue  # the last stage's term: the forwards ahead of it, then at least one layer M times
+            stash = stashed(kind, split, k, stages, m)
+            for o in t.options(size, first, last):
+                tried[0] += 1
+                if tried[0] > WALK_NODES:
+                    raise _WalkBudget
+                if o.bound_s > threshold:
+                    break  # options are sorted by bound_s
+                if o.term_s(prefix) > threshold:
                     continue
-                if left > 1 and prefix + per_layer.forward_s * (n - a - 1) + per_layer.bound_s > threshold:
-                    continue  # the last stage's term: the forwards ahead of it, then at least one layer M times
-                stash = stashed(kind, split, k, stages, m)
-                for o in t.options(size, first, last):
-                    tried[0] += 1
-                    if tried[0] > WALK_NODES:
-                        raise _WalkBudget
-                    if o.bound_s > threshold:
-                        break  # options are sorted by bound_s
-                    if o.term_s(prefix) > threshold:
-                        continue
-                    nd = o.choice.devices
-                    if used + nd + rest > devices or o.memory(stash) > cap:
-                        continue
-                    if not problem.stage_allowed(k, stages, a, a + size, o.choice):
-                        continue
-                    layers.append(size)
-                    chosen.append(o.choice)
-                    yield from step(k + 1, a + size, used + nd, prefix + o.figures.cost.forward_s, layers, chosen)
-                    layers.pop()
-                    chosen.pop()
+                nd = o.choice.devices
+                if used + nd + rest > devices or o.memory(stash) > cap:
+                    continue
+                if not problem.stage_allowed(k, stages, a, a + size, o.choice):
+                    continue
+                layers.append(size)
+                chosen.append(o.choice)
+                yield from step(k + 1, a + size, used + nd, prefix + o.figures.cost.forward_s, layers, chosen)
+                layers.pop()
+                chosen.pop()
 
-        try:
-            yield from step(0, 0, 0, 0.0, [], [])
-        except _WalkBudget:
-            yield None  # the walk stopped at its budget: what it did not reach is not listed
+    try:
+        yield from step(0, 0, 0, 0.0, [], [])
+    except _WalkBudget:
+        yield None  # the walk stopped at its budget: what it did not reach is not listed
 
 
 class _WalkBudget(Exception):
@@ -692,7 +302,7 @@ def _infeasible(problem: Problem, groups) -> Infeasible:
     for m, kind in sorted({(m, k) for m, k, _ in groups}):
         t = problem.tables(m)
         values = sorted({float(o.memory(s) - problem.cluster.memory) for key in _option_keys(problem, m)
-                         for o in t.options(*key) for s in {_stash_from_end(kind, j, m)
+                         for o in t.options(*key) for s in {stash_from_end(kind, j, m)
                                                               for j in range(1, problem.space.max_stages + 1)}})
         ok = [v for v in values if _feasible(problem, m, kind, v, "overflow")]
         if ok:
