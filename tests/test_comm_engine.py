@@ -18,7 +18,8 @@ from meshjob.comm_order import TransferOrder, transfer_order
 from meshjob.network import overlap_bytes
 from meshjob.plan import ITEMSIZE, build_plan
 from meshjob_trainer.launch import launch
-from meshjob_trainer.reshard import ReshardExecutor, routes_from_plan
+from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.route import routes_from_plan
 
 from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
 
@@ -194,7 +195,7 @@ def test_a_rank_that_issues_two_transfers_in_another_order_fails_the_run():
     _plan, result = train_checked(job, perturb=(sender, perturbed), timeout_s=60)
     assert not result.ok
     errors = " ".join(r.error for r in result.ranks)
-    assert "issue their messages in different orders" in errors and f"0->1:activation#1/" in errors
+    assert "issue their messages in different orders" in errors and "0->1:activation#1/" in errors
 
 
 # --- one boundary: the in-flight bound is a setting, and the log measures it ------------------
@@ -206,7 +207,7 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, window, small_w
     bound = small_window
     from test_trainer_reshard import CASES, global_tensor, make_boundary, natural_tile
 
-    from meshjob_trainer.reshard import make_routes
+    from meshjob_trainer.route import make_routes
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
     from meshjob_trainer.wire import CheckedWire, GlooWire
 

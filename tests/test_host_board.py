@@ -19,7 +19,8 @@ from meshjob.resharding import STRATEGIES
 from meshjob_trainer.board import BoardError, HostBoard, link_clock_after, may_start
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Job, MessageSpec
-from meshjob_trainer.reshard import ReshardExecutor, make_routes
+from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.route import make_routes
 
 from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, mesh, natural_tile
 

@@ -177,7 +177,7 @@ def test_a_receiver_whose_sender_is_gone_fails_instead_of_waiting_forever():
 def test_a_ranks_local_peers_are_the_ranks_of_its_host_it_exchanges_messages_with():
     from meshjob.plan import build_plan
     from meshjob.spec import load_job
-    from meshjob_trainer.reshard import local_peers, routes_from_plan
+    from meshjob_trainer.route import local_peers, routes_from_plan
 
     plan = build_plan(load_job("examples/gpt-demo.yaml"))
     routes = routes_from_plan(plan)

@@ -21,7 +21,8 @@ from meshjob.resharding import STRATEGIES, Step
 from meshjob.sharding import ShardingSpec, slice_shape, tile, to_index
 from meshjob.spec import ReshardingSpec
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
-from meshjob_trainer.reshard import ReshardError, ReshardExecutor, make_routes
+from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.route import ReshardError, make_routes
 
 NIC_BYTES_PER_S = 1e9 / 8
 

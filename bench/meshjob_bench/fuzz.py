@@ -211,7 +211,7 @@ def nested(depth: int) -> list[Any]:
 def alias_bomb(rng: random.Random) -> tuple[str, str]:
     """(anchor lines to put first, an alias of the last level)."""
     levels, width = rng.randint(2, 10), rng.randint(2, 10)
-    lines = [f"b0: &b0 [" + ", ".join(["lol"] * width) + "]"]
+    lines = ["b0: &b0 [" + ", ".join(["lol"] * width) + "]"]
     lines += [f"b{i}: &b{i} [" + ", ".join([f"*b{i - 1}"] * width) + "]" for i in range(1, levels)]
     return "\n".join(lines) + "\n", f"*b{levels - 1}"
 

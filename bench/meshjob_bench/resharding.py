@@ -115,7 +115,8 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
 
     from meshjob.sharding import tile, to_index
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
-    from meshjob_trainer.reshard import ReshardExecutor, make_routes
+    from meshjob_trainer.reshard import ReshardExecutor
+    from meshjob_trainer.route import make_routes
 
     init_distributed(ctx.env, timeout_s=120, backend="gloo")
     rank = ctx.rank

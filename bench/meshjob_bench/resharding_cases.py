@@ -135,7 +135,7 @@ def executed_steps(case: Case, boundary: Boundary) -> list[Any]:
     """Every message the executor sends for `boundary`: the plan's steps, then its all-gather inside the
     destination (when the boundary's layout shards more than the case's), each gather step after what
     its sender receives."""
-    from meshjob_trainer.reshard import make_routes
+    from meshjob_trainer.route import make_routes
 
     (route,) = make_routes([boundary], {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
     gather = [dataclasses.replace(g, after=tuple(s.id for s in boundary.steps if s.dst == g.src))
