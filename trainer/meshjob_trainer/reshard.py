@@ -17,7 +17,8 @@ Every rank of both stages of a boundary calls start() for the same (boundary, mi
    all-gather inside the destination mesh.
 
 start() returns at once: the engine's thread moves the data while the stage computes, so a
-forwarding rank in a broadcast chain passes chunks on while its pipeline stage is busy.
+forwarding rank in a broadcast chain passes chunks on while its pipeline stage is busy. What each rank
+sends and receives for a boundary, and where in its tiles, is the boundary's Route (meshjob_trainer.route).
 """
 from __future__ import annotations
 
