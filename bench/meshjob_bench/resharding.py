@@ -413,7 +413,8 @@ def main(args: argparse.Namespace) -> int:
     targets = check_targets(rows) + check_paper_targets(rows, cases)
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
-           "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib, "chunks": chunks, "repeats": repeats, "quick": quick,
+           "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib,
+           "chunks": chunks, "repeats": repeats, "quick": quick,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,

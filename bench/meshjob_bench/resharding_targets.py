@@ -75,7 +75,8 @@ def check_targets(rows: list[Row]) -> list[Target]:
                     pairs += 1
                     worst = max(worst, a.seconds / b.seconds)
                     if not a.seconds < b.seconds:
-                        misordered.append(f"{case}: {a.label} planned {b.planned_makespan_s / a.planned_makespan_s:.2f}x "
+                        ratio = b.planned_makespan_s / a.planned_makespan_s
+                        misordered.append(f"{case}: {a.label} planned {ratio:.2f}x "
                                           f"better than {b.label}, measured {a.seconds / b.seconds:.2f}x its time")
     out.append(Target(f"a plan >= {BETTER_PLAN}x better measures better", "measured a / b < 1", worst, misordered,
                       pairs))

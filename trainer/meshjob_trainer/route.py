@@ -22,7 +22,8 @@ from meshjob.network import Link, NetworkModel
 from meshjob.plan import ITEMSIZE, Boundary
 from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
 from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
-from meshjob.sharding import ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile, to_index
+from meshjob.sharding import (ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile,
+                              to_index)
 from meshjob_trainer.engine_job import MessageSpec
 
 
