@@ -177,13 +177,12 @@ def choose(kind: str, microbatches: int, edges: Sequence[Edge], rule: Mapping[in
         ties = TIES[:1]
     else:
         ties = ()
-    rounds = NEED_ORDER_ROUNDS if ties else 0
     lists: dict[str, Mapping[int, Sequence[Action]]] = {RULE: rule_lists}
     simulated: list[DelayCandidate] = []
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        order, _ = fastest_order(lists[name], compute_s, transfers, cost, rounds, ties)
+        order, _ = fastest_order(lists[name], compute_s, transfers, cost, NEED_ORDER_ROUNDS, ties)  # (): send order
         period = steady_period_s(lists[name], compute_s, transfers, cost, microbatches, order.transfers)
         simulated.append(DelayCandidate(name, delays, period, order if ties == TIES else None))
     chosen = pick(simulated, tolerance)
