@@ -11,9 +11,14 @@ import pytest
 
 from meshjob.boundary import BoundaryKey
 from meshjob.errors import PlacementError
+from meshjob.mesh import Mesh
+from meshjob.network import NetworkModel
 from meshjob.placement import Host
-from meshjob.plan import build_plan
+from meshjob.plan import build_plan, plan_boundary
 from meshjob.schedule import Action, validate, warmup_forwards
+from meshjob.sharding import ShardingSpec
+from meshjob.simulate import simulate_transfer
+from meshjob.job import ReshardingSpec
 from meshjob.spec import load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
@@ -165,6 +170,36 @@ def test_makespan_is_at_least_the_lower_bound() -> None:
         for b in plan.boundaries:
             assert b.makespan_s >= b.lower_bound_s * (1 - 1e-9) > 0
             assert b.strategy == strategy
+
+
+def _mesh_4x2(first_rank: int) -> Mesh:
+    """Four hosts of two devices, host = rank // 2."""
+    ranks = tuple(range(first_rank, first_rank + 8))
+    return Mesh((4, 2), ranks, tuple(r // 2 for r in ranks))
+
+
+def test_an_allgather_boundary_is_timed_message_by_message_where_its_tasks_rings_interleave() -> None:
+    # 4x2 -> 4x2 meshes, S0R -> RR: four tasks, each a ring over all eight receiving devices. The balancer
+    # holds each task's links from its first message to its last and so serialises them; the executor
+    # (and meshjob.simulate) interleaves their messages on the links.
+    src, dst = _mesh_4x2(0), _mesh_4x2(8)
+    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (256, 1024), (src, ShardingSpec.parse("S0R")),
+                             (dst, ShardingSpec.parse("RR")), ReshardingSpec("global_allgather", 1, "greedy"),
+                             lambda rank: rank // 2)
+    timed = simulate_transfer(boundary.steps, lambda rank: rank // 2, NetworkModel()).makespan_s
+    assert len(boundary.tasks) == 4
+    assert boundary.makespan_s == boundary.timed_s == timed
+    assert boundary.makespan_s < boundary.schedule.makespan_s / 1.2
+    assert boundary.to_json()["makespan_s"] == timed
+
+
+def test_a_broadcast_boundary_keeps_its_schedules_makespan() -> None:
+    src, dst = _mesh_4x2(0), _mesh_4x2(8)
+    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (256, 1024), (src, ShardingSpec.parse("S0R")),
+                             (dst, ShardingSpec.parse("RR")), ReshardingSpec("broadcast", 4, "greedy"),
+                             lambda rank: rank // 2)
+    assert boundary.timed_s is None
+    assert boundary.makespan_s == boundary.schedule.makespan_s
 
 
 def test_chunks_auto_takes_each_tasks_k_from_the_network_model_and_an_integer_forces_it() -> None:
