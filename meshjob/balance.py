@@ -19,7 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from meshjob.network import HostTask, Link, NetworkModel, TaskCost
+from meshjob.network import Link, NetworkModel
+from meshjob.task_costs import HostTask, TaskCost
 from meshjob.resharding import STRATEGIES
 
 BALANCERS = ("naive", "load_balance", "dfs", "greedy")

@@ -40,7 +40,7 @@ from meshjob.boundary import BoundaryKey
 from meshjob.comm_order import TransferOrder, transfer_order
 from meshjob.costs import CostModel, StageCost
 from meshjob.mesh import Mesh
-from meshjob.network import HostTask, NetworkModel
+from meshjob.network import NetworkModel
 from meshjob.placement import Host, Placement, default_hosts, place
 from meshjob.program import RankProgram, rank_programs
 from meshjob.resharding import Step, UnitTask, decompose, lower, nic_bytes
@@ -49,6 +49,7 @@ from meshjob.schedule import (Action, generate, max_delay_within, peak_stashed, 
 from meshjob.sharding import ShardingSpec, slice_shape
 from meshjob.simulate import simulate_transfer
 from meshjob.spec import ReshardingSpec, TrainingJob
+from meshjob.task_costs import HostTask
 from meshjob.window import STEP, Window, balance_window, window_groups
 
 ITEMSIZE = 4  # float32 activations

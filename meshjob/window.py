@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from meshjob import balance as bal
-from meshjob.network import HostTask, NetworkModel
+from meshjob.network import NetworkModel
+from meshjob.task_costs import HostTask
 
 STEP, FORWARD, BACKWARD = "step", "forward", "backward"
 

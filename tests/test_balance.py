@@ -284,7 +284,8 @@ def test_an_unfinished_search_stops_at_the_same_point_on_every_run():
 
 def test_on_shared_cores_no_schedule_ends_before_the_cores_did_every_tasks_messages():
     from meshjob.balance import list_schedule
-    from meshjob.network import HostTask, NetworkModel
+    from meshjob.network import NetworkModel
+    from meshjob.task_costs import HostTask
 
     shared = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=1e-3)
     tasks = [HostTask((0,), (2,), 2**20), HostTask((1,), (3,), 2**20)]  # disjoint links: they run side by side

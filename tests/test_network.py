@@ -3,7 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from meshjob.network import MAX_AUTO_CHUNKS, HostTask, NetworkModel, auto_chunks
+from meshjob.network import NetworkModel, auto_chunks
+from meshjob.task_costs import MAX_AUTO_CHUNKS, HostTask
 
 RATE = 1.25e8  # 1 gbit
 BW = 1000.0  # bytes per second: t = bytes / 1000

@@ -274,7 +274,7 @@ def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_i
 def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_plans():
     """chunks: auto and the simulator read one model: the K it plans is at the bottom of the simulated
     U (too few chunks: the chain's fill; too many: the shared cores' messages)."""
-    from meshjob.network import HostTask
+    from meshjob.task_costs import HostTask
     from meshjob.resharding import UnitTask, lower
 
     model = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=530e-6, net_byte_cpu_s=1.4e-9,
@@ -337,7 +337,7 @@ def test_a_scatter_then_ring_task_costs_what_the_simulator_times_for_its_lowered
                                                                                       sender_receives):
     """The balancers' cost of an all-gather task and the simulator agree: each part's ring hops start as
     soon as it lands, overlapping the scatter (rounds one after the other over-charged it up to 1.4x)."""
-    from meshjob.network import HostTask
+    from meshjob.task_costs import HostTask
     from meshjob.resharding import UnitTask, lower
 
     model = NetworkModel(nic_bytes_per_s=1.25e8, message_s=100e-6, intra_host_bytes_per_s=1e9, intra_message_s=50e-6)

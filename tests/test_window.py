@@ -85,7 +85,7 @@ def test_quick_planner_bench_reports_both_network_models_and_joint_vs_per_bounda
 
 
 def test_every_task_of_a_window_counts_the_window_on_the_shared_cores():
-    from meshjob.network import HostTask
+    from meshjob.task_costs import HostTask
     from meshjob.window import with_shares
 
     tasks = with_shares([HostTask((0,), (2,), 10), HostTask((0,), (2,), 10), HostTask((1,), (3,), 10)])
