@@ -8,8 +8,8 @@ import os
 import pytest
 
 from meshjob.devices import parse_device
-from meshjob_bench.pipeline import (Config, bench_job, busiest_link_bytes, check_targets, cost_model, main,
-                                    nic_rate_for)
+from meshjob_bench.pipeline import Config, bench_job, busiest_link_bytes, cost_model, main, nic_rate_for
+from meshjob_bench.pipeline_report import check_targets
 
 pytestmark = pytest.mark.slow
 
