@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,28 @@ def test_an_allgather_boundary_is_timed_message_by_message_where_its_tasks_rings
     assert boundary.makespan_s == boundary.timed_s == timed
     assert boundary.makespan_s < boundary.schedule.makespan_s / 1.2
     assert boundary.to_json()["makespan_s"] == timed
+
+
+def test_an_allgather_window_times_its_boundaries_steps_together_in_the_joint_schedules_order() -> None:
+    job = load_job(next(p for p in EXAMPLES if p.name == "utransformer-demo.yaml"))
+    plan = build_plan(replace(job, resharding=replace(job.resharding, strategy="global_allgather")))
+    (window,) = plan.windows
+    members = [plan.boundaries[b] for b in window.boundaries]
+    keyed, first = [], 0
+    for k, boundary in enumerate(members):  # ids apart: each boundary numbers its steps from 0
+        keyed += [(window.schedule.start_s[window.offsets[k] + s.task], first + s.id,
+                   replace(s, id=s.id + first, after=tuple(a + first for a in s.after))) for s in boundary.steps]
+        first += max(s.id for s in boundary.steps) + 1
+    steps = [s for _, _, s in sorted(keyed, key=lambda x: x[:2])]
+    together = simulate_transfer(steps, plan.placement.host_of, plan.network).makespan_s
+    assert window.makespan_s == window.timed_s == pytest.approx(together)
+    assert max(b.makespan_s for b in members) <= window.makespan_s <= window.schedule.makespan_s * (1 + 1e-9)
+    assert window.to_json()["makespan_s"] == window.makespan_s
+
+
+def test_a_broadcast_window_keeps_its_joint_schedules_makespan() -> None:
+    plan = build_plan(make_job())
+    assert all(w.timed_s is None and w.makespan_s == w.schedule.makespan_s for w in plan.windows)
 
 
 def test_a_broadcast_boundary_keeps_its_schedules_makespan() -> None:
