@@ -80,6 +80,15 @@ sender: 0.3-2.4 ms per hand-over on the shared cores. Not once the first is over
 lead (its sender started late; how much it has left is unknown): it then waits for its completion as
 before. Measured in one lock hold (many-to-many, K auto, 1gbit, 16 MiB, two runs each): rows with
 measured / planned > 1.10 4 of 64 on main, 2 of 64 with the lead, time / L 1.27 -> 1.24 (geometric).
+Tried and left out: no lead on in-links. A receive's clock starts at its post, not when its sender's bytes
+start, so the in-link's next receive can let a second sender in beside a first whose sender started late
+(traced: one-to-many 1 -> 2x1 global all-gather, the ring's hop into a host posted 70 ms before the
+scatter sharing its in-link had landed: 2.12 L against 1.58 L planned). Without the lead there, bench
+resharding's one-to-many global all-gathers to 2 / 3 / 4 hosts of one device measured 1.60 / 1.79 /
+1.95-2.01 L against 2.12 / 2.01 / 2.04-2.33 L (planned 1.58 / 1.76 / 1.86), broadcast alike (two runs
+each, interleaved); but bench pipeline's U-Transformer, 8 stages, eager-1F1B + W delay ran 2.7-3.7%
+slower (3.91 / 3.87 s -> 4.02 / 4.01 s at 30%, 5.71 / 5.72 s -> 5.81 / 5.93 s at 100%, two pairs in
+both orders): its decoders' in-links take receives from several senders that start on time.
 
 `MESHJOB_ENGINE_TRACE` (a folder): every engine writes there, when it closes, each message's job
 start, when only the window or the board held it, its issue and its completion (time.monotonic, one
