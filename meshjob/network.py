@@ -12,10 +12,11 @@ nothing else about the network, so the plan optimises the problem that runs:
 - where every host's ranks share one machine's cores (the emulated cluster: `shared_cpu_cores`), a
   message also costs CPU: `message_cpu_s` for its two ranks together between hosts (gloo),
   `intra_message_cpu_s` inside a host (the engine's one-copy local wire: about 2.4x less), plus a cost
-  per byte, measured through the communication engine under the run's own ranks. No task
-  ends before the shared cores have done its messages' work, so on two cores a chain cut into many
-  chunks is bound by the CPU, not the NICs, and `chunks: auto` stops before the two meet: where
-  neither dominates, each message waits for the other resource (`cpu_contention_p`, `with_cpu`). Real hosts
+  per byte, measured through the communication engine under the run's own ranks. No task (and no
+  balanced schedule of tasks) ends before the shared cores have done its messages' work, so on two
+  cores a chain cut into many chunks is bound by the CPU, not the NICs, and `chunks: auto` stops
+  before the two meet: where neither dominates, each message waits for the other resource
+  (`cpu_contention_p`, `with_cpu`; a schedule: its time on the links against all its tasks' CPU). Real hosts
   have CPUs of their own, far from saturated by a few ranks' messages: `shared_cpu_cores` 0.
 - a NIC message larger than `alone_bytes` (the executor's overlap threshold) runs alone on its link:
   the executor issues the link's next message only once its bytes can have left, so the next one's

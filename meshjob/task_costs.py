@@ -60,6 +60,7 @@ class TaskCost:
     offsets: tuple[float, ...] = ()  # per link; empty: every link from 0 for `seconds`
     busy: tuple[float, ...] = ()
     cpu_s: float = 0.0  # seconds of the shared cores its messages take (0: not modelled)
+    link_s: float | None = None  # its time on the links alone, before the CPU (None: `seconds`)
 
     def holds(self) -> tuple[tuple[Link, float, float], ...]:
         """(link, offset, busy) for every held link."""
@@ -100,10 +101,11 @@ def task_cost(model: NetworkModel, task: HostTask, sender: int, strategy: str, c
     if model.shared_cpu_cores:  # it cannot end before the shared cores did its messages' work
         nbytes = 1 if strategy == "signal" else task.bytes
         cpu = model.cpu_s(*_messages(strategy, nbytes, own, remote, cost.chunks))
-        cost = replace(cost, seconds=model.with_cpu(cost.seconds, cpu), cpu_s=cpu)
+        cost = replace(cost, seconds=model.with_cpu(cost.seconds, cpu), cpu_s=cpu, link_s=cost.seconds)
     if model.duplex == "half":  # the paper's constraint 3: every host of the task, all along
         hosts = dict.fromkeys([model.link(sender, "out")] + [model.link(h, "in") for h, _ in remote])
-        return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks, cpu_s=cost.cpu_s)
+        return TaskCost(cost.seconds, tuple(hosts) if remote else (), cost.chunks, cpu_s=cost.cpu_s,
+                        link_s=cost.link_s)
     return cost
 
 

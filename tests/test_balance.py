@@ -293,3 +293,16 @@ def test_on_shared_cores_no_schedule_ends_before_the_cores_did_every_tasks_messa
     plan = list_schedule(tasks, [0, 1], [0, 1], "broadcast", shared, 64)
     assert plan.makespan_s == pytest.approx(sum(c.cpu_s for c in each)) and plan.makespan_s > max(
         c.seconds for c in each)
+
+
+def test_on_shared_cores_the_links_and_the_cores_contend_over_the_whole_schedule():
+    from meshjob.network import NetworkModel
+    from meshjob.task_costs import HostTask
+
+    shared = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=3e-4, cpu_contention_p=4.0)
+    tasks = [HostTask((0,), (2,), 2**20), HostTask((1,), (3,), 2**20)]  # disjoint links: they run side by side
+    each = [shared.task_cost(t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
+    plan = list_schedule(tasks, [0, 1], [0, 1], "broadcast", shared, 64)
+    on_links, cpu = max(c.link_s for c in each), sum(c.cpu_s for c in each)
+    assert plan.makespan_s == pytest.approx(shared.with_cpu(on_links, cpu))
+    assert plan.makespan_s > max(max(c.seconds for c in each), cpu) * 1.01

@@ -225,6 +225,23 @@ def test_a_broadcast_boundary_keeps_its_schedules_makespan() -> None:
     assert boundary.makespan_s == boundary.schedule.makespan_s
 
 
+def test_a_cpu_bound_broadcast_on_shared_cores_is_planned_as_the_simulator_times_it() -> None:
+    # 4x2 -> 4x2, RS1 -> S1R with K=64 on an emulated cluster (two shared cores): the chains' CPU on the
+    # shared cores is as long as their link time, so the two contend; the plan's makespan takes that
+    # into account as the simulator does, not only the larger of the two.
+    from meshjob.network import emulated_network
+
+    network = emulated_network(1.25e8, 2)
+    src, dst = _mesh_4x2(0), _mesh_4x2(8)
+    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (2048, 2048), (src, ShardingSpec.parse("RS1")),
+                             (dst, ShardingSpec.parse("S1R")), ReshardingSpec("broadcast", 64, "greedy"),
+                             lambda rank: rank // 2, network=network)
+    schedule = boundary.schedule
+    timed = simulate_transfer(boundary.steps, lambda rank: rank // 2, network).makespan_s
+    assert schedule.makespan_s > max(b + d for b, d in zip(schedule.start_s, schedule.seconds)) * 1.05
+    assert boundary.makespan_s == pytest.approx(timed, rel=0.02)
+
+
 def test_chunks_auto_takes_each_tasks_k_from_the_network_model_and_an_integer_forces_it() -> None:
     from meshjob.network import NetworkModel
     from meshjob.plan import host_task
