@@ -67,3 +67,21 @@ def test_every_launched_rank_keeps_freed_memory_before_its_target_runs(monkeypat
     pids = launch(2, lambda ctx: (os.getpid(), list(calls))).raise_on_failure().values
     assert all(seen == [pid] for pid, seen in pids)  # each rank, in its own process
     assert calls == []  # not the launcher
+
+
+@glibc
+def test_a_rank_done_with_its_shapes_hands_the_kept_memory_back():
+    code = STEP_LOOP + """
+from meshjob_trainer.heap import keep_freed_memory, release_freed_memory
+assert keep_freed_memory()
+def rss_kib():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])
+steps()
+kept = rss_kib()
+released = release_freed_memory()
+print(kept, rss_kib(), released)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    kept, after, released = out.stdout.split()
+    assert released == "True"
+    assert int(kept) - int(after) >= HELD * PAGES_PER_TENSOR * 4 // 2, out.stdout  # most of the 48 MiB goes back

@@ -115,6 +115,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
 
     from meshjob.sharding import tile, to_index
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.route import make_routes
 
@@ -149,6 +150,8 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                         timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, cpu=c1 - c0,
                                            faults=f1 - f0, correct=ok))
             executor.close()
+            del routes, executor, local, full
+            release_freed_memory()  # the next case's buffers have other shapes (meshjob_trainer.heap)
             dist.barrier()
     finally:
         shutdown_distributed()

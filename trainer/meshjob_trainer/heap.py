@@ -16,7 +16,12 @@ keep_freed_memory() pins the three: blocks up to 32 MiB (the ceiling of glibc's 
 come from the heaps, a heap keeps up to 1 GiB free at its top, and the top pad (64 MiB) keeps a thread's
 empty heaps. After a few steps a rank then reuses its pages; its memory stays at its peak step's, as
 PyTorch's caching allocator does on a GPU. Larger blocks are still mapped and unmapped each time. A C
-library without glibc's mallopt (musl, macOS): nothing changes."""
+library without glibc's mallopt (musl, macOS): nothing changes.
+
+What a rank keeps is its peak step's memory in each arena, and it is kept for the pages of the next step
+of the same shapes. A process that moves on to other shapes (bench resharding's gang runs case after
+case: 27 ranks grew by about 1 GB every 15 s, past this machine's 24 GiB within one full run, which then
+thrashed) hands it back first: release_freed_memory()."""
 
 from __future__ import annotations
 
@@ -46,3 +51,15 @@ def keep_freed_memory() -> bool:
                 and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
                 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
                 and mallopt(M_TOP_PAD, TOP_PAD_BYTES) == 1)
+
+
+def release_freed_memory() -> bool:
+    """Hand back to the kernel what this process's arenas keep free (glibc malloc_trim(0): every
+    arena, not only the main heap's top). For a rank done with one set of shapes before the next;
+    False where the C library has no malloc_trim or released nothing."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    return bool(trim is not None and trim(0) == 1)
