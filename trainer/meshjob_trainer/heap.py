@@ -42,11 +42,7 @@ def keep_freed_memory() -> bool:
     """Set this process's allocator to keep what it frees (above). Idempotent; a rank calls it once its
     process starts, before its threads allocate. False where the C library has no mallopt (not glibc) or
     refused a value."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc_function("mallopt")
     return bool(mallopt is not None
                 and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
                 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
@@ -57,9 +53,14 @@ def release_freed_memory() -> bool:
     """Hand back to the kernel what this process's arenas keep free (glibc malloc_trim(0): every
     arena, not only the main heap's top). For a rank done with one set of shapes before the next;
     False where the C library has no malloc_trim or released nothing."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _libc_function("malloc_trim")
     return bool(trim is not None and trim(0) == 1)
+
+
+def _libc_function(name: str):
+    """The C library's function `name`, or None where there is no such library or function."""
+    library = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(library), name) if library else None
+    except (OSError, AttributeError):
+        return None
