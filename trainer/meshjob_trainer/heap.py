@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -57,6 +58,7 @@ def release_freed_memory() -> bool:
     return bool(trim is not None and trim(0) == 1)
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess; bench resharding's ranks release after every case
 def _libc_function(name: str):
     """The C library's function `name`, or None where there is no such library or function."""
     library = ctypes.util.find_library("c")
