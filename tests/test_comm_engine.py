@@ -241,3 +241,41 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, window, small_w
     results = gang(case.world_size, target)
     assert all(ok for _, ok in results)
     assert max(results[source][0].values()) == bound
+
+
+def test_a_traced_engine_writes_when_each_message_was_started_issued_on_the_wire_and_done(gang, tmp_path):
+    """MESHJOB_ENGINE_TRACE: one JSON line per message, its times in causal order; the wire's report
+    (a send's bytes in the kernel) comes before a large send's completion for its link, never after."""
+    import json
+
+    from test_trainer_reshard import CASES, global_tensor, make_boundary, natural_tile
+
+    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.engine import TRACE_ENV
+    from meshjob_trainer.route import make_routes
+
+    case = CASES[1]  # one device -> 2x2, a broadcast chain of 4 chunks
+    boundary = make_boundary(case, "broadcast", chunks=4)
+    routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+
+    def target(env):
+        import os
+
+        os.environ[TRACE_ENV] = str(tmp_path)
+        init_distributed(env, timeout_s=20)
+        try:
+            ex = ReshardExecutor(None, env.rank, routes=routes)
+            mine = natural_tile(case, global_tensor(case, 3), env.rank)
+            ex.start(boundary.key, 0, mine if env.rank in case.src.ranks else None).wait(timeout_s=30)
+            ex.close()
+        finally:
+            shutdown_distributed()
+
+    gang(case.world_size, target)
+    rows = [json.loads(line) for path in tmp_path.glob("engine-r*.jsonl") for line in path.read_text().splitlines()]
+    sends = sorted((r["rank"], r["peer"]) for r in rows if r["send"])
+    recvs = sorted((r["peer"], r["rank"]) for r in rows if not r["send"])
+    assert sends == recvs == sorted((s.src, s.dst) for s in boundary.steps)  # every message, seen from both ends
+    for r in rows:
+        assert r["job_s"] <= r["ready_s"] <= r["issued_s"] <= r["wire_s"] <= r["done_s"], r
+        assert r["nbytes"] > 0 and r["key"] == str(boundary.key) and r["mb"] == 0

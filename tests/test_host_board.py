@@ -390,3 +390,103 @@ def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not
     assert per_message - lead - 1e-3 <= other.issued_s - t0 < per_message - lead / 2  # the lead, host clock
     assert other.done_s - t0 >= 2 * per_message * 0.99  # held by the host's clock, not its own (~74 ms)
     assert 2 * per_message - lead - 1e-3 <= second.issued_s - t0 < 2 * per_message - lead / 2
+
+
+# --- the lead on an in-link: by the receive's own buffer -----------------------------------------
+
+class _Trickle(_Instant):
+    """A wire whose receives fill their buffer front to back at `rate` bytes/s, each sender starting
+    `late_s[peer]` after its receive is posted (a sender busy elsewhere first), as gloo's TCP reads do.
+    `started` / `landed`: when each peer's bytes began and finished arriving."""
+
+    def __init__(self, rate: float, late_s: dict[int, float]) -> None:
+        super().__init__()
+        self.rate, self.late_s = rate, late_s
+        self.started: dict[int, float] = {}
+        self.landed: dict[int, float] = {}
+
+    def irecv(self, tensor, peer, tag, message):
+        import threading
+
+        self.log.append((time.monotonic(), message))
+        flat = tensor.view(-1).view(torch.uint8)
+        done = threading.Event()
+
+        def fill():
+            time.sleep(self.late_s.get(peer, 0.0))
+            step, t0 = 1 << 16, time.monotonic()
+            self.started[peer] = t0
+            for at in range(0, flat.numel(), step):
+                time.sleep(max(0.0, t0 + at / self.rate - time.monotonic()))
+                flat[at:at + step] = 7
+            self.landed[peer] = time.monotonic()
+            done.set()
+
+        threading.Thread(target=fill, daemon=True).start()
+        return done
+
+    def wait(self, work):
+        if not work.wait(10):
+            raise TimeoutError("the trickle never finished")
+
+
+class _Landing(_Sized):
+    def target(self, spec):
+        return torch.full((self.size // 4,), -1.0)
+
+    def landed(self, spec, tensor):
+        pass
+
+
+def _receive_times(late_s: dict[int, float], rate: float = 1e8, lead_s: float = 10e-3,
+                   one_transfer: bool = True) -> tuple[float, _Trickle]:
+    """Two 4 MiB receives on one NIC in-link (from ranks 5 and 6), posted in that order, both of one transfer
+    or each of its own (an activation's, then a skip's, in a planned order), their bytes arriving at `rate`:
+    when the second was posted, and the wire (when each one's bytes began and landed)."""
+    link, skip = (0, "in"), BoundaryKey(0, 1, "skip0")
+    first, second = MessageSpec(0, 0, 5, False, link), MessageSpec(1, 1, 6, False, link)
+    specs = {KEY: (first, second)} if one_transfer else {KEY: (first,), skip: (second,)}
+    wire = _Trickle(rate, late_s)
+    order = None if one_transfer else TransferOrder(((KEY, 0), (skip, 0)))
+    engine = CommEngine(0, wire, specs, 2, order, None, overlap_bytes=1 << 20, nic_bytes_per_s=1e8, lead_s=lead_s)
+    try:
+        handles = [engine.submit(_Landing(key, 0, key_specs, 0)) for key, key_specs in specs.items()]
+        for handle in handles:
+            handle.wait(timeout_s=10)
+    finally:
+        engine.close(timeout_s=5)
+    assert len(wire.log) == 2
+    return wire.log[1][0], wire
+
+
+def test_the_next_large_receive_is_posted_its_lead_before_the_one_in_flight_has_landed():
+    """Its sender on time: 4 MiB at 100 MB/s land in 42 ms, the second receive is posted within the last
+    10 ms (the lead) of the first's landing, not after it."""
+    lead = 10e-3
+    second, wire = _receive_times({})
+    assert wire.landed[5] - lead - 5e-3 <= second < wire.landed[5]
+
+
+def test_a_receive_whose_sender_starts_late_holds_the_next_of_its_transfer_until_its_own_bytes_are_nearly_in():
+    """Its sender starts 150 ms after the post (busy with an earlier message): by a clock started at the
+    post the next receive would be posted at ~32 ms, and its sender would share the in-link with the first's;
+    by the first's buffer it is posted only once the first has at most its lead left to land."""
+    per_message, lead = (4 << 20) / 1e8, 10e-3
+    second, wire = _receive_times({5: 0.15})
+    assert second >= wire.started[5] + per_message - lead - 2e-3  # the trickle writes 64 KiB (0.66 ms) at a time
+
+
+def test_a_receive_landing_slower_than_the_nic_holds_the_next_of_its_transfer_as_long():
+    """Its bytes come at half the NIC's rate (a sender sharing its cores or its link): posted by the buffer,
+    the next receive waits until the first has at most its lead left at that rate (~74 ms), not ~32 ms."""
+    lead = 10e-3
+    second, wire = _receive_times({}, rate=5e7)
+    assert second >= wire.landed[5] - 2 * lead - 2e-3
+
+
+def test_the_next_transfers_receive_goes_by_the_links_clock_not_the_first_ones_buffer():
+    """Between transfers (a pipeline's activations and skips, timed by the compute), the in-link does not wait
+    for a late sender: the next transfer's receive is posted its lead before the clock's end (~32 ms)."""
+    per_message, lead = (4 << 20) / 1e8, 10e-3
+    second, wire = _receive_times({5: 0.15}, one_transfer=False)
+    assert per_message - lead - 5e-3 <= second - wire.log[0][0] < per_message and second < wire.started[5]

@@ -173,8 +173,9 @@ class HostBoard:
     def links(self) -> frozenset[Link]:
         return frozenset(self.turns)
 
-    def ready(self, link: Link, nbytes: int) -> bool:
-        """Whether this rank's next message on `link` may go now."""
+    def ready(self, link: Link, nbytes: int, due_in_s: float | None = None) -> bool:
+        """Whether this rank's next message on `link` may go now. `due_in_s`: when those in flight are
+        through, where the rank knows more than the host's clock (its own receive's landing markers)."""
         t = self.turns[link]
         c, n = self._cells, len(self.ranks)
         issued = c[t.base]
@@ -182,8 +183,9 @@ class HostBoard:
             return False
         done = sum(c[t.base + 1 + 2 * s] for s in range(n))
         in_bytes = sum(c[t.base + 2 + 2 * s] for s in range(n))
-        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, self.due_in_s(link),
-                         self.lead_s, self.small_window)
+        due = self.due_in_s(link) if due_in_s is None else due_in_s
+        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, due, self.lead_s,
+                         self.small_window)
 
     def due_in_s(self, link: Link) -> float:
         """How long until the host's messages issued on `link` are through by its clock (inf: no clock)."""

@@ -80,19 +80,27 @@ sender: 0.3-2.4 ms per hand-over on the shared cores. Not once the first is over
 lead (its sender started late; how much it has left is unknown): it then waits for its completion as
 before. Measured in one lock hold (many-to-many, K auto, 1gbit, 16 MiB, two runs each): rows with
 measured / planned > 1.10 4 of 64 on main, 2 of 64 with the lead, time / L 1.27 -> 1.24 (geometric).
-Tried and left out: no lead on in-links. A receive's clock starts at its post, not when its sender's bytes
-start, so the in-link's next receive can let a second sender in beside a first whose sender started late
-(traced: one-to-many 1 -> 2x1 global all-gather, the ring's hop into a host posted 70 ms before the
-scatter sharing its in-link had landed: 2.12 L against 1.58 L planned). Without the lead there, bench
-resharding's one-to-many global all-gathers to 2 / 3 / 4 hosts of one device measured 1.60 / 1.79 /
-1.95-2.01 L against 2.12 / 2.01 / 2.04-2.33 L (planned 1.58 / 1.76 / 1.86), broadcast alike (two runs
-each, interleaved); but bench pipeline's U-Transformer, 8 stages, eager-1F1B + W delay ran 2.7-3.7%
-slower (3.91 / 3.87 s -> 4.02 / 4.01 s at 30%, 5.71 / 5.72 s -> 5.81 / 5.93 s at 100%, two pairs in
-both orders): its decoders' in-links take receives from several senders that start on time.
+A receive's clock starts at its post, not when its sender's bytes start. A sender busy with an earlier
+message of the transfer starts late, and a next receive posted by the clock lets a second sender in
+beside it (traced: one-to-many 1 -> 2x1 global all-gather, the ring's hop into a host posted 70 ms before
+the scatter sharing its in-link had landed: 2.12 L against 1.58 L planned). So a large receive on a NIC
+in-link carries landing markers (meshjob_trainer.landing: gloo reads a message front to back into its
+buffer), and the next receive of the same transfer on the link goes its lead before its buffer, not the
+clock, says it is in (`_in_link_due_s`): within a transfer the balancer timed the link's messages one
+after the other. Measured (bench resharding, K auto, 1gbit, 16 MiB, runs interleaved with main's, five of
+main and four with markers): one-to-many global all-gathers to 2 / 3 / 4 hosts of one device 1.60-1.64 /
+1.77-1.78 / 1.91-2.00 L against 2.08-2.13 / 1.96-2.04 / 2.11-2.23 L (planned 1.58 / 1.76 / 1.86), paper
+scale 4x2 RS1 -> S1R send/recv 1.87-1.88 L against 2.07-2.18 L (planned 1.85); many-to-many alike. Between
+transfers the clock still leads: a pipeline's in-link takes activations, skips and gradients whose
+senders start when their compute ends, and following the buffer there too cost bench pipeline's
+U-Transformer (8 stages, 100%, eager-1F1B + W delay) 2.5-3.7% (5.83-5.93 s against 5.68-5.73 s), as no
+lead on in-links at all did (stop 33). bench/RUNS.md has the runs.
 
 `MESHJOB_ENGINE_TRACE` (a folder): every engine writes there, when it closes, each message's job
-start, when only the window or the board held it, its issue and its completion (time.monotonic, one
-clock for every process of a machine), one JSON line each: where a transfer's time went.
+start, when only the window or the board held it, its issue, when the wire reported it (`wire_s`: for a
+send, its bytes are in the kernel's socket buffer, which gloo fills only once the receive is posted) and
+its completion (time.monotonic, one clock for every process of a machine), one JSON line each: where a
+transfer's time went (a large send reported after its link clock's end: a late receive, or busy cores).
 
 Completions come from waiter threads, one per peer and direction, each blocking on its messages in
 issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
@@ -132,6 +140,7 @@ from meshjob.comm_order import TransferOrder
 from meshjob.network import Link
 from meshjob_trainer.board import link_clock_after, may_start, packs
 from meshjob_trainer.engine_job import Handle, Job, Memory, Message, MessageSpec
+from meshjob_trainer.landing import LandingProbe
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
@@ -197,6 +206,7 @@ class CommEngine:
         self._in_flight: dict[Link, int] = collections.defaultdict(int)  # sends issued, not done
         self._posted: dict[Link | None, int] = collections.defaultdict(int)  # receives posted, not landed
         self._bytes: dict[Link | None, int] = collections.defaultdict(int)  # their bytes, per link
+        self._landing: dict[Link | None, list[tuple[Job, Message]]] = collections.defaultdict(list)  # with markers
         self._jobs: dict[tuple[BoundaryKey, int], collections.deque[Job]] = collections.defaultdict(collections.deque)
         self._inbox: list[tuple[Any, ...]] = []
         self._cond = threading.Condition()
@@ -296,7 +306,8 @@ class CommEngine:
         """Every message's times (time.monotonic: one clock for every process of the machine) as JSON lines:
         its job's start, when only its link's window or the board held it back, its issue, its completion."""
         path = os.path.join(self._trace_dir, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
-        names = ("key", "mb", "index", "send", "peer", "link", "nbytes", "job_s", "ready_s", "issued_s", "done_s")
+        names = ("key", "mb", "index", "send", "peer", "link", "nbytes", "job_s", "ready_s", "issued_s", "wire_s",
+                 "done_s")
         with open(path, "w") as f:
             for row in self._trace:
                 f.write(json.dumps({"rank": self.rank, "engine": self.serial, **dict(zip(names, row))}) + "\n")
@@ -373,29 +384,52 @@ class CommEngine:
                 return job, message
         return None
 
-    def _may_start(self, link: Link | None, count: int, nbytes: int) -> bool:
+    def _may_start(self, link: Link | None, count: int, nbytes: int, job: Job | None = None) -> bool:
         """Whether the next message on `link` may go, given this rank's `count` in flight there: its
-        turn on the host's board, and room in the link's window."""
+        turn on the host's board, and room in the link's window. `job`: a receive's (_in_link_due_s)."""
         if self.board is not None and link in self.board.links:
-            if self.board.ready(link, nbytes):
+            due_in_s, landing = self._in_link_due_s(link, self.board.due_in_s(link), job)
+            if self.board.ready(link, nbytes, due_in_s):
                 return True
             self._board_waits = True
-            self._wake_for(self.board.due_in_s(link))
+            self._wake_for(due_in_s, landing)
             return False
         if link is None or link[1] == "local":
             return True
-        due_in_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
+        clock_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
+        due_in_s, landing = self._in_link_due_s(link, clock_s, job)
         if may_start(count, self._bytes[link], nbytes, self.in_flight_per_link, self.overlap_bytes, due_in_s,
                      self.lead_s, self.small_in_flight_per_link):
             return True
-        self._wake_for(due_in_s)
+        self._wake_for(due_in_s, landing)
         return False
 
-    def _wake_for(self, due_in_s: float) -> None:
+    def _in_link_due_s(self, link: Link | None, clock_s: float, job: Job | None) -> tuple[float, bool]:
+        """When the messages in flight on `link` are through, for the hand-over lead: the link's clock
+        (`clock_s` from now), or, with this rank's large receives of the same transfer as the next one
+        (`job`) in flight there, the later of the clock and what their buffers show (landing markers,
+        meshjob_trainer.landing). Also whether markers were read."""
+        landing = [m for j, m in self._landing.get(link, ()) if j is job]
+        if not landing:
+            return clock_s, False
+        due = max(m.landing.due_in_s(self.nic_bytes_per_s) for m in landing)
+        return (max(clock_s, due) if clock_s < math.inf else due), True
+
+    def _mark_landing(self, link: Link | None, job: Job, message: Message) -> None:
+        """A large receive on a NIC in-link gets landing markers, where the lead is on (see above)."""
+        if (self.lead_s > 0 and self.nic_bytes_per_s and self.overlap_bytes is not None and link is not None
+                and link[1] == "in" and message.nbytes > self.overlap_bytes):
+            message.landing = LandingProbe.place(message.tensor, int(self.lead_s * self.nic_bytes_per_s))
+            if message.landing is not None:
+                self._landing[link].append((job, message))
+
+    def _wake_for(self, due_in_s: float, landing: bool = False) -> None:
         """A message waits behind a large one due through its link in `due_in_s`: wake the engine when
-        its lead comes (nothing else may happen then to wake it)."""
+        its lead comes (nothing else may happen then to wake it). `landing`: the due is read off a
+        receive's markers, whose bytes may be anywhere short of the next one: look again no sooner than
+        an eighth of the lead (meshjob_trainer.landing)."""
         if self.lead_s > 0 and self.lead_s < due_in_s < math.inf:
-            at = time.monotonic() + due_in_s - self.lead_s
+            at = time.monotonic() + max(due_in_s - self.lead_s, self.lead_s / 8 if landing else 0.0)
             self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
     def _within_window(self, link: Link | None, count: int, nbytes: int) -> bool:
@@ -419,10 +453,11 @@ class CommEngine:
                 if not self._within_window(link, self._posted[link], message.nbytes):
                     break
                 message.ready_s = message.ready_s or time.monotonic()
-                if not self._may_start(link, self._posted[link], message.nbytes):
+                if not self._may_start(link, self._posted[link], message.nbytes, job):
                     break
                 message.tensor = job.target(message.spec)
                 self._posted[link] += 1
+                self._mark_landing(link, job, message)
                 self._start(job, message, self.wire.irecv)
                 seq.advance()
         for link, seq in self._sends.items():
@@ -486,7 +521,7 @@ class CommEngine:
         spec = message.spec
         if self._trace_dir is not None:
             self._trace.append((str(job.key), job.mb, spec.index, spec.send, spec.peer, spec.link, message.nbytes,
-                                job.started_s, message.ready_s, message.issued_s, message.done_s))
+                                job.started_s, message.ready_s, message.issued_s, message.wire_s, message.done_s))
         self._bytes[spec.link] -= message.nbytes
         if self.board is not None and spec.link in self.board.links:
             self.board.completed(spec.link, message.nbytes)
@@ -497,6 +532,9 @@ class CommEngine:
             job.sends_left -= 1
         else:
             self._posted[spec.link] -= 1
+            if message.landing is not None:
+                self._landing[spec.link] = [e for e in self._landing[spec.link] if e[1] is not message]
+                message.landing = None
             job.landed(spec, message.tensor)
             message.tensor = None
             job.recvs_left -= 1
@@ -543,6 +581,7 @@ class _Waiter:
             job, message = item
             try:
                 self.engine.wire.wait(message.work)
+                message.wire_s = time.monotonic()
                 if (late := message.floor_s - time.monotonic()) > 0:
                     time.sleep(late)  # a send is done for its link once its bytes can have left the NIC
                 message.done_s = time.monotonic()

@@ -44,7 +44,9 @@ class Message:
     ready_s: float = 0.0  # when only its link's window or the board held it back (time.monotonic)
     issued_s: float = 0.0
     done_s: float = 0.0
+    wire_s: float = 0.0  # when the wire reported it done (a send: its bytes are in the kernel's socket buffer)
     floor_s: float = 0.0  # a large send on a NIC out-link: the earliest its bytes can have left the host
+    landing: Any = None  # a large receive on a NIC in-link: its LandingProbe (meshjob_trainer.landing)
 
 
 class Job:
