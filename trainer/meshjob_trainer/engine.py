@@ -304,7 +304,8 @@ class CommEngine:
 
     def _write_trace(self) -> None:
         """Every message's times (time.monotonic: one clock for every process of the machine) as JSON lines:
-        its job's start, when only its link's window or the board held it back, its issue, its completion."""
+        its job's start, when only its link's window or the board held it back, its issue, when the wire
+        reported it, its completion."""
         path = os.path.join(self._trace_dir, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
         names = ("key", "mb", "index", "send", "peer", "link", "nbytes", "job_s", "ready_s", "issued_s", "wire_s",
                  "done_s")

@@ -15,9 +15,9 @@ late, and a receive posted beside it lets a second sender share the in-link with
 The markers sit at the lead point (the last word before the last lead_bytes) and every half lead below
 it (at most MAX_MARKERS). The first marker still in place bounds how soon the rest can be in (at the
 NIC's rate), so the engine sleeps until then and looks again (at most a half lead early; no sooner than
-an eighth of a lead, where the bytes are between the last two markers). A
-payload word equal to the random marker (one chance in 2^64 per word) reads as not yet landed: the next
-receive is then posted when this one completes, as without a lead, and nothing is lost.
+an eighth of a lead, where the bytes are between the last two markers). A payload word equal to the
+random marker (one chance in 2^64 per word) reads as not yet landed: the next receive is then posted
+when this one completes, as without a lead, and nothing is lost.
 """
 from __future__ import annotations
 
