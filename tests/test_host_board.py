@@ -347,6 +347,41 @@ def test_the_next_large_send_is_issued_its_lead_before_the_links_clock_frees_the
     assert per_message - lead - 1e-3 <= times[1] - times[0] < per_message - lead / 2
 
 
+def _on_one_board(tmp_path, order, specs, wires, transfers, job_type, lead_s):
+    """Ranks 0 and 1 of host 0, each an engine in its own thread on one board (100 MB/s NIC, `lead_s`), run
+    their jobs (`specs[rank]`: per boundary, microbatch 0) to the end: each rank's jobs."""
+    import threading
+
+    path, jobs, engines, errors = str(tmp_path / "store"), {0: [], 1: []}, {}, []
+
+    def rank(r):
+        try:
+            store = dist.FileStore(path, 2)
+
+            def board_for(transfers, wake):
+                return HostBoard(order, r, 2, 1 << 20, store, "k", wake, timeout_s=10, nic_bytes_per_s=1e8,
+                                 lead_s=lead_s)
+
+            engines[r] = CommEngine(r, wires[r], specs[r], 2, transfers, board_for, overlap_bytes=1 << 20,
+                                    nic_bytes_per_s=1e8, lead_s=lead_s)
+            jobs[r] = [job_type(key, 0, key_specs, 0) for key, key_specs in specs[r].items()]
+            handles = [engines[r].submit(job) for job in jobs[r]]
+            for handle in handles:
+                handle.wait(timeout_s=10)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    for engine in engines.values():
+        engine.close(timeout_s=5)
+    assert not errors, errors
+    return jobs
+
+
 def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not_the_ranks_own(tmp_path):
     """Two ranks of host 0 share its out-link (order: rank 0, rank 1, rank 0), 4 MiB each at 100 MB/s (42 ms),
     a 10 ms lead, sends done the moment they are issued. Rank 1's send goes its lead before rank 0's first is
@@ -358,34 +393,10 @@ def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not
     order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, KEY, 0, 1), (0, KEY, 0, 2))})
     specs = {0: {KEY: (MessageSpec(0, 0, 5, True, link), MessageSpec(2, 2, 5, True, link))},
              1: {KEY: (MessageSpec(1, 1, 5, True, link),)}}
-    path = str(tmp_path / "store")
-    wires, jobs, engines, errors = {r: _Instant() for r in (0, 1)}, {}, {}, []
-
-    def rank(r):
-        try:
-            store = dist.FileStore(path, 2)
-
-            def board_for(transfers, wake):
-                return HostBoard(order, r, 2, 1 << 20, store, "k", wake, timeout_s=10, nic_bytes_per_s=1e8,
-                                 lead_s=lead)
-
-            engines[r] = CommEngine(r, wires[r], specs[r], 2, TransferOrder(((KEY, 0),)), board_for,
-                                    overlap_bytes=1 << 20, nic_bytes_per_s=1e8, lead_s=lead)
-            jobs[r] = _Sized(KEY, 0, specs[r][KEY], 0)
-            engines[r].submit(jobs[r]).wait(timeout_s=5)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    for engine in engines.values():
-        engine.close(timeout_s=5)
-    assert not errors, errors
-    first, second = (jobs[0].messages[i] for i in (0, 2))
-    other = jobs[1].messages[1]
+    jobs = _on_one_board(tmp_path, order, specs, {r: _Instant() for r in (0, 1)}, TransferOrder(((KEY, 0),)),
+                         _Sized, lead)
+    first, second = (jobs[0][0].messages[i] for i in (0, 2))
+    other = jobs[1][0].messages[1]
     t0 = first.issued_s
     assert per_message - lead - 1e-3 <= other.issued_s - t0 < per_message - lead / 2  # the lead, host clock
     assert other.done_s - t0 >= 2 * per_message * 0.99  # held by the host's clock, not its own (~74 ms)
@@ -489,4 +500,105 @@ def test_the_next_transfers_receive_goes_by_the_links_clock_not_the_first_ones_b
     for a late sender: the next transfer's receive is posted its lead before the clock's end (~32 ms)."""
     per_message, lead = (4 << 20) / 1e8, 10e-3
     second, wire = _receive_times({5: 0.15}, one_transfer=False)
+    assert per_message - lead - 5e-3 <= second - wire.log[0][0] < per_message and second < wire.started[5]
+
+
+# --- the lead on a host's in-link shared by its ranks: the first rank reads its markers for the next ---
+
+def _two_boards(order, path, lead_s=10e-3, wakes=None):
+    """Ranks 0 and 1 of host 0 on one board (each HostBoard waits for the other to attach)."""
+    import threading
+
+    boards, errors = {}, []
+
+    def attach(r):
+        try:
+            wake = (lambda why, r=r: wakes.append((r, why))) if wakes is not None else (lambda _: None)
+            boards[r] = HostBoard(order, r, 2, 1 << 20, dist.FileStore(path, 2), "k", wake, timeout_s=10,
+                                  nic_bytes_per_s=1e8, lead_s=lead_s)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=attach, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    return boards[0], boards[1]
+
+
+SKIP = BoundaryKey(0, 1, "skip0")
+
+
+def test_a_peers_watched_receive_holds_the_next_rank_of_its_transfer_until_it_says_its_bytes_are_nearly_in(tmp_path):
+    link = (0, "in")
+    order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, KEY, 0, 1))})
+    wakes = []
+    first, second = _two_boards(order, str(tmp_path / "store"), wakes=wakes)
+    try:
+        assert second.peer_landing_due_s(link) is None  # not its turn yet
+        assert first.watch(link) == 0
+        first.issued(link, 4 << 20)
+        assert second.peer_landing_due_s(link) == float("inf")
+        assert not second.ready(link, 4 << 20, second.peer_landing_due_s(link))
+        first.landed_soon(link, 0)
+        assert second.peer_landing_due_s(link) == 0.0
+        assert second.ready(link, 4 << 20, 0.0)
+        deadline = time.monotonic() + 5
+        while (1, "board") not in wakes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (1, "board") in wakes  # the next rank is woken, it does not poll
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("entries", [
+    ((0, KEY, 0, 0), (0, KEY, 0, 1), (1, KEY, 0, 2)),  # its own next: its own markers lead it (engine._in_link_due_s)
+    ((0, KEY, 0, 0), (1, SKIP, 0, 0)),  # another transfer's: the host's clock leads, as between transfers
+    ((1, KEY, 0, 0), (0, KEY, 0, 1)),  # its last on the link in the pass: the next is the next pass's
+], ids=["own next", "another transfer", "next pass"])
+def test_a_receive_is_watched_only_where_the_links_next_message_is_another_ranks_of_its_transfer(tmp_path, entries):
+    link = (0, "in")
+    first, second = _two_boards(HostLinkOrder(0, {link: entries}), str(tmp_path / "store"))
+    try:
+        if entries[0][0] == 1:
+            second.issued(link, 4 << 20)  # rank 1 first: rank 0's receive is the link's last in the pass
+        assert first.watch(link) is None
+        first.issued(link, 4 << 20)
+        if entries[1][0] == 1:
+            assert second.peer_landing_due_s(link) is None
+    finally:
+        first.close()
+        second.close()
+
+
+def _board_receive_times(late_s, tmp_path, one_transfer=True, lead_s=10e-3):
+    """Host 0's in-link takes rank 0's 4 MiB receive from rank 5, then rank 1's from rank 6 (100 MB/s), of one
+    transfer or rank 1's of the next: when rank 1's was posted, and rank 0's wire."""
+    link = (0, "in")
+    key1 = KEY if one_transfer else SKIP
+    order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, key1, 0, 1 if one_transfer else 0))})
+    specs = {0: {KEY: (MessageSpec(0, 0, 5, False, link),)},
+             1: {key1: (MessageSpec(1 if one_transfer else 0, 1, 6, False, link),)}}
+    transfers = TransferOrder(((KEY, 0),) if one_transfer else ((KEY, 0), (SKIP, 0)))
+    wires = {0: _Trickle(1e8, late_s), 1: _Trickle(1e8, late_s)}
+    _on_one_board(tmp_path, order, specs, wires, transfers, _Landing, lead_s)
+    return wires[1].log[0][0], wires[0]
+
+
+def test_on_a_board_the_next_ranks_receive_waits_for_a_late_senders_bytes_not_the_hosts_clock(tmp_path):
+    """Rank 0's sender starts 150 ms after the post: by the host's clock rank 1's receive would be posted at
+    ~32 ms and its sender would share the in-link with rank 0's; rank 0 watches its markers and lets rank 1
+    go once its own bytes have at most the lead left to land."""
+    per_message, lead = (4 << 20) / 1e8, 10e-3
+    second, wire = _board_receive_times({5: 0.15}, tmp_path)
+    assert second >= wire.started[5] + per_message - lead - 2e-3
+    assert second < wire.landed[5]  # still a lead: posted before the first one landed
+
+
+def test_on_a_board_the_next_transfers_receive_of_another_rank_goes_by_the_hosts_clock(tmp_path):
+    per_message, lead = (4 << 20) / 1e8, 10e-3
+    second, wire = _board_receive_times({5: 0.15}, tmp_path, one_transfer=False)
     assert per_message - lead - 5e-3 <= second - wire.log[0][0] < per_message and second < wire.started[5]

@@ -14,6 +14,12 @@ next, so only it can be waiting for this), and a waker thread per rank turns the
 of its engine. The waker also ticks once a second so a rank blocked on the board
 notices a dead peer (its pid is gone) or a turn that never comes (`timeout_s`): a clear error, no hang.
 
+A peer's landing: where the host's in-link hands over from one rank's large receive to another rank's
+receive of the same transfer, the next rank cannot read the first one's landing markers (its buffer is
+in the first rank's memory, meshjob_trainer.landing). So the first rank watches them (`watch`) and says
+on the board when its bytes are within the lead (`landed_soon`, which wakes the next rank); until then
+the next rank's receive waits (`peer_landing_due_s`), and without a watch it goes by the host's clock.
+
 Naming and cleanup: the ranks of a host meet in the job's key-value store under a key every rank
 derives alike (the board's serial number in the process and the host); the first to arrive names
 the segment (a random name in /dev/shm), the others open it, and the last rank to have opened every
@@ -35,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshjob.host_order import HostLinkOrder
+from meshjob.host_order import BoardEntry, HostLinkOrder
 from meshjob.network import Link
 from meshjob_trainer.procs import pid_alive
 
@@ -100,12 +106,20 @@ class _Turns:
     peers: tuple[int, ...]  # slots of the other ranks on the link
     owners: tuple[int, ...]  # slot of the rank of each of the link's messages
     due: int  # index of the link's clock: when (ns, time.monotonic) the bytes issued so far are through
+    lands: int  # index of the link's landing cells: per slot, its watched message's number + 1 and its state
     next: int = 0
     rounds: int = 0
 
     def target(self) -> int:
         """The issued count at which this rank's next message is the link's next."""
         return self.rounds * self.length + self.positions[self.next]
+
+    def same_transfer(self, order: tuple[BoardEntry, ...], number: int, other: int) -> bool:
+        """Whether the link's messages `number` and `other` (issued counts) are of one transfer in one pass."""
+        if number < 0 or other < 0 or number // self.length != other // self.length:
+            return False
+        a, b = order[number % self.length], order[other % self.length]
+        return a[1:3] == b[1:3]
 
     def advance(self) -> None:
         self.next += 1
@@ -130,13 +144,15 @@ class HostBoard:
         n = len(self.ranks)
         self.turns: dict[Link, _Turns] = {}
         clocks = n + len(order.links) * (1 + 2 * n)  # one clock per link after the links' counters
+        lands = clocks + len(order.links)  # then per link and slot two landing cells
         for i, (link, entries) in enumerate(order.links.items()):
             on_link = {self.ranks.index(e[0]) for e in entries}
             if self.slot in on_link:
                 self.turns[link] = _Turns(n + i * (1 + 2 * n), order.positions(rank, link), len(entries),
                                           tuple(sorted(on_link - {self.slot})),
-                                          tuple(self.ranks.index(e[0]) for e in entries), clocks + i)
-        self._size = clocks + len(order.links)
+                                          tuple(self.ranks.index(e[0]) for e in entries), clocks + i,
+                                          lands + i * 2 * n)
+        self._size = lands + len(order.links) * 2 * n
         self._closed = False
         name = store.compare_set(f"{key}/name", "", f"{PREFIX}{uuid.uuid4().hex}").decode()
         self.path = os.path.join(shm_dir(), name)
@@ -192,6 +208,42 @@ class HostBoard:
         if not self.nic_bytes_per_s:
             return math.inf
         return (self._cells[self.turns[link].due] - time.monotonic_ns()) * 1e-9
+
+    def watch(self, link: Link) -> int | None:
+        """This rank's next message on `link`, a receive with landing markers, is about to be issued: when
+        the link's next message is another rank's of the same transfer, mark it watched (that rank then
+        waits for `landed_soon`) and return its number; None otherwise. Call before `issued`."""
+        t = self.turns[link]
+        number = t.target()
+        if t.owners[(number + 1) % t.length] == self.slot or not t.same_transfer(self.order.links[link], number,
+                                                                                  number + 1):
+            return None
+        cell = t.lands + 2 * self.slot
+        self._cells[cell + 1] = 0  # not within the lead yet: written before the number that makes it read
+        self._cells[cell] = number + 1
+        return number
+
+    def landed_soon(self, link: Link, number: int) -> None:
+        """This rank's watched message `number` on `link` is within the lead of landing: the next may go."""
+        t = self.turns[link]
+        cell = t.lands + 2 * self.slot
+        if self._cells[cell] == number + 1:
+            self._cells[cell + 1] = 1
+            self._notify(t)
+
+    def peer_landing_due_s(self, link: Link) -> float | None:
+        """At this rank's turn on `link`: when the previous message, another rank's watched receive of the
+        same transfer, is in, as far as its rank has said: inf until its bytes are within the lead, then 0.
+        None where there is no such message (the host's clock leads then)."""
+        t = self.turns[link]
+        number = t.target() - 1
+        if self._cells[t.base] != number + 1 or not t.same_transfer(self.order.links[link], number, number + 1):
+            return None
+        slot = t.owners[number % t.length]
+        cell = t.lands + 2 * slot
+        if slot == self.slot or self._cells[cell] != number + 1:
+            return None
+        return 0.0 if self._cells[cell + 1] else math.inf
 
     def issued(self, link: Link, nbytes: int, now_ns: int | None = None) -> int | None:
         """This rank's next message on `link` is issued (at `now_ns`, time.monotonic_ns; default: now): count
