@@ -97,9 +97,14 @@ def warmup_forwards(kind: str, stage: int, num_stages: int, microbatches: int) -
     raise ScheduleError(f"schedule kind {kind!r} is not one of {', '.join(SCHEDULE_KINDS)}")
 
 
-def compute_order(kind: str, stage: int, num_stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """The F/B sequence of one stage: warm-up forwards, then alternate B, F; then the last B's."""
-    warmup = warmup_forwards(kind, stage, num_stages, microbatches)
+def compute_order(kind: str, stage: int, num_stages: int, microbatches: int,
+                  warmup: int | None = None) -> list[tuple[str, int]]:
+    """The F/B sequence of one stage: warm-up forwards (`warmup`, default the kind's), then alternate
+    B, F; then the last B's."""
+    if warmup is None:
+        warmup = warmup_forwards(kind, stage, num_stages, microbatches)
+    elif not 1 <= warmup <= microbatches:
+        raise ScheduleError(f"warm-up forwards of stage {stage}: {warmup} is invalid: 1 to {microbatches}")
     order = [("F", mb) for mb in range(warmup)]
     next_f = warmup
     for mb in range(microbatches):
@@ -146,9 +151,12 @@ def generate(
     edges: Iterable[Edge],
     split_backward: bool = False,
     weight_delay: Mapping[int, int] | None = None,
+    warmups: Mapping[int, int] | None = None,
 ) -> dict[int, list[Action]]:
     """Every stage's action list: RECVs right before the compute that needs them, SENDs right
-    after the compute that produces them. weight_delay only applies with split_backward."""
+    after the compute that produces them. weight_delay only applies with split_backward. `warmups`:
+    per stage, forwards before its first backward where not the kind's (a schedule between 1F1B's and
+    GPipe's; validate checks that it cannot deadlock)."""
     if num_stages < 1 or microbatches < 1:
         raise ScheduleError(f"need at least 1 stage and 1 microbatch, got {num_stages}, {microbatches}")
     edge_list = _check_edges(edges, num_stages)
@@ -156,17 +164,18 @@ def generate(
     for stage, delay in delays.items():
         if delay < 0:
             raise ScheduleError(f"weight_delay[{stage}] = {delay} must be >= 0")
+    warm = dict(warmups or {})
     return {stage: stage_actions(kind, stage, num_stages, microbatches, edge_list, split_backward,
-                                 delays.get(stage, 0))
+                                 delays.get(stage, 0), warm.get(stage))
             for stage in range(num_stages)}
 
 
 def stage_actions(kind: str, stage: int, num_stages: int, microbatches: int, edges: Sequence[Edge],
-                  split_backward: bool, delay: int) -> list[Action]:
-    """One stage's action list (edges already checked and sorted)."""
+                  split_backward: bool, delay: int, warmup: int | None = None) -> list[Action]:
+    """One stage's action list (edges already checked and sorted; `warmup` as compute_order takes it)."""
     actions: list[Action] = []
     pending_w: list[int] = []  # microbatches whose W waits behind later I's
-    for compute, mb in compute_order(kind, stage, num_stages, microbatches):
+    for compute, mb in compute_order(kind, stage, num_stages, microbatches, warmup):
         if compute == "F":
             actions += _recvs_f(stage, mb, edges)
             actions.append(Action("F", mb))

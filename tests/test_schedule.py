@@ -101,6 +101,21 @@ def test_eager_1f1b_warmup_is_min_m_and_2_s_minus_i_minus_1(num_stages: int, mic
         assert first_backward == expected == warmup_forwards("eager-1f1b", stage, num_stages, microbatches)
 
 
+def test_given_warmups_replace_the_kinds_and_give_eager_1f1b_from_1f1b() -> None:
+    eager = generate("eager-1f1b", 4, 8, u_net(4), True, {1: 2})
+    warmups = {s: warmup_forwards("eager-1f1b", s, 4, 8) for s in range(4)}
+    assert generate("1f1b", 4, 8, u_net(4), True, {1: 2}, warmups) == eager
+    between = generate("eager-1f1b", 4, 8, chain(4), warmups={0: 5})
+    assert computes(between[0])[:6] == ["F0", "F1", "F2", "F3", "F4", "B0"]
+    validate(between, chain(4), 8, False)
+
+
+@pytest.mark.parametrize("warmup", [0, 9])
+def test_a_warmup_outside_1_to_m_is_refused_naming_the_stage(warmup: int) -> None:
+    with pytest.raises(ScheduleError, match=f"warm-up forwards of stage 2: {warmup} is invalid: 1 to 8"):
+        generate("1f1b", 4, 8, chain(4), warmups={2: warmup})
+
+
 def test_1f1b_warms_up_with_s_minus_i_forwards_then_alternates() -> None:
     schedules = generate("1f1b", 3, 5, chain(3))
     assert computes(schedules[0]) == ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "B3", "B4"]

@@ -1,4 +1,4 @@
-"""`meshjob bench resharding|pipeline|planner|message-cost|operator|fuzz|memory|e2e|tune`: dispatch to the benchmark modules of this package.
+"""`meshjob bench resharding|pipeline|schedule-search|planner|message-cost|operator|fuzz|memory|e2e|tune`: dispatch to the benchmark modules of this package.
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -14,6 +14,7 @@ HELP = "benchmarks: resharding strategies, pipeline schedules, planner, operator
 BENCHMARKS: dict[str, str] = {
     "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
     "pipeline": "pipeline schedules: 1f1b, eager-1f1b, weight-grad delay, signal upper bound",
+    "schedule-search": "eager-1F1B's neighbourhood on the simulator: warm-ups, W delays, transfer order",
     "planner": "sender balancers: makespan over lower bound, full vs half duplex, joint vs per boundary",
     "message-cost": "the network model's per-message cost, measured on the emulated cluster",
     "operator": "the operator: reconcile latency and throughput against an API server",
