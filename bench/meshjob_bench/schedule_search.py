@@ -11,9 +11,10 @@ with every stage's optimizer step (meshjob.steady), as bench pipeline predicts:
 2. two such moves at once (+-1 or +-2 on two coordinates), drawn with a fixed seed, until the budget;
 3. on the best schedule, its transfer order: one transfer moved up to 3 places earlier on one of its links,
    until no move helps.
-Every candidate keeps eager-1F1B's stash bound (meshjob.schedule.stash_bound) and must validate. No measured
-run: a table of the plan's, the best found and the step bound's (meshjob.step_bound) ratios over 1F1B and over
-signal, a JSON and a plot of the best period found against candidates rated.
+Every candidate keeps eager-1F1B's stash bound (meshjob.schedule.stash_bound) and must validate. The budget
+counts simulated steps, a third to each part, not seconds: the same budget finds the same schedule anywhere.
+No measured run: a table of the plan's, the best found and the step bound's (meshjob.step_bound) ratios over
+1F1B and over signal, a JSON and a plot of the best period found against candidates rated.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from meshjob.errors import FieldError, SpecError
 
 Point = tuple[tuple[int, ...], tuple[int, ...]]  # (warm-up forwards per stage, W's delayed per stage)
 SEED = 0
+BUDGET, QUICK_BUDGET = 1500, 150  # simulated steps per case (points of the neighbourhood plus orders)
+DRAWS_PER_POINT = 20  # pair moves: draws per point of the budget before giving up on finding new ones
 ORDER_REACH = 3  # a transfer moves at most this many places earlier among its link's transfers
 
 
@@ -70,23 +73,28 @@ def moved(point: Point, which: int, stage: int, value: int) -> Point:
     return tuple(parts[0]), tuple(parts[1])
 
 
-def coordinate_descent(search: Search, microbatches: int, deadline: float) -> None:
+def coordinate_descent(search: Search, microbatches: int, budget: int) -> None:
+    """One coordinate at a time to each of its values, until no move helps or `budget` points are rated."""
     improved = True
-    while improved and time.monotonic() < deadline:
+    while improved and len(search.rated) < budget:
         improved = False
         for stage in range(len(search.best[0])):
             for which, values in ((0, range(1, microbatches + 1)), (1, range(microbatches))):
                 for value in values:
-                    if time.monotonic() >= deadline:
+                    if len(search.rated) >= budget:
                         return
                     improved |= search.take(moved(search.best, which, stage, value))
 
 
-def pair_moves(search: Search, microbatches: int, deadline: float) -> None:
+def pair_moves(search: Search, microbatches: int, budget: int) -> None:
+    """Two moves at once from the best, drawn with SEED, until `budget` points are rated (or as many draws
+    as the budget allow found nothing new)."""
     rng = random.Random(SEED)
     stages = len(search.best[0])
     steps = [(which, stage, d) for which in (0, 1) for stage in range(stages) for d in (-2, -1, 1, 2)]
-    while time.monotonic() < deadline:
+    for _ in range(DRAWS_PER_POINT * budget):
+        if len(search.rated) >= budget:
+            return
         point = search.best
         for which, stage, d in rng.sample(steps, 2):
             point = moved(point, which, stage, point[which][stage] + d)
@@ -94,14 +102,14 @@ def pair_moves(search: Search, microbatches: int, deadline: float) -> None:
             search.take(point)
 
 
-def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], float], deadline: float
+def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], float], budget: int
                 ) -> tuple[list, float, int]:
     """(the best order found, its period, orders rated): one transfer moved up to ORDER_REACH places
     earlier among the transfers of one of its links, until no move helps. `rate`: inf for an order
-    that cannot run."""
+    that cannot run. At most `budget` orders rated."""
     best, best_s, tried = list(order), rate(order), 1
     improved = True
-    while improved and time.monotonic() < deadline:
+    while improved and tried < budget:
         improved = False
         on_link: dict = {}
         for i, (key, _) in enumerate(best):
@@ -110,7 +118,7 @@ def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], f
         for positions in on_link.values():
             for a in range(len(positions)):
                 for reach in range(1, ORDER_REACH + 1):
-                    if a + reach >= len(positions) or time.monotonic() >= deadline:
+                    if a + reach >= len(positions) or tried >= budget:
                         break
                     candidate = list(best)
                     candidate.insert(positions[a], candidate.pop(positions[a + reach]))
@@ -125,13 +133,14 @@ def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], f
     return best, best_s, tried
 
 
-def search_case(model: str, stages: int, fraction: float, device, seconds: float) -> dict:
+def search_case(model: str, stages: int, fraction: float, device, budget: int) -> dict:
     """One (model, stages, communication fraction) of bench pipeline: the plans' periods and the best found."""
     from meshjob.comm_order import fastest_order
     from meshjob.device_costs import emulated_cost
     from meshjob.plan import build_plan
     from meshjob.schedule import ScheduleError, generate, peak_stashed, stash_bound, validate, warmup_forwards
     from meshjob.simulate import compute_costs, plan_cost, simulate_plan, transfer_costs
+    from meshjob.spec import job_to_dict
     from meshjob.steady import plan_period_s, steady_period_s
     from meshjob.step_bound import step_bound
 
@@ -168,9 +177,9 @@ def search_case(model: str, stages: int, fraction: float, device, seconds: float
              tuple(plan.weight_delay.get(s, 0) for s in range(stages)))
     t0 = time.monotonic()
     search = Search(rate, start)
-    coordinate_descent(search, microbatches, t0 + seconds * 0.5)
+    coordinate_descent(search, microbatches, budget // 3)
     single_s = search.best_s
-    pair_moves(search, microbatches, t0 + seconds * 0.8)
+    pair_moves(search, microbatches, 2 * budget // 3)
     pair_s = search.best_s
     lists, order = lists_of[search.best]
 
@@ -181,13 +190,14 @@ def search_case(model: str, stages: int, fraction: float, device, seconds: float
             return float("inf")
 
     _, order_s, orders_rated = order_moves(order.transfers, {k: list(t[1]) for k, t in transfers.items()},
-                                           rate_order, t0 + seconds)
+                                           rate_order, budget // 3)
     stepped = step_bound(plan, cost, [optimizer[s] for s in range(stages)])
     # bench pipeline's "most / signal": both sides one step (the bound is one step's)
     signal_run = simulate_plan(plans["signal"], cost)
     signal_one_step = max(st.busy_until_s + optimizer[s] for s, st in signal_run.stages.items())
     best_s = min(order_s, search.best_s)
     return {"model": model, "stages": stages, "comm_fraction": fraction, "nic_bytes_per_s": rate_bytes,
+            "job": job_to_dict(job), "compute": {"mode": "emulated", "device": device.to_json()},
             "seconds": time.monotonic() - t0, "candidates_rated": len(search.rated), "orders_rated": orders_rated,
             "period_s": periods, "plan_weight_delay": list(start[1]), "plan_warmups": list(start[0]),
             "best": {"warmups": list(search.best[0]), "weight_delay": list(search.best[1]), "period_s": best_s},
@@ -202,17 +212,19 @@ def search_case(model: str, stages: int, fraction: float, device, seconds: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smoke run: the GPT, 4 stages, comm 1.0, 10 s")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: the GPT, 4 stages, comm 1.0, budget {QUICK_BUDGET}")
     parser.add_argument("--models", default=None, help="comma separated (default utransformer; quick gpt)")
     parser.add_argument("--stages", type=int, default=None, help="pipeline stages, 2, 4 or 8 (default 8; quick 4)")
     parser.add_argument("--comm-fractions", default=None,
                         help="communication / compute per microbatch, comma separated (default 0.3,1.0)")
-    parser.add_argument("--seconds", type=float, default=None, help="search budget per case (default 120; quick 10)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="simulated steps per case, a third each to single moves, pairs and the order (default "
+                             f"{BUDGET}, about 2 minutes here; quick {QUICK_BUDGET}); the same budget, the same result")
     parser.add_argument("--device", default="3", help="emulated device TFLOP/s or profile (default bench pipeline's 3)")
     parser.add_argument("--out", default="bench/results", help="folder for schedule_search.json and its PNG")
 
 
-def _checked(args: argparse.Namespace) -> tuple[list[str], int, list[float], float]:
+def _checked(args: argparse.Namespace) -> tuple[list[str], int, list[float], int]:
     models = (args.models or ("gpt" if args.quick else "utransformer")).split(",")
     for m in models:
         if m not in MODELS:
@@ -228,10 +240,10 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], int, list[float], flo
             fractions.append(-1.0)
         if not 0 < fractions[-1] <= 10:
             raise SpecError([FieldError("--comm-fractions", text, "a number in (0, 10]")])
-    seconds = args.seconds if args.seconds is not None else (10.0 if args.quick else 120.0)
-    if not seconds > 0:
-        raise SpecError([FieldError("--seconds", seconds, "a number of seconds > 0")])
-    return models, stages, fractions, seconds
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET if args.quick else BUDGET)
+    if not budget >= 3:
+        raise SpecError([FieldError("--budget", budget, "an integer >= 3")])
+    return models, stages, fractions, budget
 
 
 def print_table(rows: list[dict]) -> None:
@@ -281,15 +293,15 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     from meshjob.devices import parse_compute
 
     args = parsed_arguments(args, "meshjob bench schedule-search", __doc__, add_arguments)
-    models, stages, fractions, seconds = _checked(args)
+    models, stages, fractions, budget = _checked(args)
     device = parse_compute("emulated", args.device).device
-    rows = [search_case(m, stages, f, device, seconds) for m in models for f in fractions]
+    rows = [search_case(m, stages, f, device, budget) for m in models for f in fractions]
     print_table(rows)
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "schedule_search.png")
     plot(rows, png)
     with open(os.path.join(args.out, "schedule_search.json"), "w") as f:
-        json.dump({"benchmark": "schedule-search", "device": device.describe() if hasattr(device, "describe")
-                   else str(device), "seconds_per_case": seconds, "rows": rows, "plots": [png]}, f, indent=1)
+        json.dump({"benchmark": "schedule-search", "device": device.to_json(), "budget_per_case": budget,
+                   "rows": rows, "plots": [png]}, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'schedule_search.json')} and {png}")
     return 0
