@@ -24,7 +24,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from meshjob_bench import parsed_arguments
 from meshjob_bench.pipeline import MODELS, bench_job, cost_model, nic_rate_for
@@ -102,33 +102,36 @@ def pair_moves(search: Search, microbatches: int, budget: int) -> None:
             search.take(point)
 
 
+def _earlier_on_a_link(order: list, links_of: Mapping) -> Iterator[list]:
+    """`order` with one transfer moved up to ORDER_REACH places earlier among the transfers of one of its
+    links, each such move in turn."""
+    on_link: dict = {}
+    for i, (key, _) in enumerate(order):
+        for link in links_of[key]:
+            on_link.setdefault(link, []).append(i)
+    for positions in on_link.values():
+        for a in range(len(positions)):
+            for later in positions[a + 1:a + 1 + ORDER_REACH]:
+                candidate = list(order)
+                candidate.insert(positions[a], candidate.pop(later))
+                yield candidate
+
+
 def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], float], budget: int
                 ) -> tuple[list, float, int]:
-    """(the best order found, its period, orders rated): one transfer moved up to ORDER_REACH places
-    earlier among the transfers of one of its links, until no move helps. `rate`: inf for an order
-    that cannot run. At most `budget` orders rated."""
+    """(the best order found, its period, orders rated): the first move of _earlier_on_a_link that is
+    faster, again from there, until none is. `rate`: inf for an order that cannot run. At most `budget`
+    orders rated."""
     best, best_s, tried = list(order), rate(order), 1
     improved = True
     while improved and tried < budget:
         improved = False
-        on_link: dict = {}
-        for i, (key, _) in enumerate(best):
-            for link in links_of[key]:
-                on_link.setdefault(link, []).append(i)
-        for positions in on_link.values():
-            for a in range(len(positions)):
-                for reach in range(1, ORDER_REACH + 1):
-                    if a + reach >= len(positions) or tried >= budget:
-                        break
-                    candidate = list(best)
-                    candidate.insert(positions[a], candidate.pop(positions[a + reach]))
-                    period, tried = rate(candidate), tried + 1
-                    if period < best_s * (1 - 1e-9):
-                        best, best_s, improved = candidate, period, True
-                        break
-                if improved:
-                    break
-            if improved:
+        for candidate in _earlier_on_a_link(best, links_of):
+            if tried >= budget:
+                break
+            period, tried = rate(candidate), tried + 1
+            if period < best_s * (1 - 1e-9):
+                best, best_s, improved = candidate, period, True
                 break
     return best, best_s, tried
 
@@ -158,20 +161,25 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
     compute, transfers = compute_costs(plan, cost), transfer_costs(plan, cost)
     edges = [(e.src, e.dst, e.tensor) for e in job.edges]
     bound = stash_bound(stages, microbatches)
-    lists_of: dict[Point, dict] = {}
 
-    def rate(point: Point) -> float:
+    def schedule(point: Point) -> tuple[dict, Any] | None:
+        """The point's action lists and their fastest transfer order; None where it is not a schedule
+        to run (does not validate, or passes the stash bound)."""
         warmups, delays = dict(enumerate(point[0])), dict(enumerate(point[1]))
         try:
             lists = generate("eager-1f1b", stages, microbatches, edges, True, delays, warmups)
             validate(lists, edges, microbatches, True)
         except ScheduleError:
-            return float("inf")
+            return None
         if max(peak_stashed(lists).values()) > bound:
+            return None
+        return lists, fastest_order(lists, compute, transfers, cost)[0]
+
+    def rate(point: Point) -> float:
+        ran = schedule(point)
+        if ran is None:
             return float("inf")
-        order, _ = fastest_order(lists, compute, transfers, cost)
-        lists_of[point] = (lists, order)
-        return steady_period_s(lists, compute, transfers, cost, microbatches, order.transfers, optimizer)
+        return steady_period_s(ran[0], compute, transfers, cost, microbatches, ran[1].transfers, optimizer)
 
     start = (tuple(warmup_forwards("eager-1f1b", s, stages, microbatches) for s in range(stages)),
              tuple(plan.weight_delay.get(s, 0) for s in range(stages)))
@@ -181,7 +189,7 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
     single_s = search.best_s
     pair_moves(search, microbatches, 2 * budget // 3)
     pair_s = search.best_s
-    lists, order = lists_of[search.best]
+    lists, order = schedule(search.best)  # the best was rated, so it is a schedule
 
     def rate_order(transfer_order: Sequence) -> float:
         try:
@@ -212,7 +220,8 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: the GPT, 4 stages, comm 1.0, budget {QUICK_BUDGET}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: the GPT, 4 stages, comm 1.0, budget {QUICK_BUDGET}")
     parser.add_argument("--models", default=None, help="comma separated (default utransformer; quick gpt)")
     parser.add_argument("--stages", type=int, default=None, help="pipeline stages, 2, 4 or 8 (default 8; quick 4)")
     parser.add_argument("--comm-fractions", default=None,
