@@ -29,105 +29,36 @@ meshjob.host_order): a rank's next message on such a link waits for its turn the
 link a message joins others in flight only while those are small (`overlap_bytes`): two large ones
 would share the link instead of running one after the other as the plan times them.
 
-A large send on a NIC out-link (one that runs alone: more than `overlap_bytes`) counts in flight, on
-the board and in the link's window, until its bytes can have left the host at the NIC's rate
-(`nic_bytes_per_s`: the link's clock advances by each message's bytes / rate from its issue or the
-previous one's end, whichever is later: meshjob_trainer.board.link_clock_after), not merely until the
-wire reports it done. On a board's link the clock is the host's, kept on the board for all its ranks:
-a rank's large send is held until its bytes, and those the host's other ranks issued before them, can
-have left; the hand-over lead below reads the same clock. Off the board (no plan, or no other rank of
-the host on the link) each rank keeps its own clock per NIC link. (Held by the rank's own clock on a
-board's link too, as before: many-to-many, K auto, 1gbit, 16 MiB, one lock hold, runs interleaved,
-rows with measured / planned > 1.10 0 and 5 of 32 (worst 1.07, 1.44), by the host's 4 and 0 (worst
-1.28, 1.09), time / L 1.24 and 1.29 against 1.26 and 1.24: alike within the runs' spread; one state
-kept.) Why the bound: gloo reports a
-send done once its bytes sit in the kernel's socket buffer, up to megabytes before they have crossed
-the NIC. Counted done then, the next large message of the host (another rank's, or this rank's to
-another peer) started while the first still drained, and the two shared the NIC for the rest of the
-first: its receiver got it late, and the plan's order on the link was only nominal (traced with
-MESHJOB_ENGINE_TRACE, below: gloo reported a 4 MiB send done 10 ms after its issue, its receiver had
-it 32 ms later). Measured (`meshjob bench resharding --section many_to_many --chunks auto`, 1gbit,
-16 MiB, landing lock held, every send held): many-to-many rows with measured / planned > 1.10, before
-12 and 9 of 32 (two runs, worst 1.36 and 1.19), with the bound 1 to 5 of 32 (five runs, the overlap
-threshold swept: worst 1.10 to 1.18). The bound is the model's rate, a lower bound on when the bytes
-leave (the real link is no faster), so a link never idles because of it; a model faster than the NIC
-only weakens it, a model slower than the NIC would hold sends back. Small sends are not held: the
-socket buffer's head start is what keeps a chain of small chunks streaming when the engine wakes late
-on shared cores (held too, one-to-many chains to 3-4 hosts of 3-4 devices measured 1.85-2.59 L
-against 1.40-1.95 L).
+The rules on a NIC link (trainer/ENGINE.md has why, the runs that decided each, and what was tried
+and left out):
+- a large send (more than `overlap_bytes`: it runs alone on the link) counts in flight, in the link's
+  window and on the board, until its bytes can have left at the NIC's rate (`nic_bytes_per_s`; the
+  link's clock, board.link_clock_after: on a board's link the host's, else this rank's), not merely
+  until the wire reports it done: gloo reports a send done once its bytes sit in the socket buffer;
+- small messages pack beyond the window: one of at most overlap_bytes / `small_in_flight_per_link`
+  joins while fewer than that many are in flight and their bytes stay within overlap_bytes
+  (board.may_start); anything else meets a full window and waits for a completion (`_within_window`);
+- the hand-over lead: behind a large message, the link's next one is issued `lead_s`
+  (meshjob.network.HANDOVER_LEAD_S) before the link's clock says the first is through, the engine
+  waking itself for it (`_wake_at`); not once the first is overdue by more than the lead. A large
+  receive on an in-link carries landing markers (meshjob_trainer.landing) and the next receive of the
+  same transfer goes by its buffer, not the clock (`_in_link_due_s`); where that next receive is another
+  rank's of the host, this rank tells it through the board (`_watch_landings`).
 
-Tried and left out: a large receive joining those in flight on an in-link when all come from one
-sending host (whose out-link keeps them apart), so that the next is posted before the previous one
-lands. Alone it measured no better (13 of 32 rows above 1.10), with the bound above 4 and 5 of 32.
+Completions come from waiter threads, one per peer and direction, each blocking on its messages in
+issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
+engine thread sleeps until a job starts or a message completes: no polling.
 
-Small messages pack: on a NIC link, beyond the window, a message of at most overlap_bytes /
-`small_in_flight_per_link` (meshjob.network: 8) joins while fewer than that many are in flight and their
-bytes, its own included, stay within overlap_bytes (meshjob_trainer.board.may_start). Held to the window
-of two, a stream of 16-64 KiB chunks waited on wake-ups, not on the cores: over many-to-many S01R -> RS01
-at K = 64 (1,024 such messages) this machine's cores were 13-34% idle (/proc/stat over each transfer).
-Measured (bench resharding, 1gbit, 16 MiB, small window 8 against 2, two interleaved runs each):
-many-to-many K = 64 RS0 -> S0R 1.24 / 1.31 L against 1.69 / 1.78, S01R -> RS01 2.34 / 2.29 against 3.92 /
-3.74; paper scale 2x4 RS1 -> S1R K = 64 2.22 against 3.85 L (one run); one-to-many 3x2, 4x3, 4x4 and
-the K = auto rows alike within the runs' spread. The cost probe runs unpacked (meshjob_bench.engine_costs.unpacked).
-A message that cannot pack meets a full window as before: it waits for a completion (`_within_window`).
-
-The hand-over lead: behind a large message on a NIC link (its own or, through the board, another rank's
-of the host), the next one is issued HANDOVER_LEAD_S (meshjob.network, 2 ms) before the link's clock
-says the first is through, and the engine wakes itself for it (`_wake_at`: nothing else may happen then);
-receives keep a clock per in-link too (on the board: the host's). Without it the link idled while the
-first's completion woke its rank, the board woke the next rank and that rank's notice reached its
-sender: 0.3-2.4 ms per hand-over on the shared cores. Not once the first is overdue by more than the
-lead (its sender started late; how much it has left is unknown): it then waits for its completion as
-before. Measured in one lock hold (many-to-many, K auto, 1gbit, 16 MiB, two runs each): rows with
-measured / planned > 1.10 4 of 64 on main, 2 of 64 with the lead, time / L 1.27 -> 1.24 (geometric).
-A receive's clock starts at its post, not when its sender's bytes start. A sender busy with an earlier
-message of the transfer starts late, and a next receive posted by the clock lets a second sender in
-beside it (traced: one-to-many 1 -> 2x1 global all-gather, the ring's hop into a host posted 70 ms before
-the scatter sharing its in-link had landed: 2.12 L against 1.58 L planned). So a large receive on a NIC
-in-link carries landing markers (meshjob_trainer.landing: gloo reads a message front to back into its
-buffer), and the next receive of the same transfer on the link goes its lead before its buffer, not the
-clock, says it is in (`_in_link_due_s`): within a transfer the balancer timed the link's messages one
-after the other. Measured (bench resharding, K auto, 1gbit, 16 MiB, runs interleaved with main's, five of
-main and four with markers): one-to-many global all-gathers to 2 / 3 / 4 hosts of one device 1.60-1.64 /
-1.77-1.78 / 1.91-2.00 L against 2.08-2.13 / 1.96-2.04 / 2.11-2.23 L (planned 1.58 / 1.76 / 1.86), paper
-scale 4x2 RS1 -> S1R send/recv 1.87-1.88 L against 2.07-2.18 L (planned 1.85); many-to-many alike. Between
-transfers the clock still leads: a pipeline's in-link takes activations, skips and gradients whose
-senders start when their compute ends, and following the buffer there too cost bench pipeline's
-U-Transformer (8 stages, 100%, eager-1F1B + W delay) 2.5-3.7% (5.83-5.93 s against 5.68-5.73 s), as no
-lead on in-links at all did (stop 33). bench/RUNS.md has the runs.
-Where the host's in-link hands over to another rank's receive of the same transfer (a host's ranks
-each take their part of it), that rank cannot read this one's buffer: this rank watches its markers and
-tells it through the board when its bytes are within the lead (`_watch_landings`, board.watch /
-landed_soon); the other rank's receive waits for that, or for the completion, not for the host's clock.
-Measured (paper scale 4x2 RS1R -> RRS1, three interleaved runs each): send/recv 2.18-2.28 L before,
-1.94-1.99 L with it (planned 1.85), local all-gather 2.06-2.14 against 1.96-1.99 L; broadcast alike.
+Memory: the buffers a job allocates count as payload in flight from allocation until they are not:
+its receive tile and assembled result until the compute takes the result (they are activations
+then; a chain's forwards still read them, at no cost), a staging copy of a region that is not
+contiguous until it is sent or has landed. `memory` holds the bytes and their peak.
 
 `MESHJOB_ENGINE_TRACE` (a folder): every engine writes there, when it closes, each message's job
 start, when only the window or the board held it, its issue, when the wire reported it (`wire_s`: for a
 send, its bytes are in the kernel's socket buffer, which gloo fills only once the receive is posted) and
 its completion (time.monotonic, one clock for every process of a machine), one JSON line each: where a
 transfer's time went (a large send reported after its link clock's end: a late receive, or busy cores).
-
-Completions come from waiter threads, one per peer and direction, each blocking on its messages in
-issue order (gloo has no other way to tell, see meshjob_trainer.wire); they only report back. The
-engine thread sleeps until a job starts or a message completes: no polling.
-
-Where a message's CPU goes (per-thread CPU over the cost probe's 128-message transfers of 2 MiB
-between hosts, meshjob_bench.engine_costs): on each rank the engine thread ~95 µs per message (gloo's
-isend/irecv calls ~40 of it), its waiter ~20 µs, gloo's own threads and the kernel ~60-80 µs. Raw gloo
-driven from one thread (window 2) costs 150-220 µs per message for the two ranks together, so most of
-a message between hosts is gloo's (a receive-ready notice and the payload, over TCP each). Between
-ranks of one host the local copy's header and ack went over gloo too, three gloo messages per payload;
-its shared-memory mailbox (meshjob_trainer.local_copy) took the CPU per message there from ~0.8-1.2 ms
-to ~0.15-0.23 ms (two ranks, the probe, same hour). Tried and left out: the waiter that learns of a
-completion taking the engine's step itself instead of waking the engine thread: the Python threads'
-CPU per 128-message transfer did not drop (24-33 ms against 19-40 ms, six interleaved runs each, load
-around 5), and dist.isend's Python wrapper over the process group's own send (~3 µs per call).
-
-Memory: the buffers a job allocates count as payload in flight from allocation until they are not:
-its receive tile and assembled result until the compute takes the result (they are activations
-then; a chain's forwards still read them, at no cost), a staging copy of a region that is not
-contiguous until it is sent or has landed. `memory` holds the bytes and their peak.
 """
 from __future__ import annotations
 
