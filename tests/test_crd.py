@@ -258,7 +258,8 @@ def apiserver(module_apiserver, tmp_path, request) -> dict[str, str]:
     kubeconfig = tmp_path / "kubeconfig"
     shutil.copy(module_apiserver["KUBECONFIG"], kubeconfig)
     env = dict(module_apiserver, KUBECONFIG=str(kubeconfig))
-    for args in (("create", "namespace", namespace), ("config", "set-context", "--current", f"--namespace={namespace}")):
+    for args in (("create", "namespace", namespace),
+                 ("config", "set-context", "--current", f"--namespace={namespace}")):
         done = kubectl(env, *args)
         assert done.returncode == 0, done.stderr
     return env

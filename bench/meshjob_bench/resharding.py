@@ -42,6 +42,8 @@ from meshjob_trainer.launch import RankContext, launch
 from meshjob.network import NetworkModel
 from meshjob.units import parse_rate
 
+QUICK_PROBE_ROUNDS = 2  # --quick: enough for a spread between rounds; a full run takes PROBE_ROUNDS (5)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nic-rate", default="1gbit", help="emulated NIC of every host (default 1gbit)")
@@ -64,11 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable; default all)")
 
 
-def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float) -> engine_costs.EngineCosts | None:
-    """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs); None if
-    the probe failed. One attempt: `main` runs it under probe_guard.guarded_probe (retried when disturbed)."""
+def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float,
+                   rounds: int = engine_costs.PROBE_ROUNDS) -> engine_costs.EngineCosts | None:
+    """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs) in
+    `rounds` rounds; None if the probe failed. One attempt: `main` runs it under
+    probe_guard.guarded_probe (retried when disturbed)."""
     layout = Layout()
-    cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s))
+    cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), rounds)
     network = engine_costs.unpacked(bench_network(nic_bytes_per_s))
     result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network),
                     **cluster.gang(layout.hosts).launch_args())
@@ -387,7 +391,8 @@ def main(args: argparse.Namespace) -> int:
             network = cluster.describe()
             emulated = cluster.emulated
             if args.message_costs == "measured":
-                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s),
+                rounds = QUICK_PROBE_ROUNDS if quick else engine_costs.PROBE_ROUNDS
+                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds),
                                                   attempts=1 if quick else probe_guard.PROBE_ATTEMPTS)
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
