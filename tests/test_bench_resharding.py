@@ -339,3 +339,23 @@ def test_case_text_that_names_no_case_is_refused_with_the_option_and_value():
     args = parser.parse_args(["--section", "one_to_many", "--case", "no such case"])
     with pytest.raises(SpecError, match="--case"):
         main(args)
+
+
+def test_only_the_ranks_a_transfer_uses_sleep_until_its_common_start(tmp_path):
+    """A rank the transfer does not use goes on at once (to the next barrier), so it does not wake at the
+    start instant and take the shared cores from the transfer's ranks; a rank it uses starts no sooner."""
+    import time
+
+    import torch.distributed as dist
+
+    from meshjob_bench.resharding import _common_start
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        before = time.monotonic()
+        start = _common_start(lead_s=2.0, wait=False)
+        assert time.monotonic() - before < 1.0 and start > time.monotonic()
+        start = _common_start(lead_s=0.2, wait=True)
+        assert time.monotonic() >= start
+    finally:
+        dist.destroy_process_group()

@@ -87,10 +87,12 @@ def _expected(shape: tuple[int, ...]) -> Any:
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
 
 
-def _common_start(lead_s: float = 0.03) -> float:
+def _common_start(lead_s: float = 0.03, wait: bool = True) -> float:
     """Every rank starts the timed transfer at one instant: rank 0 names an instant a little ahead and
     each rank sleeps until it. The emulated hosts share this machine's monotonic clock; a barrier alone
-    releases ranks milliseconds apart on two cores, and the spread would be timed as transfer."""
+    releases ranks milliseconds apart on two cores, and the spread would be timed as transfer.
+    `wait` False (a rank the transfer does not use): no sleep; it goes on to the next barrier at once, so
+    it does not wake with the transfer's ranks and take the shared cores from them at their start."""
     import torch
     import torch.distributed as dist
 
@@ -98,7 +100,8 @@ def _common_start(lead_s: float = 0.03) -> float:
     at = torch.tensor([time.monotonic() + lead_s], dtype=torch.float64)
     dist.broadcast(at, 0)
     start = float(at.item())
-    time.sleep(max(0.0, start - time.monotonic()))
+    if wait:
+        time.sleep(max(0.0, start - time.monotonic()))
     return start
 
 
@@ -139,7 +142,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats))
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
-                    t0 = _common_start()
+                    t0 = _common_start(wait=inside)
                     if not inside:
                         continue
                     c0, f0 = time.process_time(), _minor_faults()
