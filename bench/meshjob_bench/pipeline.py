@@ -35,6 +35,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from meshjob_bench import parsed_arguments
 from meshjob_bench.pipeline_report import check_targets, plot_bars, plot_timelines, print_table, print_targets
@@ -259,7 +260,7 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     else:
         cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
     result = simulate_plan(plan, cost)
-    one_step = max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
+    one_step = one_step_s(result, optimizer)
     step = plan_period_s(plan, cost, dict(enumerate(optimizer)))
     bound = step_bound(plan, cost, optimizer)
     return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
@@ -267,6 +268,12 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
             "step_bound": bound and bound.to_json(),
             "predicted_stages": {str(i): {"bubble": s.bubble_fraction(result.step_s),
                                           "overlap": s.overlap_fraction()} for i, s in result.stages.items()}}
+
+
+def one_step_s(result: Any, optimizer: Sequence[float] | Mapping[int, float]) -> float:
+    """One isolated step of a simulated plan (meshjob.simulate.simulate_plan's result): every stage's last
+    action, then its optimizer step (`optimizer`, per stage), the unit of the step bound."""
+    return max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
 
 
 def _list(text: str | None, default: str, kind, flag: str, allowed: str, ok) -> list:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from meshjob_bench import parsed_arguments
-from meshjob_bench.pipeline import MODELS, bench_job, cost_model, nic_rate_for
+from meshjob_bench.pipeline import MODELS, bench_job, cost_model, nic_rate_for, one_step_s
 from meshjob.errors import FieldError, SpecError
 
 Point = tuple[tuple[int, ...], tuple[int, ...]]  # (warm-up forwards per stage, W's delayed per stage)
@@ -201,8 +201,7 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
                                            rate_order, budget // 3)
     stepped = step_bound(plan, cost, [optimizer[s] for s in range(stages)])
     # bench pipeline's "most / signal": both sides one step (the bound is one step's)
-    signal_run = simulate_plan(plans["signal"], cost)
-    signal_one_step = max(st.busy_until_s + optimizer[s] for s, st in signal_run.stages.items())
+    signal_one_step = one_step_s(simulate_plan(plans["signal"], cost), optimizer)
     best_s = min(order_s, search.best_s)
     return {"model": model, "stages": stages, "comm_fraction": fraction, "nic_bytes_per_s": rate_bytes,
             "job": job_to_dict(job), "compute": {"mode": "emulated", "device": device.to_json()},
