@@ -9,7 +9,7 @@ import time
 import pytest
 
 from meshjob_trainer.dist import (DistError, NodeEnv, WorkerEnv, WorkerSettings, backend_for_device, check_world_size,
-                                  device_for_backend, init_distributed, shutdown_distributed, uses_cuda)
+                                  device_for_backend, init_distributed, nccl_host_id, shutdown_distributed, uses_cuda)
 from meshjob_trainer.launch import RankContext, launch
 
 
@@ -18,6 +18,25 @@ def test_worker_env_reads_torchrun_variables():
                               "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
     assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (3, 8, 1, 1)
     assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+
+
+def test_worker_env_reads_the_number_of_ranks_on_its_host():
+    env = WorkerEnv.from_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+    assert env.local_world_size == 4
+    assert WorkerEnv.from_env({"RANK": "0", "WORLD_SIZE": "8"}).local_world_size == 1
+
+
+def test_the_launcher_tells_each_rank_how_many_ranks_share_its_host():
+    result = launch(3, lambda ctx: (ctx.env.local_rank, ctx.env.local_world_size), timeout_s=20)
+    assert result.raise_on_failure().values == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_ranks_that_outnumber_their_hosts_gpus_each_become_an_nccl_host_of_their_own():
+    """NCCL refuses two ranks of one communicator on one GPU of one host; such ranks take its network transport."""
+    crowded = WorkerEnv(rank=5, world_size=8, local_rank=1, local_world_size=4)
+    assert nccl_host_id(crowded, gpus=1, hostname="node-a") == "node-a-rank5"
+    assert nccl_host_id(dataclasses.replace(crowded, rank=6), gpus=1, hostname="node-a") == "node-a-rank6"
+    assert nccl_host_id(crowded, gpus=4, hostname="node-a") is None  # a GPU per rank: NVLink and shared memory stay
 
 
 def test_worker_env_reads_kubeflow_pet_variables():

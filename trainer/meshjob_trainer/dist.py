@@ -13,6 +13,8 @@ group, so a rank that never comes is named in the error instead of a bare timeou
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -63,6 +65,7 @@ def _env_str(env: Mapping[str, str], names: tuple[str, ...], default: str) -> st
 RANK = ("RANK", "PET_RANK")
 WORLD_SIZE = ("WORLD_SIZE", "PET_WORLD_SIZE")
 LOCAL_RANK = ("LOCAL_RANK", "PET_LOCAL_RANK")
+LOCAL_WORLD_SIZE = ("LOCAL_WORLD_SIZE", "PET_LOCAL_WORLD_SIZE")
 NODE_RANK = ("NODE_RANK", "PET_NODE_RANK", "GROUP_RANK")
 MASTER_ADDR = ("MASTER_ADDR", "PET_MASTER_ADDR")
 MASTER_PORTS = ("MASTER_PORT", "PET_MASTER_PORT")
@@ -76,6 +79,7 @@ class WorkerEnv:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = MASTER_PORT
+    local_world_size: int = 1  # ranks on this host (torchrun's LOCAL_WORLD_SIZE)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,7 +95,8 @@ class WorkerEnv:
         return cls(rank=_env_int(env, RANK, None), world_size=_env_int(env, WORLD_SIZE, None),
                    local_rank=_env_int(env, LOCAL_RANK, 0), node_rank=_env_int(env, NODE_RANK, 0),
                    master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
-                   master_port=_env_int(env, MASTER_PORTS, MASTER_PORT))
+                   master_port=_env_int(env, MASTER_PORTS, MASTER_PORT),
+                   local_world_size=_env_int(env, LOCAL_WORLD_SIZE, 1))
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,19 @@ def device_for_backend(backend: str) -> str:
     return f"cuda:{torch.cuda.current_device()}"
 
 
+def nccl_host_id(env: WorkerEnv, gpus: int, hostname: str) -> str | None:
+    """The NCCL host id of a rank that shares its GPU with another rank of its host, else None.
+
+    NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU detected"). Where
+    a host runs more ranks than it has GPUs (an emulated cluster on one GPU, as `meshjob run` and the
+    tests make), each rank becomes an NCCL host of its own (NCCL_HOSTID), so its messages take NCCL's
+    network transport, as between ranks on separate hosts. A host with a GPU per rank keeps NCCL's
+    own id, and with it NVLink and shared memory between its GPUs."""
+    if env.local_world_size <= gpus:
+        return None
+    return f"{hostname}-rank{env.rank}"
+
+
 def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
                      expected_world_size: int | None = None) -> str:
     """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""
@@ -242,7 +260,11 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
     backend = backend or backend_for_device()
     store = _rendezvous(env, timeout_s)
     if uses_cuda(backend):
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        host_id = nccl_host_id(env, gpus, socket.gethostname())
+        if host_id is not None:
+            os.environ.setdefault("NCCL_HOSTID", host_id)
+        torch.cuda.set_device(env.local_rank % gpus)
     dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return backend

@@ -352,7 +352,7 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
             with _frozen_for_fork():
                 for local_rank, rank in enumerate(ranks):
                     env = WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank,
-                                    master_addr=master_addr, master_port=port)
+                                    master_addr=master_addr, master_port=port, local_world_size=len(ranks))
                     ctx = RankContext(env, attempt, EventPipe(write_fd, rank))
                     pid = os.fork()
                     if pid == 0:

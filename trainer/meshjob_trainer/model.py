@@ -248,5 +248,6 @@ def full_parameters(shards: list[dict[str, tuple[torch.Tensor, ShardInfo]]]) -> 
 
 
 def local_shards(module: nn.Module) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
-    """This rank's parameters with their ShardInfo, detached copies (for full_parameters)."""
-    return {name: (p.detach().clone(), shard_info(p)) for name, p in module.named_parameters()}
+    """This rank's parameters with their ShardInfo, detached copies in CPU memory (for full_parameters;
+    a CUDA tensor returned to a launcher would initialise CUDA there, and a process that forks ranks must not)."""
+    return {name: (p.detach().to("cpu", copy=True), shard_info(p)) for name, p in module.named_parameters()}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The device check: what this project's CPU machines cannot run, on a lent GPU machine (the workplace's
+# `device` tool runs it from the repository root, with the machine's own python3 and torch). It runs
+# the NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL
+# wherever a GPU is visible) and the transport bench (bench/meshjob_bench/nccl_transport.py); logs
+# and JSON go to $OUT. Every step has its own time limit, so one slow step leaves the others their time.
+set -u
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/trainer:$PWD/bench" PYTHONUNBUFFERED=1
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}  # ranks sharing the GPU talk through NCCL's sockets
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+{ nvidia-smi -L; nproc; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'nccl', torch.cuda.nccl.version(), 'gpus (NVML)', torch.cuda._device_count_nvml())"; } 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trainer -e bench > "$OUT/install.log" 2>&1 \
+  || echo "editable install failed (PYTHONPATH stands in): see install.log"
+timeout "${TESTS_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider -n "${WORKERS:-6}" --timeout 240 \
+  tests/test_nccl.py tests/test_pipeline_equivalence.py tests/test_training_equivalence.py "$@" 2>&1 \
+  | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -40
+timeout "${BENCH_S:-150}" python3 -m meshjob_bench.nccl_transport --out "$OUT" --mib "${MIB:-32}" --repeats 3 \
+  > "$OUT/transport.log" 2>&1
+tail -25 "$OUT/transport.log"

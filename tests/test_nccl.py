@@ -1,0 +1,94 @@
+"""On CUDA: device tensors cross between real processes over NCCL, device to device, in the plan's order.
+
+Needs a GPU, so it is skipped on this project's CI machines; `bench/gpu_check.sh` runs it on a lent GPU
+machine together with the trainer tests (which train on CUDA over NCCL wherever a GPU is visible:
+meshjob_trainer.dist picks the backend), and the README records what it measured. There the ranks
+outnumber the GPUs: each rank becomes an NCCL host of its own (meshjob_trainer.dist.nccl_host_id).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from meshjob.resharding import STRATEGIES
+from meshjob_trainer.dist import init_distributed, shutdown_distributed
+from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.route import make_routes
+from meshjob_trainer.wire import CheckedWire, NcclWire, wire_for
+
+from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses, reference  # noqa: E402
+from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
+
+# device_count() asks NVML: CUDA initialised in this process would break the ranks it forks
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")]
+
+STRATEGY_CASES = ([(c, "broadcast") for c in CASES]
+                  + [(c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")])
+
+
+def reshard_on_cuda(case: Case, strategy: str):
+    boundary = make_boundary(case, strategy)
+
+    def target(env):
+        init_distributed(env, timeout_s=60)
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
+            pairs = set().union(*(r.pairs() for r in routes))
+            wire = CheckedWire(wire_for(device, env.rank, pairs), env.rank)  # fails on any out-of-order issue
+            ex = ReshardExecutor(None, env.rank, routes=routes, device=device, wire=wire)
+            full = global_tensor(case, 7)
+            mine = natural_tile(case, full, env.rank)
+            local = mine.to(device) if env.rank in case.src.ranks else None
+            got = ex.start(boundary.key, 0, local).wait(timeout_s=60)
+            ex.close()
+            nccl = isinstance(wire.inner, NcclWire)
+            if env.rank in case.src.ranks:
+                return env.rank, "sender", nccl, None
+            return env.rank, "receiver", nccl, (got.device.type, torch.equal(got.cpu(), mine))
+        finally:
+            shutdown_distributed()
+
+    return target
+
+
+@pytest.mark.parametrize("case,strategy", STRATEGY_CASES, ids=[f"{c.name} {s}" for c, s in STRATEGY_CASES])
+def test_every_strategy_delivers_the_exact_tile_device_to_device_in_the_planned_order(gang, case: Case, strategy):
+    for rank, role, nccl, outcome in gang(case.world_size, reshard_on_cuda(case, strategy), timeout_s=180):
+        assert nccl, f"rank {rank} did not get the NCCL wire"
+        if role == "receiver":
+            assert outcome == ("cuda", True), f"rank {rank} got {outcome} with {strategy} on {case.name}"
+
+
+def train_on_cuda(env, job):
+    from meshjob_trainer.train import train_rank
+
+    result = train_rank(env, job=job)
+    return result, torch.cuda.is_initialized(), os.environ.get("NCCL_HOSTID")
+
+
+@pytest.mark.parametrize("kind,schedule,delay", [("gpt", "1f1b", 0), ("utransformer", "eager-1f1b", 1)])
+def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay):
+    """Tensor and data parallel stages and cross-mesh resharding, every payload on the GPU; the reference
+    runs on this process's CPU, so losses agree to float32 rounding across devices."""
+    from meshjob.plan import build_plan
+    from meshjob_trainer.model import full_parameters
+
+    job = make_job(kind, schedule, delay)
+    world = build_plan(job).placement.world_size
+    outcomes = gang(world, functools.partial(train_on_cuda, job=job), timeout_s=240)
+    assert all(on_cuda for _result, on_cuda, _host in outcomes), "a rank trained without touching CUDA"
+    if world > torch.cuda.device_count():
+        assert len({host for _result, _cuda, host in outcomes}) == world  # each rank its own NCCL host
+    results = [result for result, _cuda, _host in outcomes]
+    ref = reference(kind)
+    losses = pipeline_losses(results)
+    assert len(losses) == 2
+    for reported in losses:
+        assert reported == pytest.approx(ref.losses, abs=1e-4)
+    weights = full_parameters([r.params for r in results])
+    for name, expected in ref.weights.items():
+        torch.testing.assert_close(weights[name].cpu(), expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
