@@ -33,7 +33,7 @@ def reshard_on_cuda(case: Case, strategy: str):
     boundary = make_boundary(case, strategy)
 
     def target(env):
-        init_distributed(env, timeout_s=60)
+        init_distributed(env, timeout_s=180)
         try:
             device = torch.device("cuda", torch.cuda.current_device())
             routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
@@ -43,7 +43,7 @@ def reshard_on_cuda(case: Case, strategy: str):
             full = global_tensor(case, 7)
             mine = natural_tile(case, full, env.rank)
             local = mine.to(device) if env.rank in case.src.ranks else None
-            got = ex.start(boundary.key, 0, local).wait(timeout_s=60)
+            got = ex.start(boundary.key, 0, local).wait(timeout_s=150)
             ex.close()
             nccl = isinstance(wire.inner, NcclWire)
             if env.rank in case.src.ranks:
@@ -66,7 +66,7 @@ def test_every_strategy_delivers_the_exact_tile_device_to_device_in_the_planned_
 def train_on_cuda(env, job):
     from meshjob_trainer.train import train_rank
 
-    result = train_rank(env, job=job)
+    result = train_rank(env, job=job, timeout_s=180)
     return result, torch.cuda.is_initialized(), os.environ.get("NCCL_HOSTID")
 
 

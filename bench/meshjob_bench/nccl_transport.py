@@ -18,6 +18,7 @@ from typing import Any
 
 from meshjob.boundary import BoundaryKey
 from meshjob.mesh import Mesh
+from meshjob.network import NetworkModel
 from meshjob.plan import plan_boundary
 from meshjob.sharding import ShardingSpec, tile, to_index
 from meshjob.spec import ReshardingSpec
@@ -25,7 +26,10 @@ from meshjob.spec import ReshardingSpec
 SRC, DST = Mesh.grid((2, 4), 0, 0), Mesh.grid((2, 4), 8, 2)
 CASES = [("S0R -> RR", "S0R", "RR"), ("RS1 -> S1R", "RS1", "S1R"), ("S01R -> RS01", "S01R", "RS01")]
 STRATEGY_NAMES = ("send_recv", "local_allgather", "global_allgather", "broadcast")
-NIC_BYTES_PER_S = 25e9 / 8  # the planners' NIC rate (200 Gbit/s links, as between GPU hosts)
+NIC_BYTES_PER_S = 25e9 / 8  # the planners' and the engine's NIC rate: 25 Gbit/s, above what loopback sockets
+# carry here, so the engine's pacing (it holds a large send until the link's last one is nearly done at
+# this rate) does not bind and the times are the transports'
+NETWORK = NetworkModel(nic_bytes_per_s=NIC_BYTES_PER_S, intra_host_bytes_per_s=4 * NIC_BYTES_PER_S)
 
 
 def host_of(rank: int) -> int:
@@ -64,7 +68,7 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
         for device in (torch.device("cuda", torch.cuda.current_device()) if t == "nccl" else torch.device("cpu")
                        for t in transports):
             routes = [r for name, send, recv in CASES for r in make_routes(
-                [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv})]
+                [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
             ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None)
             for name, strategy, b in planned:
                 mine = None
