@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from meshjob.resharding import STRATEGIES
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
@@ -35,6 +36,7 @@ def reshard_on_cuda(case: Case, strategy: str):
     def target(env):
         init_distributed(env, timeout_s=180)
         try:
+            cpu_group = dist.new_group(backend="gloo")
             device = torch.device("cuda", torch.cuda.current_device())
             routes = make_routes([boundary], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
             pairs = set().union(*(r.pairs() for r in routes))
@@ -45,6 +47,9 @@ def reshard_on_cuda(case: Case, strategy: str):
             local = mine.to(device) if env.rank in case.src.ranks else None
             got = ex.start(boundary.key, 0, local).wait(timeout_s=150)
             ex.close()
+            # rank 0 hosts the job's store, and ranks still connecting their NCCL pairs (a chain's far end)
+            # and the order check use it: nobody leaves before everyone is done
+            dist.barrier(group=cpu_group)
             nccl = isinstance(wire.inner, NcclWire)
             if env.rank in case.src.ranks:
                 return env.rank, "sender", nccl, None
