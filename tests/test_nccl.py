@@ -20,12 +20,16 @@ from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import make_routes
 from meshjob_trainer.wire import CheckedWire, NcclWire, wire_for
 
-from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses, reference  # noqa: E402
+from meshjob_trainer.reference import reference_for_job
+from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses  # noqa: E402
 from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
 
 # device_count() asks NVML: CUDA initialised in this process would break the ranks it forks
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")]
 
+# Few steps: the first GPU run's two training tests, with 10 steps, did not finish within 150 s (cause not
+# established; a guess: 7 ranks' CUDA contexts take turns on the one GPU, each NCCL operation waits for its peer's)
+GPU_STEPS = 3
 STRATEGY_CASES = ([(c, "broadcast") for c in CASES]
                   + [(c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")])
 
@@ -82,14 +86,14 @@ def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_refere
     from meshjob.plan import build_plan
     from meshjob_trainer.model import full_parameters
 
-    job = make_job(kind, schedule, delay)
+    job = make_job(kind, schedule, delay, steps=GPU_STEPS)
     world = build_plan(job).placement.world_size
     outcomes = gang(world, functools.partial(train_on_cuda, job=job), timeout_s=240)
     assert all(on_cuda for _result, on_cuda, _host in outcomes), "a rank trained without touching CUDA"
     if world > torch.cuda.device_count():
         assert len({host for _result, _cuda, host in outcomes}) == world  # each rank its own NCCL host
     results = [result for result, _cuda, _host in outcomes]
-    ref = reference(kind)
+    ref = reference_for_job(make_job(kind, "gpipe", 0, steps=GPU_STEPS))
     losses = pipeline_losses(results)
     assert len(losses) == 2
     for reported in losses:

@@ -113,6 +113,20 @@ def summarise(per_rank: list[dict[str, Any]], shape: tuple[int, int], chunks: in
             "rows": rows}
 
 
+def machine(transports: list[str]) -> dict[str, Any]:
+    """What ran: torch, and with NCCL the GPU, their number and NCCL's version (asked only after the gang
+    ran: CUDA initialised in the launcher would break the ranks it forks)."""
+    import os
+
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    if "nccl" in transports:
+        out.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     result = launch(world, lambda ctx: measure(ctx.env, shape, args.chunks, args.repeats, transports), timeout_s=900,
                     threads_per_rank=None)
     summary = summarise(result.raise_on_failure().values, shape, args.chunks, args.repeats)
+    summary["machine"] = machine(transports)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "nccl_transport.json").write_text(json.dumps(summary, indent=2))

@@ -19,7 +19,7 @@ keeps the engine's device work apart from the compute stream. Three of them:
   `accept`). NCCL creates a communicator on its first message, blocking until the peer does too;
   issued from one engine thread in whatever order transfers come, two ranks could wait on each
   other's first messages, so `connect` initialises every pair at setup, in one global order.
-  Not run on this project's machines (no GPU): see the README.
+  Run on one lent GPU (bench/gpu_check.sh; ranks sharing it each an NCCL host of their own): see the README.
 - CheckedWire (tests): wraps a wire and fails on any message issued out of order, as NCCL would
   pair them wrongly: the k-th message a sender issues to a receiver must be the k-th that receiver
   posts from that sender. Both sides record what they issue in the job's key-value store; the
