@@ -296,6 +296,27 @@ def test_a_gang_past_its_timeout_is_killed():
     assert all("timed out after 0.5 s" in r.error for r in result.ranks)
 
 
+def waiting_for_a_peer_that_never_comes(ctx):
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_a_gang_that_times_out_reports_where_each_ranks_threads_were():
+    result = launch(2, waiting_for_a_peer_that_never_comes, timeout_s=1, kill_grace_s=0.5)
+    assert result.timed_out
+    for r in result.ranks:
+        assert "timed out after 1 s; its threads were at" in r.error
+        assert "in waiting_for_a_peer_that_never_comes" in r.error
+
+
+def test_a_rank_that_fails_reports_its_traceback_without_stacks():
+    def broken(ctx):
+        raise ValueError("bad input")
+
+    result = launch(1, broken, timeout_s=20)
+    assert "ValueError: bad input" in result.ranks[0].error and "threads were at" not in result.ranks[0].error
+
+
 # -- meshjob worker ----------------------------------------------------------------------------
 
 def worker_cli(monkeypatch, *argv: str, **env: str) -> int:

@@ -15,6 +15,8 @@ the tests.
 - Each rank gets its WorkerEnv as a value and an event sink (`RankContext.events`) whose events
   arrive in the launcher as `on_event(rank, event)`; what the target returns comes back in
   `LaunchResult.values`, a traceback in `RankResult.error`.
+- A gang that times out says where it hung: before killing them the launcher has every rank write its
+  threads' Python stacks (faulthandler on SIGUSR1), and each rank's error carries them.
 - `launch_with_restarts` starts a new gang after a failure (the target resumes from its checkpoint).
 - The parent's objects are frozen for the fork (gc.freeze, as Python's documentation advises for fork
   without exec): a rank's cyclic collections then skip the ~180,000 objects it inherits (torch, the plan)
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import os
 import pickle
@@ -46,6 +49,8 @@ from meshjob_trainer.dist import WorkerEnv
 from meshjob_trainer.heap import keep_freed_memory
 
 PR_SET_PDEATHSIG = 1
+DUMP_STACKS = signal.SIGUSR1  # a rank writes its threads' stacks (the launcher asks before a timeout's kill)
+STACKS_WAIT_S = 0.5
 _FRAME = struct.Struct("!I")  # length prefix of one pickled (rank, event) in the event pipe
 
 
@@ -197,6 +202,8 @@ def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec:
     """Runs in the forked child; never returns."""
     code = 1
     outcome: tuple[str, Any] = ("error", "child ended before reporting")
+    stacks = open(_stacks_path(result_path), "w")  # open for the child's life: faulthandler writes to its fd
+    faulthandler.register(DUMP_STACKS, file=stacks, all_threads=True)
     try:
         _die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (e.g. the cluster's cleanup)
@@ -223,6 +230,10 @@ def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _stacks_path(result_path: str) -> str:
+    return result_path.removesuffix(".pkl") + ".stacks"
 
 
 def _write_outcome(path: str, outcome: tuple[str, Any]) -> None:
@@ -280,6 +291,13 @@ class _Gang:
                 if result.exit_code != 0 and self.first_failure is None:
                     self.first_failure = result
 
+    def dump_stacks(self) -> None:
+        """Every live rank writes its threads' stacks (read back with its outcome)."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, DUMP_STACKS)
+        time.sleep(STACKS_WAIT_S)
+
     def stop(self, reason: str) -> None:
         for pid, status in _kill(list(self.pids), self.kill_grace_s).items():
             result = self.results[self.pids.pop(pid)]
@@ -293,6 +311,7 @@ class _Gang:
             self.reap()
             if self.pids and deadline is not None and time.monotonic() > deadline:
                 self.timed_out = True
+                self.dump_stacks()
                 self.stop(f"timed out after {self.timeout_s:g} s")
             elif self.pids and self.first_failure is not None:
                 self.stop("killed: another rank failed")
@@ -301,9 +320,15 @@ class _Gang:
             self.events.drain(0.05)
 
 
-def _load_outcomes(results: dict[int, RankResult], folder: str) -> None:
+def _load_outcomes(results: dict[int, RankResult], folder: str, timed_out: bool = False) -> None:
     for rank, res in results.items():
         path = os.path.join(folder, f"{rank}.pkl")
+        stacks = _stacks_path(path)
+        if timed_out and res.exit_code != 0 and os.path.exists(stacks):
+            with open(stacks) as f:
+                where = f.read().strip()
+            if where:
+                res.error += f"; its threads were at (most recent call first):\n{where}"
         if os.path.exists(path):
             with open(path, "rb") as f:
                 kind, payload = pickle.load(f)
@@ -368,7 +393,7 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
             for fd in (read_fd, write_fd):
                 if fd >= 0:
                     os.close(fd)
-        _load_outcomes(gang.results, tmp)
+        _load_outcomes(gang.results, tmp, gang.timed_out)
     return LaunchResult(ranks=[gang.results[r] for r in ranks], timed_out=gang.timed_out, attempt=attempt,
                         first_failure=gang.first_failure, seconds=time.monotonic() - started)
 
