@@ -15,7 +15,7 @@ def test_the_gloo_half_of_the_transport_bench_delivers_exactly_and_reports_every
     result = json.loads((tmp_path / "nccl_transport.json").read_text())
     assert result["exact"] and result["machine"]["torch"] and "gpu" not in result["machine"]
     rows = result["rows"]
-    assert {(r["case"], r["strategy"]) for r in rows} == {(c[0], s) for c in nccl_transport.CASES
+    assert {(r["case"], r["strategy"]) for r in rows} == {(c, s) for c in nccl_transport.CASES
                                                           for s in nccl_transport.STRATEGY_NAMES}
     for r in rows:
         assert r["transport"] == "gloo" and r["nccl_over_gloo"] is None and len(r["runs_s"]) == 1

@@ -24,7 +24,7 @@ from meshjob.sharding import ShardingSpec, tile, to_index
 from meshjob.spec import ReshardingSpec
 
 SRC, DST = Mesh.grid((2, 4), 0, 0), Mesh.grid((2, 4), 8, 2)
-CASES = [("S0R -> RR", "S0R", "RR"), ("RS1 -> S1R", "RS1", "S1R"), ("S01R -> RS01", "S01R", "RS01")]
+CASES = {"S0R -> RR": ("S0R", "RR"), "RS1 -> S1R": ("RS1", "S1R"), "S01R -> RS01": ("S01R", "RS01")}  # (send, recv)
 STRATEGY_NAMES = ("send_recv", "local_allgather", "global_allgather", "broadcast")
 NIC_BYTES_PER_S = 25e9 / 8  # the planners' and the engine's NIC rate: 25 Gbit/s, above what loopback sockets
 # carry here, so the engine's pacing (it holds a large send until the link's last one is nearly done at
@@ -38,7 +38,7 @@ def host_of(rank: int) -> int:
 
 def boundaries(shape: tuple[int, int], chunks: int) -> list[Any]:
     out = []
-    for i, (name, send, recv) in enumerate(CASES):
+    for i, (name, (send, recv)) in enumerate(CASES.items()):
         for strategy in STRATEGY_NAMES:
             key = BoundaryKey(0, 1, f"{i}:{strategy}")
             out.append((name, strategy, plan_boundary(
@@ -67,14 +67,13 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
         exact = True
         for device in (torch.device("cuda", torch.cuda.current_device()) if t == "nccl" else torch.device("cpu")
                        for t in transports):
-            routes = [r for name, send, recv in CASES for r in make_routes(
+            routes = [r for name, (send, recv) in CASES.items() for r in make_routes(
                 [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
             ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None)
             for name, strategy, b in planned:
                 mine = None
                 if env.rank in SRC.ranks:
-                    spec = ShardingSpec.parse(dict((c[0], c[1]) for c in CASES)[name])
-                    region = tile(spec, SRC.shape, shape, SRC.index_of(env.rank))
+                    region = tile(ShardingSpec.parse(CASES[name][0]), SRC.shape, shape, SRC.index_of(env.rank))
                     mine = full[to_index(region)].clone().to(device)
                 for rep in range(repeats + 1):  # the first run connects and warms up, untimed
                     dist.barrier(group=cpu_group)
@@ -85,10 +84,11 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
                     if rep:
                         times.setdefault(f"{name}|{strategy}|{device.type}", []).append(time.perf_counter() - start)
                 if env.rank in DST.ranks:
-                    spec = ShardingSpec.parse(dict((c[0], c[2]) for c in CASES)[name])
-                    want = full[to_index(tile(spec, DST.shape, shape, DST.index_of(env.rank)))]
+                    region = tile(ShardingSpec.parse(CASES[name][1]), DST.shape, shape, DST.index_of(env.rank))
+                    want = full[to_index(region)]
                     exact = exact and torch.equal(got.cpu(), want)
             ex.close()
+        dist.barrier(group=cpu_group)  # rank 0 hosts the store: it leaves last
         return {"times": times, "exact": exact}
     finally:
         shutdown_distributed()
