@@ -4,6 +4,8 @@
 # the NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL
 # wherever a GPU is visible) and the transport bench (bench/meshjob_bench/nccl_transport.py); logs
 # and JSON go to $OUT. Every step has its own time limit, so one slow step leaves the others their time.
+# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with BENCH_S=0 and
+# TESTS="tests/test_nccl.py -k trains" only those run (a gang that hangs reports each rank's stacks).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -17,7 +19,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trai
 # SIGINT at the limit: pytest still reports what failed so far. Few workers: every NCCL communicator
 # has its own proxy thread, and a gang of 8 ranks opens dozens.
 TESTS=${TESTS:-"tests/test_nccl.py tests/test_pipeline_equivalence.py tests/test_training_equivalence.py"}
-timeout -s INT -k 20 "${TESTS_S:-300}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-2}" \
+timeout -s INT -k 20 "${TESTS_S:-360}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-2}" \
   --timeout 200 --tb short $TESTS "$@" > "$OUT/tests.log" 2>&1
 grep -v -e "^\s*$" -e Benchmark "$OUT/tests.log" | tail -60
 if [ "${BENCH_S:-150}" != 0 ]; then
