@@ -9,7 +9,8 @@ import time
 import pytest
 
 from meshjob_trainer.dist import (DistError, NodeEnv, WorkerEnv, WorkerSettings, backend_for_device, check_world_size,
-                                  device_for_backend, init_distributed, nccl_host_id, shutdown_distributed, uses_cuda)
+                                  describe_transport, device_for_backend, init_distributed, nccl_host_id,
+                                  shutdown_distributed, uses_cuda)
 from meshjob_trainer.launch import RankContext, launch
 
 
@@ -37,6 +38,14 @@ def test_ranks_that_outnumber_their_hosts_gpus_each_become_an_nccl_host_of_their
     assert nccl_host_id(crowded, gpus=1, hostname="node-a") == "node-a-rank5"
     assert nccl_host_id(dataclasses.replace(crowded, rank=6), gpus=1, hostname="node-a") == "node-a-rank6"
     assert nccl_host_id(crowded, gpus=4, hostname="node-a") is None  # a GPU per rank: NVLink and shared memory stay
+
+
+def test_a_hosts_log_says_what_carries_its_tensors():
+    env = WorkerEnv(rank=0, world_size=8, local_world_size=4)
+    assert describe_transport(env, "gloo", 0) == "meshjob: 4 rank(s) here, CPU tensors over gloo"
+    assert describe_transport(env, "cpu:gloo,cuda:nccl", 4) == "meshjob: 4 rank(s) here on 4 GPU(s), CUDA tensors over NCCL"
+    shared = describe_transport(env, "cpu:gloo,cuda:nccl", 1)
+    assert "1 GPU(s)" in shared and "each is an NCCL host of its own" in shared
 
 
 def test_worker_env_reads_kubeflow_pet_variables():

@@ -249,6 +249,16 @@ def nccl_host_id(env: WorkerEnv, gpus: int, hostname: str) -> str | None:
     return f"{hostname}-rank{env.rank}"
 
 
+def describe_transport(env: WorkerEnv, backend: str, gpus: int) -> str:
+    """One line for the log of the machine (a pod, or `meshjob run`'s one machine): what carries its ranks' tensors."""
+    if not uses_cuda(backend):
+        return f"meshjob: {env.local_world_size} rank(s) here, CPU tensors over gloo"
+    line = f"meshjob: {env.local_world_size} rank(s) here on {gpus} GPU(s), CUDA tensors over NCCL"
+    if nccl_host_id(env, gpus, "") is not None:
+        line += "; ranks share GPUs, so each is an NCCL host of its own (NCCL's network transport between them)"
+    return line
+
+
 def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
                      expected_world_size: int | None = None) -> str:
     """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""

@@ -15,7 +15,7 @@ from typing import Callable
 from meshjob_trainer.events import Evaluated, Event, StepFinished
 
 
-def _print(line: str) -> None:
+def print_line(line: str) -> None:
     # A pod's log is its stdout, shared by the host's ranks: one write per line (print writes the text and
     # the newline apart, and another rank's line could land between them); flush: a line per step, now.
     sys.stdout.write(line + "\n")
@@ -25,7 +25,7 @@ def _print(line: str) -> None:
 @dataclass
 class StepLog:
     total_steps: int
-    write: Callable[[str], None] = field(default=_print)
+    write: Callable[[str], None] = field(default=print_line)
 
     def emit(self, event: Event) -> None:
         if isinstance(event, StepFinished):

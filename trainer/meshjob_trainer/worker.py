@@ -16,9 +16,11 @@ from typing import Any, Callable, Sequence
 
 from meshjob.api import MASTER_PORT
 from meshjob_trainer.dist import (DEFAULT_TIMEOUT_S, DistError, NodeEnv, WorkerContext, WorkerEnv, WorkerSettings,
-                                  check_world_size, device_for_backend, init_distributed, shutdown_distributed)
+                                  check_world_size, describe_transport, device_for_backend, init_distributed,
+                                  shutdown_distributed, uses_cuda)
 from meshjob_trainer.events import Fanout, MetricsSink
 from meshjob_trainer.heap import keep_freed_memory
+from meshjob_trainer.steplog import print_line
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
     backend = init_distributed(env, timeout_s)
     metrics = None
     try:
+        if env.local_rank == 0:
+            print_line(describe_transport(env, backend, _gpus(backend)))
         agree_on_plan(setup.plan, env.rank)
         metrics = serve_metrics(env, settings, setup)
         placement = setup.plan.placement
@@ -172,6 +176,14 @@ def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeou
         if metrics is not None:
             metrics.close()
         shutdown_distributed()
+
+
+def _gpus(backend: str) -> int:
+    if not uses_cuda(backend):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def host_ranks(plan: Any, node_rank: int) -> tuple[int, ...]:
