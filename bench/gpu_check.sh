@@ -12,7 +12,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/trainer:$PWD/bench" PYTHONUNBUFFERED=1
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}  # ranks sharing the GPU talk through NCCL's sockets
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-{ nvidia-smi -L; nproc; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+# also what a later run could use: ip and tc (the emulated NICs of `bench resharding`), CUDA MPS (ranks'
+# kernels side by side on the one GPU instead of taking turns)
+{ nvidia-smi -L; nproc; for tool in ip tc nvidia-cuda-mps-control; do command -v $tool || echo "no $tool"; done; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'nccl', torch.cuda.nccl.version(), 'gpus (NVML)', torch.cuda._device_count_nvml())"; } 2>&1 | tee "$OUT/env.txt"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trainer -e bench > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH stands in): see install.log"
