@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = (args.mib * 2**20 // 4 // cols, cols)
     world = SRC.size + DST.size
     transports = args.transports.split(",")
-    result = launch(world, lambda ctx: measure(ctx.env, shape, args.chunks, args.repeats, transports), timeout_s=900,
-                    threads_per_rank=None)
+    # one torch thread per rank (the launcher's default): a forked rank that inherits the parent's thread pool
+    # hangs in its first parallel op (seen in CI, where pytest's process had run torch before)
+    result = launch(world, lambda ctx: measure(ctx.env, shape, args.chunks, args.repeats, transports), timeout_s=900)
     summary = summarise(result.raise_on_failure().values, shape, args.chunks, args.repeats)
     summary["machine"] = machine(transports)
     out = Path(args.out)

@@ -198,7 +198,7 @@ class LaunchResult:
 
 
 def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec: Callable[[int], None] | None,
-               result_path: str, threads: int | None) -> None:
+               result_path: str, threads: int) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     outcome: tuple[str, Any] = ("error", "child ended before reporting")
@@ -209,8 +209,10 @@ def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (e.g. the cluster's cleanup)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops the gang
         keep_freed_memory()  # a rank's next step reuses its tensors' pages (meshjob_trainer.heap)
-        if threads is not None and "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)  # ranks share the cores; more threads only contend
+        if "torch" in sys.modules:
+            # ranks share the cores, so more threads only contend; and a rank must not use the thread pool it
+            # inherits from a parent that ran torch before forking: its first parallel op would hang (seen)
+            sys.modules["torch"].set_num_threads(threads)
         if pre_exec is not None:
             pre_exec(ctx.rank)
         value = target(ctx)
@@ -355,7 +357,7 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
            master_addr: str = "127.0.0.1", master_port: int | None = None, node_rank: int = 0, attempt: int = 0,
            pre_exec: Callable[[int], None] | None = None, on_event: Callable[[int, Any], None] | None = None,
            timeout_s: float | None = None, kill_grace_s: float = 2.0,
-           threads_per_rank: int | None = 1) -> LaunchResult:
+           threads_per_rank: int = 1) -> LaunchResult:
     """Fork one process per rank in `ranks` (default: all of range(world_size)), each running
     target(RankContext) with its WorkerEnv (master_port None: a free port here); wait for all.
 
