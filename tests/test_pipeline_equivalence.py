@@ -276,3 +276,25 @@ def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage()
     with pytest.raises(ValueError, match=r"spec.edges: stage 3 receives \['activation', 'skip0'\].*"
                                          r"need inputs \['activation', 'skip0', 'skip1'\]"):
         check_edges(module, 3, edges)
+
+
+def test_a_given_sync_brackets_every_compute_action_and_nothing_else():
+    """Profiling on a GPU syncs before and after each F/I/W, so the clock reads the device's time."""
+    from meshjob.schedule import Action
+    from meshjob_trainer.pipeline import PipelineExecutor
+
+    calls = []
+    module = StageModule(ModelSpec("utransformer", 8, 16, 2, 32, 8), 2, 4, seed=0)
+    actions = "RECV_F0@0 F0 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 W0"
+    transport = RecordingTransport((2, 8, 16))
+    executor = PipelineExecutor(1, module, [Action.parse(a) for a in actions.split()], transport, 1.0,
+                                sync=lambda: calls.append("sync"))
+    executor.run_step(lambda mb: None)
+    assert calls == ["sync"] * 6  # F0, I0, W0: one before and one after each
+
+
+def test_only_a_cuda_device_profiles_with_a_sync():
+    from meshjob_trainer.calibrate import device_sync
+
+    assert device_sync(torch.device("cpu")) is None
+    assert callable(device_sync(torch.device("cuda", 0)))  # not called: no GPU here

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,7 +104,8 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     n = microbatches + 1
     actions = stage_actions("gpipe", stage, len(job.stages), n, edges, True, 0)
     local = natural_shape(plan, stage, rank)
-    executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0)
+    executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0,
+                                sync=device_sync(device))
     gen = torch.Generator().manual_seed(job.training.seed)
     tokens = torch.randint(job.model.vocab, local[:2], generator=gen).to(device)
     _, stats = executor.run_step(lambda mb: Batch(tokens, tokens))
@@ -114,6 +115,14 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
             seconds[action[0]].append(end - start)
     module.zero_grad(set_to_none=True)
     return StageCost(*(statistics.median(seconds[k]) for k in ("F", "I", "W")))
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """What makes a timed action's end its device's: CUDA's synchronize (its kernels run after their launch
+    returns), nothing on the CPU."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)
 
 
 def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:

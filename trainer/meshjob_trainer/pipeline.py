@@ -96,8 +96,11 @@ class PipelineExecutor:
 
     def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
                  loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None,
-                 compute: StageCompute | None = None):
+                 compute: StageCompute | None = None, sync: Callable[[], None] | None = None):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
+        # called before and after each compute action when given: a GPU's work is asynchronous, and the
+        # clock around a launch measures the launch (profiling syncs; training does not, to keep overlap)
+        self.sync = sync
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
         self.recv_depth = dict(recv_depth or {})  # receives posted ahead per boundary; absent: all of them
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -174,8 +177,12 @@ class _StepRun:
     def do(self, action: Action) -> None:
         kind = action.kind
         if kind in ("F", "B", "I", "W"):
+            if self.ex.sync is not None:
+                self.ex.sync()
             start, waited = time.perf_counter(), self.stats.wait_s
             getattr(self, f"_{kind}")(action)
+            if self.ex.sync is not None:
+                self.ex.sync()
             end = time.perf_counter()
             # an action first takes its inputs (waits, recorded as such), then computes
             start += self.stats.wait_s - waited
