@@ -35,15 +35,34 @@ def test_the_launcher_tells_each_rank_how_many_ranks_share_its_host():
 def test_ranks_that_outnumber_their_hosts_gpus_each_become_an_nccl_host_of_their_own():
     """NCCL refuses two ranks of one communicator on one GPU of one host; such ranks take its network transport."""
     crowded = WorkerEnv(rank=5, world_size=8, local_rank=1, local_world_size=4)
-    assert nccl_host_id(crowded, gpus=1, hostname="node-a") == "node-a-rank5"
-    assert nccl_host_id(dataclasses.replace(crowded, rank=6), gpus=1, hostname="node-a") == "node-a-rank6"
-    assert nccl_host_id(crowded, gpus=4, hostname="node-a") is None  # a GPU per rank: NVLink and shared memory stay
+    assert nccl_host_id(crowded, gpus=1, host="node-a") == "node-a-rank5"
+    assert nccl_host_id(dataclasses.replace(crowded, rank=6), gpus=1, host="node-a") == "node-a-rank6"
+    assert nccl_host_id(crowded, gpus=4, host="node-a") is None  # a GPU per rank: NVLink and shared memory stay
+
+
+def test_ranks_of_different_emulated_hosts_are_different_nccl_hosts_on_their_hosts_nic(monkeypatch):
+    """So NCCL between emulated hosts crosses their emulated NICs, not NVLink or shared memory."""
+    import socket
+
+    from meshjob_trainer.emulate.netns import EmulatedHost
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_HOSTID"):
+        monkeypatch.setenv(name, "before")  # restored after the test
+    ids = []
+    for index in (0, 1):
+        EmulatedHost(index, None, "127.0.0.1", "lo").enter()
+        assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+        ids.append(os.environ["NCCL_HOSTID"])
+    assert ids == [f"{socket.gethostname()}-emulated-host0", f"{socket.gethostname()}-emulated-host1"]
+    crowded = WorkerEnv(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    assert nccl_host_id(crowded, gpus=1, host=ids[1]) == f"{ids[1]}-rank3"  # sharing a GPU: a host of its own
 
 
 def test_a_hosts_log_says_what_carries_its_tensors():
     env = WorkerEnv(rank=0, world_size=8, local_world_size=4)
     assert describe_transport(env, "gloo", 0) == "meshjob: 4 rank(s) here, CPU tensors over gloo"
-    assert describe_transport(env, "cpu:gloo,cuda:nccl", 4) == "meshjob: 4 rank(s) here on 4 GPU(s), CUDA tensors over NCCL"
+    nccl = describe_transport(env, "cpu:gloo,cuda:nccl", 4)
+    assert nccl == "meshjob: 4 rank(s) here on 4 GPU(s), CUDA tensors over NCCL"
     shared = describe_transport(env, "cpu:gloo,cuda:nccl", 1)
     assert "1 GPU(s)" in shared and "each is an NCCL host of its own" in shared
 

@@ -236,17 +236,18 @@ def device_for_backend(backend: str) -> str:
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def nccl_host_id(env: WorkerEnv, gpus: int, hostname: str) -> str | None:
-    """The NCCL host id of a rank that shares its GPU with another rank of its host, else None.
+def nccl_host_id(env: WorkerEnv, gpus: int, host: str) -> str | None:
+    """The NCCL host id of a rank that shares its GPU with another rank of its machine, else None. `host`:
+    the host's own id (NCCL_HOSTID where set, e.g. an emulated host's, else the machine's name).
 
     NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU detected"). Where
-    a host runs more ranks than it has GPUs (an emulated cluster on one GPU, as `meshjob run` and the
-    tests make), each rank becomes an NCCL host of its own (NCCL_HOSTID), so its messages take NCCL's
-    network transport, as between ranks on separate hosts. A host with a GPU per rank keeps NCCL's
-    own id, and with it NVLink and shared memory between its GPUs."""
+    a machine runs more ranks than it has GPUs (an emulated cluster on one GPU, as `meshjob run` and the
+    tests make), each rank becomes an NCCL host of its own, so its messages take NCCL's network
+    transport, as between ranks on separate hosts. A machine with a GPU per rank keeps the host's id,
+    and with it NVLink and shared memory between the GPUs of a host."""
     if env.local_world_size <= gpus:
         return None
-    return f"{hostname}-rank{env.rank}"
+    return f"{host}-rank{env.rank}"
 
 
 def describe_transport(env: WorkerEnv, backend: str, gpus: int) -> str:
@@ -271,9 +272,9 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
     store = _rendezvous(env, timeout_s)
     if uses_cuda(backend):
         gpus = torch.cuda.device_count()
-        host_id = nccl_host_id(env, gpus, socket.gethostname())
+        host_id = nccl_host_id(env, gpus, os.environ.get("NCCL_HOSTID") or socket.gethostname())
         if host_id is not None:
-            os.environ.setdefault("NCCL_HOSTID", host_id)
+            os.environ["NCCL_HOSTID"] = host_id  # read once, at this process's first communicator
         torch.cuda.set_device(env.local_rank % gpus)
     dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import warnings
@@ -114,12 +115,16 @@ class EmulatedHost:
     ifname: str  # GLOO_SOCKET_IFNAME for ranks on this host
 
     def enter(self) -> None:
-        """Join this host's namespace (in a forked child, before any socket) and bind gloo to the
-        host's NIC. gloo reads its interface from the environment only (GLOO_SOCKET_IFNAME), so this
-        is the one variable a rank sets: for gloo, never for meshjob."""
+        """Join this host's namespace (in a forked child, before any socket) and bind gloo and NCCL to the
+        host's NIC. Both read their settings from the environment only, so these are the variables a rank
+        sets: for them, never for meshjob. NCCL also learns which ranks share a host from NCCL_HOSTID (else
+        from the machine's name): ranks of different emulated hosts then talk through their NICs, not
+        through NVLink or shared memory (meshjob_trainer.dist.nccl_host_id adds a rank's own suffix where
+        ranks share a GPU)."""
         if self.netns is not None:
             setns(self.netns)
-        os.environ["GLOO_SOCKET_IFNAME"] = self.ifname
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.ifname
+        os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-emulated-host{self.index}"
 
 
 class EmulatedCluster:
