@@ -112,7 +112,7 @@ class EmulatedHost:
     index: int
     netns: str | None  # None in the loopback fallback
     address: str  # where ranks on this host listen
-    ifname: str  # GLOO_SOCKET_IFNAME for ranks on this host
+    ifname: str  # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for ranks on this host
 
     def enter(self) -> None:
         """Join this host's namespace (in a forked child, before any socket) and bind gloo and NCCL to the
