@@ -2,7 +2,8 @@
 # The device check: what this project's CPU machines cannot run, on a lent GPU machine (the workplace's
 # `device` tool runs it from the repository root, with the machine's own python3 and torch). It runs
 # the NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL
-# wherever a GPU is visible) and the transport bench (bench/meshjob_bench/nccl_transport.py); logs
+# wherever a GPU is visible), `meshjob bench resharding --quick --transport nccl` and the transport bench
+# (bench/meshjob_bench/nccl_transport.py); logs
 # and JSON go to $OUT. Every step has its own time limit, so one slow step leaves the others their time.
 # Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with BENCH_S=0 and
 # TESTS="tests/test_nccl.py -k trains" only those run (a gang that hangs reports each rank's stacks).
@@ -24,6 +25,11 @@ TESTS=${TESTS:-"tests/test_nccl.py tests/test_pipeline_equivalence.py tests/test
 timeout -s INT -k 20 "${TESTS_S:-360}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-2}" \
   --timeout 200 --tb short $TESTS "$@" > "$OUT/tests.log" 2>&1
 grep -v -e "^\s*$" -e Benchmark "$OUT/tests.log" | tail -60
+if [ "${RESHARD_S:-150}" != 0 ]; then  # the resharding bench's quick run with its tiles on the GPU, over NCCL
+  timeout "${RESHARD_S:-150}" python3 -m meshjob.cli bench resharding --quick --transport nccl \
+    --out "$OUT/resharding" > "$OUT/resharding.log" 2>&1
+  tail -15 "$OUT/resharding.log"
+fi
 if [ "${BENCH_S:-150}" != 0 ]; then
   timeout "${BENCH_S:-150}" python3 -m meshjob_bench.nccl_transport --out "$OUT" --mib "${MIB:-32}" --repeats 3 \
     > "$OUT/transport.log" 2>&1

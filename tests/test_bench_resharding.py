@@ -328,6 +328,14 @@ def test_a_case_runs_its_variants_in_a_planned_order_interleaved_one_microbatch_
     assert len(set(keys)) == len(keys)  # every variant its own transfer
 
 
+def test_nccl_without_a_gpu_is_refused_naming_the_option():
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
+                           "--transport", "nccl", "--out", "/nonexistent"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2
+    assert "--transport: 'nccl' is invalid: gloo here: nccl needs a CUDA GPU, and torch sees none" in proc.stderr
+
+
 def test_case_text_that_names_no_case_is_refused_with_the_option_and_value():
     import argparse
 

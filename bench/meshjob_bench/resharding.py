@@ -42,6 +42,7 @@ from meshjob_trainer.launch import RankContext, launch
 from meshjob.network import NetworkModel
 from meshjob.units import parse_rate
 
+TRANSPORTS = ("gloo", "nccl")
 QUICK_PROBE_ROUNDS = 2  # --quick: enough for a spread between rounds; a full run takes PROBE_ROUNDS (5)
 
 
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan with per-message link time and CPU on the shared cores measured first through "
                              "the engine (default), or with the network model's defaults (raw gloo, CPU not "
                              "modelled)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="gloo",
+                        help="gloo: CPU tensors (default); nccl: CUDA tensors device to device (needs a GPU; ranks "
+                             "that share one each become an NCCL host of their own)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
                         help="run only this section (repeatable; default all)")
     parser.add_argument("--case", action="append", default=None,
@@ -66,15 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable; default all)")
 
 
-def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float,
-                   rounds: int = engine_costs.PROBE_ROUNDS) -> engine_costs.EngineCosts | None:
+def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float, rounds: int = engine_costs.PROBE_ROUNDS,
+                   transport: str = "gloo") -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs) in
     `rounds` rounds; None if the probe failed. One attempt: `main` runs it under
     probe_guard.guarded_probe (retried when disturbed)."""
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), rounds)
     network = engine_costs.unpacked(bench_network(nic_bytes_per_s))
-    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network),
+    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network,
+                                                              transport),
                     **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
         return None
@@ -87,7 +92,7 @@ def _expected(shape: tuple[int, ...]) -> Any:
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
 
 
-def _common_start(lead_s: float = 0.03, wait: bool = True) -> float:
+def _common_start(lead_s: float = 0.03, wait: bool = True, group: Any = None) -> float:
     """Every rank starts the timed transfer at one instant: rank 0 names an instant a little ahead and
     each rank sleeps until it. The emulated hosts share this machine's monotonic clock; a barrier alone
     releases ranks milliseconds apart on two cores, and the spread would be timed as transfer.
@@ -96,9 +101,9 @@ def _common_start(lead_s: float = 0.03, wait: bool = True) -> float:
     import torch
     import torch.distributed as dist
 
-    dist.barrier()  # everyone is done with the previous transfer
+    dist.barrier(group=group)  # everyone is done with the previous transfer
     at = torch.tensor([time.monotonic() + lead_s], dtype=torch.float64)
-    dist.broadcast(at, 0)
+    dist.broadcast(at, 0, group=group)
     start = float(at.item())
     if wait:
         time.sleep(max(0.0, start - time.monotonic()))
@@ -114,9 +119,10 @@ def _minor_faults() -> int:
 
 
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
-               network: NetworkModel | None = None) -> list[dict]:
+               network: NetworkModel | None = None, transport: str = "gloo") -> list[dict]:
     """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
-    `network`: the model the cases were planned on (each rank's program and its NIC window follow it)."""
+    `network`: the model the cases were planned on (each rank's program and its NIC window follow it).
+    `transport` nccl: the tiles live on the GPU and cross over NCCL; the common starts stay on gloo."""
     import torch
     import torch.distributed as dist
 
@@ -126,40 +132,45 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.route import make_routes
 
-    init_distributed(ctx.env, timeout_s=120, backend="gloo")
+    init_distributed(ctx.env, timeout_s=120, backend="gloo" if transport == "gloo" else None)
     rank = ctx.rank
     timed: list[dict] = []
     try:
+        device = torch.device("cpu") if transport == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        cpu_group = None if transport == "gloo" else dist.new_group(backend="gloo")
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
             full = _expected(case.shape) if inside else None
             local = None
             if rank in case.src_mesh.ranks:
                 local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
-                                           case.src_mesh.index_of(rank)))].contiguous()
+                                           case.src_mesh.index_of(rank)))].contiguous().to(device)
             routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv},
                                  network)
-            executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats))
+            executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
+                                       device=device)
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
-                    t0 = _common_start(wait=inside)
+                    t0 = _common_start(wait=inside, group=cpu_group)
                     if not inside:
                         continue
                     c0, f0 = time.process_time(), _minor_faults()
                     out = executor.start(boundary.key, rep, local).wait()
+                    sync()  # a GPU's copies may still run after the engine handed the result over
                     t1, c1, f1 = time.monotonic(), time.process_time(), _minor_faults()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":
                         want = full[to_index(tile(case.recv, case.dst_mesh.shape, case.shape,
                                                   case.dst_mesh.index_of(rank)))]
-                        ok = bool(torch.equal(out, want))
+                        ok = bool(torch.equal(out.cpu(), want))
                     if rep >= warmup or not ok:
                         timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, cpu=c1 - c0,
                                            faults=f1 - f0, correct=ok))
             executor.close()
             del routes, executor, local, full
             release_freed_memory()  # the next case's buffers have other shapes (meshjob_trainer.heap)
-            dist.barrier()
+            dist.barrier(group=cpu_group)
     finally:
         shutdown_distributed()
     return timed
@@ -338,6 +349,12 @@ def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
     return paths
 
 
+def _gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.device_count() > 0  # asks NVML: CUDA initialised here would break the forked ranks
+
+
 def _finite(value: Any) -> Any:
     """NaN/inf (a missing baseline) become null: strict JSON readers reject NaN."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -372,6 +389,9 @@ def main(args: argparse.Namespace) -> int:
         errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
     if repeats < 1:
         errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
+    transport = getattr(args, "transport", "gloo")
+    if transport == "nccl" and not _gpu_visible():
+        errors.append(FieldError("--transport", transport, "gloo here: nccl needs a CUDA GPU, and torch sees none"))
     if errors:
         raise SpecError(errors)
 
@@ -395,7 +415,7 @@ def main(args: argparse.Namespace) -> int:
             emulated = cluster.emulated
             if args.message_costs == "measured":
                 rounds = QUICK_PROBE_ROUNDS if quick else engine_costs.PROBE_ROUNDS
-                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds),
+                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds, transport),
                                                   attempts=1 if quick else probe_guard.PROBE_ATTEMPTS)
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
@@ -407,13 +427,14 @@ def main(args: argparse.Namespace) -> int:
                       f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
                       f"{planning.alone_message_s * 1e6:.0f} µs more each")
             plan_cases(cases, layout, planning)
-            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning),
+            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning, transport),
                             **cluster.gang(layout.hosts).launch_args())
     if not result.ok:
         print(f"meshjob bench resharding: failed: {result.first_failure.describe() if result.first_failure else ''}")
         return 1
     rows = collect(cases, [timing for timings in result.values for timing in timings])
-    subtitle = f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
+    subtitle = (f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
+                + (", NCCL on CUDA" if transport == "nccl" else ""))
     title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
     print_table(rows, title)
     summary = summarize(rows)
@@ -425,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib,
-           "chunks": chunks, "repeats": repeats, "quick": quick,
+           "chunks": chunks, "repeats": repeats, "quick": quick, "transport": transport,
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
