@@ -131,6 +131,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.route import make_routes
+    from meshjob_trainer.wire import wire_for
 
     init_distributed(ctx.env, timeout_s=120, backend="gloo" if transport == "gloo" else None)
     rank = ctx.rank
@@ -139,6 +140,11 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
         device = torch.device("cpu") if transport == "gloo" else torch.device("cuda", torch.cuda.current_device())
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         cpu_group = None if transport == "gloo" else dist.new_group(backend="gloo")
+        # NCCL: one wire, every pair of every case connected once (a wire per case would leave a communicator
+        # per pair and case, each with its own proxy thread and buffers)
+        shared_wire = None if transport == "gloo" else wire_for(device, rank, set().union(*(
+            r.pairs() for case in cases for r in make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh},
+                                                             {0: case.send, 1: case.recv}, network))))
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
             full = _expected(case.shape) if inside else None
@@ -149,7 +155,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
             routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv},
                                  network)
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
-                                       device=device)
+                                       device=device, wire=shared_wire)
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                     t0 = _common_start(wait=inside, group=cpu_group)
