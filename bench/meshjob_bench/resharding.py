@@ -118,6 +118,12 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _case_routes(case: Case, network: NetworkModel | None) -> list[Any]:
+    from meshjob_trainer.route import make_routes
+
+    return make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv}, network)
+
+
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                network: NetworkModel | None = None, transport: str = "gloo") -> list[dict]:
     """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
@@ -130,7 +136,6 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
     from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
-    from meshjob_trainer.route import make_routes
     from meshjob_trainer.wire import wire_for
 
     init_distributed(ctx.env, timeout_s=120, backend="gloo" if transport == "gloo" else None)
@@ -143,8 +148,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
         # NCCL: one wire, every pair of every case connected once (a wire per case would leave a communicator
         # per pair and case, each with its own proxy thread and buffers)
         shared_wire = None if transport == "gloo" else wire_for(device, rank, set().union(*(
-            r.pairs() for case in cases for r in make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh},
-                                                             {0: case.send, 1: case.recv}, network))))
+            r.pairs() for case in cases for r in _case_routes(case, network))))
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
             full = _expected(case.shape) if inside else None
@@ -152,8 +156,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
             if rank in case.src_mesh.ranks:
                 local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
                                            case.src_mesh.index_of(rank)))].contiguous().to(device)
-            routes = make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv},
-                                 network)
+            routes = _case_routes(case, network)
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
                                        device=device, wire=shared_wire)
             for rep in range(warmup + repeats):  # the case's order (case_order)
