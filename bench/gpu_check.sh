@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The device check: what this project's CPU machines cannot run, on a lent GPU machine (the workplace's
-# `device` tool runs it from the repository root, with the machine's own python3 and torch). It runs
-# the NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL
-# wherever a GPU is visible), `meshjob bench resharding --quick --transport nccl` and the transport bench
-# (bench/meshjob_bench/nccl_transport.py); logs
-# and JSON go to $OUT. Every step has its own time limit, so one slow step leaves the others their time.
-# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with BENCH_S=0 and
+# `device` tool runs it from the repository root, with the machine's own python3 and torch). It runs the
+# NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL wherever a
+# GPU is visible), `meshjob bench resharding --quick --transport nccl` and the transport bench
+# (bench/meshjob_bench/nccl_transport.py); logs and JSON go to $OUT. Every step has its own time limit,
+# so one slow step leaves the others their time.
+# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RESHARD_S=0 BENCH_S=0
 # TESTS="tests/test_nccl.py -k trains" only those run (a gang that hangs reports each rank's stacks).
 set -u
 OUT=${OUT:-/tmp/gpu-check}

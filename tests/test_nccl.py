@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from meshjob.resharding import STRATEGIES
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
+from meshjob_trainer.reference import reference_for_job
 from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import make_routes
 from meshjob_trainer.wire import CheckedWire, NcclWire, wire_for
 
-from meshjob_trainer.reference import reference_for_job
 from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses  # noqa: E402
 from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
 
