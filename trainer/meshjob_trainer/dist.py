@@ -201,6 +201,7 @@ def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
 
 
 GLOO = "gloo"
+MAX_CUDA_CONNECTIONS = 32  # CUDA_DEVICE_MAX_CONNECTIONS' largest value (its default is 8)
 # torch's combined backend: CPU tensors go through gloo, CUDA tensors through NCCL, in one group.
 GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
 
@@ -275,6 +276,12 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
         host_id = nccl_host_id(env, gpus, os.environ.get("NCCL_HOSTID") or socket.gethostname())
         if host_id is not None:
             os.environ["NCCL_HOSTID"] = host_id  # read once, at this process's first communicator
+        # Every directed pair's communicator has a CUDA stream of its own, and receives are posted early. With
+        # CUDA's default 8 hardware queues, streams beyond 8 share one and queue behind each other's work: a
+        # send could wait there behind a receive that waits for a peer, an order across ranks that the plan's
+        # issue order does not rule out. 32 queues (CUDA's most) keep up to 32 streams apart. A guard, not
+        # seen on a GPU yet; read when this process's CUDA context is made, just below.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CUDA_CONNECTIONS))
         torch.cuda.set_device(env.local_rank % gpus)
     dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
