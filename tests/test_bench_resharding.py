@@ -155,6 +155,7 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert "NIC 500mbit" in proc.stdout and "K in {16}" in proc.stdout
     doc = json.loads((tmp_path / "resharding.json").read_text())
     assert doc["emulated"] is True and doc["nic_rate"] == "500mbit"
+    assert doc["transport"] == "gloo" and doc["machine"]["torch"]
     rows = doc["rows"]
     assert set(doc["summary"]) == {"one_to_many", "many_to_many", "paper_scale"}
     assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 from meshjob.api import API_VERSION, KIND
+from meshjob_bench.machine import machine, transport_here
 from meshjob.devices import ComputeMode, parse_compute
 from meshjob.spec import TrainingJob, job_to_dict, parse_job
 from meshjob.units import parse_rate
@@ -254,6 +255,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     png = os.path.join(args.out, "e2e.png")
     plot(rows, png, subtitle)
     doc = {"benchmark": "e2e", "nic_rate": args.nic_rate, "network": network, **compute.to_json(),
+           "transport": transport_here(), "machine": machine(),
            "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "stages": STAGES, "steps": steps,
            "timed_steps": steps - 1, "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores

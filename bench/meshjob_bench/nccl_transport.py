@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshjob.boundary import BoundaryKey
+from meshjob_bench.machine import machine
 from meshjob.mesh import Mesh
 from meshjob.network import NetworkModel
 from meshjob.plan import plan_boundary
@@ -113,20 +114,6 @@ def summarise(per_rank: list[dict[str, Any]], shape: tuple[int, int], chunks: in
             "rows": rows}
 
 
-def machine(transports: list[str]) -> dict[str, Any]:
-    """What ran: torch, and with NCCL the GPU, their number and NCCL's version (asked only after the gang
-    ran: CUDA initialised in the launcher would break the ranks it forks)."""
-    import os
-
-    import torch
-
-    out: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    if "nccl" in transports:
-        out.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
@@ -145,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     # hangs in its first parallel op (seen in CI, where pytest's process had run torch before)
     result = launch(world, lambda ctx: measure(ctx.env, shape, args.chunks, args.repeats, transports), timeout_s=900)
     summary = summarise(result.raise_on_failure().values, shape, args.chunks, args.repeats)
-    summary["machine"] = machine(transports)
+    summary["machine"] = machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "nccl_transport.json").write_text(json.dumps(summary, indent=2))

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from meshjob_bench import parsed_arguments
+from meshjob_bench.machine import machine, transport_here
 from meshjob_bench.pipeline_report import check_targets, plot_bars, plot_timelines, print_table, print_targets
 from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
@@ -387,7 +388,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     print_targets(targets)
     pngs = plot_timelines(measured, args.out, subtitle) + [plot_bars(rows, args.out, subtitle)]
     errors = [abs(r["predicted_over_measured"] - 1) for r in rows]
-    out = {"compute": compute.to_json(), "network": network, "emulated": emulated, "steps": steps,
+    out = {"compute": compute.to_json(), "network": network, "emulated": emulated, "transport": transport_here(),
+           "machine": machine(), "steps": steps,
            "timed_steps": steps - 1, "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0,
            "rows": rows, "targets": targets, "plots": pngs,
            "simulator": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_bench import engine_costs, probe_guard
+from meshjob_bench.machine import gpu_visible, machine
 from meshjob_bench.resharding_cases import (BALANCERS, DEVICES_PER_HOST, MAIN_BALANCER, SECTIONS, Case, Layout,
                                             balancer_chunks, bench_network, build_cases, case_order,
                                             plan_cases)
@@ -358,12 +359,6 @@ def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
     return paths
 
 
-def _gpu_visible() -> bool:
-    import torch
-
-    return torch.cuda.device_count() > 0  # asks NVML: CUDA initialised here would break the forked ranks
-
-
 def _finite(value: Any) -> Any:
     """NaN/inf (a missing baseline) become null: strict JSON readers reject NaN."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -399,7 +394,7 @@ def main(args: argparse.Namespace) -> int:
     if repeats < 1:
         errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
     transport = getattr(args, "transport", "gloo")
-    if transport == "nccl" and not _gpu_visible():
+    if transport == "nccl" and not gpu_visible():
         errors.append(FieldError("--transport", transport, "gloo here: nccl needs a CUDA GPU, and torch sees none"))
     if errors:
         raise SpecError(errors)
@@ -455,7 +450,7 @@ def main(args: argparse.Namespace) -> int:
     print_targets(targets)
     doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
            "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib,
-           "chunks": chunks, "repeats": repeats, "quick": quick, "transport": transport,
+           "chunks": chunks, "repeats": repeats, "quick": quick, "transport": transport, "machine": machine(),
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
            "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
