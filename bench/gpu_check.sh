@@ -21,17 +21,19 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trai
   || echo "editable install failed (PYTHONPATH stands in): see install.log"
 # SIGINT at the limit: pytest still reports what failed so far. Few workers: every NCCL communicator
 # has its own proxy thread, and a gang of 8 ranks opens dozens.
-TESTS=${TESTS:-"tests/test_nccl.py tests/test_pipeline_equivalence.py tests/test_training_equivalence.py"}
-timeout -s INT -k 20 "${TESTS_S:-360}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-2}" \
+# The defaults fit one call of about 8 minutes; the whole-job suites (tests/test_pipeline_equivalence.py,
+# tests/test_training_equivalence.py) train on CUDA too, given TESTS and the time.
+TESTS=${TESTS:-"tests/test_nccl.py"}
+timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-3}" \
   --timeout 200 --tb short $TESTS "$@" > "$OUT/tests.log" 2>&1
 grep -v -e "^\s*$" -e Benchmark "$OUT/tests.log" | tail -60
-if [ "${RESHARD_S:-150}" != 0 ]; then  # the resharding bench's quick run with its tiles on the GPU, over NCCL
-  timeout "${RESHARD_S:-150}" python3 -m meshjob.cli bench resharding --quick --transport nccl \
+if [ "${RESHARD_S:-120}" != 0 ]; then  # the resharding bench's quick run with its tiles on the GPU, over NCCL
+  timeout "${RESHARD_S:-120}" python3 -m meshjob.cli bench resharding --quick --transport nccl \
     --out "$OUT/resharding" > "$OUT/resharding.log" 2>&1
   tail -15 "$OUT/resharding.log"
 fi
-if [ "${BENCH_S:-150}" != 0 ]; then
-  timeout "${BENCH_S:-150}" python3 -m meshjob_bench.nccl_transport --out "$OUT" --mib "${MIB:-32}" --repeats 3 \
+if [ "${BENCH_S:-90}" != 0 ]; then
+  timeout "${BENCH_S:-90}" python3 -m meshjob_bench.nccl_transport --out "$OUT" --mib "${MIB:-32}" --repeats 3 \
     > "$OUT/transport.log" 2>&1
   tail -25 "$OUT/transport.log"
 fi
