@@ -34,6 +34,39 @@ STRATEGY_CASES = ([(c, "broadcast") for c in CASES]
                   + [(c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")])
 
 
+# The training tests first: pytest-xdist hands tests out in file order, and they take the longest.
+def train_on_cuda(env, job):
+    from meshjob_trainer.train import train_rank
+
+    result = train_rank(env, job=job, timeout_s=180)
+    return result, torch.cuda.is_initialized(), os.environ.get("NCCL_HOSTID")
+
+
+@pytest.mark.parametrize("kind,schedule,delay", [("gpt", "1f1b", 0), ("utransformer", "eager-1f1b", 1)])
+def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay):
+    """Tensor and data parallel stages and cross-mesh resharding, every payload on the GPU; the reference
+    runs on this process's CPU, so losses agree to float32 rounding across devices."""
+    from meshjob.plan import build_plan
+    from meshjob_trainer.model import full_parameters
+
+    job = make_job(kind, schedule, delay, steps=GPU_STEPS)
+    world = build_plan(job).placement.world_size
+    # under bench/gpu_check.sh's time for the tests: a hang then reports each rank's stacks (meshjob_trainer.launch)
+    outcomes = gang(world, functools.partial(train_on_cuda, job=job), timeout_s=150)
+    assert all(on_cuda for _result, on_cuda, _host in outcomes), "a rank trained without touching CUDA"
+    if world > torch.cuda.device_count():
+        assert len({host for _result, _cuda, host in outcomes}) == world  # each rank its own NCCL host
+    results = [result for result, _cuda, _host in outcomes]
+    ref = reference_for_job(make_job(kind, "gpipe", 0, steps=GPU_STEPS))
+    losses = pipeline_losses(results)
+    assert len(losses) == 2
+    for reported in losses:
+        assert reported == pytest.approx(ref.losses, abs=1e-4)
+    weights = full_parameters([r.params for r in results])
+    for name, expected in ref.weights.items():
+        torch.testing.assert_close(weights[name].cpu(), expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
+
+
 def reshard_on_cuda(case: Case, strategy: str):
     boundary = make_boundary(case, strategy)
 
@@ -70,35 +103,3 @@ def test_every_strategy_delivers_the_exact_tile_device_to_device_in_the_planned_
         assert nccl, f"rank {rank} did not get the NCCL wire"
         if role == "receiver":
             assert outcome == ("cuda", True), f"rank {rank} got {outcome} with {strategy} on {case.name}"
-
-
-def train_on_cuda(env, job):
-    from meshjob_trainer.train import train_rank
-
-    result = train_rank(env, job=job, timeout_s=180)
-    return result, torch.cuda.is_initialized(), os.environ.get("NCCL_HOSTID")
-
-
-@pytest.mark.parametrize("kind,schedule,delay", [("gpt", "1f1b", 0), ("utransformer", "eager-1f1b", 1)])
-def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay):
-    """Tensor and data parallel stages and cross-mesh resharding, every payload on the GPU; the reference
-    runs on this process's CPU, so losses agree to float32 rounding across devices."""
-    from meshjob.plan import build_plan
-    from meshjob_trainer.model import full_parameters
-
-    job = make_job(kind, schedule, delay, steps=GPU_STEPS)
-    world = build_plan(job).placement.world_size
-    # under bench/gpu_check.sh's time for the tests: a hang then reports each rank's stacks (meshjob_trainer.launch)
-    outcomes = gang(world, functools.partial(train_on_cuda, job=job), timeout_s=150)
-    assert all(on_cuda for _result, on_cuda, _host in outcomes), "a rank trained without touching CUDA"
-    if world > torch.cuda.device_count():
-        assert len({host for _result, _cuda, host in outcomes}) == world  # each rank its own NCCL host
-    results = [result for result, _cuda, _host in outcomes]
-    ref = reference_for_job(make_job(kind, "gpipe", 0, steps=GPU_STEPS))
-    losses = pipeline_losses(results)
-    assert len(losses) == 2
-    for reported in losses:
-        assert reported == pytest.approx(ref.losses, abs=1e-4)
-    weights = full_parameters([r.params for r in results])
-    for name, expected in ref.weights.items():
-        torch.testing.assert_close(weights[name].cpu(), expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
