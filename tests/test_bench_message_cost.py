@@ -38,6 +38,7 @@ def test_quick_run_writes_the_per_message_cost_of_both_links(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "message_cost.json").read_text())
     assert doc["emulated"] is True and set(doc["summary"]) == {"network", "local"}
+    assert doc["transport"] == "gloo" and doc["machine"]["torch"]
     assert {(r["link"], r["chunks"]) for r in doc["rows"]} == {(link, k) for link in ("network", "local")
                                                                 for k in (1, 16, 64)}
     assert all(r["seconds"] > 0 for r in doc["rows"])

@@ -23,6 +23,7 @@ import warnings
 from typing import Any, Sequence
 
 from meshjob.units import parse_rate, parse_size
+from meshjob_bench.machine import machine
 
 LINKS = {"network": 1, "local": 2}  # link -> receiving rank (rank 0 sends)
 RANK_HOSTS = [0, 1, 0]
@@ -192,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     plot(medians, fits, png, title)
     doc = {"benchmark": "message-cost", "nic_rate": args.nic_rate, "emulated": emulated, "network": described,
            "bytes": nbytes, "repeats": repeats, "rounds": rounds, "in_flight": args.in_flight,
-           "quick": bool(args.quick),
+           "quick": bool(args.quick), "transport": "gloo", "machine": machine(),  # CPU tensors, whatever the machine
            "summary": summary, "rows": rows, "plots": [png]}
     path = os.path.join(args.out, "message_cost.json")
     with open(path, "w") as f:
