@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The device check: what this project's CPU machines cannot run, on a lent GPU machine (the workplace's
 # `device` tool runs it from the repository root, with the machine's own python3 and torch). It runs the
-# NCCL tests (tests/test_nccl.py), the trainer tests that train whole jobs (on CUDA over NCCL wherever a
-# GPU is visible), `meshjob bench resharding --quick --transport nccl` and the transport bench
-# (bench/meshjob_bench/nccl_transport.py); logs and JSON go to $OUT. Every step has its own time limit,
-# so one slow step leaves the others their time.
-# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RESHARD_S=0 BENCH_S=0
-# TESTS="tests/test_nccl.py -k trains" only those run (a gang that hangs reports each rank's stacks).
+# NCCL tests (tests/test_nccl.py), `meshjob run examples/tiny.yaml`, `meshjob bench resharding --quick
+# --transport nccl` and the transport bench (bench/meshjob_bench/nccl_transport.py); the trainer runs on
+# CUDA over NCCL wherever a GPU is visible. Logs and JSON go to $OUT. Every step has its own time limit
+# (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time.
+# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
+# BENCH_S=0 TESTS="tests/test_nccl.py -k trains" only those run (a hung gang reports each rank's stacks).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -21,12 +21,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trai
   || echo "editable install failed (PYTHONPATH stands in): see install.log"
 # SIGINT at the limit: pytest still reports what failed so far. Few workers: every NCCL communicator
 # has its own proxy thread, and a gang of 8 ranks opens dozens.
-# The defaults fit one call of about 8 minutes; the whole-job suites (tests/test_pipeline_equivalence.py,
+# The defaults fit one call of about 9 minutes; the whole-job suites (tests/test_pipeline_equivalence.py,
 # tests/test_training_equivalence.py) train on CUDA too, given TESTS and the time.
 TESTS=${TESTS:-"tests/test_nccl.py"}
 timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -rA -p no:cacheprovider -n "${WORKERS:-3}" \
   --timeout 200 --tb short $TESTS "$@" > "$OUT/tests.log" 2>&1
 grep -v -e "^\s*$" -e Benchmark "$OUT/tests.log" | tail -60
+if [ "${RUN_S:-90}" != 0 ]; then  # the main job locally, as a user runs it: 4 ranks on the GPU over NCCL
+  timeout "${RUN_S:-90}" python3 -m meshjob.cli run examples/tiny.yaml --checkpoint-dir "$OUT/ckpt" \
+    > "$OUT/run.log" 2>&1
+  echo "meshjob run examples/tiny.yaml: exit $?"; grep -v "socket.cpp" "$OUT/run.log" | tail -20
+fi
 if [ "${RESHARD_S:-120}" != 0 ]; then  # the resharding bench's quick run with its tiles on the GPU, over NCCL
   timeout "${RESHARD_S:-120}" python3 -m meshjob.cli bench resharding --quick --transport nccl \
     --out "$OUT/resharding" > "$OUT/resharding.log" 2>&1
