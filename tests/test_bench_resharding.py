@@ -12,6 +12,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
 
+from meshjob_bench.machine import gpu_visible  # noqa: E402
 from meshjob_bench.resharding import Row, collect, summarize  # noqa: E402
 from meshjob_bench.resharding_cases import ITEMSIZE, Case, Layout, Variant, physical_limit  # noqa: E402
 from meshjob_trainer.emulate.netns import netns_available
@@ -125,16 +126,10 @@ def test_summary_is_the_geometric_mean_over_cases_per_variant():
     assert summary["send_recv"]["over_limit"] == pytest.approx(3.0)
 
 
-def _gpu_visible() -> bool:
-    import torch
-
-    return torch.cuda.device_count() > 0
-
-
 @pytest.mark.parametrize("option,value,allowed", [
     ("--chunks", "4,zero", "comma-separated positive integers or auto"),
     pytest.param("--transport", "nccl", "gloo here: nccl needs a CUDA GPU, and torch sees none",
-                 marks=pytest.mark.skipif(_gpu_visible(), reason="a GPU is visible: nccl is allowed")),
+                 marks=pytest.mark.skipif(gpu_visible(), reason="a GPU is visible: nccl is allowed")),
 ])
 def test_a_bad_option_is_rejected_naming_it_its_value_and_what_is_allowed(option, value, allowed):
     proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",

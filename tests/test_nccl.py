@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshjob.resharding import STRATEGIES
+from meshjob_bench.machine import gpu_visible
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
 from meshjob_trainer.reference import reference_for_job
 from meshjob_trainer.reshard import ReshardExecutor
@@ -24,8 +25,8 @@ from meshjob_trainer.wire import CheckedWire, NcclWire, wire_for
 from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses  # noqa: E402
 from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
 
-# device_count() asks NVML: CUDA initialised in this process would break the ranks it forks
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")]
+# gpu_visible asks NVML: CUDA initialised in this process would break the ranks it forks
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not gpu_visible(), reason="needs a CUDA GPU")]
 
 # Few steps: the first GPU run's two training tests, with 10 steps, did not finish within 150 s (cause not
 # established; a guess: 7 ranks' CUDA contexts take turns on the one GPU, each NCCL operation waits for its peer's)

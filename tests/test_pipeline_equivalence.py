@@ -294,7 +294,7 @@ def test_a_given_sync_brackets_every_compute_action_and_nothing_else():
 
 
 def test_only_a_cuda_device_profiles_with_a_sync():
-    from meshjob_trainer.calibrate import device_sync
+    from meshjob_trainer.dist import device_sync
 
     assert device_sync(torch.device("cpu")) is None
     assert callable(device_sync(torch.device("cuda", 0)))  # not called: no GPU here

@@ -11,6 +11,7 @@ from typing import Any
 
 
 def gpu_visible() -> bool:
+    """Whether torch sees a GPU, asking NVML: safe in a process that forks ranks afterwards."""
     import torch
 
     return torch.cuda.device_count() > 0

@@ -33,8 +33,7 @@ NIC_BYTES_PER_S = 25e9 / 8  # the planners' and the engine's NIC rate: 25 Gbit/s
 NETWORK = NetworkModel(nic_bytes_per_s=NIC_BYTES_PER_S, intra_host_bytes_per_s=4 * NIC_BYTES_PER_S)
 
 
-def host_of(rank: int) -> int:
-    return {r: h for m in (SRC, DST) for r, h in zip(m.ranks, m.hosts)}[rank]
+host_of = {r: h for m in (SRC, DST) for r, h in zip(m.ranks, m.hosts)}.__getitem__
 
 
 def boundaries(shape: tuple[int, int], chunks: int) -> list[Any]:
@@ -55,7 +54,7 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
     import torch
     import torch.distributed as dist
 
-    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.dist import device_sync, init_distributed, shutdown_distributed
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.route import make_routes
 
@@ -66,8 +65,9 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
         full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         times: dict[str, list[float]] = {}
         exact = True
-        for device in (torch.device("cuda", torch.cuda.current_device()) if t == "nccl" else torch.device("cpu")
-                       for t in transports):
+        for transport in transports:
+            device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+            sync = device_sync(device)
             routes = [r for name, (send, recv) in CASES.items() for r in make_routes(
                 [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
             ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None)
@@ -80,10 +80,10 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
                     dist.barrier(group=cpu_group)
                     start = time.perf_counter()
                     got = ex.start(b.key, rep, mine).wait(timeout_s=300)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
+                    if sync is not None:
+                        sync()
                     if rep:
-                        times.setdefault(f"{name}|{strategy}|{device.type}", []).append(time.perf_counter() - start)
+                        times.setdefault(f"{name}|{strategy}|{transport}", []).append(time.perf_counter() - start)
                 if env.rank in DST.ranks:
                     region = tile(ShardingSpec.parse(CASES[name][1]), DST.shape, shape, DST.index_of(env.rank))
                     want = full[to_index(region)]
@@ -100,9 +100,9 @@ def summarise(per_rank: list[dict[str, Any]], shape: tuple[int, int], chunks: in
     keys = per_rank[0]["times"].keys()
     rows = []
     for key in keys:
-        name, strategy, device = key.split("|")
+        name, strategy, transport = key.split("|")
         runs = [max(r["times"][key][i] for r in per_rank) for i in range(repeats)]
-        rows.append({"case": name, "strategy": strategy, "transport": "nccl" if device == "cuda" else "gloo",
+        rows.append({"case": name, "strategy": strategy, "transport": transport,
                      "median_s": statistics.median(runs), "runs_s": runs})
     by = {(r["case"], r["strategy"], r["transport"]): r["median_s"] for r in rows}
     for r in rows:

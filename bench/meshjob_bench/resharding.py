@@ -134,7 +134,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     import torch.distributed as dist
 
     from meshjob.sharding import tile, to_index
-    from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.dist import device_sync, init_distributed, shutdown_distributed
     from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.wire import wire_for
@@ -144,7 +144,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     timed: list[dict] = []
     try:
         device = torch.device("cpu") if transport == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync = device_sync(device)
         cpu_group = None if transport == "gloo" else dist.new_group(backend="gloo")
         # NCCL: one wire, every pair of every case connected once (a wire per case would leave a communicator
         # per pair and case, each with its own proxy thread and buffers)
@@ -167,7 +167,8 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                         continue
                     c0, f0 = time.process_time(), _minor_faults()
                     out = executor.start(boundary.key, rep, local).wait()
-                    sync()  # a GPU's copies may still run after the engine handed the result over
+                    if sync is not None:  # a GPU's copies may still run after the engine handed the result over
+                        sync()
                     t1, c1, f1 = time.monotonic(), time.process_time(), _minor_faults()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":

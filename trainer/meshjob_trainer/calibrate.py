@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -92,6 +92,7 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     from meshjob.costs import StageCost
     from meshjob.schedule import stage_actions
     from meshjob_trainer.data import Batch
+    from meshjob_trainer.dist import device_sync
     from meshjob_trainer.parallel import build_groups
     from meshjob_trainer.pipeline import PipelineExecutor
 
@@ -115,14 +116,6 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
             seconds[action[0]].append(end - start)
     module.zero_grad(set_to_none=True)
     return StageCost(*(statistics.median(seconds[k]) for k in ("F", "I", "W")))
-
-
-def device_sync(device: torch.device) -> Callable[[], None] | None:
-    """What makes a timed action's end its device's: CUDA's synchronize (its kernels run after their launch
-    returns), nothing on the CPU."""
-    if device.type != "cuda":
-        return None
-    return lambda: torch.cuda.synchronize(device)
 
 
 def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from meshjob.api import MASTER_PORT
 from meshjob_trainer.events import Fanout
@@ -235,6 +235,16 @@ def device_for_backend(backend: str) -> str:
     import torch
 
     return f"cuda:{torch.cuda.current_device()}"
+
+
+def device_sync(device: Any) -> Callable[[], None] | None:
+    """What makes a timed region's end its device's (a torch.device): CUDA's synchronize (its kernels run
+    after their launch returns), None on the CPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device)
 
 
 def nccl_host_id(env: WorkerEnv, gpus: int, host: str) -> str | None:
