@@ -278,23 +278,84 @@ def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage()
         check_edges(module, 3, edges)
 
 
-def test_a_given_sync_brackets_every_compute_action_and_nothing_else():
-    """Profiling on a GPU syncs before and after each F/I/W, so the clock reads the device's time."""
+class ManualClock:
+    """A step clock whose time moves only when the test says (test double for this unit test)."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def start(self):
+        self.origin = self.now
+        return self.now
+
+    def mark(self):
+        return self.now
+
+    def seconds(self, marks):
+        return [m - self.origin for m in marks]
+
+
+class SlowTransport(RecordingTransport):
+    """Taking a received tensor costs 5 s on the clock; a send's end-of-step wait 2 s."""
+
+    def __init__(self, shape, clock):
+        super().__init__(shape)
+        self.clock = clock
+
+    def start(self, key, mb, local):
+        done, clock = super().start(key, mb, local), self.clock
+
+        class Slow:
+            def result(self):
+                clock.now += 5.0
+                return done.value
+
+            def wait(self):
+                clock.now += 2.0 if done.value is None else 0.0
+                return done.value
+
+        return Slow()
+
+
+class TimedCompute:
+    """The module's own math, each call taking `seconds` on the clock."""
+
+    def __init__(self, inner, clock, seconds):
+        self.inner, self.clock, self.seconds, self.emulated = inner, clock, seconds, False
+
+    def __getattr__(self, name):
+        def timed(*args):
+            self.clock.now += self.seconds[name]
+            return getattr(self.inner, name)(*args)
+        return timed
+
+
+def test_a_step_reads_its_clock_an_action_computing_after_its_waits_for_inputs():
+    """On any clock (the host's, a GPU's stream): F0 waits 5 s for its input then computes 1 s; I0 waits
+    5 s for each of its three gradients then computes 2 s; W0 computes 3 s; the send waits 2 s at the end."""
     from meshjob.schedule import Action
+    from meshjob_trainer.compute import RealCompute
     from meshjob_trainer.pipeline import PipelineExecutor
 
-    calls = []
+    clock = ManualClock()
     module = StageModule(ModelSpec("utransformer", 8, 16, 2, 32, 8), 2, 4, seed=0)
-    actions = "RECV_F0@0 F0 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 W0"
-    transport = RecordingTransport((2, 8, 16))
-    executor = PipelineExecutor(1, module, [Action.parse(a) for a in actions.split()], transport, 1.0,
-                                sync=lambda: calls.append("sync"))
-    executor.run_step(lambda mb: None)
-    assert calls == ["sync"] * 6  # F0, I0, W0: one before and one after each
+    actions = [Action.parse(a) for a in ("RECV_F0@0 F0 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 W0").split()]
+    params = [p for p in module.parameters() if p.requires_grad]
+    compute = TimedCompute(RealCompute(module, params, True), clock,
+                           {"forward": 1.0, "input_grad": 2.0, "weight_grad": 3.0})
+    executor = PipelineExecutor(1, module, actions, SlowTransport((2, 8, 16), clock), 1.0,
+                                compute=compute, clock=clock)
+    _, stats = executor.run_step(lambda mb: None)
+    assert stats.timeline_origin == 100.0
+    assert stats.compute_s == 6.0 and stats.wait_s == 22.0
+    assert stats.timeline == [("wait", 0.0, 5.0), ("F0", 5.0, 6.0), ("wait", 6.0, 11.0), ("wait", 11.0, 16.0),
+                              ("wait", 16.0, 21.0), ("I0", 21.0, 23.0),
+                              ("W0", 23.0, 26.0)] + [("wait", 26.0, 26.0)] * 4 + [("wait", 26.0, 28.0)]
+    # at the end the step waits for every handle: the four received ones are done, the send takes 2 s
 
 
-def test_only_a_cuda_device_profiles_with_a_sync():
-    from meshjob_trainer.dist import device_sync
+def test_a_cuda_device_reads_the_step_on_its_stream_a_cpu_on_the_host():
+    from meshjob_trainer.step_clock import DeviceClock, HostClock, clock_for
 
-    assert device_sync(torch.device("cpu")) is None
-    assert callable(device_sync(torch.device("cuda", 0)))  # not called: no GPU here
+    assert isinstance(clock_for("cpu"), HostClock)
+    assert isinstance(clock_for(torch.device("cuda", 0)), DeviceClock)  # not read: no GPU here

@@ -92,9 +92,9 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     from meshjob.costs import StageCost
     from meshjob.schedule import stage_actions
     from meshjob_trainer.data import Batch
-    from meshjob_trainer.dist import device_sync
     from meshjob_trainer.parallel import build_groups
     from meshjob_trainer.pipeline import PipelineExecutor
+    from meshjob_trainer.step_clock import clock_for
 
     job, device = plan.job, torch.device(device)
     stage = plan.placement.stage_of(rank)
@@ -106,7 +106,7 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     actions = stage_actions("gpipe", stage, len(job.stages), n, edges, True, 0)
     local = natural_shape(plan, stage, rank)
     executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0,
-                                sync=device_sync(device))
+                                clock=clock_for(device))
     gen = torch.Generator().manual_seed(job.training.seed)
     tokens = torch.randint(job.model.vocab, local[:2], generator=gen).to(device)
     _, stats = executor.run_step(lambda mb: Batch(tokens, tokens))

@@ -26,12 +26,14 @@ or waits of a device profile's modelled time with tensors of the real shapes (Em
 executor does the bookkeeping either way (stash, receives, sends, gradients taken and kept).
 
 Per stage we record compute seconds, waiting seconds (blocked on a transfer) and the peak number
-of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split).
+of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split). Times are read
+on the step's clock (meshjob_trainer.step_clock): the host's on a CPU, the compute stream's on a GPU,
+where the host only launches kernels; either way at the step's end, like the last microbatch's loss
+(reading a loss on a GPU waits for the device: once a step, not once a microbatch).
 """
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -42,6 +44,7 @@ from meshjob.schedule import Action
 from meshjob_trainer.compute import RealCompute, StageCompute
 from meshjob_trainer.data import Batch
 from meshjob_trainer.model import PipelineStage
+from meshjob_trainer.step_clock import HostClock, StepClock
 
 
 class Handle(Protocol):
@@ -71,7 +74,7 @@ class StageStats:
     steps: int = 0
     # (action or "wait", start, end) in seconds from the step's start; merged stats keep the last step's
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
-    timeline_origin: float = 0.0  # time.perf_counter() at the step's start (one clock for all processes)
+    timeline_origin: float = 0.0  # the host's time.perf_counter() at the step's start (one for all processes)
 
     def merge_step(self, other: "StageStats") -> None:
         self.compute_s += other.compute_s
@@ -96,11 +99,9 @@ class PipelineExecutor:
 
     def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
                  loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None,
-                 compute: StageCompute | None = None, sync: Callable[[], None] | None = None):
+                 compute: StageCompute | None = None, clock: StepClock | None = None):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
-        # called before and after each compute action when given: a GPU's work is asynchronous, and the
-        # clock around a launch measures the launch (profiling syncs; training does not, to keep overlap)
-        self.sync = sync
+        self.clock = clock or HostClock()  # meshjob_trainer.step_clock.clock_for(device) on a GPU
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
         self.recv_depth = dict(recv_depth or {})  # receives posted ahead per boundary; absent: all of them
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -130,14 +131,19 @@ class _StepRun:
     def __init__(self, ex: PipelineExecutor, local_batch: Callable[[int], Batch], training: bool = True):
         self.ex, self.local_batch, self.training = ex, local_batch, training
         self.stats = StageStats(ex.stage, steps=1)
-        self.loss = 0.0
+        self.loss = 0.0  # summed at the step's end from `losses` (read there: on a GPU, reading one waits)
+        self.losses: list[torch.Tensor] = []
         self.stash: dict[int, _Stash] = {}
         self.recv_f: dict[tuple[str, int], tuple[BoundaryKey, Handle]] = {}
         self.recv_b: dict[tuple[str, int], list[tuple[BoundaryKey, Handle]]] = {}
         self.input_grads: dict[int, dict[str, torch.Tensor]] = {}
         self.handles: list[Handle] = []  # every transfer started this step, finished at its end
         self.unposted: dict[BoundaryKey, collections.deque[Action]] = collections.defaultdict(collections.deque)
-        self.t0 = self.stats.timeline_origin = time.perf_counter()
+        # what the step's clock marked, in order, and what each (name, start, end) pair of marks was: a compute
+        # action or a "wait"; read into stats at the step's end, when the device (if any) has run it all
+        self.marks: list = []
+        self.spans: list[tuple[str, int, int]] = []
+        self.stats.timeline_origin = ex.clock.start()
 
     def run(self, actions: Sequence[Action]) -> None:
         self.post_receives(actions)
@@ -145,6 +151,22 @@ class _StepRun:
             if action.kind not in ("RECV_F", "RECV_B"):
                 self.do(action)
         self.finish()
+
+    def read_clock(self) -> None:
+        """Stats from the marks. An action first takes its inputs (the waits inside its span, recorded as
+        such), then computes: its compute starts where it began plus those waits."""
+        at = self.ex.clock.seconds(self.marks)
+        waits: list[tuple[int, float]] = []  # (start mark, seconds) since the last compute action's span
+        for name, start, end in self.spans:  # an action's span comes after the waits inside it
+            if name == "wait":
+                waits.append((start, at[end] - at[start]))
+                self.stats.wait_s += at[end] - at[start]
+                self.stats.timeline.append(("wait", at[start], at[end]))
+                continue
+            begin = at[start] + sum(seconds for mark, seconds in waits if mark > start)
+            self.stats.compute_s += at[end] - begin
+            self.stats.timeline.append((name, begin, at[end]))
+            waits.clear()
 
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
@@ -166,28 +188,22 @@ class _StepRun:
         if pending:
             self.do(pending.popleft())
 
+    def mark(self) -> int:
+        self.marks.append(self.ex.clock.mark())
+        return len(self.marks) - 1
+
     def wait(self, handle: Handle, finish: bool = False) -> torch.Tensor | None:
-        start = time.perf_counter()
+        start = self.mark()
         value = handle.wait() if finish else handle.result()
-        end = time.perf_counter()
-        self.stats.wait_s += end - start
-        self.stats.timeline.append(("wait", start - self.t0, end - self.t0))
+        self.spans.append(("wait", start, self.mark()))
         return value
 
     def do(self, action: Action) -> None:
         kind = action.kind
         if kind in ("F", "B", "I", "W"):
-            if self.ex.sync is not None:
-                self.ex.sync()
-            start, waited = time.perf_counter(), self.stats.wait_s
+            start = self.mark()
             getattr(self, f"_{kind}")(action)
-            if self.ex.sync is not None:
-                self.ex.sync()
-            end = time.perf_counter()
-            # an action first takes its inputs (waits, recorded as such), then computes
-            start += self.stats.wait_s - waited
-            self.stats.compute_s += end - start
-            self.stats.timeline.append((str(action), start - self.t0, end - self.t0))
+            self.spans.append((str(action), start, self.mark()))
         elif kind == "RECV_F":
             self.recv_f[(action.tensor, action.mb)] = self._start(action, None)
         elif kind == "RECV_B":
@@ -239,7 +255,7 @@ class _StepRun:
         outputs = self.ex.compute.forward(inputs)
         if module.is_last:
             outputs["loss"] = outputs["loss"] * self.ex.loss_scale
-            self.loss += outputs["loss"].item()
+            self.losses.append(outputs["loss"].detach())
         self.stash[mb] = _Stash(leaves, outputs)
         self.stats.peak_stashed = max(self.stats.peak_stashed, len(self.stash))
 
@@ -293,6 +309,9 @@ class _StepRun:
     def finish(self) -> None:
         for handle in self.handles:
             self.wait(handle, finish=True)
+        self.read_clock()
+        for loss in self.losses:
+            self.loss += loss.item()
         if not self.training:  # forward only: the stash held the outputs until they were sent
             self.stash.clear()
         leftovers = []

@@ -34,6 +34,7 @@ from meshjob_trainer.optim import StageOptimizer
 from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups
 from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
 from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.step_clock import HostClock, clock_for
 
 
 @dataclass
@@ -116,8 +117,10 @@ def build_runtime(ctx: Any) -> StageRuntime:
         tied=module.tied_weights())
     transport = ReshardTransport(ctx.reshard)
     tokens = t.global_batch * job.model.seq_len
+    # emulated compute waits on the host: its time is the host's, whatever the device
+    clock = clock_for(ctx.device) if compute is None else HostClock()
     executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens,
-                                recv_depth=ctx.reshard.recv_depth, compute=compute)
+                                recv_depth=ctx.reshard.recv_depth, compute=compute, clock=clock)
     val = make_data(job, VAL) if t.eval_every > 0 else None
     return StageRuntime(stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job,
                         torch.device(ctx.device))
