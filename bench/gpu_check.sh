@@ -4,7 +4,8 @@
 # NCCL tests (tests/test_nccl.py), `meshjob run examples/tiny.yaml`, `meshjob bench resharding --quick
 # --transport nccl` and the transport bench (bench/meshjob_bench/nccl_transport.py); the trainer runs on
 # CUDA over NCCL wherever a GPU is visible. Logs and JSON go to $OUT. Every step has its own time limit
-# (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time.
+# (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time;
+# CPU_S (opt-in) runs the gloo resharding bench on this machine's cores.
 # Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
 # BENCH_S=0 TESTS="tests/test_nccl.py -k trains" only those run (a hung gang reports each rank's stacks).
 set -u
@@ -41,4 +42,12 @@ if [ "${BENCH_S:-90}" != 0 ]; then
   timeout "${BENCH_S:-90}" python3 -m meshjob_bench.nccl_transport --out "$OUT" --mib "${MIB:-32}" --repeats 3 \
     > "$OUT/transport.log" 2>&1
   tail -25 "$OUT/transport.log"
+fi
+# Opt-in (CPU_S=600): the resharding bench over gloo on this machine's CPU cores, by default its paper-scale
+# section (CPU_ARGS): this project's 2-core machines bound several issue targets by their cores (bench/RUNS.md);
+# here 16 cores carry the same ranks. Emulated NICs need root, ip and tc (env.txt says).
+if [ "${CPU_S:-0}" != 0 ]; then
+  timeout "${CPU_S:-0}" python3 -m meshjob.cli bench resharding --transport gloo ${CPU_ARGS:---section paper_scale} \
+    --out "$OUT/cpu-resharding" > "$OUT/cpu-resharding.log" 2>&1
+  tail -40 "$OUT/cpu-resharding.log"
 fi
