@@ -43,24 +43,34 @@ def train_on_cuda(env, job):
     return result, torch.cuda.is_initialized(), os.environ.get("NCCL_HOSTID")
 
 
-@pytest.mark.parametrize("kind,schedule,delay", [("gpt", "1f1b", 0), ("utransformer", "eager-1f1b", 1)])
-def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay):
+# Smallest first: two ranks, one per stage (two directed pairs, no tensor or data parallel groups), so a
+# failure of the larger jobs (7 ranks, every kind of group) tells scale from the path itself.
+TWO_STAGES = [{"layers": [0, 4], "mesh": [1, 1]}, {"layers": [4, 8], "mesh": [1, 1]}]
+
+
+@pytest.mark.parametrize("kind,schedule,delay,stages", [("gpt", "1f1b", 0, TWO_STAGES), ("gpt", "1f1b", 0, None),
+                                                        ("utransformer", "eager-1f1b", 1, None)],
+                         ids=["gpt-2-ranks", "gpt", "utransformer"])
+def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay,
+                                                                                     stages):
     """Tensor and data parallel stages and cross-mesh resharding, every payload on the GPU; the reference
     runs on this process's CPU, so losses agree to float32 rounding across devices."""
     from meshjob.plan import build_plan
     from meshjob_trainer.model import full_parameters
 
-    job = make_job(kind, schedule, delay, steps=GPU_STEPS)
-    world = build_plan(job).placement.world_size
+    layout = {} if stages is None else {"stages": stages}
+    job = make_job(kind, schedule, delay, steps=GPU_STEPS, **layout)
+    plan = build_plan(job)
+    world = plan.placement.world_size
     # under bench/gpu_check.sh's time for the tests: a hang then reports each rank's stacks (meshjob_trainer.launch)
     outcomes = gang(world, functools.partial(train_on_cuda, job=job), timeout_s=150)
     assert all(on_cuda for _result, on_cuda, _host in outcomes), "a rank trained without touching CUDA"
     if world > torch.cuda.device_count():
         assert len({host for _result, _cuda, host in outcomes}) == world  # each rank its own NCCL host
     results = [result for result, _cuda, _host in outcomes]
-    ref = reference_for_job(make_job(kind, "gpipe", 0, steps=GPU_STEPS))
+    ref = reference_for_job(make_job(kind, "gpipe", 0, steps=GPU_STEPS, **layout))
     losses = pipeline_losses(results)
-    assert len(losses) == 2
+    assert len(losses) == len(plan.mesh(len(job.stages) - 1).ranks)  # each rank of the last stage reports them
     for reported in losses:
         assert reported == pytest.approx(ref.losses, abs=1e-4)
     weights = full_parameters([r.params for r in results])
