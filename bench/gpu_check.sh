@@ -7,7 +7,8 @@
 # (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time;
 # CPU_S (opt-in) runs the gloo resharding bench on this machine's cores.
 # Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
-# BENCH_S=0 TESTS="tests/test_nccl.py -k trains" only those run (a hung gang reports each rank's stacks).
+# BENCH_S=0 and pytest's -k "trains or timed" after the script's name, only those (a two-rank job first, then
+# the 7-rank ones; a hung gang reports each rank's stacks) and the device-clock check run.
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
