@@ -35,7 +35,8 @@ STRATEGY_CASES = ([(c, "broadcast") for c in CASES]
                   + [(c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")])
 
 
-# The training tests first: pytest-xdist hands tests out in file order, and they take the longest.
+# The training tests first: pytest-xdist hands tests out in file order, and they take the longest; then the
+# device-clock check (seconds), then the resharding tests.
 def train_on_cuda(env, job):
     from meshjob_trainer.train import train_rank
 
@@ -78,6 +79,39 @@ def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_refere
         torch.testing.assert_close(weights[name].cpu(), expected, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 
 
+def read_a_kernel_on_both_clocks(env):
+    """A kernel of known device time, read as the host sees it (launch) and on the device clock."""
+    import time
+
+    from meshjob_trainer.step_clock import DeviceClock
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cycles = 200_000_000  # about 0.1 s at 2 GHz
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize(device)
+    device_s = time.perf_counter() - t0
+    clock = DeviceClock(device)
+    clock.start()
+    h0 = time.perf_counter()
+    before = clock.mark()
+    torch.cuda._sleep(cycles)
+    after = clock.mark()
+    launch_s = time.perf_counter() - h0
+    start, end = clock.seconds([before, after])
+    return device_s, launch_s, end - start
+
+
+def test_a_gpu_step_is_timed_on_the_device_not_by_its_launches(gang):
+    """The pipeline's timeline on CUDA (meshjob_trainer.step_clock.DeviceClock): a kernel's span is its
+    device time, though its launch returns at once. In a rank: CUDA here would break the ranks forked later."""
+    [(device_s, launch_s, read_s)] = gang(1, read_a_kernel_on_both_clocks, timeout_s=60)
+    assert launch_s < device_s / 5
+    assert read_s == pytest.approx(device_s, rel=0.25)
+
+
 def reshard_on_cuda(case: Case, strategy: str):
     boundary = make_boundary(case, strategy)
 
@@ -115,35 +149,3 @@ def test_every_strategy_delivers_the_exact_tile_device_to_device_in_the_planned_
         if role == "receiver":
             assert outcome == ("cuda", True), f"rank {rank} got {outcome} with {strategy} on {case.name}"
 
-
-def read_a_kernel_on_both_clocks(env):
-    """A kernel of known device time, read as the host sees it (launch) and on the device clock."""
-    import time
-
-    from meshjob_trainer.step_clock import DeviceClock
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    cycles = 200_000_000  # about 0.1 s at 2 GHz
-    torch.cuda._sleep(1000)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize(device)
-    device_s = time.perf_counter() - t0
-    clock = DeviceClock(device)
-    clock.start()
-    h0 = time.perf_counter()
-    before = clock.mark()
-    torch.cuda._sleep(cycles)
-    after = clock.mark()
-    launch_s = time.perf_counter() - h0
-    start, end = clock.seconds([before, after])
-    return device_s, launch_s, end - start
-
-
-def test_a_gpu_step_is_timed_on_the_device_not_by_its_launches(gang):
-    """The pipeline's timeline on CUDA (meshjob_trainer.step_clock.DeviceClock): a kernel's span is its
-    device time, though its launch returns at once. In a rank: CUDA here would break the ranks forked later."""
-    [(device_s, launch_s, read_s)] = gang(1, read_a_kernel_on_both_clocks, timeout_s=60)
-    assert launch_s < device_s / 5
-    assert read_s == pytest.approx(device_s, rel=0.25)
