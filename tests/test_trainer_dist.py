@@ -40,6 +40,15 @@ def test_ranks_that_outnumber_their_hosts_gpus_each_become_an_nccl_host_of_their
     assert nccl_host_id(crowded, gpus=4, host="node-a") is None  # a GPU per rank: NVLink and shared memory stay
 
 
+def test_only_a_cuda_device_ends_a_benchs_timed_region_with_a_sync():
+    import torch
+
+    from meshjob_trainer.dist import device_sync
+
+    assert device_sync(torch.device("cpu")) is None
+    assert callable(device_sync(torch.device("cuda", 0)))  # not called: no GPU here
+
+
 def test_ranks_of_different_emulated_hosts_are_different_nccl_hosts_on_their_hosts_nic(monkeypatch):
     """So NCCL between emulated hosts crosses their emulated NICs, not NVLink or shared memory."""
     import socket

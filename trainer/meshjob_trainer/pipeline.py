@@ -159,8 +159,9 @@ class _StepRun:
         waits: list[tuple[int, float]] = []  # (start mark, seconds) since the last compute action's span
         for name, start, end in self.spans:  # an action's span comes after the waits inside it
             if name == "wait":
-                waits.append((start, at[end] - at[start]))
-                self.stats.wait_s += at[end] - at[start]
+                waited = at[end] - at[start]
+                waits.append((start, waited))
+                self.stats.wait_s += waited
                 self.stats.timeline.append(("wait", at[start], at[end]))
                 continue
             begin = at[start] + sum(seconds for mark, seconds in waits if mark > start)
