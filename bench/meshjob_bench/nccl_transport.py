@@ -70,7 +70,8 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
             sync = device_sync(device)
             routes = [r for name, (send, recv) in CASES.items() for r in make_routes(
                 [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
-            ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None)
+            ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None,
+                                 cpu_wire="tcp" if transport == "nccl" else transport)
             for name, strategy, b in planned:
                 mine = None
                 if env.rank in SRC.ranks:
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="tensor size in MiB (float32, square-ish 2-D)")
     parser.add_argument("--chunks", type=int, default=8, help="broadcast chunks per unit task")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transports", default="nccl,gloo", help="comma-separated: nccl (needs a GPU), gloo")
+    parser.add_argument("--transports", default="nccl,gloo",
+                        help="comma-separated: nccl (needs a GPU), gloo or tcp (CPU tensors over that wire)")
     args = parser.parse_args(argv)
     from meshjob_trainer.launch import launch
 

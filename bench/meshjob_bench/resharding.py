@@ -43,7 +43,7 @@ from meshjob_trainer.launch import RankContext, launch
 from meshjob.network import NetworkModel
 from meshjob.units import parse_rate
 
-TRANSPORTS = ("gloo", "nccl")
+TRANSPORTS = ("tcp", "gloo", "nccl")
 QUICK_PROBE_ROUNDS = 2  # --quick: enough for a spread between rounds; a full run takes PROBE_ROUNDS (5)
 
 
@@ -61,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan with per-message link time and CPU on the shared cores measured first through "
                              "the engine (default), or with the network model's defaults (raw gloo, CPU not "
                              "modelled)")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="gloo",
-                        help="gloo: CPU tensors (default); nccl: CUDA tensors device to device (needs a GPU; ranks "
-                             "that share one each become an NCCL host of their own)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="tcp",
+                        help="tcp: CPU tensors, a TCP connection per directed pair between hosts (default, the "
+                             "trainer's); gloo: CPU tensors over gloo's isend/irecv; nccl: CUDA tensors device to "
+                             "device (needs a GPU; ranks that share one each become an NCCL host of their own)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
                         help="run only this section (repeatable; default all)")
     parser.add_argument("--case", action="append", default=None,
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float, rounds: int = engine_costs.PROBE_ROUNDS,
-                   transport: str = "gloo") -> engine_costs.EngineCosts | None:
+                   transport: str = "tcp") -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs) in
     `rounds` rounds; None if the probe failed. One attempt: `main` runs it under
     probe_guard.guarded_probe (retried when disturbed)."""
@@ -126,10 +127,11 @@ def _case_routes(case: Case, network: NetworkModel | None) -> list[Any]:
 
 
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
-               network: NetworkModel | None = None, transport: str = "gloo") -> list[dict]:
+               network: NetworkModel | None = None, transport: str = "tcp") -> list[dict]:
     """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
     `network`: the model the cases were planned on (each rank's program and its NIC window follow it).
-    `transport` nccl: the tiles live on the GPU and cross over NCCL; the common starts stay on gloo."""
+    `transport` tcp or gloo: CPU tiles, the wire between hosts (meshjob_trainer.wire.wire_for); nccl: the tiles
+    live on the GPU and cross over NCCL; the common starts stay on gloo."""
     import torch
     import torch.distributed as dist
 
@@ -139,16 +141,17 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     from meshjob_trainer.reshard import ReshardExecutor
     from meshjob_trainer.wire import wire_for
 
-    init_distributed(ctx.env, timeout_s=120, backend="gloo" if transport == "gloo" else None)
+    on_cpu = transport != "nccl"
+    init_distributed(ctx.env, timeout_s=120, backend="gloo" if on_cpu else None)
     rank = ctx.rank
     timed: list[dict] = []
     try:
-        device = torch.device("cpu") if transport == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         sync = device_sync(device)
-        cpu_group = None if transport == "gloo" else dist.new_group(backend="gloo")
+        cpu_group = None if on_cpu else dist.new_group(backend="gloo")
         # NCCL: one wire, every pair of every case connected once (a wire per case would leave a communicator
         # per pair and case, each with its own proxy thread and buffers)
-        shared_wire = None if transport == "gloo" else wire_for(device, rank, set().union(*(
+        shared_wire = None if on_cpu else wire_for(device, rank, set().union(*(
             r.pairs() for case in cases for r in _case_routes(case, network))))
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
@@ -159,7 +162,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                                            case.src_mesh.index_of(rank)))].contiguous().to(device)
             routes = _case_routes(case, network)
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
-                                       device=device, wire=shared_wire)
+                                       device=device, wire=shared_wire, cpu_wire=transport if on_cpu else "tcp")
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                     t0 = _common_start(wait=inside, group=cpu_group)
@@ -394,9 +397,10 @@ def main(args: argparse.Namespace) -> int:
         errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
     if repeats < 1:
         errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
-    transport = getattr(args, "transport", "gloo")
+    transport = getattr(args, "transport", "tcp")
     if transport == "nccl" and not gpu_visible():
-        errors.append(FieldError("--transport", transport, "gloo here: nccl needs a CUDA GPU, and torch sees none"))
+        errors.append(FieldError("--transport", transport, "tcp or gloo here: nccl needs a CUDA GPU, and torch sees "
+                                 "none"))
     if errors:
         raise SpecError(errors)
 
@@ -439,7 +443,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     rows = collect(cases, [timing for timings in result.values for timing in timings])
     subtitle = (f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
-                + (", NCCL on CUDA" if transport == "nccl" else ""))
+                + (", NCCL on CUDA" if transport == "nccl" else f", CPU wire {transport}"))
     title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
     print_table(rows, title)
     summary = summarize(rows)

@@ -39,7 +39,7 @@ from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Handle, Job, MessageSpec
 from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, routes_from_plan
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
-from meshjob_trainer.wire import Wire, wire_for
+from meshjob_trainer.wire import Wire, close_wire, wire_for
 
 SIGNAL_BYTES = 1
 _BOARDS = itertools.count()  # boards built by this process: every rank of a host counts them alike
@@ -215,8 +215,10 @@ class ReshardExecutor:
     without a whole job), transfers go in the order start() is called, which must then be the same
     on every rank. Events
     (bytes, times, NIC rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name
-    of the rank's host, or "host-<index>" with explicit routes. `wire`: default gloo on the CPU, NCCL
-    on CUDA (meshjob_trainer.wire.wire_for). Call close() before leaving the process group.
+    of the rank's host, or "host-<index>" with explicit routes. `wire`: default on the CPU a TCP connection
+    per directed pair between hosts (`cpu_wire` "gloo": gloo's isend) and a memory copy inside one, NCCL on CUDA
+    (meshjob_trainer.wire.wire_for); a wire the executor made is closed with it. Call close() before leaving
+    the process group.
 
     With an order, the ranks of a host also take their turns on the host's shared NIC links as the
     plan orders them (meshjob_trainer.board): `board` True / False, or None: when torch.distributed is
@@ -228,7 +230,7 @@ class ReshardExecutor:
                  device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
                  order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None,
                  board: bool | None = None, board_timeout_s: float = 300.0,
-                 small_in_flight_per_link: int | None = None) -> None:
+                 small_in_flight_per_link: int | None = None, cpu_wire: str = "tcp") -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
@@ -262,7 +264,9 @@ class ReshardExecutor:
         self.small_in_flight_per_link = max(self.in_flight_per_link, small_in_flight_per_link
                                             or network.small_in_flight_per_link)
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
-        self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank))
+        self._own_wire = wire is None  # closed with the executor
+        self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank),
+                                     cpu_wire=cpu_wire)
         self.network = network
         self.board_timeout_s = board_timeout_s
         use_board = order is not None and (_dist_up() if board is None else board)
@@ -354,6 +358,8 @@ class ReshardExecutor:
     def close(self, timeout_s: float = 60.0) -> None:
         """Let the transfers under way finish (a chain's last forwards), then stop the engine."""
         self.engine.close(timeout_s)
+        if self._own_wire:
+            close_wire(self.wire)
 
 
 def _dist_up() -> bool:

@@ -6,9 +6,10 @@ launch, and the host then blocks wherever it needs a result (a transfer's hand-o
 end), so the dashboard's compute time would be launch time and the device's work would count as
 waiting. DeviceClock marks the compute stream instead: each mark is a CUDA event recorded there, so
 it reads when the device reached that point of the stream, and a step's marks are read once, at its
-end (an event synchronize there, and one at the step's start to pin its origin). The executor marks the same points on either clock: an action's
-start and end, and both sides of each wait for a transfer; on the device, the time between a wait's
-two marks is the stream waiting for the transfer's hand-over (meshjob_trainer.wire: `accept`).
+end (an event synchronize there, and one at the step's start to pin its origin). The executor marks
+the same points on either clock: an action's start and end, and both sides of each wait for a
+transfer; on the device, the time between a wait's two marks is the stream waiting for the transfer's
+hand-over (meshjob_trainer.wire: `accept`).
 """
 from __future__ import annotations
 

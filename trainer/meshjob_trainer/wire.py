@@ -1,9 +1,13 @@
 """The wire a rank's communication engine (meshjob_trainer.engine) issues its messages on.
 
 A wire issues point-to-point messages (isend/irecv), blocks a thread until one is done (wait), and
-keeps the engine's device work apart from the compute stream. Three of them:
+keeps the engine's device work apart from the compute stream. Four of them:
 
-- GlooWire (CPU tensors): gloo's isend/irecv on the default group, matched by (peer, tag). gloo
+- TcpWire (CPU tensors between hosts, the default there; meshjob_trainer.tcp_wire): a TCP connection
+  per directed pair, messages matched by the order both ranks issue them, as NCCL matches them; about
+  30x less CPU per message than gloo's point-to-point. Inside a host a memory copy
+  (meshjob_trainer.local_copy) wraps it.
+- GlooWire (CPU tensors, `cpu_wire="gloo"`): gloo's isend/irecv on the default group, matched by (peer, tag). gloo
   tells completion only through a blocking wait(): Work.is_completed() stays False until wait()
   returns, wait(timeout) closes the connection when it expires, and point-to-point work has no
   future. The engine therefore learns completions from waiter threads, one per peer and direction,
@@ -184,19 +188,37 @@ def wait_polling(work: Any, first_s: float, longest_s: float) -> None:
     work.wait()  # raises a failed communicator's error
 
 
+CPU_WIRES = ("tcp", "gloo")  # between CPU ranks of different hosts: meshjob_trainer.tcp_wire, or gloo's isend
+
+
 def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
-             new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = ()) -> Wire:
+             new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = (),
+             cpu_wire: str = "tcp") -> Wire:
     """NCCL between CUDA devices (a communicator per directed pair, all connected now: collective, every
-    rank calls it with the same pairs), gloo for CPU tensors; between CPU ranks of one host
-    (`local_peers`) one memory copy (meshjob_trainer.local_copy) where the system allows it."""
+    rank calls it with the same pairs); for CPU tensors `cpu_wire` between hosts (tcp: a connection per
+    directed pair, meshjob_trainer.tcp_wire, every rank building it with the same pairs; gloo: its
+    isend/irecv), and between CPU ranks of one host (`local_peers`) one memory copy
+    (meshjob_trainer.local_copy) where the system allows it."""
     if device.type != "cuda":
         from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
+        from meshjob_trainer.tcp_wire import TcpWire
 
-        local = set(local_peers)
-        return LocalCopyWire(GlooWire(), local) if local and local_copy_available() else GlooWire()
+        if cpu_wire not in CPU_WIRES:
+            raise ValueError(f"cpu_wire {cpu_wire!r} is invalid: one of {', '.join(CPU_WIRES)}")
+        local = set(local_peers) if local_copy_available() else set()
+        inner: Wire = TcpWire(rank, pairs, skip=local) if cpu_wire == "tcp" else GlooWire()
+        return LocalCopyWire(inner, local) if local else inner
     wire = NcclWire(rank, device, directed_groups(pairs, new_group))
     wire.connect()
     return wire
+
+
+def close_wire(wire: Any) -> None:
+    """Release what a wire holds (a TCP wire's connections; gloo and NCCL keep theirs in the process group)."""
+    for part in (wire, getattr(wire, "inner", None)):
+        close = getattr(part, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass
