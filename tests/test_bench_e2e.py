@@ -58,7 +58,7 @@ def test_quick_run_writes_ratios_predictions_a_json_and_a_png(tmp_path):
     assert main(["--quick", "--out", str(out)]) == 0
     report = json.loads((out / "e2e.json").read_text())
     assert report["compute"] == "emulated" and report["device"]["tflops"] == 1.0
-    assert report["transport"] == "tcp" and report["machine"]["torch"]
+    assert report["transport"] == "gloo" and report["machine"]["torch"]
     rows = {r["config"]: r for r in report["rows"]}
     assert set(rows) == set(CONFIGS)
     assert rows["alpa"]["vs_alpa"] == pytest.approx(1.0) and rows["signal"]["vs_signal"] == pytest.approx(1.0)

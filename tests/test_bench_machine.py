@@ -6,9 +6,9 @@ import torch
 from meshjob_bench import machine as machine_module
 
 
-def test_without_a_gpu_the_transport_is_tcp_and_the_machine_names_no_gpu(monkeypatch):
+def test_without_a_gpu_the_transport_is_gloo_and_the_machine_names_no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert machine_module.transport_here() == "tcp"
+    assert machine_module.transport_here() == "gloo"
     assert machine_module.machine() == {"torch": torch.__version__, "cpus": machine_module.os.cpu_count()}
 
 

@@ -78,7 +78,7 @@ def test_quick_run_writes_every_field_a_timeline_and_a_bar_chart(tmp_path):
     out = tmp_path / "results"
     assert main(["--quick", "--comm-fractions", "1.0", "--out", str(out)]) == 0
     report = json.loads((out / "pipeline.json").read_text())
-    assert report["transport"] == "tcp" and report["machine"]["torch"] and report["machine"]["cpus"] >= 1
+    assert report["transport"] == "gloo" and report["machine"]["torch"] and report["machine"]["cpus"] >= 1
     rows = {r["variant"]: r for r in report["rows"]}
     assert set(rows) == {"1f1b", "eager-1f1b", "eager-1f1b+wdelay", "signal"}
     assert rows["1f1b"]["vs_1f1b"] == pytest.approx(1.0)

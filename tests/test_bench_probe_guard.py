@@ -59,6 +59,15 @@ def test_a_per_message_cost_far_from_the_nominal_disturbs_the_probe():
     assert judge(_costs(0.0, spread=(0.0, 0.0)), _machine()).checks["message_s"] == math.inf
 
 
+def test_through_the_tcp_wire_only_the_cpu_is_checked_not_a_link_time_of_a_few_microseconds():
+    from meshjob_bench.probe_guard import judge
+
+    quiet = judge(_costs(2e-6, spread=(0.0, 39e-6), cpu=270e-6), _machine(0.05), nominal_message_s=None)
+    assert not quiet.disturbed and set(quiet.checks) == {"foreign_cpu", "spread_message_cpu_s"}
+    busy = judge(_costs(2e-6, spread=(0.0, 39e-6)), _machine(0.5), nominal_message_s=None)
+    assert busy.disturbed and "foreign CPU" in busy.reasons[0]
+
+
 def test_rounds_that_disagree_badly_disturb_the_probe_and_one_bad_round_does_not():
     from meshjob_bench.probe_guard import judge
 

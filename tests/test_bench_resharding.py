@@ -128,7 +128,7 @@ def test_summary_is_the_geometric_mean_over_cases_per_variant():
 
 @pytest.mark.parametrize("option,value,allowed", [
     ("--chunks", "4,zero", "comma-separated positive integers or auto"),
-    pytest.param("--transport", "nccl", "tcp or gloo here: nccl needs a CUDA GPU, and torch sees none",
+    pytest.param("--transport", "nccl", "gloo or tcp here: nccl needs a CUDA GPU, and torch sees none",
                  marks=pytest.mark.skipif(gpu_visible(), reason="a GPU is visible: nccl is allowed")),
 ])
 def test_a_bad_option_is_rejected_naming_it_its_value_and_what_is_allowed(option, value, allowed):
@@ -150,7 +150,7 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert "NIC 500mbit" in proc.stdout and "K in {16}" in proc.stdout
     doc = json.loads((tmp_path / "resharding.json").read_text())
     assert doc["emulated"] is True and doc["nic_rate"] == "500mbit"
-    assert doc["transport"] == "tcp" and doc["machine"]["torch"]
+    assert doc["transport"] == "gloo" and doc["machine"]["torch"]
     rows = doc["rows"]
     assert set(doc["summary"]) == {"one_to_many", "many_to_many", "paper_scale"}
     assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",

@@ -69,8 +69,7 @@ def test_ranks_of_different_emulated_hosts_are_different_nccl_hosts_on_their_hos
 
 def test_a_hosts_log_says_what_carries_its_tensors():
     env = WorkerEnv(rank=0, world_size=8, local_world_size=4)
-    assert describe_transport(env, "gloo", 0) == ("meshjob: 4 rank(s) here, CPU tensors: messages over TCP (a memory "
-                                                  "copy inside a host), collectives over gloo")
+    assert describe_transport(env, "gloo", 0) == "meshjob: 4 rank(s) here, CPU tensors over gloo"
     nccl = describe_transport(env, "cpu:gloo,cuda:nccl", 4)
     assert nccl == "meshjob: 4 rank(s) here on 4 GPU(s), CUDA tensors over NCCL"
     shared = describe_transport(env, "cpu:gloo,cuda:nccl", 1)
@@ -144,20 +143,20 @@ def test_with_cuda_the_backend_is_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors
     assert backend_for_device(cuda_available=True) == "cpu:gloo,cuda:nccl"
 
 
-# -- the engine's wire: TCP (or gloo) on the CPU, NCCL device to device on CUDA ----------------------
+# -- the engine's wire: gloo (or TCP) on the CPU, NCCL device to device on CUDA ----------------------
 
-def test_cpu_ranks_get_the_tcp_wire_and_gloo_on_request():
+def test_cpu_ranks_get_the_gloo_wire_and_tcp_on_request():
     from meshjob_trainer.tcp_wire import TcpWire
     from meshjob_trainer.wire import GlooWire, wire_for
 
-    assert isinstance(wire_for(torch_device("cpu"), 0, {(0, 1)}), TcpWire)
-    assert isinstance(wire_for(torch_device("cpu"), 0, {(0, 1)}, cpu_wire="gloo"), GlooWire)
+    assert isinstance(wire_for(torch_device("cpu"), 0, {(0, 1)}), GlooWire)
+    assert isinstance(wire_for(torch_device("cpu"), 0, {(0, 1)}, cpu_wire="tcp"), TcpWire)
 
 
 def test_an_unknown_cpu_wire_is_a_clear_error():
     from meshjob_trainer.wire import wire_for
 
-    with pytest.raises(ValueError, match=r"cpu_wire 'mpi' is invalid: one of tcp, gloo"):
+    with pytest.raises(ValueError, match=r"cpu_wire 'mpi' is invalid: one of gloo, tcp"):
         wire_for(torch_device("cpu"), 0, {(0, 1)}, cpu_wire="mpi")
 
 

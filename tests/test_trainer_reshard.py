@@ -75,9 +75,10 @@ def make_boundary(case: Case, strategy: str, chunks: int = 3, tensor: str = "act
                          ReshardingSpec(strategy, chunks, "load_balance"), host_of(case), NIC_BYTES_PER_S)
 
 
-def executor(case: Case, boundaries: list[Boundary], rank: int, metrics=None) -> ReshardExecutor:
+def executor(case: Case, boundaries: list[Boundary], rank: int, metrics=None,
+             cpu_wire: str = "gloo") -> ReshardExecutor:
     routes = make_routes(boundaries, {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
-    return ReshardExecutor(None, rank, metrics, routes=routes)
+    return ReshardExecutor(None, rank, metrics, routes=routes, cpu_wire=cpu_wire)
 
 
 def global_tensor(case: Case, seed: int) -> torch.Tensor:
@@ -92,19 +93,20 @@ def natural_tile(case: Case, full: torch.Tensor, rank: int) -> torch.Tensor | No
     return None
 
 
-def reshard_once(case: Case, strategy: str, seed: int = 7):
+def reshard_once(case: Case, strategy: str, seed: int = 7, cpu_wire: str = "gloo"):
     """Target run by every rank: returns (rank, outcome) where outcome says what arrived."""
     boundary = make_boundary(case, strategy)
 
     def target(env):
         init_distributed(env, timeout_s=20)
         try:
-            ex = executor(case, [boundary], env.rank)
+            ex = executor(case, [boundary], env.rank, cpu_wire=cpu_wire)
             full = global_tensor(case, seed)
             mine = natural_tile(case, full, env.rank)
             local = mine if env.rank in case.src.ranks else None
             handle = ex.start(boundary.key, 0, local)
             got = handle.wait(timeout_s=30)
+            ex.close()
             if env.rank in case.src.ranks:
                 return env.rank, "sender", got is None
             return env.rank, "receiver", (got.shape == mine.shape, handle.delivered and torch.equal(got, mine),
@@ -116,10 +118,11 @@ def reshard_once(case: Case, strategy: str, seed: int = 7):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cpu_wire", ["gloo", "tcp"])
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "signal"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_every_strategy_delivers_the_exact_destination_tile(gang, case: Case, strategy: str):
-    results = gang(case.world_size, reshard_once(case, strategy))
+def test_every_strategy_delivers_the_exact_destination_tile(gang, case: Case, strategy: str, cpu_wire: str):
+    results = gang(case.world_size, reshard_once(case, strategy, cpu_wire=cpu_wire))
     for rank, role, outcome in results:
         if role == "sender":
             assert outcome, f"rank {rank} is a source: wait() must return None"

@@ -18,9 +18,8 @@ def gpu_visible() -> bool:
 
 
 def transport_here() -> str:
-    """What the trainer's ranks send their messages over on this machine: "nccl" with a GPU, else "tcp" (a
-    connection per directed pair between hosts, meshjob_trainer.tcp_wire; collectives stay on gloo)."""
-    return "nccl" if gpu_visible() else "tcp"
+    """What the trainer's ranks use on this machine: "nccl" with a GPU, else "gloo"."""
+    return "nccl" if gpu_visible() else "gloo"
 
 
 def machine(named: bool = True) -> dict[str, Any]:

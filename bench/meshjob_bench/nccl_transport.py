@@ -71,7 +71,7 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
             routes = [r for name, (send, recv) in CASES.items() for r in make_routes(
                 [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
             ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None,
-                                 cpu_wire="tcp" if transport == "nccl" else transport)
+                                 cpu_wire="gloo" if transport == "nccl" else transport)
             for name, strategy, b in planned:
                 mine = None
                 if env.rank in SRC.ranks:

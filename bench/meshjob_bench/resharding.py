@@ -40,10 +40,10 @@ from meshjob_bench.resharding_cases import (BALANCERS, DEVICES_PER_HOST, MAIN_BA
                                             plan_cases)
 from meshjob_bench.resharding_targets import check_paper_targets, check_targets, planned, print_targets
 from meshjob_trainer.launch import RankContext, launch
-from meshjob.network import NetworkModel
+from meshjob.network import EMULATED_MESSAGE_S, NetworkModel
 from meshjob.units import parse_rate
 
-TRANSPORTS = ("tcp", "gloo", "nccl")
+TRANSPORTS = ("gloo", "tcp", "nccl")
 QUICK_PROBE_ROUNDS = 2  # --quick: enough for a spread between rounds; a full run takes PROBE_ROUNDS (5)
 
 
@@ -61,10 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan with per-message link time and CPU on the shared cores measured first through "
                              "the engine (default), or with the network model's defaults (raw gloo, CPU not "
                              "modelled)")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="tcp",
-                        help="tcp: CPU tensors, a TCP connection per directed pair between hosts (default, the "
-                             "trainer's); gloo: CPU tensors over gloo's isend/irecv; nccl: CUDA tensors device to "
-                             "device (needs a GPU; ranks that share one each become an NCCL host of their own)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="gloo",
+                        help="gloo: CPU tensors over gloo's isend/irecv between hosts (default, the trainer's); tcp: "
+                             "CPU tensors, a TCP connection per directed pair between hosts (meshjob_trainer."
+                             "tcp_wire); nccl: CUDA tensors device to device (needs a GPU; ranks that share one each "
+                             "become an NCCL host of their own)")
     parser.add_argument("--section", action="append", choices=SECTIONS,
                         help="run only this section (repeatable; default all)")
     parser.add_argument("--case", action="append", default=None,
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float, rounds: int = engine_costs.PROBE_ROUNDS,
-                   transport: str = "tcp") -> engine_costs.EngineCosts | None:
+                   transport: str = "gloo") -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs) in
     `rounds` rounds; None if the probe failed. One attempt: `main` runs it under
     probe_guard.guarded_probe (retried when disturbed)."""
@@ -127,7 +128,7 @@ def _case_routes(case: Case, network: NetworkModel | None) -> list[Any]:
 
 
 def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
-               network: NetworkModel | None = None, transport: str = "tcp") -> list[dict]:
+               network: NetworkModel | None = None, transport: str = "gloo") -> list[dict]:
     """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
     `network`: the model the cases were planned on (each rank's program and its NIC window follow it).
     `transport` tcp or gloo: CPU tiles, the wire between hosts (meshjob_trainer.wire.wire_for); nccl: the tiles
@@ -162,7 +163,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                                            case.src_mesh.index_of(rank)))].contiguous().to(device)
             routes = _case_routes(case, network)
             executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
-                                       device=device, wire=shared_wire, cpu_wire=transport if on_cpu else "tcp")
+                                       device=device, wire=shared_wire, cpu_wire=transport if on_cpu else "gloo")
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                     t0 = _common_start(wait=inside, group=cpu_group)
@@ -397,9 +398,9 @@ def main(args: argparse.Namespace) -> int:
         errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
     if repeats < 1:
         errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
-    transport = getattr(args, "transport", "tcp")
+    transport = getattr(args, "transport", "gloo")
     if transport == "nccl" and not gpu_visible():
-        errors.append(FieldError("--transport", transport, "tcp or gloo here: nccl needs a CUDA GPU, and torch sees "
+        errors.append(FieldError("--transport", transport, "gloo or tcp here: nccl needs a CUDA GPU, and torch sees "
                                  "none"))
     if errors:
         raise SpecError(errors)
@@ -425,7 +426,8 @@ def main(args: argparse.Namespace) -> int:
             if args.message_costs == "measured":
                 rounds = QUICK_PROBE_ROUNDS if quick else engine_costs.PROBE_ROUNDS
                 probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds, transport),
-                                                  attempts=1 if quick else probe_guard.PROBE_ATTEMPTS)
+                                                  attempts=1 if quick else probe_guard.PROBE_ATTEMPTS,
+                                                  nominal_message_s=None if transport == "tcp" else EMULATED_MESSAGE_S)
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1

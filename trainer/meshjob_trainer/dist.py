@@ -264,8 +264,7 @@ def nccl_host_id(env: WorkerEnv, gpus: int, host: str) -> str | None:
 def describe_transport(env: WorkerEnv, backend: str, gpus: int) -> str:
     """One line for the log of the machine (a pod, or `meshjob run`'s one machine): what carries its ranks' tensors."""
     if not uses_cuda(backend):
-        return (f"meshjob: {env.local_world_size} rank(s) here, CPU tensors: messages over TCP (a memory copy inside "
-                f"a host), collectives over gloo")
+        return f"meshjob: {env.local_world_size} rank(s) here, CPU tensors over gloo"
     line = f"meshjob: {env.local_world_size} rank(s) here on {gpus} GPU(s), CUDA tensors over NCCL"
     if nccl_host_id(env, gpus, "") is not None:
         line += "; ranks share GPUs, so each is an NCCL host of its own (NCCL's network transport between them)"

@@ -215,9 +215,9 @@ class ReshardExecutor:
     without a whole job), transfers go in the order start() is called, which must then be the same
     on every rank. Events
     (bytes, times, NIC rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name
-    of the rank's host, or "host-<index>" with explicit routes. `wire`: default on the CPU a TCP connection
-    per directed pair between hosts (`cpu_wire` "gloo": gloo's isend) and a memory copy inside one, NCCL on CUDA
-    (meshjob_trainer.wire.wire_for); a wire the executor made is closed with it. Call close() before leaving
+    of the rank's host, or "host-<index>" with explicit routes. `wire`: default on the CPU gloo between hosts
+    (`cpu_wire` "tcp": a TCP connection per directed pair, meshjob_trainer.tcp_wire) and a memory copy inside
+    one, NCCL on CUDA (meshjob_trainer.wire.wire_for); a wire the executor made is closed with it. Call close() before leaving
     the process group.
 
     With an order, the ranks of a host also take their turns on the host's shared NIC links as the
@@ -230,7 +230,7 @@ class ReshardExecutor:
                  device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
                  order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None,
                  board: bool | None = None, board_timeout_s: float = 300.0,
-                 small_in_flight_per_link: int | None = None, cpu_wire: str = "tcp") -> None:
+                 small_in_flight_per_link: int | None = None, cpu_wire: str = "gloo") -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}

@@ -12,10 +12,15 @@ message a sender writes on its connection to a receiver is the k-th receive that
 it. Each message still carries a 16-byte header (its tag and size) which the receiver checks: two
 ranks that disagree get an OrderError naming the message, never bytes in the wrong buffer.
 
-A send or a receive does nothing when issued; `wait` does it, on the engine's waiter thread for that
-peer and direction, which waits on that peer's messages in issue order: the connection's order. A
-send is done once its bytes sit in the kernel's socket buffer (as gloo reports a send); a receive once
-its payload is in its buffer.
+A receive, when issued, sends the sender a grant (8 bytes, its tag) back on the same connection; the
+sender writes a payload only once its grant is there, as gloo and NCCL send only to a posted receive:
+a host's in-link then takes its messages in the order its receives are posted, the plan's, instead of
+sharing itself between every sender at once (without grants, many-to-many cases whose in-links several
+hosts feed measured up to 1.5 L against 1.1 L planned, and paper-scale ones up to 2.5 L). `wait` does
+a message's work on the engine's waiter thread for that peer and direction, which waits on that peer's
+messages in issue order: the connection's order. A send (its grant read, then header and payload
+written) is done once its bytes sit in the kernel's socket buffer (as gloo reports a send); a receive
+once its payload is in its buffer.
 
 Connections: every rank of the job builds its wires with the same pairs, in the same sequence (the
 wire's keys in the job's store name its pair set and how many wires of that set came before). A rank
@@ -43,6 +48,7 @@ from meshjob_trainer.wire import OrderError, _HostSide
 
 HEADER = struct.Struct("<qq")  # a message's tag and payload bytes
 HELLO = struct.Struct("<q")  # a connection's first bytes: the sender's rank
+GRANT = struct.Struct("<q")  # back on the connection, from the receiver: the tag of the receive it posted
 CONNECT_TIMEOUT_S = 300.0
 _SIOCGIFADDR = 0x8915
 _WIRES: collections.Counter[str] = collections.Counter()  # wires built per pair set (names each in the store)
@@ -76,7 +82,9 @@ class TcpWire(_HostSide):
         self._out: dict[int, socket.socket] = {}
         self._in: dict[int, socket.socket] = {}
         self._lock = threading.Condition()
+        self._ungranted: dict[int, list[int]] = collections.defaultdict(list)  # receives posted before a connection
         self._listener: socket.socket | None = None
+        self.connections = 0  # made or accepted so far (close() keeps the count)
         self._accept_error: BaseException | None = None
         self._closed = False
         if self.recvs_from and (store is not None or _dist_up()):
@@ -115,6 +123,9 @@ class TcpWire(_HostSide):
                         raise ConnectionError(f"rank {self.rank}: a connection named rank {peer}, which this wire "
                                               f"does not expect")
                     self._in[peer] = sock
+                    self.connections += 1
+                    for tag in self._ungranted.pop(peer, ()):
+                        sock.sendall(GRANT.pack(tag))
                     self._lock.notify_all()
         except BaseException as err:  # noqa: BLE001 - reported to every receive that waits for a connection
             with self._lock:
@@ -134,7 +145,25 @@ class TcpWire(_HostSide):
             raise RuntimeError(f"rank {self.rank}: no TCP connection for messages from rank {peer}; the plan has "
                                f"no step between them")
         self._listen()
-        return _Message(_checked(tensor, message), peer, tag, message, False)
+        work = _Message(_checked(tensor, message), peer, tag, message, False)
+        self._grant(peer, tag)
+        return work
+
+    def _grant(self, peer: int, tag: int) -> None:
+        """Tell the sender that this receive is posted: it sends the payload only then, as gloo and NCCL do,
+        so an in-link takes its messages in the order the receives are posted (the plan's) rather than
+        sharing itself between every sender at once. On the engine's thread: 8 bytes on a connection that
+        carries nothing else this way, never a wait."""
+        with self._lock:
+            sock = self._in.get(peer)
+            if sock is None:
+                self._ungranted[peer].append(tag)  # sent once the sender connects (_accept_all)
+                return
+            try:
+                sock.sendall(GRANT.pack(tag))
+            except OSError as err:
+                raise ConnectionError(f"rank {self.rank}: posting a receive from rank {peer}: the connection broke "
+                                      f"({err}); is rank {peer} gone?") from err
 
     def _sending_to(self, peer: int) -> socket.socket:
         """The connection to `peer`, made on its first message (on the waiter thread of that peer's sends)."""
@@ -152,6 +181,7 @@ class TcpWire(_HostSide):
         sock.sendall(HELLO.pack(self.rank))
         with self._lock:
             self._out[peer] = sock
+            self.connections += 1
         return sock
 
     def _receiving_from(self, peer: int) -> socket.socket:
@@ -168,6 +198,14 @@ class TcpWire(_HostSide):
         payload = _bytes_of(work.tensor)
         if work.send:
             sock = self._sending_to(work.peer)
+            grant = bytearray(GRANT.size)
+            _recv_exact(sock, memoryview(grant), f"the receive posted for {work.name}", self.rank,
+                        f"rank {work.peer}")
+            (posted,) = GRANT.unpack(grant)
+            if posted != work.tag:
+                raise OrderError(f"rank {self.rank}: rank {work.peer} posted its next receive from this rank for tag "
+                                 f"{posted}; this rank's next send to it, {work.name}, has tag {work.tag}: the two "
+                                 f"ranks issue their messages in different orders")
             try:
                 _send_all(sock, HEADER.pack(work.tag, len(payload)), payload)
             except OSError as err:

@@ -3,11 +3,7 @@
 A wire issues point-to-point messages (isend/irecv), blocks a thread until one is done (wait), and
 keeps the engine's device work apart from the compute stream. Four of them:
 
-- TcpWire (CPU tensors between hosts, the default there; meshjob_trainer.tcp_wire): a TCP connection
-  per directed pair, messages matched by the order both ranks issue them, as NCCL matches them; about
-  30x less CPU per message than gloo's point-to-point. Inside a host a memory copy
-  (meshjob_trainer.local_copy) wraps it.
-- GlooWire (CPU tensors, `cpu_wire="gloo"`): gloo's isend/irecv on the default group, matched by (peer, tag). gloo
+- GlooWire (CPU tensors, the default): gloo's isend/irecv on the default group, matched by (peer, tag). gloo
   tells completion only through a blocking wait(): Work.is_completed() stays False until wait()
   returns, wait(timeout) closes the connection when it expires, and point-to-point work has no
   future. The engine therefore learns completions from waiter threads, one per peer and direction,
@@ -24,6 +20,10 @@ keeps the engine's device work apart from the compute stream. Four of them:
   issued from one engine thread in whatever order transfers come, two ranks could wait on each
   other's first messages, so `connect` initialises every pair at setup, in one global order.
   Run on one lent GPU (bench/gpu_check.sh; ranks sharing it each an NCCL host of their own): see the README.
+- TcpWire (CPU tensors between hosts, `cpu_wire="tcp"`; meshjob_trainer.tcp_wire): a TCP connection per
+  directed pair, messages matched by the order both ranks issue them, as NCCL matches them, each sent
+  once its receive is posted; less CPU per message than gloo's point-to-point (the README's engine section).
+  Inside a host the memory copy (meshjob_trainer.local_copy) wraps it as it wraps gloo.
 - CheckedWire (tests): wraps a wire and fails on any message issued out of order, as NCCL would
   pair them wrongly: the k-th message a sender issues to a receiver must be the k-th that receiver
   posts from that sender. Both sides record what they issue in the job's key-value store; the
@@ -188,16 +188,16 @@ def wait_polling(work: Any, first_s: float, longest_s: float) -> None:
     work.wait()  # raises a failed communicator's error
 
 
-CPU_WIRES = ("tcp", "gloo")  # between CPU ranks of different hosts: meshjob_trainer.tcp_wire, or gloo's isend
+CPU_WIRES = ("gloo", "tcp")  # between CPU ranks of different hosts: gloo's isend, or meshjob_trainer.tcp_wire
 
 
 def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
              new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = (),
-             cpu_wire: str = "tcp") -> Wire:
+             cpu_wire: str = "gloo") -> Wire:
     """NCCL between CUDA devices (a communicator per directed pair, all connected now: collective, every
-    rank calls it with the same pairs); for CPU tensors `cpu_wire` between hosts (tcp: a connection per
-    directed pair, meshjob_trainer.tcp_wire, every rank building it with the same pairs; gloo: its
-    isend/irecv), and between CPU ranks of one host (`local_peers`) one memory copy
+    rank calls it with the same pairs); for CPU tensors `cpu_wire` between hosts (gloo: its isend/irecv;
+    tcp: a connection per directed pair, meshjob_trainer.tcp_wire, every rank building its wires with the
+    same pairs in the same sequence), and between CPU ranks of one host (`local_peers`) one memory copy
     (meshjob_trainer.local_copy) where the system allows it."""
     if device.type != "cuda":
         from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
