@@ -5,7 +5,7 @@
 # --transport nccl` and the transport bench (bench/meshjob_bench/nccl_transport.py); the trainer runs on
 # CUDA over NCCL wherever a GPU is visible. Logs and JSON go to $OUT. Every step has its own time limit
 # (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time;
-# CPU_S (opt-in) runs the gloo resharding bench on this machine's cores.
+# CPU_S (opt-in) runs the resharding bench on this machine's cores, over gloo and over the TCP wire.
 # Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
 # BENCH_S=0 and pytest's -k "trains or timed" after the script's name, only those (a two-rank job first, then
 # the 7-rank ones; a hung gang reports each rank's stacks) and the device-clock check run.
@@ -44,11 +44,14 @@ if [ "${BENCH_S:-90}" != 0 ]; then
     > "$OUT/transport.log" 2>&1
   tail -25 "$OUT/transport.log"
 fi
-# Opt-in (CPU_S=600): the resharding bench over gloo on this machine's CPU cores, by default its paper-scale
-# section (CPU_ARGS): this project's 2-core machines bound several issue targets by their cores (bench/RUNS.md);
-# here 16 cores carry the same ranks. Emulated NICs need root, ip and tc (env.txt says).
+# Opt-in (CPU_S=600, each wire): the resharding bench on this machine's CPU cores over each CPU wire (CPU_WIRES:
+# gloo, then the TCP wire), by default its paper-scale section (CPU_ARGS): this project's 2-core machines bound
+# several issue targets by their cores (bench/RUNS.md); here 16 cores carry the same ranks. Emulated NICs need
+# root, ip and tc (env.txt says).
 if [ "${CPU_S:-0}" != 0 ]; then
-  timeout "${CPU_S:-0}" python3 -m meshjob.cli bench resharding --transport gloo ${CPU_ARGS:---section paper_scale} \
-    --out "$OUT/cpu-resharding" > "$OUT/cpu-resharding.log" 2>&1
-  tail -40 "$OUT/cpu-resharding.log"
+  for wire in ${CPU_WIRES:-gloo tcp}; do
+    timeout "${CPU_S:-0}" python3 -m meshjob.cli bench resharding --transport "$wire" \
+      ${CPU_ARGS:---section paper_scale} --out "$OUT/cpu-resharding-$wire" > "$OUT/cpu-resharding-$wire.log" 2>&1
+    tail -40 "$OUT/cpu-resharding-$wire.log"
+  done
 fi
