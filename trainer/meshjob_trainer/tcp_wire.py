@@ -3,8 +3,9 @@
 Why not gloo's point-to-point: between two emulated hosts of this machine a 16 KiB message through
 gloo costs about 200 µs of CPU on each side (a receive-ready notice back to the sender, then the
 payload, each handed between gloo's device thread and the caller); over a plain TCP socket it costs
-6-7 µs (scratch measurements, the README's engine section). A chain that forwards many chunks ran
-out of the shared cores long before the NICs.
+6-7 µs. Through the communication engine this wire costs 1.7x less CPU per message than gloo, yet on
+two shared cores the resharding bench measures alike over both (bench/RUNS.md, stop 42: the engine's
+own threads are then the rest of a message's cost), so it is opt-in: `cpu_wire="tcp"`.
 
 No tags are needed: the communication engine (meshjob_trainer.engine) issues every message in an
 order both ranks derive from the plan (the discipline NCCL needs, meshjob.comm_order), so the k-th
@@ -104,12 +105,12 @@ class TcpWire(_HostSide):
                 return
             store = self._store_now()
             host = local_address(store)
-            self._listener = socket.create_server((host, 0), backlog=len(self.recvs_from) + 8)
-            store.set(f"{self.namespace}/{self.rank}", f"{host}:{self._listener.getsockname()[1]}")
-        threading.Thread(target=self._accept_all, daemon=True, name=f"rank {self.rank} TCP wire accepts").start()
+            listener = self._listener = socket.create_server((host, 0), backlog=len(self.recvs_from) + 8)
+            store.set(f"{self.namespace}/{self.rank}", f"{host}:{listener.getsockname()[1]}")
+        threading.Thread(target=self._accept_all, args=(listener,), daemon=True,
+                         name=f"rank {self.rank} TCP wire accepts").start()
 
-    def _accept_all(self) -> None:
-        listener = self._listener
+    def _accept_all(self, listener: socket.socket) -> None:
         try:
             while self.recvs_from - self._in.keys():
                 sock, _ = listener.accept()
