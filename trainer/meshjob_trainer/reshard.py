@@ -37,7 +37,7 @@ from meshjob.resharding import CROSS_HOST
 from meshjob.sharding import Slice, relative, slice_shape, to_index
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Handle, Job, MessageSpec
-from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, routes_from_plan
+from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, one_feeder_pairs, routes_from_plan
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
 from meshjob_trainer.wire import Wire, close_wire, wire_for
 
@@ -217,8 +217,8 @@ class ReshardExecutor:
     (bytes, times, NIC rate of `host`, unit tasks) go to `events`; `host` defaults to the plan's name
     of the rank's host, or "host-<index>" with explicit routes. `wire`: default on the CPU gloo between hosts
     (`cpu_wire` "tcp": a TCP connection per directed pair, meshjob_trainer.tcp_wire) and a memory copy inside
-    one, NCCL on CUDA (meshjob_trainer.wire.wire_for); a wire the executor made is closed with it. Call close() before leaving
-    the process group.
+    one, NCCL on CUDA (meshjob_trainer.wire.wire_for); a wire the executor made is closed with it. Call
+    close() before leaving the process group.
 
     With an order, the ranks of a host also take their turns on the host's shared NIC links as the
     plan orders them (meshjob_trainer.board): `board` True / False, or None: when torch.distributed is
@@ -266,7 +266,7 @@ class ReshardExecutor:
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
         self._own_wire = wire is None  # closed with the executor
         self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank),
-                                     cpu_wire=cpu_wire)
+                                     cpu_wire=cpu_wire, ungranted=one_feeder_pairs(self.routes.values()))
         self.network = network
         self.board_timeout_s = board_timeout_s
         use_board = order is not None and (_dist_up() if board is None else board)

@@ -328,6 +328,21 @@ def local_peers(routes: Iterable[Route], rank: int) -> set[int]:
     return out
 
 
+def one_feeder_pairs(routes: Iterable[Route]) -> set[tuple[int, int]]:
+    """The (sender, receiver) pairs between hosts where the receiving host takes NIC messages from the
+    sender's host and no other: that host's out-link, and its board, already put them in the plan's order,
+    so the receive need not grant the send (meshjob_trainer.tcp_wire). The same on every rank."""
+    feeders: dict[int, set[int]] = {}
+    cross: list[tuple[int, int, int]] = []
+    for r in routes:
+        for a, b in r.pairs():
+            sender, receiver = r.host_of(a), r.host_of(b)
+            if sender != receiver:
+                feeders.setdefault(receiver, set()).add(sender)
+                cross.append((a, b, receiver))
+    return {(a, b) for a, b, receiver in cross if len(feeders[receiver]) == 1}
+
+
 def routes_from_plan(plan: Any) -> list[Route]:
     from meshjob.spec import natural_layout
 

@@ -21,7 +21,9 @@ hosts feed measured up to 1.5 L against 1.1 L planned, and paper-scale ones up t
 a message's work on the engine's waiter thread for that peer and direction, which waits on that peer's
 messages in issue order: the connection's order. A send (its grant read, then header and payload
 written) is done once its bytes sit in the kernel's socket buffer (as gloo reports a send); a receive
-once its payload is in its buffer.
+once its payload is in its buffer. A receiving host whose NIC messages all come from one other host
+(a one-to-many chain's next hop) needs no grants: that host's out-link, and its board, already put
+them in the plan's order (route.one_feeder_pairs), so those pairs send at once.
 
 Connections: every rank of the job builds its wires with the same pairs, in the same sequence (the
 wire's keys in the job's store name its pair set and how many wires of that set came before). A rank
@@ -68,16 +70,21 @@ class _Message:
 class TcpWire(_HostSide):
     """CPU point-to-point over TCP between `rank` and its peers in `pairs` ((sender, receiver) ranks of
     the whole job; every rank passes the same). Pairs with a rank in `skip` get no connection (the
-    ranks of this host that an outer wire reaches by a memory copy). `store`: the job's key-value
-    store (default: torch.distributed's, once it is up)."""
+    ranks of this host that an outer wire reaches by a memory copy). Pairs in `ungranted` send without
+    waiting for a grant (their receiving host is fed by the sender's host alone: route.one_feeder_pairs;
+    every rank passes the same). `store`: the job's key-value store (default: torch.distributed's, once
+    it is up)."""
 
     def __init__(self, rank: int, pairs: Iterable[tuple[int, int]], store: Any = None, skip: Iterable[int] = (),
-                 timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 timeout_s: float = CONNECT_TIMEOUT_S, ungranted: Iterable[tuple[int, int]] = ()) -> None:
         self.rank, self.device, self.timeout_s = rank, torch.device("cpu"), timeout_s
         pairs = sorted(set(pairs))
         skipped = set(skip) | {rank}
         self.sends_to = frozenset(b for a, b in pairs if a == rank and b not in skipped)
         self.recvs_from = frozenset(a for a, b in pairs if b == rank and a not in skipped)
+        ungranted = set(ungranted)
+        self._granted_to = frozenset(b for b in self.sends_to if (rank, b) not in ungranted)  # sends wait for grants
+        self._granting = frozenset(a for a in self.recvs_from if (a, rank) not in ungranted)  # receives grant
         self.namespace = _namespace(pairs)  # now: every rank builds its wires in the same sequence
         self._store = store
         self._out: dict[int, socket.socket] = {}
@@ -147,10 +154,11 @@ class TcpWire(_HostSide):
                                f"no step between them")
         self._listen()
         work = _Message(_checked(tensor, message), peer, tag, message, False)
-        self._grant(peer, tag)
+        if peer in self._granting:
+            self._grant(peer, tag, message)
         return work
 
-    def _grant(self, peer: int, tag: int) -> None:
+    def _grant(self, peer: int, tag: int, message: str) -> None:
         """Tell the sender that this receive is posted: it sends the payload only then, as gloo and NCCL do,
         so an in-link takes its messages in the order the receives are posted (the plan's) rather than
         sharing itself between every sender at once. On the engine's thread: 8 bytes on a connection that
@@ -163,8 +171,8 @@ class TcpWire(_HostSide):
             try:
                 sock.sendall(GRANT.pack(tag))
             except OSError as err:
-                raise ConnectionError(f"rank {self.rank}: posting a receive from rank {peer}: the connection broke "
-                                      f"({err}); is rank {peer} gone?") from err
+                raise ConnectionError(f"rank {self.rank}: posting the receive of {message} from rank {peer}: the "
+                                      f"connection broke ({err}); is rank {peer} gone?") from err
 
     def _sending_to(self, peer: int) -> socket.socket:
         """The connection to `peer`, made on its first message (on the waiter thread of that peer's sends)."""
@@ -199,14 +207,8 @@ class TcpWire(_HostSide):
         payload = _bytes_of(work.tensor)
         if work.send:
             sock = self._sending_to(work.peer)
-            grant = bytearray(GRANT.size)
-            _recv_exact(sock, memoryview(grant), f"the receive posted for {work.name}", self.rank,
-                        f"rank {work.peer}")
-            (posted,) = GRANT.unpack(grant)
-            if posted != work.tag:
-                raise OrderError(f"rank {self.rank}: rank {work.peer} posted its next receive from this rank for tag "
-                                 f"{posted}; this rank's next send to it, {work.name}, has tag {work.tag}: the two "
-                                 f"ranks issue their messages in different orders")
+            if work.peer in self._granted_to:
+                self._await_grant(sock, work)
             try:
                 _send_all(sock, HEADER.pack(work.tag, len(payload)), payload)
             except OSError as err:
@@ -222,6 +224,15 @@ class TcpWire(_HostSide):
                              f"bytes; the receive posted for {work.name} has tag {work.tag} and {len(payload)} bytes: "
                              f"the two ranks issue their messages in different orders")
         _recv_exact(sock, payload, work.name, self.rank, f"rank {work.peer}")
+
+    def _await_grant(self, sock: socket.socket, work: _Message) -> None:
+        grant = bytearray(GRANT.size)
+        _recv_exact(sock, memoryview(grant), f"the receive posted for {work.name}", self.rank, f"rank {work.peer}")
+        (posted,) = GRANT.unpack(grant)
+        if posted != work.tag:
+            raise OrderError(f"rank {self.rank}: rank {work.peer} posted its next receive from this rank for tag "
+                             f"{posted}; this rank's next send to it, {work.name}, has tag {work.tag}: the two ranks "
+                             f"issue their messages in different orders")
 
     def close(self) -> None:
         with self._lock:

@@ -193,12 +193,13 @@ CPU_WIRES = ("gloo", "tcp")  # between CPU ranks of different hosts: gloo's isen
 
 def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
              new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = (),
-             cpu_wire: str = "gloo") -> Wire:
+             cpu_wire: str = "gloo", ungranted: Iterable[Pair] = ()) -> Wire:
     """NCCL between CUDA devices (a communicator per directed pair, all connected now: collective, every
     rank calls it with the same pairs); for CPU tensors `cpu_wire` between hosts (gloo: its isend/irecv;
     tcp: a connection per directed pair, meshjob_trainer.tcp_wire, every rank building its wires with the
-    same pairs in the same sequence), and between CPU ranks of one host (`local_peers`) one memory copy
-    (meshjob_trainer.local_copy) where the system allows it."""
+    same pairs in the same sequence; `ungranted`: its pairs whose sends need no grant, route.one_feeder_pairs),
+    and between CPU ranks of one host (`local_peers`) one memory copy (meshjob_trainer.local_copy) where the
+    system allows it."""
     if device.type != "cuda":
         from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
         from meshjob_trainer.tcp_wire import TcpWire
@@ -206,7 +207,7 @@ def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
         if cpu_wire not in CPU_WIRES:
             raise ValueError(f"cpu_wire {cpu_wire!r} is invalid: one of {', '.join(CPU_WIRES)}")
         local = set(local_peers) if local_copy_available() else set()
-        inner: Wire = TcpWire(rank, pairs, skip=local) if cpu_wire == "tcp" else GlooWire()
+        inner: Wire = TcpWire(rank, pairs, skip=local, ungranted=ungranted) if cpu_wire == "tcp" else GlooWire()
         return LocalCopyWire(inner, local) if local else inner
     wire = NcclWire(rank, device, directed_groups(pairs, new_group))
     wire.connect()
