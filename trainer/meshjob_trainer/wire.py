@@ -22,7 +22,8 @@ keeps the engine's device work apart from the compute stream. Four of them:
   Run on one lent GPU (bench/gpu_check.sh; ranks sharing it each an NCCL host of their own): see the README.
 - TcpWire (CPU tensors between hosts, `cpu_wire="tcp"`; meshjob_trainer.tcp_wire): a TCP connection per
   directed pair, messages matched by the order both ranks issue them, as NCCL matches them, each sent
-  once its receive is posted; less CPU per message than gloo's point-to-point (the README's engine section).
+  once its receive is posted where several hosts feed the receiving host; less CPU per message than
+  gloo's point-to-point, not faster on two shared cores (the README's engine section, bench/RUNS.md).
   Inside a host the memory copy (meshjob_trainer.local_copy) wraps it as it wraps gloo.
 - CheckedWire (tests): wraps a wire and fails on any message issued out of order, as NCCL would
   pair them wrongly: the k-th message a sender issues to a receiver must be the k-th that receiver
