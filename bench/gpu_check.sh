@@ -8,7 +8,8 @@
 # CPU_S (opt-in) runs the resharding bench on this machine's cores, over gloo and over the TCP wire.
 # Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
 # BENCH_S=0 and pytest's -k "trains or timed" after the script's name, only those (a two-rank job first, then
-# the 7-rank ones; a hung gang reports each rank's stacks) and the device-clock check run.
+# the 7-rank ones; a hung gang reports each rank's stacks) and the device-clock check run; if the 7-rank ones
+# time out again, the same with MPS=1 (below).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -19,6 +20,25 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # kernels side by side on the one GPU instead of taking turns)
 { nvidia-smi -L; nproc; for tool in ip tc nvidia-cuda-mps-control; do command -v $tool || echo "no $tool"; done; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'nccl', torch.cuda.nccl.version(), 'gpus (NVML)', torch.cuda._device_count_nvml())"; } 2>&1 | tee "$OUT/env.txt"
+# Opt-in (MPS=1): CUDA MPS for this script's ranks, so that their kernels run side by side on the one GPU
+# instead of taking turns. A guess to test, not a finding: without MPS an NCCL kernel that waits for a peer
+# holds the GPU for its whole time slice while the peer's kernel waits for its own, which would make a job of
+# many NCCL steps crawl (the 7-rank training jobs of stop 40 did not finish). A daemon, not a setting of the
+# GPU: it is stopped when the script exits.
+if [ "${MPS:-0}" != 0 ]; then
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/meshjob-mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps-log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+      echo "MPS: on" | tee -a "$OUT/env.txt"
+    else
+      echo "MPS: the daemon did not start" | tee -a "$OUT/env.txt"
+    fi
+  else
+    echo "MPS: asked for, but nvidia-cuda-mps-control is missing" | tee -a "$OUT/env.txt"
+  fi
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e trainer -e bench > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH stands in): see install.log"
 # SIGINT at the limit: pytest still reports what failed so far. Few workers: every NCCL communicator

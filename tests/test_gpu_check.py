@@ -18,3 +18,9 @@ def test_every_step_of_the_gpu_check_runs_under_its_own_time_limit():
     assert limits == {"TESTS_S", "RUN_S", "RESHARD_S", "BENCH_S", "CPU_S"}
     for name in limits - {"TESTS_S"}:  # the tests always run; the other steps are skipped by a limit of 0
         assert f'if [ "${{{name}:-' in text
+
+
+def test_cuda_mps_is_opt_in_and_its_daemon_is_stopped_when_the_check_exits():
+    text = SCRIPT.read_text()
+    assert 'if [ "${MPS:-0}" != 0 ]' in text
+    assert "nvidia-cuda-mps-control -d" in text and "trap 'echo quit | nvidia-cuda-mps-control' EXIT" in text
