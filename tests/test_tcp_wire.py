@@ -235,3 +235,34 @@ def test_a_training_run_over_the_tcp_wire_computes_what_it_computes_over_gloo():
     for (stage, losses, params, _), (stage_g, losses_g, params_g, _) in zip(over_tcp, over_gloo):
         assert stage == stage_g and losses == losses_g
         assert params.keys() == params_g.keys() and all(torch.equal(params[k], params_g[k]) for k in params)
+
+
+def test_close_wakes_a_receive_blocked_on_a_connection_that_stays_silent(monkeypatch):
+    import socket as socket_module
+    import threading
+    import time
+
+    from meshjob_trainer import tcp_wire
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+
+    class Store(dict):
+        host = "127.0.0.1"
+
+        def set(self, key, value):
+            self[key] = value.encode()
+
+    store = Store()
+    wire = TcpWire(1, {(0, 1)}, store=store)
+    work = wire.irecv(torch.empty(2), 0, 0, "m0")
+    host, port = store[f"{wire.namespace}/1"].decode().rsplit(":", 1)
+    sender = socket_module.create_connection((host, int(port)))
+    sender.sendall(tcp_wire.HELLO.pack(0))  # connected, then silent
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(ConnectionError, wire.wait, work)))
+    thread.start()
+    time.sleep(0.3)  # the receive is blocked reading the header
+    wire.close()
+    thread.join(10)
+    sender.close()
+    assert not thread.is_alive() and str(errors[0].value).startswith("rank 1: ")

@@ -240,10 +240,18 @@ class TcpWire(_HostSide):
             socks, self._out, self._in = [*self._out.values(), *self._in.values()], {}, {}
             listener, self._listener = self._listener, None
             self._lock.notify_all()
-        if listener is not None:
-            listener.close()  # ends the accepting thread
-        for sock in socks:
-            sock.close()
+        for sock in ([listener] if listener is not None else []) + socks:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Close `sock` and wake a thread blocked on it (accept or recv): close() alone does not, on Linux. A
+    send's bytes still in the kernel's buffer leave before the end of the stream."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # never connected, or the peer is gone already
+    sock.close()
 
 
 def _dist_up() -> bool:
