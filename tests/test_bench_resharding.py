@@ -366,3 +366,18 @@ def test_only_the_ranks_a_transfer_uses_sleep_until_its_common_start(tmp_path):
         assert time.monotonic() >= start
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
+def test_quick_run_over_the_tcp_wire_is_exact_and_judges_its_probe_by_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick", "--transport",
+                           "tcp", "--section", "many_to_many", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CPU wire tcp" in proc.stdout
+    doc = json.loads((tmp_path / "resharding.json").read_text())
+    assert doc["transport"] == "tcp" and doc["rows"] and all(r["correct"] for r in doc["rows"])
+    (attempt,) = doc["message_costs"]["attempts"]
+    assert set(attempt["verdict"]["checks"]) == {"foreign_cpu", "spread_message_cpu_s"}
