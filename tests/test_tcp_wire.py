@@ -8,6 +8,18 @@ import torch
 from meshjob_trainer.tcp_wire import TcpWire, local_address
 
 
+class LocalStore(dict):
+    """A job's key-value store in one process, for a wire whose peer is the test itself."""
+
+    host = "127.0.0.1"  # where the receiver listens (no GLOO_SOCKET_IFNAME here)
+
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def get(self, key):
+        return self[key]
+
+
 def run_messages(env, sends: list[tuple[int, int, int, torch.Tensor]], posted: list[int] | None = None,
                  pairs: set[tuple[int, int]] | None = None, ungranted: bool = False):
     """Each (src, dst, tag, tensor) in `sends`: src sends tensor to dst with tag; dst posts its receives
@@ -79,17 +91,8 @@ def test_a_payload_the_receiver_did_not_expect_is_an_order_error(monkeypatch):
     from meshjob_trainer import tcp_wire
     from meshjob_trainer.wire import OrderError
 
-    class Store(dict):
-        host = "127.0.0.1"  # where the receiver listens (no GLOO_SOCKET_IFNAME here)
-
-        def set(self, key, value):
-            self[key] = value.encode()
-
-        def get(self, key):
-            return self[key]
-
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    store = Store()
+    store = LocalStore()
     receiver = TcpWire(1, {(0, 1)}, store=store)
     work = receiver.irecv(torch.empty(2), 0, 7, "m7")
     host, port = store[f"{receiver.namespace}/1"].decode().rsplit(":", 1)
@@ -246,13 +249,7 @@ def test_close_wakes_a_receive_blocked_on_a_connection_that_stays_silent(monkeyp
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
 
-    class Store(dict):
-        host = "127.0.0.1"
-
-        def set(self, key, value):
-            self[key] = value.encode()
-
-    store = Store()
+    store = LocalStore()
     wire = TcpWire(1, {(0, 1)}, store=store)
     work = wire.irecv(torch.empty(2), 0, 0, "m0")
     host, port = store[f"{wire.namespace}/1"].decode().rsplit(":", 1)

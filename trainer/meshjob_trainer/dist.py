@@ -298,6 +298,13 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
     return backend
 
 
+def dist_up() -> bool:
+    """Whether this process is in a torch.distributed process group (and its store) now."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def shutdown_distributed() -> None:
     import torch.distributed as dist
 

@@ -35,6 +35,7 @@ from meshjob.network import HANDOVER_LEAD_S, Link, NetworkModel, overlap_bytes
 from meshjob.host_order import HostLinkOrder, host_link_orders
 from meshjob.resharding import CROSS_HOST
 from meshjob.sharding import Slice, relative, slice_shape, to_index
+from meshjob_trainer.dist import dist_up
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Handle, Job, MessageSpec
 from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, one_feeder_pairs, routes_from_plan
@@ -269,7 +270,7 @@ class ReshardExecutor:
                                      cpu_wire=cpu_wire, ungranted=one_feeder_pairs(self.routes.values()))
         self.network = network
         self.board_timeout_s = board_timeout_s
-        use_board = order is not None and (_dist_up() if board is None else board)
+        use_board = order is not None and (dist_up() if board is None else board)
         self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
                                  self._board_for if use_board else None, overlap_bytes(network),
                                  network.nic_bytes_per_s, HANDOVER_LEAD_S, self.small_in_flight_per_link)
@@ -360,12 +361,6 @@ class ReshardExecutor:
         self.engine.close(timeout_s)
         if self._own_wire:
             close_wire(self.wire)
-
-
-def _dist_up() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -47,6 +47,7 @@ from typing import Any, Iterable
 
 import torch
 
+from meshjob_trainer.dist import dist_up
 from meshjob_trainer.wire import OrderError, _HostSide
 
 HEADER = struct.Struct("<qq")  # a message's tag and payload bytes
@@ -90,12 +91,12 @@ class TcpWire(_HostSide):
         self._out: dict[int, socket.socket] = {}
         self._in: dict[int, socket.socket] = {}
         self._lock = threading.Condition()
-        self._ungranted: dict[int, list[int]] = collections.defaultdict(list)  # receives posted before a connection
+        self._grants_due: dict[int, list[int]] = collections.defaultdict(list)  # posted before the sender connected
         self._listener: socket.socket | None = None
         self.connections = 0  # made or accepted so far (close() keeps the count)
         self._accept_error: BaseException | None = None
         self._closed = False
-        if self.recvs_from and (store is not None or _dist_up()):
+        if self.recvs_from and (store is not None or dist_up()):
             self._listen()  # senders may connect as soon as they have a message
 
     def _store_now(self) -> Any:
@@ -132,7 +133,7 @@ class TcpWire(_HostSide):
                                               f"does not expect")
                     self._in[peer] = sock
                     self.connections += 1
-                    for tag in self._ungranted.pop(peer, ()):
+                    for tag in self._grants_due.pop(peer, ()):
                         sock.sendall(GRANT.pack(tag))
                     self._lock.notify_all()
         except BaseException as err:  # noqa: BLE001 - reported to every receive that waits for a connection
@@ -166,7 +167,7 @@ class TcpWire(_HostSide):
         with self._lock:
             sock = self._in.get(peer)
             if sock is None:
-                self._ungranted[peer].append(tag)  # sent once the sender connects (_accept_all)
+                self._grants_due[peer].append(tag)  # sent once the sender connects (_accept_all)
                 return
             try:
                 sock.sendall(GRANT.pack(tag))
@@ -252,12 +253,6 @@ def _shut(sock: socket.socket) -> None:
     except OSError:
         pass  # never connected, or the peer is gone already
     sock.close()
-
-
-def _dist_up() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def _namespace(pairs: list[tuple[int, int]]) -> str:
