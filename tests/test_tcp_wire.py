@@ -82,22 +82,33 @@ def test_a_receive_posted_out_of_the_senders_order_is_an_order_error(gang):
     assert "rank 1 posted its next receive from this rank for tag 6; this rank's next send to it, m5, has tag 5" in text
 
 
+def receive_from_a_raw_sender(monkeypatch, tag: int, name: str):
+    """Rank 1's wire with a receive posted (tag, name), and a plain socket connected to it as rank 0 that has
+    sent nothing beyond naming itself: (wire, work, socket)."""
+    import socket as socket_module
+
+    from meshjob_trainer import tcp_wire
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    store = LocalStore()
+    wire = TcpWire(1, {(0, 1)}, store=store)
+    work = wire.irecv(torch.empty(2), 0, tag, name)
+    host, port = store[f"{wire.namespace}/1"].decode().rsplit(":", 1)
+    sender = socket_module.create_connection((host, int(port)))
+    sender.sendall(tcp_wire.HELLO.pack(0))
+    return wire, work, sender
+
+
 def test_a_payload_the_receiver_did_not_expect_is_an_order_error(monkeypatch):
     """Behind the grants, the header is checked too: a sender that writes a message without reading a
     grant (a bug of the wire, not of the plan) cannot put bytes into the wrong buffer."""
-    import socket as socket_module
     import threading
 
     from meshjob_trainer import tcp_wire
     from meshjob_trainer.wire import OrderError
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    store = LocalStore()
-    receiver = TcpWire(1, {(0, 1)}, store=store)
-    work = receiver.irecv(torch.empty(2), 0, 7, "m7")
-    host, port = store[f"{receiver.namespace}/1"].decode().rsplit(":", 1)
-    sender = socket_module.create_connection((host, int(port)))
-    sender.sendall(tcp_wire.HELLO.pack(0) + tcp_wire.HEADER.pack(8, 8) + bytes(8))
+    receiver, work, sender = receive_from_a_raw_sender(monkeypatch, 7, "m7")
+    sender.sendall(tcp_wire.HEADER.pack(8, 8) + bytes(8))
     errors = []
     thread = threading.Thread(target=lambda: errors.append(pytest.raises(OrderError, receiver.wait, work)))
     thread.start()
@@ -241,20 +252,10 @@ def test_a_training_run_over_the_tcp_wire_computes_what_it_computes_over_gloo():
 
 
 def test_close_wakes_a_receive_blocked_on_a_connection_that_stays_silent(monkeypatch):
-    import socket as socket_module
     import threading
     import time
 
-    from meshjob_trainer import tcp_wire
-
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-
-    store = LocalStore()
-    wire = TcpWire(1, {(0, 1)}, store=store)
-    work = wire.irecv(torch.empty(2), 0, 0, "m0")
-    host, port = store[f"{wire.namespace}/1"].decode().rsplit(":", 1)
-    sender = socket_module.create_connection((host, int(port)))
-    sender.sendall(tcp_wire.HELLO.pack(0))  # connected, then silent
+    wire, work, sender = receive_from_a_raw_sender(monkeypatch, 0, "m0")  # connected, then silent
     errors = []
     thread = threading.Thread(target=lambda: errors.append(pytest.raises(ConnectionError, wire.wait, work)))
     thread.start()
