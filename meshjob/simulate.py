@@ -108,6 +108,8 @@ class TransferResult:
     start_s: Mapping[int, float]  # step id -> when it took its links
     nic_busy_s: Mapping[Link, float]  # (host, "out"|"in") -> busy seconds
     nic_bytes: Mapping[Link, int]  # (host, "out"|"in") -> bytes through that NIC direction
+    link_s: float = 0.0  # the makespan on the links alone, before the shared cores' work
+    cpu_work_s: float = 0.0  # CPU seconds its messages take on the shared cores, all cores together (0: unmodelled)
 
 
 def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], network: NetworkModel,
@@ -141,10 +143,11 @@ def simulate_transfer(steps: Sequence[Step], host_of: Callable[[int], int], netw
     if len(finish) != len(steps):
         missing = sorted(set(index) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
-    makespan = network.with_cpu(max(finish.values(), default=0.0),
-                                network.cpu_s(tuple(tally[False]), tuple(tally[True])))
+    link_s = max(finish.values(), default=0.0)
+    cpu_s = network.cpu_s(tuple(tally[False]), tuple(tally[True]))  # the shared cores' work, per core
     nic = {k for k in busy if k[1] != "local"}
-    return TransferResult(makespan, finish, began, {k: busy[k] for k in nic}, {k: moved[k] for k in nic})
+    return TransferResult(network.with_cpu(link_s, cpu_s), finish, began, {k: busy[k] for k in nic},
+                          {k: moved[k] for k in nic}, link_s, cpu_s * network.shared_cpu_cores)
 
 
 @dataclass

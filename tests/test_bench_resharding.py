@@ -90,6 +90,33 @@ def test_collect_sums_cpu_and_faults_over_ranks_and_takes_their_median_over_repe
     assert row.minor_faults == 15  # sums 15, 150, 1
 
 
+def test_cpu_pricing_is_measured_over_priced_cpu_per_section_and_variant_balancers_together():
+    from meshjob_bench.cpu_pricing import cpu_pricing
+
+    variants = [Variant("broadcast", 16, "greedy"), Variant("broadcast", 16, "naive"),
+                Variant("send_recv", 1, "greedy"), Variant("signal", 1, "greedy")]
+    case = _case(variants, limit_s=0.5)
+    case.simulated_cpu_s = [0.1, 0.4, 0.05, 1e-6]
+    events = [dict(case=0, variant=vi, rep=0, start=0.0, end=1.0, cpu=0.2) for vi in range(len(variants))]
+    rows = collect([case], events)
+    assert [r.simulated_cpu_seconds for r in rows] == case.simulated_cpu_s
+    pricing = cpu_pricing(rows)
+    assert set(pricing) == {"one_to_many"} and set(pricing["one_to_many"]) == {"broadcast K=16", "send_recv"}
+    broadcast = pricing["one_to_many"]["broadcast K=16"]
+    assert broadcast["rows"] == 2 and (broadcast["least"], broadcast["most"]) == pytest.approx((0.5, 2.0))
+    assert broadcast["median"] == pytest.approx(1.25)
+    assert pricing["one_to_many"]["send_recv"]["median"] == pytest.approx(4.0)  # priced 4x too cheap
+
+
+def test_rows_the_model_prices_no_cpu_for_are_left_out_of_the_cpu_pricing():
+    from meshjob_bench.cpu_pricing import cpu_pricing
+
+    case = _case([Variant("broadcast", 4, "greedy")], limit_s=0.5)
+    case.simulated_cpu_s = [0.0]  # planned without shared cores (--message-costs default)
+    rows = collect([case], [dict(case=0, variant=0, rep=0, start=0.0, end=1.0, cpu=0.2)])
+    assert cpu_pricing(rows) == {}
+
+
 def test_the_simulator_predicts_every_planned_variant_from_its_steps():
     from meshjob_bench.resharding_cases import Layout, bench_network, build_cases, plan_cases
 
@@ -161,6 +188,11 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert all(r["seconds"] > 0 and r["limit_s"] > 0 and r["cpu_seconds"] > 0 for r in rows)
     assert all(r["minor_faults"] >= 0 for r in rows)
     assert all(sum(r["messages"].values()) >= 1 for r in rows)
+    # the CPU the model priced each row at, and how the measured CPU compares, per section and variant
+    assert all(r["simulated_cpu_seconds"] > 0 for r in rows)
+    assert set(doc["cpu_pricing"]) == set(doc["summary"])
+    assert all(m["median"] > 0 and m["rows"] >= 1 for kinds in doc["cpu_pricing"].values() for m in kinds.values())
+    assert "CPU measured over the CPU the model priced" in proc.stdout
     # planned with per-message costs measured through the engine first, on this machine's shared cores
     costs, model = doc["message_costs"], doc["network_model"]
     assert costs["message_cpu_s"] > 0 and len(costs["samples"]) == 8 * costs["rounds"] and costs["rounds"] > 1

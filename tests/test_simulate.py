@@ -221,6 +221,18 @@ def test_on_shared_cores_a_transfer_ends_no_sooner_than_its_messages_cpu_work():
     assert simulate_transfer(steps, host_of_rank, cheap).makespan_s == pytest.approx(links_only)
 
 
+def test_a_transfer_reports_its_time_on_the_links_and_the_cpu_its_messages_are_priced_at():
+    steps = chain_steps(hosts=2, chunks=8, nbytes=MiB)
+    shared = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
+                          message_cpu_s=1e-3, net_byte_cpu_s=2e-9, **BYTES_ONLY)
+    result = simulate_transfer(steps, host_of_rank, shared)
+    assert result.cpu_work_s == pytest.approx(16 * 1e-3 + 2 * MiB * 2e-9)  # 16 messages of 1/8 MiB, all cores
+    assert result.link_s == pytest.approx(simulate_transfer(steps, host_of_rank, COST).makespan_s)
+    assert result.makespan_s == pytest.approx(shared.with_cpu(result.link_s, result.cpu_work_s / 2))
+    unmodelled = simulate_transfer(steps, host_of_rank, COST)
+    assert unmodelled.cpu_work_s == 0 and unmodelled.makespan_s == unmodelled.link_s
+
+
 def two_senders_into_one_host() -> tuple[dict, dict, dict]:
     """Stages 0 and 1 each send one activation to stage 2 (one host each); stage 1 is ready first."""
     to_2 = {0: BoundaryKey(0, 2, "activation"), 1: BoundaryKey(1, 2, "activation")}

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_bench import engine_costs, probe_guard
+from meshjob_bench.cpu_pricing import cpu_pricing, print_cpu_pricing
 from meshjob_bench.machine import gpu_visible, machine
 from meshjob_bench.resharding_cases import (BALANCERS, DEVICES_PER_HOST, MAIN_BALANCER, SECTIONS, Case, Layout,
                                             balancer_chunks, bench_network, build_cases, case_order,
@@ -214,6 +215,8 @@ class Row:
     cpu_seconds: float = math.nan  # median over repetitions of the CPU time all ranks spent in the transfer
     minor_faults: float = math.nan  # median over repetitions of the pages all ranks faulted in during it
     messages: dict[str, int] = field(default_factory=dict)  # scope (cross_host, intra_host) -> messages sent
+    # the CPU seconds the simulator's model prices the same steps at, all ranks together (NaN: not modelled)
+    simulated_cpu_seconds: float = math.nan
 
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
@@ -253,7 +256,8 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
                             simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
                             med[vi] / planned if planned > 0 else math.nan,
                             median_over_reps(ci, vi, 0), median_over_reps(ci, vi, 1),
-                            case.messages[vi] if case.messages else {}))
+                            case.messages[vi] if case.messages else {},
+                            case.simulated_cpu_s[vi] if case.simulated_cpu_s else math.nan))
     return rows
 
 
@@ -450,6 +454,8 @@ def main(args: argparse.Namespace) -> int:
     print_table(rows, title)
     summary = summarize(rows)
     print_summary(summary, title)
+    pricing = cpu_pricing(rows)  # where the simulator's CPU term is off, and which way
+    print_cpu_pricing(pricing)
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out, subtitle)
     model = planning.to_json()  # what the plans, planned_* and simulated_s assume
@@ -460,7 +466,7 @@ def main(args: argparse.Namespace) -> int:
            "chunks": chunks, "repeats": repeats, "quick": quick, "transport": transport, "machine": machine(),
            "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
            "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
-           "summary": summary, "rows": [asdict(r) for r in rows], "plots": pngs,
+           "summary": summary, "cpu_pricing": pricing, "rows": [asdict(r) for r in rows], "plots": pngs,
            "targets": [t.to_json() for t in targets]}
     path = os.path.join(args.out, "resharding.json")
     with open(path, "w") as f:

@@ -70,6 +70,7 @@ class Case:
     variants: list[Variant] = field(default_factory=list)
     boundaries: list[Boundary] = field(default_factory=list)  # one per variant, tensor "v<variant>"
     simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate's prediction of each, same NICs
+    simulated_cpu_s: list[float] = field(default_factory=list)  # the CPU seconds it prices each at (all ranks)
     planned_s: list[float] = field(default_factory=list)  # the plan's makespan of each (see planned_makespan)
     messages: list[dict[str, int]] = field(default_factory=list)  # of each: scope -> messages the executor sends
 
@@ -200,8 +201,9 @@ def plan_cases(cases: Sequence[Case], layout: Layout, network: NetworkModel) -> 
     """Each variant's plan on `network`, with its planned makespan and the simulator's prediction."""
     for c in cases:
         c.boundaries = [variant_boundary(c, v, i, layout.host_of, network) for i, v in enumerate(c.variants)]
-        c.simulated_s = [simulate_transfer(executed_steps(c, b), layout.host_of, network).makespan_s
-                         for b in c.boundaries]
+        results = [simulate_transfer(executed_steps(c, b), layout.host_of, network) for b in c.boundaries]
+        c.simulated_s = [r.makespan_s for r in results]
+        c.simulated_cpu_s = [r.cpu_work_s for r in results]
         c.planned_s = [planned_makespan(c, b, layout.host_of, network) for b in c.boundaries]
         c.messages = [message_counts(c, b) for b in c.boundaries]
 
