@@ -114,12 +114,11 @@ def resimulate(run: dict[str, Any], changes: Sequence[Change]) -> tuple[list[Agr
             if row is None or variant.strategy == "signal" or not row["seconds"]:
                 continue
             steps = executed_steps(case, variant_boundary(case, variant, i, layout.host_of, model))
-            for name, m in models:
-                simulated = simulate_transfer(steps, layout.host_of, m).makespan_s
-                errors[name].append(((case.section, case.name, variant.label), simulated / row["seconds"] - 1))
-                if m is model and row.get("simulated_s") and not math.isclose(simulated, row["simulated_s"],
-                                                                              rel_tol=1e-9):
-                    replanned += 1
+            simulated = [simulate_transfer(steps, layout.host_of, m).makespan_s for _, m in models]
+            if row.get("simulated_s") and not math.isclose(simulated[0], row["simulated_s"], rel_tol=1e-9):
+                replanned += 1  # the run's own model (models[0]) no longer gives what the run recorded
+            for (name, _), seconds in zip(models, simulated):
+                errors[name].append(((case.section, case.name, variant.label), seconds / row["seconds"] - 1))
     out = []
     for name, errs in errors.items():
         sizes = [abs(e) for _, e in errs]

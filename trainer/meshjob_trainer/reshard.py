@@ -267,7 +267,8 @@ class ReshardExecutor:
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
         self._own_wire = wire is None  # closed with the executor
         self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank),
-                                     cpu_wire=cpu_wire, ungranted=one_feeder_pairs(self.routes.values()))
+                                     cpu_wire=cpu_wire,
+                                     ungranted=one_feeder_pairs(self.routes.values()) if cpu_wire == "tcp" else ())
         self.network = network
         self.board_timeout_s = board_timeout_s
         use_board = order is not None and (dist_up() if board is None else board)
