@@ -68,6 +68,20 @@ def test_through_the_tcp_wire_only_the_cpu_is_checked_not_a_link_time_of_a_few_m
     assert busy.disturbed and "foreign CPU" in busy.reasons[0]
 
 
+def test_the_link_time_is_judged_only_over_gloo_at_the_nominal_nic_rate():
+    from meshjob.network import EMULATED_MESSAGE_S
+    from meshjob.units import parse_rate
+    from meshjob_bench.probe_guard import judge, nominal_message_s_for
+
+    assert nominal_message_s_for("gloo", parse_rate("1gbit")) == EMULATED_MESSAGE_S
+    assert nominal_message_s_for("tcp", parse_rate("1gbit")) is None
+    assert nominal_message_s_for("gloo", parse_rate("250mbit")) is None
+    # a quiet probe at 250mbit: every round fits 0 µs of link time, the gaps hidden behind the bytes
+    quiet = judge(_costs(0.0, spread=(0.0, 0.0)), _machine(0.02),
+                  nominal_message_s=nominal_message_s_for("gloo", parse_rate("250mbit")))
+    assert not quiet.disturbed
+
+
 def test_rounds_that_disagree_badly_disturb_the_probe_and_one_bad_round_does_not():
     from meshjob_bench.probe_guard import judge
 
@@ -102,11 +116,11 @@ class _FakeMachine:
         self.probes += 1
         return self.costs.pop(0)
 
-    def run(self, attempts: int):
+    def run(self, attempts: int, **kwargs):
         from meshjob_bench.probe_guard import guarded_probe
 
         return guarded_probe(self.probe, attempts, cores=2, snapshot=self.snapshot, load=lambda: 0.5,
-                             sleep=self.sleep)
+                             sleep=self.sleep, **kwargs)
 
 
 def test_a_disturbed_probe_is_retried_after_a_quiet_window_and_the_undisturbed_attempt_used():
@@ -167,3 +181,5 @@ def test_the_json_carries_every_attempt_which_was_used_and_the_guards_limits():
     assert first["costs"]["message_s"] == pytest.approx(1240e-6) and second["verdict"]["reasons"] == []
     assert set(first["verdict"]["checks"]) == {"foreign_cpu", "message_s", "spread_message_s", "spread_message_cpu_s"}
     assert doc["guard"]["foreign_cpu_max"] == 0.25 and doc["guard"]["nominal_message_s"] > 0
+    slow_nic = _FakeMachine([_costs(0.0, spread=(0.0, 0.0))], foreign=[0.03]).run(attempts=3, nominal_message_s=None)
+    assert slow_nic.used == 0 and not slow_nic.disturbed and slow_nic.to_json()["guard"]["nominal_message_s"] is None

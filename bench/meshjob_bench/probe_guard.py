@@ -20,7 +20,10 @@ severity the largest; above 1 is disturbed):
   the other two checks catch it.)
 Through the TCP wire (`--transport tcp`) a message has next to no link time of its own (a 16-byte header,
 an 8-byte grant back): rounds fit it anywhere from 0 to 40 µs, so the two checks on it are left out and
-its rounds are judged by their CPU alone.
+its rounds are judged by their CPU alone. So at any NIC rate but the nominal one (NOMINAL_NIC_RATE, where
+EMULATED_MESSAGE_S was measured; `nominal_message_s`): at 250mbit every round of a quiet probe fitted 0 µs (a
+16 KiB message's bytes take 0.5 ms there and the messages in flight hide the gap between them), which the
+link-time checks took for a disturbance, three attempts in a row.
 A disturbed probe is retried after waiting up to QUIET_WAIT_S for the machine to quiet down (foreign CPU
 below the limit over a QUIET_WINDOW_S window), up to PROBE_ATTEMPTS attempts in all (one in --quick runs);
 the first undisturbed attempt is used, else the least severe one, said loudly on stdout and in the JSON
@@ -47,6 +50,15 @@ PROBE_ATTEMPTS = 3  # in all, the first included (--quick: 1)
 QUIET_WAIT_S = 15.0  # longest wait for the machine to quiet down before a retry
 QUIET_WINDOW_S = 1.0
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat cpu line: user nice system [idle iowait] irq softirq steal
+NOMINAL_NIC_RATE = 1e9 / 8  # bytes per second: the NIC rate EMULATED_MESSAGE_S holds at (1gbit)
+
+
+def nominal_message_s_for(transport: str, nic_bytes_per_s: float) -> float | None:
+    """The per-message link time a quiet probe measures near (judge), or None where none is known: the TCP
+    wire, or a NIC rate other than NOMINAL_NIC_RATE (the module docstring)."""
+    if transport == "tcp" or not math.isclose(nic_bytes_per_s, NOMINAL_NIC_RATE, rel_tol=0.01):
+        return None
+    return EMULATED_MESSAGE_S
 
 
 @dataclass(frozen=True)
@@ -119,8 +131,9 @@ class Verdict:
 
 def judge(costs: EngineCosts, machine: Machine, nominal_message_s: float | None = EMULATED_MESSAGE_S) -> Verdict:
     """Was this probe disturbed? (the module docstring: foreign CPU, per-message link time, rounds).
-    `nominal_message_s` None: the wire has no per-message link time to speak of (the TCP wire: a few µs,
-    which rounds fit anywhere from 0 to 40 µs), so neither it nor its spread is checked, only the CPU."""
+    `nominal_message_s` None: no per-message link time is known for the wire and NIC rate (the TCP wire: a
+    few µs, which rounds fit anywhere from 0 to 40 µs; a NIC slower than nominal: 0 µs, the gaps hidden), so
+    neither it nor its spread is checked, only the CPU (`nominal_message_s_for` says which)."""
     checks: dict[str, float] = {}
     reasons = []
     checks["foreign_cpu"] = machine.foreign_fraction / FOREIGN_CPU_MAX
@@ -171,6 +184,7 @@ def choose(attempts: Sequence[Attempt]) -> int:
 class GuardedCosts:
     attempts: tuple[Attempt, ...]
     used: int  # index into attempts
+    nominal_message_s: float | None = EMULATED_MESSAGE_S  # what judge held the link time to (None: not judged)
 
     @property
     def costs(self) -> EngineCosts:
@@ -185,7 +199,7 @@ class GuardedCosts:
         return {**self.costs.to_json(), "used_attempt": self.used, "disturbed": self.disturbed,
                 "attempts": [a.to_json() for a in self.attempts],
                 "guard": {"foreign_cpu_max": FOREIGN_CPU_MAX, "message_s_factor": MESSAGE_S_FACTOR,
-                          "nominal_message_s": EMULATED_MESSAGE_S, "spread_max": SPREAD_MAX,
+                          "nominal_message_s": self.nominal_message_s, "spread_max": SPREAD_MAX,
                           "spread_terms": list(SPREAD_TERMS)}}
 
     def describe(self) -> str:
@@ -242,4 +256,4 @@ def guarded_probe(probe: Callable[[], EngineCosts | None], attempts: int = PROBE
         done.append(Attempt(costs, machine, judge(costs, machine, nominal_message_s), waited, quiet))
         if not done[-1].verdict.disturbed:
             break
-    return GuardedCosts(tuple(done), choose(done))
+    return GuardedCosts(tuple(done), choose(done), nominal_message_s)

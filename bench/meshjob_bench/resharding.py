@@ -41,7 +41,7 @@ from meshjob_bench.resharding_cases import (BALANCERS, DEVICES_PER_HOST, MAIN_BA
                                             plan_cases)
 from meshjob_bench.resharding_targets import check_paper_targets, check_targets, planned, print_targets
 from meshjob_trainer.launch import RankContext, launch
-from meshjob.network import EMULATED_MESSAGE_S, NetworkModel
+from meshjob.network import NetworkModel
 from meshjob.units import parse_rate
 
 TRANSPORTS = ("gloo", "tcp", "nccl")
@@ -429,9 +429,10 @@ def main(args: argparse.Namespace) -> int:
             emulated = cluster.emulated
             if args.message_costs == "measured":
                 rounds = QUICK_PROBE_ROUNDS if quick else engine_costs.PROBE_ROUNDS
+                nominal = probe_guard.nominal_message_s_for(transport, nic_bytes_per_s)
                 probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds, transport),
                                                   attempts=1 if quick else probe_guard.PROBE_ATTEMPTS,
-                                                  nominal_message_s=None if transport == "tcp" else EMULATED_MESSAGE_S)
+                                                  nominal_message_s=nominal)
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1
