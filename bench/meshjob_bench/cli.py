@@ -1,5 +1,5 @@
 """`meshjob bench <benchmark>`: dispatch to the benchmark modules of this package (resharding, resimulate,
-pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune).
+compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune).
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -11,11 +11,12 @@ import importlib
 import sys
 from types import ModuleType
 
-HELP = ("benchmarks: resharding strategies (and their re-simulation), pipeline schedules, planner, operator, "
-        "input fuzzing, memory, end to end, tune")
+HELP = ("benchmarks: resharding strategies (and their re-simulation and comparison), pipeline schedules, planner, "
+        "operator, input fuzzing, memory, end to end, tune")
 BENCHMARKS: dict[str, str] = {
     "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
     "resimulate": "a recorded resharding run's plans simulated again, on its network model or a changed one",
+    "compare-runs": "recorded resharding runs side by side: targets, broadcast K=auto, the simulator's agreement",
     "pipeline": "pipeline schedules: 1f1b, eager-1f1b, weight-grad delay, signal upper bound",
     "schedule-search": "eager-1F1B's neighbourhood on the simulator: warm-ups, W delays, transfer order",
     "planner": "sender balancers: makespan over lower bound, full vs half duplex, joint vs per boundary",

@@ -1,0 +1,153 @@
+"""Recorded `bench resharding` runs side by side: each target's misses, broadcast K=auto, the simulator's agreement.
+
+A target that misses on this machine may miss for the algorithm or for the machine; runs at other NIC rates on the
+same cores tell which (the cores have 2x and 4x the time per byte at 500mbit and 250mbit). This reads runs already
+recorded (their JSON: the rows, the targets as the bench checked them, each row's simulator error) and prints one
+column per run, one row per measure, so such a sweep is read off the recorded runs, not copied by hand.
+
+Run: `meshjob bench compare-runs bench/results/runs/resharding-250mbit-*.json bench/results/resharding.json`
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+TOLERANCE = 0.10  # issue 10: |simulated / measured - 1| <= 10%
+AUTO_GREEDY = "broadcast K=auto greedy"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", help="resharding.json files written by `meshjob bench resharding`")
+    parser.add_argument("--json", default=None, help="also write the comparison to this file")
+
+
+@dataclass(frozen=True)
+class TargetCount:
+    """One target in one run (resharding_targets.Target as recorded): rows (or pairs) checked, missed, bounded."""
+
+    checked: int
+    missed: int
+    bounded: int
+
+    def __add__(self, other: TargetCount) -> TargetCount:
+        return TargetCount(self.checked + other.checked, self.missed + other.missed, self.bounded + other.bounded)
+
+    def text(self) -> str:
+        if not self.missed:
+            return f"met ({self.checked})"
+        return f"{self.missed} of {self.checked} missed" + (f" ({self.bounded} bounded)" if self.bounded else "")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one recorded run (or several runs of one NIC rate, one section each) measured, in the targets' terms."""
+
+    paths: tuple[str, ...]
+    nic_rate: str
+    auto_over_limit: dict[str, float]  # section -> broadcast K=auto (greedy) time / L, geometric mean over cases
+    targets: dict[str, TargetCount]
+    simulator_errors: tuple[float, ...]  # |simulated / measured - 1| of every non-signal row
+    disturbed_probe: bool = False
+
+    @property
+    def sections(self) -> set[str]:
+        return set(self.auto_over_limit)
+
+    def merged(self, other: RunSummary) -> RunSummary:
+        """This run and another of the same NIC rate over other sections, as one."""
+        names = list(dict.fromkeys([*self.targets, *other.targets]))
+        return RunSummary(self.paths + other.paths, self.nic_rate, {**self.auto_over_limit, **other.auto_over_limit},
+                          {n: self.targets.get(n, TargetCount(0, 0, 0)) + other.targets.get(n, TargetCount(0, 0, 0))
+                           for n in names},
+                          self.simulator_errors + other.simulator_errors, self.disturbed_probe or other.disturbed_probe)
+
+    def simulator_text(self) -> str:
+        errors = self.simulator_errors
+        if not errors:
+            return ""
+        within = sum(e <= TOLERANCE for e in errors)
+        return f"{within} of {len(errors)} ({statistics.median(errors):.1%})"
+
+    def to_json(self) -> dict[str, Any]:
+        errors = self.simulator_errors
+        return {"paths": list(self.paths), "nic_rate": self.nic_rate, "auto_over_limit": self.auto_over_limit,
+                "targets": {n: asdict(t) for n, t in self.targets.items()},
+                "simulator_within": sum(e <= TOLERANCE for e in errors), "simulator_rows": len(errors),
+                "simulator_median_error": statistics.median(errors) if errors else None,
+                "disturbed_probe": self.disturbed_probe}
+
+
+def summarize(path: str, run: dict[str, Any]) -> RunSummary:
+    """One run's summary; KeyError / ValueError where the JSON is not a resharding run's."""
+    if run.get("benchmark") != "resharding":
+        raise ValueError("not a resharding run")
+    sections = sorted(run["summary"])
+    return RunSummary(
+        paths=(path,), nic_rate=run["nic_rate"],
+        auto_over_limit={s: run["summary"][s][AUTO_GREEDY]["over_limit"] for s in sections
+                         if AUTO_GREEDY in run["summary"][s]},
+        targets={t["name"]: TargetCount(t["checked"], len(t["failures"]), len(t["bounded"]))
+                 for t in run["targets"] if t.get("checked")},
+        simulator_errors=tuple(abs(r["simulator_error"]) for r in run["rows"]
+                               if r["strategy"] != "signal" and r.get("simulator_error") is not None),
+        disturbed_probe=bool((run.get("message_costs") or {}).get("disturbed")))
+
+
+def columns(summaries: Sequence[RunSummary]) -> list[RunSummary]:
+    """Runs of one NIC rate over different sections (`--section` runs) merged into one column, in order."""
+    out: list[RunSummary] = []
+    for s in summaries:
+        i = next((i for i, c in enumerate(out) if c.nic_rate == s.nic_rate and not c.sections & s.sections), None)
+        if i is None:
+            out.append(s)
+        else:
+            out[i] = out[i].merged(s)
+    return out
+
+
+def print_comparison(cols: Sequence[RunSummary]) -> None:
+    import os
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 160)
+    table = Table(title="recorded resharding runs side by side (time / L: broadcast K=auto greedy, geometric mean "
+                        "over a section's cases; each column's files below the table)", title_justify="left")
+    table.add_column("measure")
+    for i, c in enumerate(cols):
+        table.add_column(f"[{i + 1}] {c.nic_rate}" + (" (a probe disturbed)" if c.disturbed_probe else ""))
+    for sec in sorted({sec for c in cols for sec in c.sections}):
+        table.add_row(f"{sec}: time / L", *[f"{c.auto_over_limit[sec]:.3f}" if sec in c.auto_over_limit else ""
+                                           for c in cols])
+    for name in dict.fromkeys(name for c in cols for name in c.targets):
+        table.add_row(name, *[c.targets[name].text() if name in c.targets else "" for c in cols])
+    table.add_row(f"simulator within {TOLERANCE:.0%} (median |error|)", *[c.simulator_text() for c in cols])
+    console.print(table)
+    for i, c in enumerate(cols):
+        console.print(f"[{i + 1}] " + ", ".join(os.path.basename(p) for p in c.paths))
+
+
+def main(args: argparse.Namespace) -> int:
+    from meshjob.errors import FieldError, SpecError
+
+    summaries, problems = [], []
+    for path in args.runs:
+        try:
+            with open(path) as f:
+                run = json.load(f)
+            summaries.append(summarize(path, run))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            problems.append(FieldError("runs", path, f"a resharding.json written by `meshjob bench resharding` "
+                                                     f"({type(err).__name__}: {err})"))
+    if problems:
+        raise SpecError(problems)
+    cols = columns(summaries)
+    print_comparison(cols)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([c.to_json() for c in cols], f, indent=2)
+    return 0
