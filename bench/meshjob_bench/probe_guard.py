@@ -20,8 +20,8 @@ severity the largest; above 1 is disturbed):
   the other two checks catch it.)
 Through the TCP wire (`--transport tcp`) a message has next to no link time of its own (a 16-byte header,
 an 8-byte grant back): rounds fit it anywhere from 0 to 40 µs, so the two checks on it are left out and
-its rounds are judged by their CPU alone. So at any NIC rate but the nominal one (NOMINAL_NIC_RATE, where
-EMULATED_MESSAGE_S was measured; `nominal_message_s`): at 250mbit every round of a quiet probe fitted 0 µs (a
+its rounds are judged by their CPU alone. The same at any NIC rate but the nominal one (NOMINAL_NIC_RATE, where
+EMULATED_MESSAGE_S was measured; `nominal_message_s_for`): at 250mbit every round of a quiet probe fitted 0 µs (a
 16 KiB message's bytes take 0.5 ms there and the messages in flight hide the gap between them), which the
 link-time checks took for a disturbance, three attempts in a row.
 A disturbed probe is retried after waiting up to QUIET_WAIT_S for the machine to quiet down (foreign CPU
