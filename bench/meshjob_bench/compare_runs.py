@@ -15,7 +15,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-TOLERANCE = 0.10  # issue 10: |simulated / measured - 1| <= 10%
+from meshjob_bench.resimulate import TOLERANCE
+
 AUTO_GREEDY = "broadcast K=auto greedy"
 
 
