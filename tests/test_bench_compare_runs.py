@@ -52,20 +52,21 @@ def test_runs_of_one_nic_rate_over_other_sections_become_one_column_and_their_co
     assert again.paths == ("d.json",)  # a second paper-scale run of 250mbit is a column of its own
 
 
-def test_cli_prints_the_table_and_writes_json(tmp_path):
+def test_cli_prints_the_table_and_writes_json_and_a_plot(tmp_path):
     paths = []
     for i, (rate, section) in enumerate([("1gbit", "paper_scale"), ("250mbit", "paper_scale")]):
         p = tmp_path / f"run{i}.json"
         p.write_text(json.dumps(run(rate, section, 1.1 + i, [0.01], [target("paper scale", 64, i)])))
         paths.append(str(p))
-    out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "compare-runs", *paths, "--json", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "compare-runs", *paths, "--json", str(out),
+                           "--png", str(png)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "250mbit" in proc.stdout and "1 of 64 missed" in proc.stdout and "met (64)" in proc.stdout
     doc = json.loads(out.read_text())
     assert [c["nic_rate"] for c in doc] == ["1gbit", "250mbit"]
     assert doc[1]["targets"]["paper scale"] == {"checked": 64, "missed": 1, "bounded": 0}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps({"benchmark": "pipeline"}),

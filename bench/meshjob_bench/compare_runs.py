@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -23,6 +24,8 @@ AUTO_GREEDY = "broadcast K=auto greedy"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="resharding.json files written by `meshjob bench resharding`")
     parser.add_argument("--json", default=None, help="also write the comparison to this file")
+    parser.add_argument("--png", default=None, help="also plot it to this file: time / L per section, and the share "
+                                                    "of each target's rows met")
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,40 @@ def print_comparison(cols: Sequence[RunSummary]) -> None:
         console.print(f"[{i + 1}] " + ", ".join(os.path.basename(p) for p in c.paths))
 
 
+def plot(cols: Sequence[RunSummary], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"[{i + 1}] {c.nic_rate}" for i, c in enumerate(cols)]
+    width = 0.8 / len(cols)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [2, 3]})
+    sections = sorted({sec for c in cols for sec in c.sections})
+    for j, (label, c) in enumerate(zip(labels, cols)):
+        left.bar([i + j * width for i in range(len(sections))],
+                 [c.auto_over_limit.get(sec, float("nan")) for sec in sections], width, label=label)
+    left.axhline(1.15, color="black", lw=0.8, ls="--")
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(sections))], sections)
+    left.set_ylim(1.0, None)
+    left.set_ylabel("broadcast K=auto time / L (geometric mean)")
+    left.set_title("time over the physical limit (dashed: 1.15)", fontsize=9)
+    left.legend(fontsize=8)
+    names = list(dict.fromkeys(name for c in cols for name in c.targets))
+    for j, (label, c) in enumerate(zip(labels, cols)):
+        shares = [1 - c.targets[n].missed / c.targets[n].checked if n in c.targets else float("nan") for n in names]
+        right.bar([i + j * width for i in range(len(names))], shares, width, label=label)
+    right.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], [textwrap.fill(n, 20) for n in names],
+                     fontsize=6.5)
+    right.set_ylim(0, 1.05)
+    right.set_ylabel("share of the target's rows (pairs) met")
+    right.set_title("the issues' targets (no bar: none met)", fontsize=9)
+    fig.suptitle("recorded bench resharding runs side by side", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(args: argparse.Namespace) -> int:
     from meshjob.errors import FieldError, SpecError
 
@@ -151,4 +188,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([c.to_json() for c in cols], f, indent=2)
+    if args.png:
+        plot(cols, args.png)
     return 0
