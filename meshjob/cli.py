@@ -31,8 +31,8 @@ HELPS: dict[str, str] = {
     "plan": "show the plan for a TrainingJob: placement, resharding tasks, schedules",
     "crd": "print the TrainingJob CustomResourceDefinition generated from the spec model",
     "run": "run a TrainingJob on this machine on an emulated cluster",
-    "bench": "benchmarks: resharding strategies (and their re-simulation), pipeline schedules, planner, operator, "
-             "input fuzzing, tune",
+    "bench": "benchmarks: resharding strategies (and their re-simulation and comparison), pipeline schedules, "
+             "planner, operator, input fuzzing, memory, end to end, tune",
     "simulate": "predict step time, bubbles and resharding time of a plan at any scale",
     "tune": "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster",
     "data": "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]",

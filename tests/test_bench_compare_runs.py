@@ -52,6 +52,15 @@ def test_runs_of_one_nic_rate_over_other_sections_become_one_column_and_their_co
     assert again.paths == ("d.json",)  # a second paper-scale run of 250mbit is a column of its own
 
 
+def test_a_run_without_a_broadcast_auto_row_still_owns_its_section():
+    fixed_k = run("1gbit", "paper_scale", 1.2, [0.01], [])
+    fixed_k["summary"]["paper_scale"] = {"broadcast K=16 greedy": {"over_limit": 1.2}}  # a --chunks 16 run
+    first = summarize("k16.json", fixed_k)
+    assert first.sections == {"paper_scale"} and first.auto_over_limit == {}
+    second = summarize("auto.json", run("1gbit", "paper_scale", 1.1, [0.01], []))
+    assert len(columns([first, second])) == 2  # the same section twice: not merged
+
+
 def test_cli_prints_the_table_and_writes_json_and_a_plot(tmp_path):
     paths = []
     for i, (rate, section) in enumerate([("1gbit", "paper_scale"), ("250mbit", "paper_scale")]):

@@ -16,9 +16,10 @@ import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from meshjob_bench.resharding_cases import MAIN_BALANCER, Variant
 from meshjob_bench.resimulate import TOLERANCE
 
-AUTO_GREEDY = "broadcast K=auto greedy"
+AUTO_GREEDY = Variant("broadcast", "auto", MAIN_BALANCER).label  # the summary's row for broadcast K=auto
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,19 +52,21 @@ class RunSummary:
 
     paths: tuple[str, ...]
     nic_rate: str
+    sections: frozenset[str]  # the sections the run measured
     auto_over_limit: dict[str, float]  # section -> broadcast K=auto (greedy) time / L, geometric mean over cases
     targets: dict[str, TargetCount]
     simulator_errors: tuple[float, ...]  # |simulated / measured - 1| of every non-signal row
     disturbed_probe: bool = False
 
     @property
-    def sections(self) -> set[str]:
-        return set(self.auto_over_limit)
+    def simulator_within(self) -> int:
+        return sum(e <= TOLERANCE for e in self.simulator_errors)
 
     def merged(self, other: RunSummary) -> RunSummary:
         """This run and another of the same NIC rate over other sections, as one."""
         names = list(dict.fromkeys([*self.targets, *other.targets]))
-        return RunSummary(self.paths + other.paths, self.nic_rate, {**self.auto_over_limit, **other.auto_over_limit},
+        return RunSummary(self.paths + other.paths, self.nic_rate, self.sections | other.sections,
+                          {**self.auto_over_limit, **other.auto_over_limit},
                           {n: self.targets.get(n, TargetCount(0, 0, 0)) + other.targets.get(n, TargetCount(0, 0, 0))
                            for n in names},
                           self.simulator_errors + other.simulator_errors, self.disturbed_probe or other.disturbed_probe)
@@ -72,14 +75,13 @@ class RunSummary:
         errors = self.simulator_errors
         if not errors:
             return ""
-        within = sum(e <= TOLERANCE for e in errors)
-        return f"{within} of {len(errors)} ({statistics.median(errors):.1%})"
+        return f"{self.simulator_within} of {len(errors)} ({statistics.median(errors):.1%})"
 
     def to_json(self) -> dict[str, Any]:
         errors = self.simulator_errors
         return {"paths": list(self.paths), "nic_rate": self.nic_rate, "auto_over_limit": self.auto_over_limit,
                 "targets": {n: asdict(t) for n, t in self.targets.items()},
-                "simulator_within": sum(e <= TOLERANCE for e in errors), "simulator_rows": len(errors),
+                "simulator_within": self.simulator_within, "simulator_rows": len(errors),
                 "simulator_median_error": statistics.median(errors) if errors else None,
                 "disturbed_probe": self.disturbed_probe}
 
@@ -90,7 +92,7 @@ def summarize(path: str, run: dict[str, Any]) -> RunSummary:
         raise ValueError("not a resharding run")
     sections = sorted(run["summary"])
     return RunSummary(
-        paths=(path,), nic_rate=run["nic_rate"],
+        paths=(path,), nic_rate=run["nic_rate"], sections=frozenset(sections),
         auto_over_limit={s: run["summary"][s][AUTO_GREEDY]["over_limit"] for s in sections
                          if AUTO_GREEDY in run["summary"][s]},
         targets={t["name"]: TargetCount(t["checked"], len(t["failures"]), len(t["bounded"]))
