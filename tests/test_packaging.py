@@ -2,6 +2,7 @@
 standard library, each importing only what its image installs."""
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,12 @@ def test_a_command_whose_distribution_is_missing_says_what_to_install(monkeypatc
     monkeypatch.setitem(cli.COMMANDS, "worker", ("meshjob_not_installed.commands.worker", "meshjob-trainer"))
     with pytest.raises(SystemExit, match=r"needs the meshjob-trainer distribution.*pip install \./trainer"):
         cli.main(["worker", "--help"])
+
+
+def test_the_top_level_help_of_every_command_is_the_commands_own_help():
+    # meshjob.cli keeps a copy so that `meshjob --help` imports no command; the copy must not drift
+    from meshjob import cli
+
+    assert set(cli.HELPS) == set(cli.COMMANDS)
+    for name, (module, _) in cli.COMMANDS.items():
+        assert cli.HELPS[name] == importlib.import_module(module).HELP, name
