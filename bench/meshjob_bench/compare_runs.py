@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from meshjob_bench.resharding_cases import MAIN_BALANCER, Variant
-from meshjob_bench.resimulate import TOLERANCE
+from meshjob_bench.resimulate import TOLERANCE, read_run
 
 AUTO_GREEDY = Variant("broadcast", "auto", MAIN_BALANCER).label  # the summary's row for broadcast K=auto
 
@@ -64,11 +65,10 @@ class RunSummary:
 
     def merged(self, other: RunSummary) -> RunSummary:
         """This run and another of the same NIC rate over other sections, as one."""
-        names = list(dict.fromkeys([*self.targets, *other.targets]))
         return RunSummary(self.paths + other.paths, self.nic_rate, self.sections | other.sections,
                           {**self.auto_over_limit, **other.auto_over_limit},
                           {n: self.targets.get(n, TargetCount(0, 0, 0)) + other.targets.get(n, TargetCount(0, 0, 0))
-                           for n in names},
+                           for n in target_names((self, other))},
                           self.simulator_errors + other.simulator_errors, self.disturbed_probe or other.disturbed_probe)
 
     def simulator_text(self) -> str:
@@ -87,9 +87,7 @@ class RunSummary:
 
 
 def summarize(path: str, run: dict[str, Any]) -> RunSummary:
-    """One run's summary; KeyError / ValueError where the JSON is not a resharding run's."""
-    if run.get("benchmark") != "resharding":
-        raise ValueError("not a resharding run")
+    """One resharding run's summary (resimulate.read_run); KeyError where it lacks a field."""
     sections = sorted(run["summary"])
     return RunSummary(
         paths=(path,), nic_rate=run["nic_rate"], sections=frozenset(sections),
@@ -100,6 +98,15 @@ def summarize(path: str, run: dict[str, Any]) -> RunSummary:
         simulator_errors=tuple(abs(r["simulator_error"]) for r in run["rows"]
                                if r["strategy"] != "signal" and r.get("simulator_error") is not None),
         disturbed_probe=bool((run.get("message_costs") or {}).get("disturbed")))
+
+
+def target_names(cols: Sequence[RunSummary]) -> list[str]:
+    """Every target any of `cols` checked, in the order they first appear."""
+    return list(dict.fromkeys(name for c in cols for name in c.targets))
+
+
+def all_sections(cols: Sequence[RunSummary]) -> list[str]:
+    return sorted({sec for c in cols for sec in c.sections})
 
 
 def columns(summaries: Sequence[RunSummary]) -> list[RunSummary]:
@@ -115,8 +122,6 @@ def columns(summaries: Sequence[RunSummary]) -> list[RunSummary]:
 
 
 def print_comparison(cols: Sequence[RunSummary]) -> None:
-    import os
-
     from rich.console import Console
     from rich.table import Table
 
@@ -126,10 +131,10 @@ def print_comparison(cols: Sequence[RunSummary]) -> None:
     table.add_column("measure")
     for i, c in enumerate(cols):
         table.add_column(f"[{i + 1}] {c.nic_rate}" + (" (a probe disturbed)" if c.disturbed_probe else ""))
-    for sec in sorted({sec for c in cols for sec in c.sections}):
+    for sec in all_sections(cols):
         table.add_row(f"{sec}: time / L", *[f"{c.auto_over_limit[sec]:.3f}" if sec in c.auto_over_limit else ""
                                            for c in cols])
-    for name in dict.fromkeys(name for c in cols for name in c.targets):
+    for name in target_names(cols):
         table.add_row(name, *[c.targets[name].text() if name in c.targets else "" for c in cols])
     table.add_row(f"simulator within {TOLERANCE:.0%} (median |error|)", *[c.simulator_text() for c in cols])
     console.print(table)
@@ -146,7 +151,7 @@ def plot(cols: Sequence[RunSummary], path: str) -> None:
     labels = [f"[{i + 1}] {c.nic_rate}" for i, c in enumerate(cols)]
     width = 0.8 / len(cols)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [2, 3]})
-    sections = sorted({sec for c in cols for sec in c.sections})
+    sections = all_sections(cols)
     for j, (label, c) in enumerate(zip(labels, cols)):
         left.bar([i + j * width for i in range(len(sections))],
                  [c.auto_over_limit.get(sec, float("nan")) for sec in sections], width, label=label)
@@ -156,7 +161,7 @@ def plot(cols: Sequence[RunSummary], path: str) -> None:
     left.set_ylabel("broadcast K=auto time / L (geometric mean)")
     left.set_title("time over the physical limit (dashed: 1.15)", fontsize=9)
     left.legend(fontsize=8)
-    names = list(dict.fromkeys(name for c in cols for name in c.targets))
+    names = target_names(cols)
     for j, (label, c) in enumerate(zip(labels, cols)):
         shares = [1 - c.targets[n].missed / c.targets[n].checked if n in c.targets else float("nan") for n in names]
         right.bar([i + j * width for i in range(len(names))], shares, width, label=label)
@@ -177,9 +182,7 @@ def main(args: argparse.Namespace) -> int:
     summaries, problems = [], []
     for path in args.runs:
         try:
-            with open(path) as f:
-                run = json.load(f)
-            summaries.append(summarize(path, run))
+            summaries.append(summarize(path, read_run(path)))
         except (OSError, ValueError, KeyError, TypeError) as err:
             problems.append(FieldError("runs", path, f"a resharding.json written by `meshjob bench resharding` "
                                                      f"({type(err).__name__}: {err})"))

@@ -150,15 +150,23 @@ def print_agreements(agreements: Sequence[Agreement], replanned: int, path: str)
                       f"changed since; these are today's plans against that run's measurements")
 
 
+def read_run(path: str) -> dict[str, Any]:
+    """A run written by `meshjob bench resharding`; OSError / ValueError where the file is not one."""
+    with open(path) as f:
+        run = json.load(f)
+    if not isinstance(run, dict) or run.get("benchmark") != "resharding":
+        raise ValueError("not a resharding run")
+    return run
+
+
 def main(args: argparse.Namespace) -> int:
     from meshjob.errors import FieldError, SpecError
 
     changes = [parse_change(text, True, "--scale") for text in args.scale]
     changes += [parse_change(text, False, "--set") for text in args.set]
     try:
-        with open(args.run) as f:
-            run = json.load(f)
-        if run.get("benchmark") != "resharding" or not run.get("network_model"):
+        run = read_run(args.run)
+        if not run.get("network_model"):
             raise ValueError
     except (OSError, ValueError) as err:
         raise SpecError([FieldError("run", args.run, "a resharding.json written by `meshjob bench resharding`"
