@@ -11,7 +11,8 @@ import time
 import pytest
 
 from meshjob.units import parse_rate
-from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available
+from meshjob_trainer.emulate.netns import (EmulatedCluster, cleanup_stale, list_netns, netns_available,
+                                           write_hosts_file)
 from meshjob_trainer.launch import RankContext, launch, launch_with_restarts
 
 HAVE_NETNS, WHY_NOT = netns_available()
@@ -91,11 +92,13 @@ def test_cleanup_stale_removes_namespaces_of_dead_runs_only():
     proc.wait()
     stale = f"mj{proc.pid}_h0"
     subprocess.run(["ip", "netns", "add", stale], check=True)
+    stale_hosts_file = write_hosts_file(f"mj{proc.pid}_", ["10.77.0.1"])
     try:
         with EmulatedCluster(1) as live:
             removed = cleanup_stale()
-            assert stale in removed
+            assert stale in removed and not os.path.exists(stale_hosts_file)
             assert ours(live.prefix) == [live.host_ns(0), live.switch_ns]
+            assert os.path.exists(live.hosts[0].hosts_file)
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
 
@@ -139,6 +142,43 @@ def test_tbf_throttles_a_tcp_transfer_between_two_hosts_to_the_nic_rate():
     assert received == nbytes
     burst = 128 * 1024  # tbf lets one burst through at line speed
     assert seconds >= (nbytes - burst) * 8 / rate
+
+
+def _name_of(address: str):
+    return lambda ctx: socket.getnameinfo((address, 0), 0)[0]
+
+
+@pytest.mark.netns
+@netns
+def test_a_rank_resolves_every_emulated_host_by_name_and_the_machine_keeps_its_hosts_file():
+    with open("/etc/hosts") as f:
+        machine_hosts = f.read()
+    with EmulatedCluster(2, prefix="mjt7_") as c:
+        result = launch(1, _name_of(c.hosts[1].address), **c.gang([0]).launch_args())
+        hosts_file = c.hosts[0].hosts_file
+        with open("/etc/hosts") as f:
+            assert f.read() == machine_hosts
+    assert result.ok, result
+    assert result.values == ["meshjob-host1"]
+    assert hosts_file is not None and not os.path.exists(hosts_file)  # removed with the cluster
+
+
+def _store_gang(ctx: RankContext) -> None:
+    from meshjob_trainer.dist import init_distributed
+    init_distributed(ctx.env, backend="gloo")
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@netns
+def test_a_gang_across_hosts_starts_without_hostname_warnings(capfd):
+    with EmulatedCluster(3, prefix="mjt8_") as c:
+        result = launch(3, _store_gang, **c.gang([0, 1, 2]).launch_args())
+    assert result.ok, result
+    assert "hostname of the client socket cannot be retrieved" not in capfd.readouterr().err
 
 
 def test_loopback_fallback_warns_and_says_the_rate_is_not_applied():

@@ -4,6 +4,8 @@ Layout:
     mj<pid>_sw   holds bridge br0 and the switch end h<i> of every host's veth
     mj<pid>_h<i> holds eth0 (10.77.0.<i+1>/16) and lo
 tbf on eth0 throttles what host i sends, tbf on h<i> what it receives: together they are its NIC.
+Each host's address has a name, meshjob-host<i>, in a hosts file a rank sees in place of /etc/hosts
+(EmulatedHost.enter), as `ip netns exec` would show it /etc/netns/<name>/hosts.
 Interfaces are created directly inside the namespaces, so the root namespace is never touched.
 
 Without root or without `ip`, the cluster falls back to loopback (every host is 127.0.0.1,
@@ -12,6 +14,7 @@ no throttling) with a warning; `emulated` is then False and results must say so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import re
@@ -19,9 +22,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any, Callable, Sequence
 
@@ -31,9 +35,13 @@ from meshjob_trainer.procs import pid_alive
 
 NETNS_DIR = "/var/run/netns"
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+HOSTS_FILE = "/etc/hosts"
 SUBNET = "10.77"
 IFNAME = "eth0"
 _NAME_RE = re.compile(r"^mj(\d+)_(h\d+|sw)$")
+_HOSTS_FILE_RE = re.compile(r"^mj(\d+)_.*\.hosts$")  # write_hosts_file's, in the temporary folder
 
 
 class EmulationError(RuntimeError):
@@ -69,13 +77,19 @@ def list_netns() -> list[str]:
 
 
 def cleanup_stale() -> list[str]:
-    """Delete namespaces left by meshjob runs whose process is gone; returns their names."""
+    """Delete namespaces (and hosts files) left by meshjob runs whose process is gone; returns the
+    namespaces' names."""
     removed = []
     for name in list_netns():
         m = _NAME_RE.match(name)
         if m and not pid_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
+    for name in os.listdir(tempfile.gettempdir()):
+        m = _HOSTS_FILE_RE.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tempfile.gettempdir(), name))
     return removed
 
 
@@ -93,6 +107,44 @@ def setns(name: str) -> None:
             raise OSError(err, f"setns({name}): {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def host_name(index: int) -> str:
+    """The name of emulated host `index` in the cluster's hosts file."""
+    return f"meshjob-host{index}"
+
+
+def see_hosts_file(path: str) -> bool:
+    """Give the calling process (a forked rank) its own /etc/hosts: `path` bind-mounted over it in a mount
+    namespace of its own, which the rest of the machine never sees. Why: inside a host's namespace the
+    machine's DNS server cannot be reached, so a reverse lookup of another host's address failed and c10d's
+    store warned "The hostname of the client socket cannot be retrieved" once for every rank of every run;
+    from the file the address has its name. False where the kernel refuses (no CAP_SYS_ADMIN): the names
+    are then missing, nothing else."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    # private first: the bind below must not propagate to the machine's mount namespace
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    return libc.mount(path.encode(), HOSTS_FILE.encode(), None, MS_BIND, None) == 0
+
+
+def write_hosts_file(prefix: str, addresses: Sequence[str]) -> str:
+    """A hosts file: the machine's own entries, then every emulated host's address and name; its path."""
+    try:
+        with open(HOSTS_FILE) as machine:
+            lines = machine.read().rstrip("\n").splitlines()
+    except OSError:
+        lines = ["127.0.0.1 localhost"]
+    lines += [f"{address} {host_name(i)}" for i, address in enumerate(addresses)]
+    # and each as an IPv4-mapped IPv6 address: how a dual-stack listener (c10d's store) sees its peers
+    lines += [f"::ffff:{address} {host_name(i)}" for i, address in enumerate(addresses)]
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".hosts")
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o644)
+    return path
 
 
 @dataclass(frozen=True)
@@ -113,16 +165,19 @@ class EmulatedHost:
     netns: str | None  # None in the loopback fallback
     address: str  # where ranks on this host listen
     ifname: str  # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for ranks on this host
+    hosts_file: str | None = None  # the cluster's names of its hosts (see_hosts_file); None: none
 
     def enter(self) -> None:
-        """Join this host's namespace (in a forked child, before any socket) and bind gloo and NCCL to the
-        host's NIC. Both read their settings from the environment only, so these are the variables a rank
-        sets: for them, never for meshjob. NCCL also learns which ranks share a host from NCCL_HOSTID (else
-        from the machine's name): ranks of different emulated hosts then talk through their NICs, not
-        through NVLink or shared memory (meshjob_trainer.dist.nccl_host_id adds a rank's own suffix where
-        ranks share a GPU)."""
+        """Join this host's namespace (in a forked child, before any socket), see the cluster's hosts file
+        as /etc/hosts, and bind gloo and NCCL to the host's NIC. Both read their settings from the
+        environment only, so these are the variables a rank sets: for them, never for meshjob. NCCL also
+        learns which ranks share a host from NCCL_HOSTID (else from the machine's name): ranks of different
+        emulated hosts then talk through their NICs, not through NVLink or shared memory
+        (meshjob_trainer.dist.nccl_host_id adds a rank's own suffix where ranks share a GPU)."""
         if self.netns is not None:
             setns(self.netns)
+        if self.hosts_file is not None:
+            see_hosts_file(self.hosts_file)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.ifname
         os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-emulated-host{self.index}"
 
@@ -148,6 +203,7 @@ class EmulatedCluster:
         self.fallback_reason = "" if use_netns else "--no-netns"
         self.hosts: list[EmulatedHost] = []
         self._made: list[str] = []
+        self._hosts_file: str | None = None
         self._old_sigterm: Callable | int | None = None
         self._owner_pid = os.getpid()
 
@@ -219,6 +275,8 @@ class EmulatedCluster:
             _tc(ns, IFNAME, self.nic_rate, self.burst, self.latency)
             _tc(sw, peer, self.nic_rate, self.burst, self.latency)
             self.hosts.append(EmulatedHost(i, ns, addr, IFNAME))
+        self._hosts_file = write_hosts_file(self.prefix, [host.address for host in self.hosts])
+        self.hosts = [replace(host, hosts_file=self._hosts_file) for host in self.hosts]
 
     def close(self) -> None:
         """Delete every namespace this cluster made (idempotent; only in the creating process)."""
@@ -227,6 +285,10 @@ class EmulatedCluster:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self._made.clear()
+        if self._hosts_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._hosts_file)
+            self._hosts_file = None
         self._restore_sigterm()
         atexit.unregister(self.close)
 
