@@ -163,6 +163,21 @@ def test_a_rank_resolves_every_emulated_host_by_name_and_the_machine_keeps_its_h
     assert hosts_file is not None and not os.path.exists(hosts_file)  # removed with the cluster
 
 
+@pytest.mark.netns
+@netns
+def test_hosts_without_a_hosts_file_still_make_a_cluster(monkeypatch):
+    import meshjob_trainer.emulate.netns as netns_module
+
+    def unwritable(prefix: str, addresses: list[str]) -> str:
+        raise PermissionError(13, "Permission denied", "/tmp")
+
+    monkeypatch.setattr(netns_module, "write_hosts_file", unwritable)
+    with EmulatedCluster(2, prefix="mjt9_") as c:
+        assert c.emulated and [h.hosts_file for h in c.hosts] == [None, None]
+        result = launch(1, lambda ctx: "up", **c.gang([0]).launch_args())
+    assert result.values == ["up"]
+
+
 def _store_gang(ctx: RankContext) -> None:
     from meshjob_trainer.dist import init_distributed
     init_distributed(ctx.env, backend="gloo")

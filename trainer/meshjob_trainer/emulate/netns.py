@@ -275,7 +275,10 @@ class EmulatedCluster:
             _tc(ns, IFNAME, self.nic_rate, self.burst, self.latency)
             _tc(sw, peer, self.nic_rate, self.burst, self.latency)
             self.hosts.append(EmulatedHost(i, ns, addr, IFNAME))
-        self._hosts_file = write_hosts_file(self.prefix, [host.address for host in self.hosts])
+        try:
+            self._hosts_file = write_hosts_file(self.prefix, [host.address for host in self.hosts])
+        except OSError:  # no writable temporary folder: the hosts go without names, nothing else
+            return
         self.hosts = [replace(host, hosts_file=self._hosts_file) for host in self.hosts]
 
     def close(self) -> None:
