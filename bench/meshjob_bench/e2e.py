@@ -223,7 +223,6 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         raise SystemExit(f"--models: {args.models!r} is invalid: comma separated, from {', '.join(MODELS)}")
     models = models[:1] if args.quick else models
     os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     cleanup_stale()

@@ -159,7 +159,6 @@ def main(args: argparse.Namespace) -> int:
                                  "integers >= 1"))
     if errors:
         raise SpecError(errors)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
     cleanup_stale()

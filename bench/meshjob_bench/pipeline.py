@@ -367,7 +367,6 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                             else DEFAULT_DEVICE)
     models, stage_counts, fractions, variants = parse_sweep(args)
     os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     cleanup_stale()

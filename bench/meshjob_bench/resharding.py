@@ -416,7 +416,6 @@ def main(args: argparse.Namespace) -> int:
         cases = [c for c in cases if any(text in c.name for text in args.case)]
         if not cases:
             raise SpecError([FieldError("--case", args.case, "text in a case's name, e.g. x1 or 'S0R -> RR'")])
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
 
     cleanup_stale()

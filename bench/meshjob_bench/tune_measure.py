@@ -363,7 +363,6 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
     from meshjob_bench.e2e import run
     from meshjob_trainer.emulate.netns import cleanup_stale
 
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     compute = ComputeMode("emulated", emulated_device(setting))

@@ -182,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
                       f"(another folder via --checkpoint-dir starts afresh)")
     stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps, resume_step=resume)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per socket in a namespace
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     cleanup_stale()
