@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from meshjob.costs import CostModel
-from meshjob.network import NetworkModel
+from meshjob.network import NetworkModel, emulated_network
 from meshjob.placement import Host, dump_hosts, load_hosts
 from meshjob.plan import Plan, build_plan
 from meshjob.spec import TrainingJob, load_job
@@ -47,6 +47,14 @@ class PlanInputs:
         """With the cost model build_plan assumes for this NIC rate."""
         return cls(job, None if hosts is None else tuple(hosts), nic_bytes_per_s,
                    CostModel(network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s)))
+
+    @classmethod
+    def emulated(cls, job: TrainingJob, hosts: Sequence[Host] | None, nic_bytes_per_s: float,
+                 cores: int) -> PlanInputs:
+        """What `meshjob run` plans its emulated cluster with (and `meshjob plan --emulated` shows): every host
+        on `cores` cores of one machine, the engine's costs there (meshjob.network.emulated_network)."""
+        return cls(job, None if hosts is None else tuple(hosts), nic_bytes_per_s,
+                   CostModel(network=emulated_network(nic_bytes_per_s, cores)))
 
     def build(self) -> Plan:
         network = dataclasses.replace(self.cost.network, nic_bytes_per_s=self.nic_bytes_per_s)

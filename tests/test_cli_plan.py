@@ -127,6 +127,35 @@ def test_plan_half_duplex_is_the_papers_model_for_the_ablation(capsys: pytest.Ca
     assert half["windows"][0]["lower_bound_s"] > full["windows"][0]["lower_bound_s"]
 
 
+def test_plan_emulated_is_the_plan_meshjob_run_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from meshjob.rendered import PlanInputs
+    from meshjob.spec import load_job
+
+    path = ROOT / "examples" / "gpt-demo.yaml"
+    assert main(["plan", str(path), "--emulated", "--nic-rate", "500mbit", "--skip-files", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    run_plan = PlanInputs.emulated(load_job(str(path)), None, 500e6 / 8, os.cpu_count() or 1).build()
+    assert doc == json.loads(json.dumps(run_plan.to_json()))
+    assert doc["network"]["model"]["shared_cpu_cores"] == (os.cpu_count() or 1)
+    assert doc != json.loads(json.dumps(PlanInputs.of(load_job(str(path)), None, 500e6 / 8).build().to_json()))
+
+
+def test_plan_emulated_header_names_the_cpu_a_message_takes_on_the_shared_cores() -> None:
+    result = meshjob("plan", str(TINY), "--emulated")
+    assert result.returncode == 0, result.stderr
+    assert "µs of CPU per message on" in result.stdout.splitlines()[0] + result.stdout.splitlines()[1]
+
+
+@pytest.mark.parametrize("option", [["--message-us", "5"], ["--duplex", "half"], ["--tbf-burst", "128kb"]])
+def test_plan_emulated_refuses_the_options_it_sets_itself(option: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(TINY), "--emulated", *option]) == 2
+    assert f"--emulated plans with the costs `meshjob run` uses on the emulated cluster: it takes --nic-rate, " \
+           f"not {option[0]}" in capsys.readouterr().err
+
+
 def test_plan_bad_message_cost_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(TINY), "--message-us", "-5"]) == 2
     assert "--message-us: -5.0 is invalid: a number of microseconds >= 0" in capsys.readouterr().err

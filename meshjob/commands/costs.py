@@ -1,9 +1,11 @@
 """Command-line options shared by `meshjob plan` and `meshjob simulate`: the network model and the
-compute costs a plan is built with (--nic-rate, --duplex, --message-us, --tbf-burst, --calibrate, --device)."""
+compute costs a plan is built with (--nic-rate, --duplex, --message-us, --tbf-burst, --emulated, --calibrate,
+--device)."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tbf-burst", default="0",
                    help="each NIC a token bucket of this size like the emulated cluster's tc tbf (e.g. 128kb, "
                         "what `meshjob run` and the benchmarks use); default 0: real NICs")
+    p.add_argument("--emulated", action="store_true",
+                   help="the network model `meshjob run` plans its emulated cluster with: every host on this "
+                        "machine's cores, the communication engine's link time and CPU per message as `meshjob "
+                        "bench resharding` measured them (meshjob.network.emulated_network); takes --nic-rate")
     p.add_argument("--device", default=None,
                    help="compute costs of this device profile (a100, h100 or TFLOP/s), as `meshjob run --compute "
                         "emulated --device` waits them (meshjob.device_costs)")
@@ -41,8 +47,25 @@ def network_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(str(err)) from None
     if not (math.isfinite(args.message_us) and args.message_us >= 0):
         raise UsageError(f"--message-us: {args.message_us!r} is invalid: a number of microseconds >= 0")
+    if getattr(args, "emulated", False):
+        return _emulated(args, nic)
     return NetworkModel(nic_bytes_per_s=nic, message_s=args.message_us / 1e6, duplex=args.duplex,
                         burst_bytes=_burst(args.tbf_burst))
+
+
+def _emulated(args: argparse.Namespace, nic_bytes_per_s: float) -> Any:
+    """--emulated: `meshjob run`'s model at the NIC rate, on this machine's cores (PlanInputs.emulated's); it
+    has its own per-message costs and duplex, so the options that set those are refused."""
+    from meshjob.errors import UsageError
+    from meshjob.network import emulated_network
+
+    others = [name for name, given in (("--message-us", args.message_us != DEFAULT_MESSAGE_S * 1e6),
+                                       ("--duplex", args.duplex != "full"),
+                                       ("--tbf-burst", _burst(args.tbf_burst) != 0)) if given]
+    if others:
+        raise UsageError(f"--emulated plans with the costs `meshjob run` uses on the emulated cluster: it takes "
+                         f"--nic-rate, not {', '.join(others)}")
+    return emulated_network(nic_bytes_per_s, os.cpu_count() or 1)
 
 
 def _burst(text: str) -> float:

@@ -6,10 +6,12 @@ receivers, bytes, chunks and start; makespan vs lower bound; each stage's weight
 peak stash and action list; with weightGradDelay auto, the delay candidates the plan simulated and the
 one it took), or one JSON object with --json (the contract tools rely on, see
 Plan.to_json). With --cluster a `spec.stages: auto` manifest gets the operator's search on the cluster's
-Nodes first ("tuned" says what it chose); without it `auto` exits 2. `-` reads the manifest from standard input. A file of several YAML documents
-(`---`) holds one job per document: every job is checked first, then each is planned; --json then
-prints a JSON list of plans, in document order. Bad manifests, hosts files and rates exit 2 with
-the field (and the document) named.
+Nodes first ("tuned" says what it chose); without it `auto` exits 2. `-` reads the manifest from
+standard input. A file of several YAML documents (`---`) holds one job per document: every job is checked
+first, then each is planned; --json then prints a JSON list of plans, in document order. Bad manifests,
+hosts files and rates exit 2 with the field (and the document) named. --emulated shows the plan `meshjob
+run` runs on its emulated cluster (every host on this machine's cores, the engine's costs there) instead of
+the plan for real NICs.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
 
     if args.calibrate or network != NetworkModel(nic_bytes_per_s=network.nic_bytes_per_s):
         raise UsageError("--cluster shows the operator's plan, made with the default network model at a NIC rate: "
-                         "it takes --nic-rate, not --calibrate, --duplex or --message-us")
+                         "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated")
 
 
 def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], pods: list[dict[str, Any]],
@@ -159,6 +161,14 @@ def _slice(s: list[list[int]]) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in s) + "]"
 
 
+def _shared_cores(model: dict[str, Any]) -> str:
+    """How the header names the CPU a message takes where every host shares a machine's cores (--emulated)."""
+    if not model.get("shared_cpu_cores"):
+        return ""
+    return (f", {model['message_cpu_s'] * 1e6:g} µs of CPU per message on {model['shared_cpu_cores']} shared "
+            f"core{'s' if model['shared_cpu_cores'] > 1 else ''}")
+
+
 def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -168,7 +178,7 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     model = doc["network"]["model"]
     console.print(
         f"[bold]{doc['job']}[/]: {doc['world_size']} ranks on {len(doc['hosts'])} hosts, NIC {nic_rate} "
-        f"({model['duplex']} duplex, {model['message_s'] * 1e6:g} µs per message), "
+        f"({model['duplex']} duplex, {model['message_s'] * 1e6:g} µs per message{_shared_cores(model)}), "
         f"schedule {schedule['kind']} (weight-grad delay {schedule['weight_grad_delay']}, "
         f"{'measured' if doc['costs']['measured'] else 'default'} compute costs)"
     )

@@ -139,8 +139,6 @@ class MetricsFeed:
 
 def run(args: argparse.Namespace) -> int:
     from meshjob.placement import default_hosts, load_hosts
-    from meshjob.costs import CostModel
-    from meshjob.network import emulated_network
     from meshjob.rendered import PlanInputs
     from meshjob.spec import load_job
 
@@ -155,9 +153,7 @@ def run(args: argparse.Namespace) -> int:
     hosts = load_hosts(args.hosts) if args.hosts else default_hosts(job)
     nic_bytes_per_s = parse_rate(args.nic_rate, "--nic-rate")
     # every emulated host runs on this machine's cores: chunks: auto weighs the CPU its messages take
-    inputs = PlanInputs(job, tuple(hosts), nic_bytes_per_s,
-                        CostModel(network=emulated_network(nic_bytes_per_s, os.cpu_count() or 1)))
-    plan = inputs.build()  # inherited by every rank
+    plan = PlanInputs.emulated(job, hosts, nic_bytes_per_s, os.cpu_count() or 1).build()  # inherited by every rank
     placement = plan.placement
     rank_hosts = [placement.host_of(r) for r in range(placement.world_size)]
     used = sorted(set(rank_hosts))
