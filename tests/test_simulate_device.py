@@ -41,3 +41,16 @@ def test_simulate_prints_the_steady_period_of_steps_run_one_after_another(capsys
 def test_bad_cost_options_exit_2_naming_the_flag(argv, message, capsys):
     assert main(["simulate", "examples/utransformer-demo.yaml", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_simulate_emulated_prices_the_messages_cpu_on_this_machines_cores(capsys):
+    import os
+
+    from meshjob.network import emulated_network
+
+    assert main(["simulate", "examples/utransformer-demo.yaml", "--device", "h100", "--emulated", "--json"]) == 0
+    emulated = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "examples/utransformer-demo.yaml", "--device", "h100", "--json"]) == 0
+    real = json.loads(capsys.readouterr().out)
+    assert emulated["cost_model"]["network"] == emulated_network(1e9 / 8, os.cpu_count() or 1).to_json()
+    assert emulated["step_s"] > real["step_s"]  # the same job, its messages now costing CPU and 120 µs each
