@@ -10,8 +10,8 @@ Nodes first ("tuned" says what it chose); without it `auto` exits 2. `-` reads t
 standard input. A file of several YAML documents (`---`) holds one job per document: every job is checked
 first, then each is planned; --json then prints a JSON list of plans, in document order. Bad manifests,
 hosts files and rates exit 2 with the field (and the document) named. --emulated shows the plan `meshjob
-run` runs on its emulated cluster (every host on this machine's cores, the engine's costs there) instead of
-the plan for real NICs.
+run` starts from on its emulated cluster (every host on this machine's cores, the engine's costs there; the
+run then sizes the weight-gradient delay on the costs its ranks measure) instead of the plan for real NICs.
 """
 from __future__ import annotations
 
