@@ -152,8 +152,9 @@ def _plan(*argv: str):
     (("--cluster", "--hosts", "h.yaml"), "--cluster and --hosts exclude each other"),
     (("--kubeconfig", "k.yaml"), "--kubeconfig and --context go with --cluster"),
     (("--cluster", "--kubeconfig", "/nonexistent/kubeconfig"), "--cluster: cannot load the kubeconfig"),
-    (("--cluster", "--duplex", "half"), "it takes --nic-rate, not --calibrate, --duplex or --message-us"),
-    (("--cluster", "--calibrate"), "it takes --nic-rate, not --calibrate, --duplex or --message-us"),
+    (("--cluster", "--duplex", "half"), "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated"),
+    (("--cluster", "--calibrate"), "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated"),
+    (("--cluster", "--emulated"), "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated"),
 ])
 def test_plan_cluster_usage_errors_exit_2_naming_the_flag(argv, message):
     result = _plan(*argv)
