@@ -74,7 +74,7 @@ def read_text(path: str, what: str, limits: Limits = LIMITS) -> str:
             with open(path, "rb") as fh:
                 data = fh.read(limits.max_bytes + 1)
     except OSError as err:
-        raise SpecError([FieldError(source, None, f"a readable {what} ({err.strerror or err})")]) from None
+        raise SpecError([FieldError(source, path, f"a readable {what} ({err.strerror or err})")]) from None
     if len(data) > limits.max_bytes:
         raise SpecError([FieldError(source, f"more than {limits.max_bytes} bytes",
                                     f"a {what} of at most {limits.max_bytes} bytes")])

@@ -96,8 +96,11 @@ def test_plan_too_small_cluster_exits_2_saying_what_is_missing(tmp_path: Path, c
 
 
 def test_plan_missing_manifest_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
-    assert "nope.yaml" in capsys.readouterr().err
+    missing = str(tmp_path / "nope.yaml")
+    assert main(["plan", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing!r} is invalid: a readable TrainingJob manifest (No such file or directory)" in err
+    assert "None" not in err
 
 
 def test_plan_json_shows_the_network_per_step_and_the_costs(capsys: pytest.CaptureFixture[str]) -> None:
