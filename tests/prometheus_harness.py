@@ -199,6 +199,42 @@ SCENARIO_JOB = {
 }
 
 
+BLOCKED_NAMESPACE = "zero-pods"  # a ResourceQuota of zero pods: the API server refuses the job's pods (403)
+
+
+def ready_nodes(envtest: Envtest, names: tuple[str, ...], devices: int = 2) -> None:
+    """Nodes as a kubelet registers them, Ready and schedulable."""
+    envtest.apply([node(n, devices) for n in names])
+    for n in names:  # the status of a node is its own subresource
+        envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": node(n, devices)["status"]}))
+        # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
+        envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
+
+
+def blocked_job(envtest: Envtest, scenario: OperatorScenario) -> None:
+    """The scenario's job again in a namespace whose ResourceQuota allows no pods, on nodes of its own:
+    placed, then refused its pods, so it is Blocked (and the operator counts the refusals)."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "spec": {"hard": {"pods": "0"}},
+             "metadata": {"name": "zero-pods", "namespace": BLOCKED_NAMESPACE}}
+    envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": BLOCKED_NAMESPACE}}, quota])
+
+    def counted() -> bool:  # the API server refuses pods only once the controller manager has counted the quota
+        out = envtest.kubectl("get", "resourcequota", "-n", BLOCKED_NAMESPACE, "zero-pods", "-o", "json").stdout
+        return bool(json.loads(out).get("status", {}).get("hard"))
+
+    wait_until(counted, 30, f"the ResourceQuota of namespace {BLOCKED_NAMESPACE} counted")
+    ready_nodes(envtest, ("host-2", "host-3"))
+    envtest.apply([{**SCENARIO_JOB, "metadata": {"name": JOB_NAME, "namespace": BLOCKED_NAMESPACE}}])
+
+    def blocked() -> bool:
+        scenario.check()
+        conditions = scenario.job_status(BLOCKED_NAMESPACE).get("conditions") or []
+        return any(c["type"] == "Blocked" and c["status"] == "True" for c in conditions)
+
+    wait_until(blocked, 60, f"the job of namespace {BLOCKED_NAMESPACE} Blocked")
+
+
 def node(name: str, devices: int) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
@@ -261,8 +297,8 @@ class OperatorScenario:
             if fail_one:
                 return
 
-    def job_status(self) -> dict[str, Any]:
-        out = self.envtest.kubectl("get", "trainingjob", "-n", "default", JOB_NAME, "-o", "json", check=False)
+    def job_status(self, namespace: str = "default", name: str = JOB_NAME) -> dict[str, Any]:
+        out = self.envtest.kubectl("get", "trainingjob", "-n", namespace, name, "-o", "json", check=False)
         return json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}
 
 
@@ -313,21 +349,17 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
 
 
 @contextlib.contextmanager
-def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterator[OperatorScenario]:
+def operator_scenario(assets: Path, workdir: Path, metrics_port: int,
+                      blocked: bool = False) -> Iterator[OperatorScenario]:
     """envtest (audited) + the chart's operator (chart_operator). Then a job's life: created before any node
     fits (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is
-    deleted. The context is entered once the restart happened; on exit the job is deleted and all is stopped."""
+    deleted. The context is entered once the restart happened; on exit the job is deleted and all is stopped.
+    `blocked`: also the same job in a namespace that allows no pods (blocked_job), once the restart happened."""
     with Envtest(assets, workdir) as envtest, \
             chart_operator(envtest, workdir, {"operator": {"metricsPort": metrics_port}}) as scenario:
         envtest.apply([SCENARIO_JOB])
         time.sleep(2)  # reconciled while no node fits: Unschedulable
-        envtest.apply([node("host-0", 2), node("host-1", 2)])
-        for n in ("host-0", "host-1"):  # the status of a node is its own subresource
-            body = node(n, 2)
-            envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
-                            "-p", json.dumps({"status": body["status"]}))
-            # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
-            envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
+        ready_nodes(envtest, ("host-0", "host-1"))
         wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
         scenario.play_kubelet("Running")
         wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,
@@ -340,6 +372,8 @@ def operator_scenario(assets: Path, workdir: Path, metrics_port: int) -> Iterato
             return int(scenario.job_status().get("restartCount") or scenario.job_status().get("restarts") or 0) >= 1
 
         wait_until(restarted, 60, "a gang restart", interval_s=0.5)
+        if blocked:
+            blocked_job(envtest, scenario)
         yield scenario
         envtest.kubectl("delete", "trainingjob", "-n", "default", JOB_NAME, "--wait=false")
 

@@ -19,8 +19,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from prometheus_harness import (DASHBOARD, JOB_NAME, ROOT, PanelQuery, Prometheus, dashboard_queries, envtest_dir,
-                                free_port, instantiate, operator_scenario)
+from prometheus_harness import (BLOCKED_NAMESPACE, DASHBOARD, JOB_NAME, ROOT, PanelQuery, Prometheus,
+                                dashboard_queries, envtest_dir, free_port, instantiate, operator_scenario)
 
 RULES = ROOT / "charts" / "meshjob" / "rules"
 # Grafana's $__rate_interval; here a window that covers a whole short run.
@@ -38,7 +38,7 @@ def test_alert_rules_pass_promtool_check():
     result = subprocess.run(["promtool", "check", "rules", str(RULES / "meshjob-alerts.yaml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout
+    assert "SUCCESS: 5 rules found" in result.stdout
 
 
 def test_alert_rules_pass_promtool_unit_tests():
@@ -47,10 +47,10 @@ def test_alert_rules_pass_promtool_unit_tests():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_alerts_cover_job_stuck_restart_storm_and_slow_resharding():
+def test_alerts_cover_stuck_blocked_and_restarting_jobs_and_slow_resharding():
     groups = yaml.safe_load((RULES / "meshjob-alerts.yaml").read_text())["groups"]
     alerts = {r["alert"] for g in groups for r in g["rules"]}
-    assert {"MeshjobJobStuck", "MeshjobRestartStorm", "MeshjobReshardingBelowNicRate"} <= alerts
+    assert {"MeshjobJobStuck", "MeshjobJobBlocked", "MeshjobRestartStorm", "MeshjobReshardingBelowNicRate"} <= alerts
     tested = yaml.safe_load((RULES / "meshjob-alerts.test.yaml").read_text())["tests"]
     assert alerts == {t["alertname"] for test in tested for t in test["alert_rule_test"]}
 
@@ -137,9 +137,11 @@ def scraped(tmp_path_factory) -> Iterator[Scraped]:
     with prom:
         operator_at = None
         if assets is not None:
-            with operator_scenario(assets, tmp / "envtest", operator_port) as scenario:
+            with operator_scenario(assets, tmp / "envtest", operator_port, blocked=True) as scenario:
                 prom.wait_for('meshjob_operator_restarts_total > 0', timeout_s=30)
-                operator_at = last_sample_time(prom, 'meshjob_operator_restarts_total')
+                # a counter's first sample is no increase: wait for the job's next refused retry to be scraped
+                prom.wait_for('increase(meshjob_operator_api_errors_total[10m]) > 0', timeout_s=90)
+                operator_at = last_sample_time(prom, 'meshjob_operator_api_errors_total')
                 scenario.check()
         result = run_trainer(tmp, trainer_port)
         assert result.returncode == 0, f"meshjob run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -192,6 +194,18 @@ def test_namespace_and_trainingjob_variables_list_the_running_job(scraped):
     jobs = scraped.prometheus.api("label/trainingjob/values", **{"match[]": 'meshjob_info{namespace=~"default"}'},
                                   **window)
     assert "dashboard-demo" in jobs
+
+
+@pytest.mark.slow
+def test_a_blocked_job_shows_on_the_refused_calls_panel(scraped):
+    """The scenario's job in a namespace that allows no pods: its refusals, named by namespace, job and code."""
+    if scraped.operator_at is None:
+        pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
+    (refused,) = [q for q in dashboard_queries() if q.panel == "Refused API calls"]
+    per_job = {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"]["code"]): float(r["value"][1])
+               for r in _evaluate(scraped, refused)}
+    assert per_job.get((BLOCKED_NAMESPACE, JOB_NAME, "403"), 0) > 0, per_job
+    assert ("default", JOB_NAME, "403") not in per_job  # the job that got its pods was refused nothing
 
 
 @pytest.mark.slow

@@ -96,6 +96,11 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "toward runPolicy.backoffLimit) or disruption (an eviction or preemption).",
               [(f'sum by ({BY_JOB}, reason) (increase(meshjob_operator_restarts_total{{{JOB}}}[1h]))',
                 f"{LEGEND} {{{{reason}}}}")]),
+        Panel("Refused API calls", "API calls for each TrainingJob that the API server refused in the last hour, "
+              "by HTTP code, for a reason that does not pass by itself (quota, admission policy, RBAC, an invalid "
+              "child): the job is Blocked, its condition quoting the API server, until a retry goes through.",
+              [(f'sum by ({BY_JOB}, code) (increase(meshjob_operator_api_errors_total{{{JOB}}}[1h]))',
+                f"{LEGEND} HTTP {{{{code}}}}")]),
         Panel("Reconcile duration", "95th percentile duration of the operator's handlers.",
               [(f'histogram_quantile(0.95, sum by (le) (rate(meshjob_operator_reconcile_duration_seconds_bucket[{RATE}])))',
                 "p95")], unit="s"),
