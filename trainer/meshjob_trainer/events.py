@@ -33,7 +33,8 @@ CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 @dataclass(frozen=True)
 class Metric:
     """One Prometheus series fed by an event: counters add `value`, gauges are set to it, histograms
-    observe it; a NaN value records nothing. Labels are event fields (the exporter adds `job`)."""
+    observe it; a NaN value records nothing. Labels are event fields (the exporter adds `trainingjob` and
+    `namespace`)."""
 
     name: str  # meshjob_ prefix and the unit; counters end in _total
     help: str
