@@ -38,7 +38,7 @@ def test_alert_rules_pass_promtool_check():
     result = subprocess.run(["promtool", "check", "rules", str(RULES / "meshjob-alerts.yaml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 def test_alert_rules_pass_promtool_unit_tests():
