@@ -196,23 +196,24 @@ def test_namespace_and_trainingjob_variables_list_the_running_job(scraped):
     assert "dashboard-demo" in jobs
 
 
+def _per_job(scraped: Scraped, panel: str, label: str) -> dict[tuple[str, str, str], float]:
+    """An operator panel's one query at the scenario's time: (namespace, trainingjob, `label`) -> value."""
+    if scraped.operator_at is None:
+        pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
+    (query,) = [q for q in dashboard_queries() if q.panel == panel]
+    return {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"][label]): float(r["value"][1])
+            for r in _evaluate(scraped, query)}
+
+
 @pytest.mark.slow
 def test_a_blocked_job_shows_on_the_refused_calls_panel(scraped):
     """The scenario's job in a namespace that allows no pods: its refusals, named by namespace, job and code."""
-    if scraped.operator_at is None:
-        pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
-    (refused,) = [q for q in dashboard_queries() if q.panel == "Refused API calls"]
-    per_job = {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"]["code"]): float(r["value"][1])
-               for r in _evaluate(scraped, refused)}
+    per_job = _per_job(scraped, "Refused API calls", "code")
     assert per_job.get((BLOCKED_NAMESPACE, JOB_NAME, "403"), 0) > 0, per_job
     assert ("default", JOB_NAME, "403") not in per_job  # the job that got its pods was refused nothing
 
 
 @pytest.mark.slow
 def test_operator_restart_shows_on_the_restarts_panel(scraped):
-    if scraped.operator_at is None:
-        pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
-    (restarts,) = [q for q in dashboard_queries() if q.panel == "Gang restarts"]
-    per_job = {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"]["reason"]): float(r["value"][1])
-               for r in _evaluate(scraped, restarts)}
+    per_job = _per_job(scraped, "Gang restarts", "reason")
     assert per_job[("default", JOB_NAME, "failure")] >= 1, per_job  # the scenario's pod failure, named by its job
