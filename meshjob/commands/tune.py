@@ -177,10 +177,10 @@ def print_tables(out: dict[str, Any], path: str | None) -> None:
 
     con = Console(width=max(120, Console().width))
     c = out["cluster"]
+    plans = f"{out['evaluated']} plan{'' if out['evaluated'] == 1 else 's'}"
     con.print(f"[bold]{out['job']}[/]: {c['hosts']} hosts x {c['devices_per_host']} {c['device']['name']}, "
               f"{c['memory_bytes'] / 2**30:.1f} GiB each, NIC {c['network']['nic_bytes_per_s'] * 8 / 1e9:g} Gbit/s; "
-              f"searched in {out['search_seconds']:.1f} s, {out['evaluated']} plan{'' if out['evaluated'] == 1 else 's'} "
-              f"simulated")
+              f"searched in {out['search_seconds']:.1f} s, {plans} simulated")
     con.print("the best of the space: proven (every candidate that could beat it was simulated)"
               if out["proven_best"] else
               f"[yellow]not proven best[/]: the search stopped at its budget; every candidate not simulated "
