@@ -4,6 +4,7 @@ Each module in meshjob.commands exports HELP (one line), add_arguments(parser) a
 run(args) -> int. Modules are imported only when their subcommand runs, so `meshjob plan`
 never imports torch or kubernetes. Bad input exits 2 with a message that names the field.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ HELPS: dict[str, str] = {
     "crd": "print the TrainingJob CustomResourceDefinition generated from the spec model",
     "run": "run a TrainingJob on this machine on an emulated cluster",
     "bench": "benchmarks: resharding strategies (and their re-simulation and comparison), pipeline schedules, "
-             "planner, operator, input fuzzing, memory, end to end, tune",
+    "planner, operator, input fuzzing, memory, end to end, tune",
     "simulate": "predict step time, bubbles and resharding time of a plan at any scale",
     "tune": "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster",
     "data": "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]",
@@ -49,8 +50,10 @@ def command_module(name: str) -> ModuleType:
     except ModuleNotFoundError as err:
         if err.name is None or module.split(".")[0] != err.name.split(".")[0]:
             raise  # a dependency of an installed command is missing: its own traceback says which
-        raise SystemExit(f"meshjob {name}: needs the {distribution} distribution, which is not installed "
-                         f"(from a checkout: pip install ./{distribution.removeprefix('meshjob-')})") from err
+        raise SystemExit(
+            f"meshjob {name}: needs the {distribution} distribution, which is not installed "
+            f"(from a checkout: pip install ./{distribution.removeprefix('meshjob-')})"
+        ) from err
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

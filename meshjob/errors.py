@@ -1,4 +1,5 @@
 """Validation errors that name the field, the value and what is allowed."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,10 @@ class _ShortRepr(reprlib.Repr):
     def repr_dict(self, x: dict, level: int) -> str:
         if not x or level <= 0:
             return "{...}" if x else "{}"
-        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
-                  for k, v in itertools.islice(x.items(), self.maxdict)]
+        pieces = [
+            f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+            for k, v in itertools.islice(x.items(), self.maxdict)
+        ]
         return "{" + ", ".join(pieces + (["..."] if len(x) > self.maxdict else [])) + "}"
 
 

@@ -1,11 +1,21 @@
 """Parsing of human units used on the command line: link rates ("1gbit", "500mbit") and sizes ("64MiB")."""
+
 from __future__ import annotations
 
 import re
 
 # tc's rate units, in bits per second ("bps" is tc's bytes per second)
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}
 _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -14,8 +24,10 @@ def parse_rate(text: str, path: str = "rate") -> float:
     the value and the units allowed."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
     if not m or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"{path}: {text!r} is invalid: a positive tc rate such as '1gbit', '500mbit' or "
-                         f"'125mbps' (units: {', '.join(_RATE_UNITS)})")
+        raise ValueError(
+            f"{path}: {text!r} is invalid: a positive tc rate such as '1gbit', '500mbit' or "
+            f"'125mbps' (units: {', '.join(_RATE_UNITS)})"
+        )
     return float(m.group(1)) * _RATE_UNITS[m.group(2).lower()] / 8
 
 

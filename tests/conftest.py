@@ -1,5 +1,6 @@
 """Shared fixtures. torch is imported here once so that forked ranks start in milliseconds
 instead of each importing it (see meshjob_trainer.launch)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,9 @@ def failed_only_forming_the_mesh(result) -> bool:
     """Whether a gang failed only because gloo's connection mesh did not form: some rank's process group
     did not start for that reason, and every other failed rank was killed for it."""
     failures = result.failures()
-    return (any(GLOO_MESH_FLAKE in r.error for r in failures)
-            and all(GLOO_MESH_FLAKE in r.error or KILLED_FOR_ANOTHER in r.error for r in failures))
+    return any(GLOO_MESH_FLAKE in r.error for r in failures) and all(
+        GLOO_MESH_FLAKE in r.error or KILLED_FOR_ANOTHER in r.error for r in failures
+    )
 
 
 @pytest.fixture
@@ -42,13 +44,17 @@ def gang():
 
 
 ONE_HOST_JOB = {  # 2 stages x 2 ranks on one 4-device host: the smallest job a worker test runs
-    "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "onehost"},
+    "apiVersion": "meshjob.io/v1alpha1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "onehost"},
     "spec": {
         "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
         "training": {"steps": 4, "globalBatch": 8, "microbatches": 2, "learningRate": 1.0e-3, "seed": 0},
         "topology": {"devicesPerHost": 4},
-        "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
-                   {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 1}],
+        "stages": [
+            {"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
+            {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 1},
+        ],
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy", "budgetSeconds": 0.5},
         "schedule": {"kind": "1f1b", "weightGradDelay": 0},
     },

@@ -1,5 +1,6 @@
 """Entry points of user models that are wrong in each way meshjob must report (tests/test_custom.py),
 and a good one built from examples/custom_model's conv_lm."""
+
 from __future__ import annotations
 
 from torch import nn

@@ -4,29 +4,45 @@ The clusters themselves (kmock, a real kube-apiserver) and the in-process operat
 meshjob_operator.testing. Every scenario uses its own namespace, node names and device resource
 (example.com/<tag>), so scenarios can share one API server without interfering.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
 import yaml
 
-from meshjob_operator.testing import (Cluster, envtest_assets, envtest_cluster, eventually, job_body, kmock_cluster,
-                                      running_operator)
+from meshjob_operator.testing import (
+    Cluster,
+    envtest_assets,
+    envtest_cluster,
+    eventually,
+    job_body,
+    kmock_cluster,
+    running_operator,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PEERING_CRDS = REPO / "operator" / "peering.yaml"
 
 # The modules that run their scenarios on both servers import these fixtures (apiserver, cluster, operator).
 ASSETS = envtest_assets()
-CLUSTERS = ["kmock", pytest.param("envtest", marks=pytest.mark.skipif(
-    ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"))]
+CLUSTERS = [
+    "kmock",
+    pytest.param(
+        "envtest",
+        marks=pytest.mark.skipif(
+            ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"
+        ),
+    ),
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=CLUSTERS)
@@ -61,9 +77,23 @@ async def plan_on_cluster(c: Cluster, body: dict[str, Any], folder: Path) -> dic
     process, as a user runs it): its JSON."""
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(body))
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "meshjob.cli", "plan", str(path), "--json",
-                                                    "--cluster", "--kubeconfig", str(c.kubeconfig)],
-                                   capture_output=True, text=True, timeout=120)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "meshjob.cli",
+            "plan",
+            str(path),
+            "--json",
+            "--cluster",
+            "--kubeconfig",
+            str(c.kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -89,21 +119,25 @@ async def wait_pods(c: Cluster, tag: str, count: int, *, phase: str | None = Non
     async def check() -> list[dict] | None:
         await c.finish_deletions(tag)
         pods = [p for p in await c.pods(tag, tag) if not p["metadata"].get("deletionTimestamp")]
-        if len(pods) == count and (phase is None or all((p.get("status") or {}).get("phase", "Pending") == phase
-                                                        for p in pods)):
+        if len(pods) == count and (
+            phase is None or all((p.get("status") or {}).get("phase", "Pending") == phase for p in pods)
+        ):
             return pods or [{}]
         return None
+
     found = await eventually(check, timeout=timeout, what=f"{count} pod(s) of job {tag}")
     return [p for p in found if p]
 
 
-async def wait_status(c: Cluster, tag: str, predicate: Callable[[dict], bool], what: str,
-                      timeout: float = 20) -> dict[str, Any]:
+async def wait_status(
+    c: Cluster, tag: str, predicate: Callable[[dict], bool], what: str, timeout: float = 20
+) -> dict[str, Any]:
     async def check() -> dict | None:
         await c.finish_deletions(tag)
         job = await c.job(tag, tag)
         status = (job or {}).get("status") or {}
         return status if predicate(status) else None
+
     return await eventually(check, timeout=timeout, what=f"job {tag}: {what}")
 
 

@@ -3,6 +3,7 @@ kube-apiserver (../shared/envtest, with an audit log), both on 127.0.0.1, both s
 
 Also: the Grafana dashboard's queries with its template variables filled in, as Prometheus needs them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,9 +18,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import yaml
 
@@ -60,6 +62,7 @@ def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
 
 # --- Prometheus -----------------------------------------------------------------------------
 
+
 @dataclass
 class Prometheus:
     """A real Prometheus scraping `targets` (scrape job -> ["127.0.0.1:port"]) every second.
@@ -81,11 +84,13 @@ class Prometheus:
         return {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in self.rule_files],
-            "scrape_configs": [{"job_name": name, "honor_labels": True, "static_configs": [{"targets": hosts}]}
-                               for name, hosts in self.targets.items()],
+            "scrape_configs": [
+                {"job_name": name, "honor_labels": True, "static_configs": [{"targets": hosts}]}
+                for name, hosts in self.targets.items()
+            ],
         }
 
-    def start(self, timeout_s: float = 30) -> "Prometheus":
+    def start(self, timeout_s: float = 30) -> Prometheus:
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("the `prometheus` binary is missing: apt-get install prometheus")
@@ -93,9 +98,17 @@ class Prometheus:
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config()))
         self.process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=open(self.workdir / "prometheus.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=open(self.workdir / "prometheus.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_until(self._ready, timeout_s, f"Prometheus on {self.url} (log: {self.workdir / 'prometheus.log'})")
         return self
 
@@ -110,7 +123,7 @@ class Prometheus:
     def stop(self) -> None:
         stop_process(self.process)
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -144,6 +157,7 @@ class Prometheus:
 
 
 # --- the dashboard's queries ---------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PanelQuery:
@@ -183,15 +197,18 @@ CHART = ROOT / "charts" / "meshjob"
 OPERATOR_NAMESPACE = "meshjob-system"
 JOB_NAME = "scenario"
 SCENARIO_JOB = {
-    "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob",
+    "apiVersion": "meshjob.io/v1alpha1",
+    "kind": "TrainingJob",
     "metadata": {"name": JOB_NAME, "namespace": "default"},
     "spec": {
         "image": "meshjob/trainer:test",
         "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
         "training": {"steps": 3, "globalBatch": 8, "microbatches": 2, "checkpoint": {"every": 1, "path": "/ckpt"}},
         "topology": {"devicesPerHost": 2},
-        "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
-                   {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 0, "tensorParallelDim": 1}],
+        "stages": [
+            {"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
+            {"layers": [1, 2], "mesh": [1, 2], "dataParallelDim": 0, "tensorParallelDim": 1},
+        ],
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
         "schedule": {"kind": "1f1b", "weightGradDelay": 0},
         "runPolicy": {"backoffLimit": 3, "cleanPodPolicy": "All"},
@@ -206,8 +223,15 @@ def ready_nodes(envtest: Envtest, names: tuple[str, ...], devices: int = 2) -> N
     """Nodes as a kubelet registers them, Ready and schedulable."""
     envtest.apply([node(n, devices) for n in names])
     for n in names:  # the status of a node is its own subresource
-        envtest.kubectl("patch", "node", n, "--subresource=status", "--type=merge",
-                        "-p", json.dumps({"status": node(n, devices)["status"]}))
+        envtest.kubectl(
+            "patch",
+            "node",
+            n,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": node(n, devices)["status"]}),
+        )
         # the node lifecycle controller (not run here) lifts the not-ready taint of a Ready node
         envtest.kubectl("patch", "node", n, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
 
@@ -215,8 +239,12 @@ def ready_nodes(envtest: Envtest, names: tuple[str, ...], devices: int = 2) -> N
 def blocked_job(envtest: Envtest, scenario: OperatorScenario) -> None:
     """The scenario's job again in a namespace whose ResourceQuota allows no pods, on nodes of its own:
     placed, then refused its pods, so it is Blocked (and the operator counts the refusals)."""
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "spec": {"hard": {"pods": "0"}},
-             "metadata": {"name": "zero-pods", "namespace": BLOCKED_NAMESPACE}}
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "spec": {"hard": {"pods": "0"}},
+        "metadata": {"name": "zero-pods", "namespace": BLOCKED_NAMESPACE},
+    }
     envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": BLOCKED_NAMESPACE}}, quota])
 
     def counted() -> bool:  # the API server refuses pods only once the controller manager has counted the quota
@@ -236,11 +264,16 @@ def blocked_job(envtest: Envtest, scenario: OperatorScenario) -> None:
 
 
 def node(name: str, devices: int) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-            "status": {"allocatable": {"cpu": str(devices), "pods": "110"},
-                       "capacity": {"cpu": str(devices), "pods": "110"},
-                       "conditions": [{"type": "Ready", "status": "True"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "status": {
+            "allocatable": {"cpu": str(devices), "pods": "110"},
+            "capacity": {"cpu": str(devices), "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
 
 
 def chart_docs(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -248,8 +281,7 @@ def chart_docs(values: dict[str, Any]) -> list[dict[str, Any]]:
 
     with Chart.load(CHART) as chart:
         rendered = chart.render(values, name="meshjob", namespace=OPERATOR_NAMESPACE)
-    return [d for path, text in rendered.items() if not path.endswith(".txt")
-            for d in yaml.safe_load_all(text) if d]
+    return [d for path, text in rendered.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
 
 
 @dataclass
@@ -273,8 +305,9 @@ class OperatorScenario:
             raise RuntimeError(f"the operator exited ({self.process.returncode}):\n{self.operator_log()[-3000:]}")
 
     def pods(self) -> list[dict[str, Any]]:
-        out = self.envtest.kubectl("get", "pods", "-n", "default", "-l", f"meshjob.io/job-name={JOB_NAME}",
-                                   "-o", "json").stdout
+        out = self.envtest.kubectl(
+            "get", "pods", "-n", "default", "-l", f"meshjob.io/job-name={JOB_NAME}", "-o", "json"
+        ).stdout
         return json.loads(out)["items"]
 
     def play_kubelet(self, phase: str | None = None, fail_one: bool = False) -> None:
@@ -282,18 +315,38 @@ class OperatorScenario:
         for pod in self.pods():
             name = pod["metadata"]["name"]
             if pod["metadata"].get("deletionTimestamp"):
-                self.envtest.kubectl("delete", "pod", "-n", "default", name, "--grace-period=0", "--force",
-                                     "--wait=false", check=False)
+                self.envtest.kubectl(
+                    "delete", "pod", "-n", "default", name, "--grace-period=0", "--force", "--wait=false", check=False
+                )
                 continue
             if phase is None and not fail_one:
                 continue
             status: dict[str, Any] = {"phase": phase}
             if fail_one:
-                status = {"phase": "Failed", "containerStatuses": [{
-                    "name": "trainer", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                    "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
-            self.envtest.kubectl("patch", "pod", "-n", "default", name, "--subresource=status", "--type=merge",
-                                 "-p", json.dumps({"status": status}))
+                status = {
+                    "phase": "Failed",
+                    "containerStatuses": [
+                        {
+                            "name": "trainer",
+                            "ready": False,
+                            "restartCount": 0,
+                            "image": "x",
+                            "imageID": "",
+                            "state": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                        }
+                    ],
+                }
+            self.envtest.kubectl(
+                "patch",
+                "pod",
+                "-n",
+                "default",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": status}),
+            )
             if fail_one:
                 return
 
@@ -308,8 +361,12 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
     would (release meshjob in meshjob-system), and `meshjob operator` run here with the chart's command line
     and environment, authenticated as that ServiceAccount; entered once its liveness probe answers."""
     health_port = free_port()
-    docs = chart_docs({**values, "operator": {**values.get("operator", {}), "healthPort": health_port,
-                                              "webhook": {"port": free_port()}}})  # free ports: runs may overlap
+    docs = chart_docs(
+        {
+            **values,
+            "operator": {**values.get("operator", {}), "healthPort": health_port, "webhook": {"port": free_port()}},
+        }
+    )  # free ports: runs may overlap
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
@@ -320,15 +377,22 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
     envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
     envtest.apply([d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")])
     kubeconfig = envtest.token_kubeconfig(OPERATOR_NAMESPACE, service_account, workdir / "operator.kubeconfig")
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": OPERATOR_NAMESPACE,
-           "POD_NAME": "meshjob-operator-0"}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "POD_NAMESPACE": OPERATOR_NAMESPACE,
+        "POD_NAME": "meshjob-operator-0",
+    }
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     # envtest has no cluster DNS: the API server reaches the webhook here rather than through its Service
     # (the later flags win), with the operator's self-signed certificate for that name
-    reachable = ["--webhook-addr=127.0.0.1", "--webhook-host=127.0.0.1"] if "--no-webhook" not in container["args"] else []
+    reachable = (
+        ["--webhook-addr=127.0.0.1", "--webhook-host=127.0.0.1"] if "--no-webhook" not in container["args"] else []
+    )
     command = [sys.executable, "-m", "meshjob.cli", *container["command"][1:], *container["args"], *reachable]
-    operator.process = subprocess.Popen(command, env=env, stdout=open(operator.log, "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    operator.process = subprocess.Popen(
+        command, env=env, stdout=open(operator.log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+    )
     try:
         probe = container["livenessProbe"]["httpGet"]["path"]
 
@@ -344,26 +408,33 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
     finally:
         stop_process(operator.process)
         # its persistent (fail-closed) check outlives it, as on a cluster: gone with this operator here
-        envtest.kubectl("delete", "validatingwebhookconfiguration", f"{names.PLURAL}.{names.GROUP}",
-                        "--ignore-not-found", check=False)
+        envtest.kubectl(
+            "delete",
+            "validatingwebhookconfiguration",
+            f"{names.PLURAL}.{names.GROUP}",
+            "--ignore-not-found",
+            check=False,
+        )
 
 
 @contextlib.contextmanager
-def operator_scenario(assets: Path, workdir: Path, metrics_port: int,
-                      blocked: bool = False) -> Iterator[OperatorScenario]:
+def operator_scenario(
+    assets: Path, workdir: Path, metrics_port: int, blocked: bool = False
+) -> Iterator[OperatorScenario]:
     """envtest (audited) + the chart's operator (chart_operator). Then a job's life: created before any node
     fits (unschedulable), nodes appear, pods are created and run, one fails (gang restart), the job is
     deleted. The context is entered once the restart happened; on exit the job is deleted and all is stopped.
     `blocked`: also the same job in a namespace that allows no pods (blocked_job), once the restart happened."""
-    with Envtest(assets, workdir) as envtest, \
-            chart_operator(envtest, workdir, {"operator": {"metricsPort": metrics_port}}) as scenario:
+    with (
+        Envtest(assets, workdir) as envtest,
+        chart_operator(envtest, workdir, {"operator": {"metricsPort": metrics_port}}) as scenario,
+    ):
         envtest.apply([SCENARIO_JOB])
         time.sleep(2)  # reconciled while no node fits: Unschedulable
         ready_nodes(envtest, ("host-0", "host-1"))
         wait_until(lambda: (scenario.check(), len(scenario.pods()) == 2)[1], 60, "the job's two host pods")
         scenario.play_kubelet("Running")
-        wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60,
-                   "phase Running")
+        wait_until(lambda: (scenario.check(), scenario.job_status().get("phase") == "Running")[1], 60, "phase Running")
         scenario.play_kubelet(fail_one=True)
 
         def restarted() -> bool:

@@ -1,5 +1,6 @@
 """`spec.stages: auto`: only the search path takes it, the search on a cluster's hosts is deterministic
-across processes, and a started auto job compares with what was chosen for it (meshjob.auto_stages)."""
+across processes, and a started auto job compares with what was chosen for it (meshjob.cluster.auto_stages)."""
+
 from __future__ import annotations
 
 import json
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshjob import auto_stages, cli
+from meshjob import cli
+from meshjob.cluster import auto_stages
 from meshjob.errors import PlacementError
-from meshjob.placement import Host
-from meshjob.search import Infeasible
-from meshjob.spec import SpecError, job_to_dict, parse_job
+from meshjob.plan.placement import Host
+from meshjob.search.algorithm import Infeasible
+from meshjob.spec.manifest import SpecError, job_to_dict, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 NIC = 125e6
@@ -22,9 +24,17 @@ MODEL = {"kind": "gpt", "layers": 4, "hidden": 4096, "heads": 32, "vocab": 64, "
 
 
 def auto_doc(**spec) -> dict:
-    doc = {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "auto"},
-           "spec": {"model": dict(MODEL), "training": {"steps": 2, "globalBatch": 8},
-                    "topology": {"devicesPerHost": 2}, "stages": "auto"}}
+    doc = {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "auto"},
+        "spec": {
+            "model": dict(MODEL),
+            "training": {"steps": 2, "globalBatch": 8},
+            "topology": {"devicesPerHost": 2},
+            "stages": "auto",
+        },
+    }
     doc["spec"].update(spec)
     return doc
 
@@ -85,8 +95,9 @@ def test_the_chosen_manifest_is_a_valid_job_with_the_status_naming_its_choices()
 
 
 def test_fields_the_manifest_sets_are_kept_by_the_search():
-    doc = auto_doc(schedule={"kind": "gpipe", "weightGradDelay": 0}, training={"steps": 2, "globalBatch": 8,
-                                                                               "microbatches": 4})
+    doc = auto_doc(
+        schedule={"kind": "gpipe", "weightGradDelay": 0}, training={"steps": 2, "globalBatch": 8, "microbatches": 4}
+    )
     job = auto_stages.tune(doc, auto_stages.search_cluster(hosts(2), NIC)).job()
     assert (job.schedule.kind, job.schedule.weight_grad_delay, job.training.microbatches) == ("gpipe", 0, 4)
 
@@ -99,8 +110,8 @@ def test_a_model_that_fits_no_device_is_infeasible_with_the_smallest_overflow():
 
 SEARCH_IN_A_PROCESS = """
 import json, sys
-from meshjob import auto_stages
-from meshjob.placement import Host
+from meshjob.cluster import auto_stages
+from meshjob.plan.placement import Host
 doc = json.loads(sys.argv[1])
 hosts = [Host(f"node-{i}", 2) for i in range(3)]
 print(json.dumps(auto_stages.tune(doc, auto_stages.search_cluster(hosts, 125e6)).status(), sort_keys=True))
@@ -109,8 +120,16 @@ print(json.dumps(auto_stages.tune(doc, auto_stages.search_cluster(hosts, 125e6))
 
 def test_the_search_chooses_the_same_in_every_process():
     doc = auto_doc(model={**MODEL, "layers": 6})
-    runs = [subprocess.run([sys.executable, "-c", SEARCH_IN_A_PROCESS, json.dumps(doc)], capture_output=True,
-                           text=True, timeout=120, check=True).stdout for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", SEARCH_IN_A_PROCESS, json.dumps(doc)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        for _ in range(2)
+    ]
     here = auto_stages.tune(doc, auto_stages.search_cluster(hosts(3), NIC)).status()
     assert runs[0] == runs[1] == json.dumps(here, sort_keys=True) + "\n"
 
@@ -139,7 +158,7 @@ EXAMPLE = ROOT / "examples" / "kubernetes" / "gpt-auto.yaml"
 def test_the_auto_example_is_valid_for_the_crd_and_the_search_and_tunes_to_a_valid_job():
     import jsonschema
 
-    from meshjob.crd import open_api_schema
+    from meshjob.spec.crd import open_api_schema
 
     doc = yaml.safe_load(EXAMPLE.read_text())
     assert list(jsonschema.Draft4Validator(open_api_schema()).iter_errors(doc)) == []

@@ -1,16 +1,20 @@
 """Host-level load balancing and ordering on the network model: bound, validity, the four balancers."""
+
 import itertools
 import random
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from meshjob.balance import BALANCERS, HostTask, Schedule, balance, list_schedule
-from meshjob.mesh import Mesh
-from meshjob.network import NetworkModel
-from meshjob.resharding import decompose
-from meshjob.sharding import ShardingSpec
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec
+from meshjob.network.host_task import HostTask
+from meshjob.network.model import NetworkModel
+from meshjob.resharding.balance import BALANCERS, Schedule, balance, list_schedule
+from meshjob.resharding.strategies import task_cost
+from meshjob.resharding.tasks import decompose
 
 BW = 1000.0  # bytes per second: t = bytes / 1000
 # The paper's setting: bytes only (no per-message cost, free intra-host copies)
@@ -22,8 +26,7 @@ HALF = NetworkModel(**BYTES_ONLY, duplex="half")
 # ---------------------------------------------------------------- invariants of every schedule
 def spans(task, sender, strategy, chunks, network):
     """(link, from, to) of the task relative to its start."""
-    return [(link, off, off + busy)
-            for link, off, busy in network.task_cost(task, sender, strategy, chunks).holds()]
+    return [(link, off, off + busy) for link, off, busy in task_cost(network, task, sender, strategy, chunks).holds()]
 
 
 def assert_valid(tasks, sched: Schedule, strategy="broadcast", chunks=4, network=FULL):
@@ -36,7 +39,7 @@ def assert_valid(tasks, sched: Schedule, strategy="broadcast", chunks=4, network
     end = [s + d for s, d in zip(sched.start_s, sched.seconds)]
     free: dict = {}
     for i in sched.order:
-        assert sched.start_s[i] == pytest.approx(max([0.0] + [free.get(l, 0.0) - a for l, a, _ in held[i]]))
+        assert sched.start_s[i] == pytest.approx(max([0.0] + [free.get(link, 0.0) - a for link, a, _ in held[i]]))
         for link, a, b in held[i]:
             assert sched.start_s[i] + a >= free.get(link, 0.0) - 1e-9, f"task {i} overlaps on {link}"
             free[link] = sched.start_s[i] + b
@@ -83,15 +86,19 @@ def host_task_lists(draw, max_tasks=8, hosts=4):
     return tasks
 
 
-NETWORKS = {"full": FULL, "half": HALF,
-            "timed": NetworkModel(nic_bytes_per_s=BW, message_s=0.01, intra_host_bytes_per_s=8 * BW)}
+NETWORKS = {
+    "full": FULL,
+    "half": HALF,
+    "timed": NetworkModel(nic_bytes_per_s=BW, message_s=0.01, intra_host_bytes_per_s=8 * BW),
+}
 
 
 @pytest.mark.parametrize("balancer", BALANCERS)
 @pytest.mark.parametrize("network", NETWORKS, ids=list(NETWORKS))
 @settings(max_examples=25, deadline=None)
-@given(tasks=host_task_lists(), strategy=st.sampled_from(["send_recv", "broadcast", "global_allgather",
-                                                          "local_allgather"]))
+@given(
+    tasks=host_task_lists(), strategy=st.sampled_from(["send_recv", "broadcast", "global_allgather", "local_allgather"])
+)
 def test_every_balancer_gives_a_valid_schedule_at_or_above_the_lower_bound(balancer, network, tasks, strategy):
     sched = balance(tasks, balancer, strategy, NETWORKS[network], 4, budget_s=0.2)
     assert sched.balancer == balancer
@@ -151,15 +158,19 @@ def exhaustive_optimum(tasks, strategy, chunks, network):
                 held = spans(tasks[i], s, strategy, chunks, network)
                 begin = max([0.0] + [free.get(link, 0.0) - a for link, a, _ in held])
                 free.update({link: begin + b for link, _, b in held})
-                makespan = max(makespan, begin + network.task_cost(tasks[i], s, strategy, chunks).seconds)
+                makespan = max(makespan, begin + task_cost(network, tasks[i], s, strategy, chunks).seconds)
             best = min(best, makespan)
     return best
 
 
 def test_dfs_branches_on_tasks_that_start_after_another_could_finish():
     """Hypothesis's counterexample to active-schedule pruning: tasks hold several links at once."""
-    tasks = [HostTask((1, 2), (5, 3, 4), 1000), HostTask((1,), (4, 3), 1000), HostTask((0,), (3,), 1000),
-             HostTask((1, 2), (4,), 1000)]
+    tasks = [
+        HostTask((1, 2), (5, 3, 4), 1000),
+        HostTask((1,), (4, 3), 1000),
+        HostTask((0,), (3,), 1000),
+        HostTask((1, 2), (4,), 1000),
+    ]
     sched = balance(tasks, "dfs", "send_recv", FULL, 4, budget_s=5.0)
     assert sched.finished and sched.makespan_s == pytest.approx(4.0)
     assert exhaustive_optimum(tasks, "send_recv", 4, FULL) == pytest.approx(4.0)
@@ -185,9 +196,14 @@ def test_dfs_beats_naive_when_order_matters():
 
 def random_tasks(seed, n, hosts=4):
     rng = random.Random(seed)
-    return [HostTask(tuple(rng.sample(range(hosts), rng.randint(1, 2))),
-                     tuple(rng.sample(range(hosts, 2 * hosts), rng.randint(1, 3))),
-                     rng.choice([1000, 2000, 4000])) for _ in range(n)]
+    return [
+        HostTask(
+            tuple(rng.sample(range(hosts), rng.randint(1, 2))),
+            tuple(rng.sample(range(hosts, 2 * hosts), rng.randint(1, 3))),
+            rng.choice([1000, 2000, 4000]),
+        )
+        for _ in range(n)
+    ]
 
 
 def paper_like_tasks(send, recv, src_shape=(2, 4), dst_shape=(2, 4), tensor=(96, 96)):
@@ -196,8 +212,14 @@ def paper_like_tasks(send, recv, src_shape=(2, 4), dst_shape=(2, 4), tensor=(96,
     b = Mesh.grid(dst_shape, first_rank=a.size, first_host=src_shape[0])
     host_of = {**{r: a.host_of(r) for r in a.ranks}, **{r: b.host_of(r) for r in b.ranks}}
     units = decompose(tensor, a, ShardingSpec.parse(send), b, ShardingSpec.parse(recv))
-    return [HostTask(tuple(dict.fromkeys(host_of[r] for r in u.senders)),
-                     tuple(dict.fromkeys(host_of[r] for r in u.receivers)), u.bytes) for u in units]
+    return [
+        HostTask(
+            tuple(dict.fromkeys(host_of[r] for r in u.senders)),
+            tuple(dict.fromkeys(host_of[r] for r in u.receivers)),
+            u.bytes,
+        )
+        for u in units
+    ]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -208,12 +230,17 @@ def test_greedy_is_within_10_percent_of_dfs_on_random_cases_up_to_20_tasks(seed)
     assert greedy.makespan_s <= 1.1 * dfs.makespan_s
 
 
-@pytest.mark.parametrize("send, recv, src_shape, dst_shape", [
-    ("S01R", "S0R", (2, 4), (2, 4)), ("RS1", "S0R", (2, 4), (2, 4)), ("S0R", "S1R", (2, 4), (2, 4)),
-    ("S0S1", "S1S0", (2, 4), (2, 4)),
-    ("S0S1", "S1S0", (4, 2), (3, 4)),  # unequal slices: cuts of 4 and 3 shards
-    ("S01R", "S0R", (2, 4), (3, 2)),
-])
+@pytest.mark.parametrize(
+    "send, recv, src_shape, dst_shape",
+    [
+        ("S01R", "S0R", (2, 4), (2, 4)),
+        ("RS1", "S0R", (2, 4), (2, 4)),
+        ("S0R", "S1R", (2, 4), (2, 4)),
+        ("S0S1", "S1S0", (2, 4), (2, 4)),
+        ("S0S1", "S1S0", (4, 2), (3, 4)),  # unequal slices: cuts of 4 and 3 shards
+        ("S01R", "S0R", (2, 4), (3, 2)),
+    ],
+)
 def test_greedy_is_within_10_percent_of_dfs_on_paper_cases(send, recv, src_shape, dst_shape):
     tasks = paper_like_tasks(send, recv, src_shape, dst_shape)
     assert len(tasks) <= 20
@@ -249,17 +276,26 @@ def test_no_tasks_gives_an_empty_schedule():
     assert sched.makespan_s == 0.0 and sched.sender_host == () and sched.lower_bound_s == 0.0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"balancer": "best"}, "balancer 'best' is invalid: one of naive, load_balance, dfs, greedy"),
-    ({"strategy": "ring"}, "strategy 'ring' is invalid: one of send_recv"),
-    ({"network": 1e9}, "network 1000000000.0 is invalid: a meshjob.network.NetworkModel"),
-    ({"chunks": 0}, "chunks 0 is invalid: auto or an integer >= 1"),
-    ({"chunks": "many"}, "chunks 'many' is invalid: auto or an integer >= 1"),
-    ({"budget_s": -1}, "budget_s -1 is invalid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"balancer": "best"}, "balancer 'best' is invalid: one of naive, load_balance, dfs, greedy"),
+        ({"strategy": "ring"}, "strategy 'ring' is invalid: one of send_recv"),
+        ({"network": 1e9}, "network 1000000000.0 is invalid: a meshjob.network.model.NetworkModel"),
+        ({"chunks": 0}, "chunks 0 is invalid: auto or an integer >= 1"),
+        ({"chunks": "many"}, "chunks 'many' is invalid: auto or an integer >= 1"),
+        ({"budget_s": -1}, "budget_s -1 is invalid"),
+    ],
+)
 def test_bad_arguments_are_rejected_with_what_is_allowed(kwargs, message):
-    args = {"tasks": [HostTask((0,), (1,), 8)], "balancer": "dfs", "strategy": "broadcast", "chunks": 4,
-            "network": FULL, **kwargs}
+    args = {
+        "tasks": [HostTask((0,), (1,), 8)],
+        "balancer": "dfs",
+        "strategy": "broadcast",
+        "chunks": 4,
+        "network": FULL,
+        **kwargs,
+    }
     with pytest.raises(ValueError, match=message):
         balance(**args)
 
@@ -283,25 +319,26 @@ def test_an_unfinished_search_stops_at_the_same_point_on_every_run():
 
 
 def test_on_shared_cores_no_schedule_ends_before_the_cores_did_every_tasks_messages():
-    from meshjob.balance import list_schedule
-    from meshjob.network import NetworkModel
-    from meshjob.task_costs import HostTask
+    from meshjob.network.host_task import HostTask
+    from meshjob.network.model import NetworkModel
+    from meshjob.resharding.balance import list_schedule
 
     shared = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=1e-3)
     tasks = [HostTask((0,), (2,), 2**20), HostTask((1,), (3,), 2**20)]  # disjoint links: they run side by side
-    each = [shared.task_cost(t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
+    each = [task_cost(shared, t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
     plan = list_schedule(tasks, [0, 1], [0, 1], "broadcast", shared, 64)
     assert plan.makespan_s == pytest.approx(sum(c.cpu_s for c in each)) and plan.makespan_s > max(
-        c.seconds for c in each)
+        c.seconds for c in each
+    )
 
 
 def test_on_shared_cores_the_links_and_the_cores_contend_over_the_whole_schedule():
-    from meshjob.network import NetworkModel
-    from meshjob.task_costs import HostTask
+    from meshjob.network.host_task import HostTask
+    from meshjob.network.model import NetworkModel
 
     shared = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=3e-4, cpu_contention_p=4.0)
     tasks = [HostTask((0,), (2,), 2**20), HostTask((1,), (3,), 2**20)]  # disjoint links: they run side by side
-    each = [shared.task_cost(t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
+    each = [task_cost(shared, t, t.sender_hosts[0], "broadcast", 64) for t in tasks]
     plan = list_schedule(tasks, [0, 1], [0, 1], "broadcast", shared, 64)
     on_links, cpu = max(c.link_s for c in each), sum(c.cpu_s for c in each)
     assert plan.makespan_s == pytest.approx(shared.with_cpu(on_links, cpu))

@@ -1,4 +1,5 @@
 """`meshjob bench e2e` (figure 7): the three configurations of one job, a smoke run on the emulated cluster."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ import os
 
 import pytest
 
-from meshjob.plan import build_plan
-from meshjob.devices import parse_compute
-from meshjob.simulate import simulate_plan
+from meshjob.costs.devices import parse_compute
+from meshjob.plan.build import build_plan
+from meshjob.simulate.simulator import simulate_plan
 from meshjob_bench.e2e import CONFIGS, DEVICES_PER_HOST, HOSTS, bench_job, main, planned, predicted_step_s
 from meshjob_bench.pipeline import TBF_BURST_BYTES, TCP_PAYLOAD_PER_FRAME_BYTE
 
@@ -26,10 +27,16 @@ def test_every_configuration_runs_the_same_model_on_the_same_hosts_with_dp_tp_pp
 
 def test_the_configurations_are_meshjobs_alpas_and_the_signal_bound():
     mine, alpa, bound = (bench_job("gpt", c, 2, quick=True) for c in ("meshjob", "alpa", "signal"))
-    assert (mine.resharding.strategy, mine.resharding.balancer, mine.schedule.kind) == \
-        ("broadcast", "greedy", "eager-1f1b")
-    assert (alpa.resharding.strategy, alpa.resharding.balancer, alpa.schedule.kind) == \
-        ("local_allgather", "naive", "1f1b")
+    assert (mine.resharding.strategy, mine.resharding.balancer, mine.schedule.kind) == (
+        "broadcast",
+        "greedy",
+        "eager-1f1b",
+    )
+    assert (alpa.resharding.strategy, alpa.resharding.balancer, alpa.schedule.kind) == (
+        "local_allgather",
+        "naive",
+        "1f1b",
+    )
     assert bound.resharding.strategy == "signal" and bound.schedule == mine.schedule
 
 

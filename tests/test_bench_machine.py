@@ -1,4 +1,5 @@
 """Every bench that runs ranks says what it ran on: the trainer's transport here and the machine."""
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """`meshjob bench memory`: per-rank parameter, optimizer and activation bytes for fp32/bf16, recompute
 off/on and ZeRO 0/1, against the analytic expectation (issue 12's targets: ZeRO-1's optimizer bytes
 are 1/DP of ZeRO-0's within 5%; with recompute the peak activations are at most one block's per stashed microbatch)."""
+
 from __future__ import annotations
 
 import argparse

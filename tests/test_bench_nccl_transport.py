@@ -1,5 +1,6 @@
 """The transport bench (a device check for GPU machines) runs its gloo half here: every receiver exact,
 every row's fields, ratios to broadcast that follow from the medians."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,9 @@ def test_the_gloo_half_of_the_transport_bench_delivers_exactly_and_reports_every
     result = json.loads((tmp_path / "nccl_transport.json").read_text())
     assert result["exact"] and result["machine"]["torch"] and "gpu" not in result["machine"]
     rows = result["rows"]
-    assert {(r["case"], r["strategy"]) for r in rows} == {(c, s) for c in nccl_transport.CASES
-                                                          for s in nccl_transport.STRATEGY_NAMES}
+    assert {(r["case"], r["strategy"]) for r in rows} == {
+        (c, s) for c in nccl_transport.CASES for s in nccl_transport.STRATEGY_NAMES
+    }
     for r in rows:
         assert r["transport"] == "gloo" and r["nccl_over_gloo"] is None and len(r["runs_s"]) == 1
         broadcast = next(b for b in rows if b["case"] == r["case"] and b["strategy"] == "broadcast")

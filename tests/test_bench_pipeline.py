@@ -1,5 +1,6 @@
 """`meshjob bench pipeline` smoke run: real ranks on the emulated cluster under emulated compute,
 table + JSON (every field) + the timeline and bar-chart PNGs."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,38 @@ import os
 
 import pytest
 
-from meshjob.devices import parse_device
+from meshjob.costs.devices import parse_device
 from meshjob_bench.pipeline import Config, bench_job, busiest_link_bytes, cost_model, main, nic_rate_for
 from meshjob_bench.pipeline_report import check_targets
 
 pytestmark = pytest.mark.slow
 
-ROW_FIELDS = {"model", "stages_count", "variant", "comm_fraction", "nic_rate", "nic_bytes_per_s", "compute", "device",
-              "weight_delay", "job", "step_s", "tokens_per_s", "bubble", "overlap", "stages", "predicted_step_s",
-              "predicted_over_measured", "predicted_stages", "vs_1f1b", "vs_signal", "peak_stashed_vs_1f1b",
-              "delay_choice", "step_bound", "max_vs_signal"}
+ROW_FIELDS = {
+    "model",
+    "stages_count",
+    "variant",
+    "comm_fraction",
+    "nic_rate",
+    "nic_bytes_per_s",
+    "compute",
+    "device",
+    "weight_delay",
+    "job",
+    "step_s",
+    "tokens_per_s",
+    "bubble",
+    "overlap",
+    "stages",
+    "predicted_step_s",
+    "predicted_over_measured",
+    "predicted_stages",
+    "vs_1f1b",
+    "vs_signal",
+    "peak_stashed_vs_1f1b",
+    "delay_choice",
+    "step_bound",
+    "max_vs_signal",
+}
 STAGE_FIELDS = {"bubble", "overlap", "peak_stashed", "compute_s_per_step", "timeline"}
 
 
@@ -35,7 +58,7 @@ def test_nic_rates_put_communication_at_the_asked_fraction_of_compute():
 
 
 def test_the_bench_plans_messages_above_the_executors_overlap_threshold_as_run_alone():
-    from meshjob.network import overlap_bytes
+    from meshjob.network.model import overlap_bytes
 
     job, device = bench_job("utransformer", "eager-1f1b", 2, quick=False), parse_device("3")
     network = cost_model(job, device, nic_rate_for(job, device, 1.0)).network
@@ -45,9 +68,9 @@ def test_the_bench_plans_messages_above_the_executors_overlap_threshold_as_run_a
 
 @pytest.mark.parametrize("model", ["gpt", "utransformer"])
 def test_the_step_bound_is_at_most_every_variants_simulated_step_at_the_bench_shapes(model):
-    from meshjob.plan import build_plan
-    from meshjob.simulate import simulate_plan
-    from meshjob.step_bound import step_bound
+    from meshjob.plan.build import build_plan
+    from meshjob.simulate.simulator import simulate_plan
+    from meshjob.simulate.step_bound import step_bound
 
     device = parse_device("3")
     rate = nic_rate_for(bench_job(model, "1f1b", 2, quick=False), device, 1.0)
@@ -62,8 +85,17 @@ def test_the_step_bound_is_at_most_every_variants_simulated_step_at_the_bench_sh
 
 
 def test_targets_are_checked_on_the_measured_rows_only():
-    rows = [{"model": "utransformer", "variant": "eager-1f1b+wdelay", "stages_count": 4, "comm_fraction": f,
-             "vs_1f1b": x, "vs_signal": 0.95} for f, x in ((0.1, 1.0), (0.3, 1.4), (1.0, 1.2))]
+    rows = [
+        {
+            "model": "utransformer",
+            "variant": "eager-1f1b+wdelay",
+            "stages_count": 4,
+            "comm_fraction": f,
+            "vs_1f1b": x,
+            "vs_signal": 0.95,
+        }
+        for f, x in ((0.1, 1.0), (0.3, 1.4), (1.0, 1.2))
+    ]
     speedup, of_signal = check_targets(rows)
     assert speedup["met"] is False and speedup["worst"] == 1.2 and len(speedup["cases"]) == 2  # 0.1 is exempt
     assert of_signal["met"] is True and of_signal["impossible_cases"] == 0

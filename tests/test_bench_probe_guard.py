@@ -1,4 +1,5 @@
 """The engine probe's guard: is a probe disturbed, which attempt is used, what the JSON records."""
+
 import math
 
 import pytest
@@ -8,8 +9,17 @@ from meshjob_bench.engine_costs import EngineCosts
 
 def _costs(message_s: float = 120e-6, spread: tuple[float, float] | None = None, cpu: float = 270e-6) -> EngineCosts:
     lo, hi = spread or (message_s * 0.6, message_s * 1.3)
-    return EngineCosts(message_s, 80e-6, cpu, cpu / 2, 1.5e-9, 0.9e-9, (),
-                       spread={"message_s": (lo, hi), "message_cpu_s": (cpu * 0.95, cpu * 1.1)}, rounds=5)
+    return EngineCosts(
+        message_s,
+        80e-6,
+        cpu,
+        cpu / 2,
+        1.5e-9,
+        0.9e-9,
+        (),
+        spread={"message_s": (lo, hi), "message_cpu_s": (cpu * 0.95, cpu * 1.1)},
+        rounds=5,
+    )
 
 
 def _machine(foreign_fraction: float = 0.02, wall_s: float = 30.0, cores: int = 2):
@@ -49,7 +59,7 @@ def test_the_bench_counts_only_cpu_beyond_its_own_as_foreign():
 
 
 def test_a_per_message_cost_far_from_the_nominal_disturbs_the_probe():
-    from meshjob.network import EMULATED_MESSAGE_S
+    from meshjob.network.model import EMULATED_MESSAGE_S
     from meshjob_bench.probe_guard import MESSAGE_S_FACTOR, judge
 
     slow = judge(_costs(1240e-6, spread=(850e-6, 1780e-6)), _machine(0.05))  # last session's disturbed probe
@@ -69,7 +79,7 @@ def test_through_the_tcp_wire_only_the_cpu_is_checked_not_a_link_time_of_a_few_m
 
 
 def test_the_link_time_is_judged_only_over_gloo_at_the_nominal_nic_rate():
-    from meshjob.network import EMULATED_MESSAGE_S
+    from meshjob.network.model import EMULATED_MESSAGE_S
     from meshjob.units import parse_rate
     from meshjob_bench.probe_guard import judge, nominal_message_s_for
 
@@ -77,8 +87,11 @@ def test_the_link_time_is_judged_only_over_gloo_at_the_nominal_nic_rate():
     assert nominal_message_s_for("tcp", parse_rate("1gbit")) is None
     assert nominal_message_s_for("gloo", parse_rate("250mbit")) is None
     # a quiet probe at 250mbit: every round fits 0 µs of link time, the gaps hidden behind the bytes
-    quiet = judge(_costs(0.0, spread=(0.0, 0.0)), _machine(0.02),
-                  nominal_message_s=nominal_message_s_for("gloo", parse_rate("250mbit")))
+    quiet = judge(
+        _costs(0.0, spread=(0.0, 0.0)),
+        _machine(0.02),
+        nominal_message_s=nominal_message_s_for("gloo", parse_rate("250mbit")),
+    )
     assert not quiet.disturbed
 
 
@@ -88,7 +101,8 @@ def test_rounds_that_disagree_badly_disturb_the_probe_and_one_bad_round_does_not
     assert not judge(_costs(118e-6, spread=(59e-6, 326e-6)), _machine()).disturbed  # 5.5x: one bad round
     verdict = judge(_costs(118e-6, spread=(20e-6, 400e-6)), _machine())
     assert verdict.disturbed and verdict.reasons == (
-        "rounds disagree: message_s 20-400 µs over the 5 rounds, 20x (limit 8x)",)
+        "rounds disagree: message_s 20-400 µs over the 5 rounds, 20x (limit 8x)",
+    )
     assert judge(_costs(118e-6, spread=(0.0, 300e-6)), _machine()).disturbed  # a round fitted 0
 
 
@@ -119,8 +133,9 @@ class _FakeMachine:
     def run(self, attempts: int, **kwargs):
         from meshjob_bench.probe_guard import guarded_probe
 
-        return guarded_probe(self.probe, attempts, cores=2, snapshot=self.snapshot, load=lambda: 0.5,
-                             sleep=self.sleep, **kwargs)
+        return guarded_probe(
+            self.probe, attempts, cores=2, snapshot=self.snapshot, load=lambda: 0.5, sleep=self.sleep, **kwargs
+        )
 
 
 def test_a_disturbed_probe_is_retried_after_a_quiet_window_and_the_undisturbed_attempt_used():
@@ -142,8 +157,9 @@ def test_when_every_attempt_is_disturbed_the_least_disturbed_is_used_and_said_lo
     guarded = fake.run(attempts=3)
     assert fake.probes == 3 and guarded.used == 1 and guarded.disturbed
     assert [a.waited_s for a in guarded.attempts] == pytest.approx([0.0, QUIET_WAIT_S, QUIET_WAIT_S])
-    assert guarded.describe().startswith("WARNING: engine probe DISTURBED on all 3 attempt(s); planning with the "
-                                         "least disturbed, attempt 2 of 3")
+    assert guarded.describe().startswith(
+        "WARNING: engine probe DISTURBED on all 3 attempt(s); planning with the least disturbed, attempt 2 of 3"
+    )
 
 
 def test_a_quick_run_probes_once_and_still_records_the_verdict():

@@ -1,5 +1,6 @@
 """`meshjob bench resharding`: the physical limit, the aggregation, and a smoke run on the
 emulated cluster that writes a table, JSON and PNG figures."""
+
 from __future__ import annotations
 
 import json
@@ -9,17 +10,15 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # bench/ is a source-tree folder, not an installed package
-
-from meshjob_bench.machine import gpu_visible  # noqa: E402
-from meshjob_bench.resharding import Row, collect, summarize  # noqa: E402
-from meshjob_bench.resharding_cases import ITEMSIZE, Case, Layout, Variant, physical_limit  # noqa: E402
+from meshjob.layout.sharding import ShardingSpec
+from meshjob.network.model import DEFAULT_INTRA_MESSAGE_S, DEFAULT_MESSAGE_S
+from meshjob.resharding.tasks import decompose
+from meshjob_bench.machine import gpu_visible
+from meshjob_bench.resharding import Row, collect, summarize
+from meshjob_bench.resharding_cases import ITEMSIZE, Case, Layout, Variant, physical_limit
 from meshjob_trainer.emulate.netns import netns_available
-from meshjob.network import DEFAULT_INTRA_MESSAGE_S, DEFAULT_MESSAGE_S
-from meshjob.resharding import decompose
-from meshjob.sharding import ShardingSpec
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_NETNS, WHY_NOT = netns_available()
 
 
@@ -35,8 +34,14 @@ def test_layout_gives_ranks_in_first_use_order_and_remembers_hosts():
 def test_physical_limit_of_one_to_many_is_the_whole_tensor_over_the_nic_rate():
     layout = Layout()
     shape = (64, 256)
-    tasks = decompose(shape, layout.grid((1, 1), 0), ShardingSpec.parse("RR"), layout.grid((3, 2), 1),
-                      ShardingSpec.parse("RR"), itemsize=ITEMSIZE)
+    tasks = decompose(
+        shape,
+        layout.grid((1, 1), 0),
+        ShardingSpec.parse("RR"),
+        layout.grid((3, 2), 1),
+        ShardingSpec.parse("RR"),
+        itemsize=ITEMSIZE,
+    )
     assert physical_limit(tasks, layout.host_of, 1e6) == pytest.approx(64 * 256 * 4 / 1e6)
 
 
@@ -51,8 +56,17 @@ def test_physical_limit_counts_only_what_the_busiest_receiving_host_lacks():
 
 def _case(variants: list[Variant], limit_s: float) -> Case:
     layout = Layout()
-    case = Case("one_to_many", "1 -> 1x2", (4, 4), layout.grid((1, 1), 0), layout.grid((1, 2), 1),
-                ShardingSpec.parse("RR"), ShardingSpec.parse("RR"), limit_s, variants)
+    case = Case(
+        "one_to_many",
+        "1 -> 1x2",
+        (4, 4),
+        layout.grid((1, 1), 0),
+        layout.grid((1, 2), 1),
+        ShardingSpec.parse("RR"),
+        ShardingSpec.parse("RR"),
+        limit_s,
+        variants,
+    )
     case.boundaries = [type("B", (), {"makespan_s": 1.0, "lower_bound_s": 1.0})() for _ in variants]
     case.simulated_s = [0.45 for _ in variants]
     case.planned_s = [0.4 for _ in variants]
@@ -60,8 +74,11 @@ def _case(variants: list[Variant], limit_s: float) -> Case:
 
 
 def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_over_baselines():
-    variants = [Variant("send_recv", 1, "greedy"), Variant("global_allgather", 1, "greedy"),
-                Variant("broadcast", 16, "greedy")]
+    variants = [
+        Variant("send_recv", 1, "greedy"),
+        Variant("global_allgather", 1, "greedy"),
+        Variant("broadcast", 16, "greedy"),
+    ]
     case = _case(variants, limit_s=0.5)
     events = []
     for vi, seconds in enumerate([2.0, 1.5, 0.5]):
@@ -82,9 +99,11 @@ def test_collect_takes_the_span_over_ranks_the_median_over_repeats_and_speedups_
 
 def test_collect_sums_cpu_and_faults_over_ranks_and_takes_their_median_over_repeats():
     case = _case([Variant("broadcast", 16, "greedy")], limit_s=0.5)
-    events = [dict(case=0, variant=0, rep=rep, start=0.0, end=1.0, cpu=cpu, faults=faults)
-              for rep, per_rank in enumerate([[(0.1, 10), (0.2, 5)], [(0.5, 100), (0.4, 50)], [(0.3, 1), (0.0, 0)]])
-              for cpu, faults in per_rank]
+    events = [
+        dict(case=0, variant=0, rep=rep, start=0.0, end=1.0, cpu=cpu, faults=faults)
+        for rep, per_rank in enumerate([[(0.1, 10), (0.2, 5)], [(0.5, 100), (0.4, 50)], [(0.3, 1), (0.0, 0)]])
+        for cpu, faults in per_rank
+    ]
     row = collect([case], events)[0]
     assert row.cpu_seconds == pytest.approx(0.3)  # sums 0.3, 0.9, 0.3
     assert row.minor_faults == 15  # sums 15, 150, 1
@@ -93,8 +112,12 @@ def test_collect_sums_cpu_and_faults_over_ranks_and_takes_their_median_over_repe
 def test_cpu_pricing_is_measured_over_priced_cpu_per_section_and_variant_balancers_together():
     from meshjob_bench.cpu_pricing import cpu_pricing
 
-    variants = [Variant("broadcast", 16, "greedy"), Variant("broadcast", 16, "naive"),
-                Variant("send_recv", 1, "greedy"), Variant("signal", 1, "greedy")]
+    variants = [
+        Variant("broadcast", 16, "greedy"),
+        Variant("broadcast", 16, "naive"),
+        Variant("send_recv", 1, "greedy"),
+        Variant("signal", 1, "greedy"),
+    ]
     case = _case(variants, limit_s=0.5)
     case.simulated_cpu_s = [0.1, 0.4, 0.05, 1e-6]
     events = [dict(case=0, variant=vi, rep=0, start=0.0, end=1.0, cpu=0.2) for vi in range(len(variants))]
@@ -135,14 +158,31 @@ def test_the_simulator_predicts_every_planned_variant_from_its_steps():
 
 def test_collect_marks_a_variant_whose_receiver_got_wrong_data():
     case = _case([Variant("broadcast", 4, "greedy")], limit_s=1.0)
-    events = [dict(case=0, variant=0, rep=-1, start=0.0, end=1.0, correct=False),
-              dict(case=0, variant=0, rep=0, start=0.0, end=1.0, correct=True)]
+    events = [
+        dict(case=0, variant=0, rep=-1, start=0.0, end=1.0, correct=False),
+        dict(case=0, variant=0, rep=0, start=0.0, end=1.0, correct=True),
+    ]
     assert collect([case], events)[0].correct is False
 
 
 def row(case: str, strategy: str, over_limit: float, vs_ga: float) -> Row:
-    return Row("one_to_many", case, strategy, 1, "greedy", strategy, over_limit, [over_limit], 1.0, over_limit,
-               vs_ga, 1.0, 1.0, 1.0, True)
+    return Row(
+        "one_to_many",
+        case,
+        strategy,
+        1,
+        "greedy",
+        strategy,
+        over_limit,
+        [over_limit],
+        1.0,
+        over_limit,
+        vs_ga,
+        1.0,
+        1.0,
+        1.0,
+        True,
+    )
 
 
 def test_summary_is_the_geometric_mean_over_cases_per_variant():
@@ -153,15 +193,26 @@ def test_summary_is_the_geometric_mean_over_cases_per_variant():
     assert summary["send_recv"]["over_limit"] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("option,value,allowed", [
-    ("--chunks", "4,zero", "comma-separated positive integers or auto"),
-    pytest.param("--transport", "nccl", "gloo or tcp here: nccl needs a CUDA GPU, and torch sees none",
-                 marks=pytest.mark.skipif(gpu_visible(), reason="a GPU is visible: nccl is allowed")),
-])
+@pytest.mark.parametrize(
+    "option,value,allowed",
+    [
+        ("--chunks", "4,zero", "comma-separated positive integers or auto"),
+        pytest.param(
+            "--transport",
+            "nccl",
+            "gloo or tcp here: nccl needs a CUDA GPU, and torch sees none",
+            marks=pytest.mark.skipif(gpu_visible(), reason="a GPU is visible: nccl is allowed"),
+        ),
+    ],
+)
 def test_a_bad_option_is_rejected_naming_it_its_value_and_what_is_allowed(option, value, allowed):
-    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
-                           option, value, "--out", "/nonexistent"],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick", option, value, "--out", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert f"{option}: '{value}' is invalid: {allowed}" in proc.stderr
 
@@ -170,9 +221,24 @@ def test_a_bad_option_is_rejected_naming_it_its_value_and_what_is_allowed(option
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
 def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick",
-                           "--nic-rate", "500mbit", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshjob.cli",
+            "bench",
+            "resharding",
+            "--quick",
+            "--nic-rate",
+            "500mbit",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "NIC 500mbit" in proc.stdout and "K in {16}" in proc.stdout
     doc = json.loads((tmp_path / "resharding.json").read_text())
@@ -180,10 +246,8 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
     assert doc["transport"] == "gloo" and doc["machine"]["torch"]
     rows = doc["rows"]
     assert set(doc["summary"]) == {"one_to_many", "many_to_many", "paper_scale"}
-    assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather",
-                                             "broadcast", "signal"}
-    assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {
-        "naive", "load_balance", "dfs", "greedy"}
+    assert {r["strategy"] for r in rows} == {"send_recv", "local_allgather", "global_allgather", "broadcast", "signal"}
+    assert {r["balancer"] for r in rows if r["section"] == "many_to_many"} == {"naive", "load_balance", "dfs", "greedy"}
     assert all(r["correct"] for r in rows)
     assert all(r["seconds"] > 0 and r["limit_s"] > 0 and r["cpu_seconds"] > 0 for r in rows)
     assert all(r["minor_faults"] >= 0 for r in rows)
@@ -210,8 +274,13 @@ def test_quick_run_writes_a_table_json_and_pngs(tmp_path):
 
 
 def test_meshjob_bench_finds_the_bench_folder_from_any_working_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--help"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--nic-rate" in proc.stdout and "--quick" in proc.stdout
 
@@ -229,8 +298,9 @@ def test_alpa_default_is_planned_as_its_send_recv_then_the_all_gather_inside_eac
     from meshjob_bench.resharding_cases import ALPA_DEFAULT, bench_network, build_cases, plan_cases
 
     layout = Layout()
-    (case,) = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,
-                          sections=["one_to_many"])[-1:]
+    (case,) = build_cases(
+        quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout, sections=["one_to_many"]
+    )[-1:]
     plan_cases([case], layout, bench_network(1.25e8))
     labels = [v.label for v in case.variants]
     alpa, send_recv = labels.index(ALPA_DEFAULT), labels.index("send_recv")
@@ -240,9 +310,27 @@ def test_alpa_default_is_planned_as_its_send_recv_then_the_all_gather_inside_eac
 
 
 def _rows_of_one_case(planned_and_measured: list[tuple[str, float, float]]) -> list[Row]:
-    return [Row("many_to_many", "S0R -> RR", "broadcast", 16, balancer, f"broadcast K=16 {balancer}", measured,
-                [measured], 1.0, measured, 1.0, 1.0, planned, 1.0, True, measured_over_planned=measured / planned)
-            for balancer, planned, measured in planned_and_measured]
+    return [
+        Row(
+            "many_to_many",
+            "S0R -> RR",
+            "broadcast",
+            16,
+            balancer,
+            f"broadcast K=16 {balancer}",
+            measured,
+            [measured],
+            1.0,
+            measured,
+            1.0,
+            1.0,
+            planned,
+            1.0,
+            True,
+            measured_over_planned=measured / planned,
+        )
+        for balancer, planned, measured in planned_and_measured
+    ]
 
 
 def test_targets_hold_when_every_run_follows_its_plan():
@@ -269,8 +357,9 @@ def test_paper_scale_cases_run_between_2x4_and_4x2_meshes_with_2d_and_3d_tensors
     from meshjob_bench.resharding_targets import replicated_hosts
 
     layout = Layout()
-    cases = build_cases(quick=False, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=layout,
-                        sections=["paper_scale"])
+    cases = build_cases(
+        quick=False, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=layout, sections=["paper_scale"]
+    )
     assert {(c.src_mesh.shape, c.dst_mesh.shape) for c in cases} == {((2, 4), (2, 4)), ((4, 2), (4, 2))}
     assert {len(c.shape) for c in cases} == {2, 3}
     for c in cases:  # the two meshes hold their own hosts
@@ -281,21 +370,39 @@ def test_paper_scale_cases_run_between_2x4_and_4x2_meshes_with_2d_and_3d_tensors
 
 
 def _paper_row(case: str, label: str, strategy: str, balancer: str, seconds: float) -> Row:
-    return Row("paper_scale", case, strategy, "auto" if strategy == "broadcast" else 1, balancer, label, seconds,
-               [seconds], 1.0, seconds, 1.0, 1.0, 1.0, 1.0, True)
+    return Row(
+        "paper_scale",
+        case,
+        strategy,
+        "auto" if strategy == "broadcast" else 1,
+        balancer,
+        label,
+        seconds,
+        [seconds],
+        1.0,
+        seconds,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        True,
+    )
 
 
 def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicating_hosts():
     from meshjob_bench.resharding_cases import ALPA_DEFAULT, build_cases
     from meshjob_bench.resharding_targets import check_paper_targets
 
-    cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
-                        sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
+    cases = build_cases(
+        quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(), sections=["paper_scale"]
+    )  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
     rows = []
     for case, alpa_s in (("2x4 RR -> RR", 2.0), ("4x2 RR -> RR", 2.5)):
-        rows += [_paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
-                 _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.0),
-                 _paper_row(case, "broadcast K=auto naive", "broadcast", "naive", 1.2)]
+        rows += [
+            _paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
+            _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.0),
+            _paper_row(case, "broadcast K=auto naive", "broadcast", "naive", 1.2),
+        ]
     within_l, two_hosts, four_hosts = check_paper_targets(rows, cases)
     assert within_l.met is False and within_l.worst == pytest.approx(1.2) and within_l.checked == 4
     assert two_hosts.met is True and two_hosts.worst == pytest.approx(2.0)
@@ -303,8 +410,23 @@ def test_paper_targets_take_broadcasts_speed_up_over_alpas_default_by_replicatin
 
 
 def _one_to_many_row(case: str, planned_over_l: float, measured_over_l: float) -> Row:
-    return Row("one_to_many", case, "broadcast", "auto", "greedy", "broadcast K=auto greedy", measured_over_l,
-               [measured_over_l], 1.0, measured_over_l, 1.0, 1.0, planned_over_l, 1.0, True)
+    return Row(
+        "one_to_many",
+        case,
+        "broadcast",
+        "auto",
+        "greedy",
+        "broadcast K=auto greedy",
+        measured_over_l,
+        [measured_over_l],
+        1.0,
+        measured_over_l,
+        1.0,
+        1.0,
+        planned_over_l,
+        1.0,
+        True,
+    )
 
 
 def test_a_one_to_many_miss_whose_own_plan_is_beyond_the_limit_is_bounded():
@@ -331,7 +453,8 @@ def test_every_row_bounded_leaves_nothing_to_meet_where_allowed():
     from meshjob_bench.resharding_targets import check_targets
 
     one_device = {t.name: t for t in check_targets([_one_to_many_row("1 -> 4x1", 1.14, 1.15)])}[
-        "one-to-many broadcast, chunks auto, one device per host"]
+        "one-to-many broadcast, chunks auto, one device per host"
+    ]
     assert one_device.met is False and one_device.met_where_allowed is None
 
 
@@ -339,12 +462,15 @@ def test_a_speed_up_over_alpas_default_beyond_the_tcp_floor_is_bounded():
     from meshjob_bench.resharding_cases import ALPA_DEFAULT, build_cases
     from meshjob_bench.resharding_targets import TCP_FLOOR, check_paper_targets
 
-    cases = build_cases(quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(),
-                        sections=["paper_scale"])  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
+    cases = build_cases(
+        quick=True, size_bytes=2**20, chunks=["auto"], nic_bytes_per_s=1.25e8, layout=Layout(), sections=["paper_scale"]
+    )  # 2x4 RR -> RR (2 hosts) and 4x2 RR -> RR (4 hosts)
     rows = []
     for case, alpa_s in (("2x4 RR -> RR", 1.6), ("4x2 RR -> RR", 3.5)):  # L = 1 s: Alpa's default 1.6 / 3.5 L
-        rows += [_paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
-                 _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.2)]
+        rows += [
+            _paper_row(case, ALPA_DEFAULT, "send_recv", "greedy", alpa_s),
+            _paper_row(case, "broadcast K=auto greedy", "broadcast", "greedy", 1.2),
+        ]
     _, two_hosts, four_hosts = check_paper_targets(rows, cases)
     assert two_hosts.met is False and two_hosts.met_where_allowed is None  # 1.6 / 1.8 is below the TCP floor
     bound = f"at most {1.6 / TCP_FLOOR:.2f}x: Alpa's default 1.60 L, the TCP floor {TCP_FLOOR:.3f} L"
@@ -358,8 +484,9 @@ def test_a_case_runs_its_variants_in_a_planned_order_interleaved_one_microbatch_
     from meshjob_bench.resharding_cases import Layout, bench_network, build_cases, case_order, plan_cases
 
     layout = Layout()
-    cases = build_cases(quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout,
-                        sections=["many_to_many"])
+    cases = build_cases(
+        quick=True, size_bytes=2**20, chunks=[4], nic_bytes_per_s=1.25e8, layout=layout, sections=["many_to_many"]
+    )
     plan_cases(cases[:1], layout, bench_network(1.25e8))
     order = case_order(cases[0], 3)
     keys = [b.key for b in cases[0].boundaries]
@@ -404,9 +531,26 @@ def test_only_the_ranks_a_transfer_uses_sleep_until_its_common_start(tmp_path):
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
 def test_quick_run_over_the_tcp_wire_is_exact_and_judges_its_probe_by_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "meshjob.cli", "bench", "resharding", "--quick", "--transport",
-                           "tcp", "--section", "many_to_many", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshjob.cli",
+            "bench",
+            "resharding",
+            "--quick",
+            "--transport",
+            "tcp",
+            "--section",
+            "many_to_many",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "CPU wire tcp" in proc.stdout
     doc = json.loads((tmp_path / "resharding.json").read_text())

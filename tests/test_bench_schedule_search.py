@@ -1,5 +1,6 @@
 """`meshjob bench schedule-search`: the search around bench pipeline's eager-1F1B plan on the simulator
 (issue 10's pipeline targets: is a miss the plan's choice or the schedule family's?)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ def bowl(point) -> float:
     (w0, w1), (d0, d1) = point
     if w0 > 4:
         return FAR
-    return 10 + (w0 - 3) ** 2 + (w1 - 1) ** 2 + d0 ** 2 + (d1 - 2) ** 2
+    return 10 + (w0 - 3) ** 2 + (w1 - 1) ** 2 + d0**2 + (d1 - 2) ** 2
 
 
 def test_coordinate_descent_reaches_the_least_period_of_a_separable_one():
@@ -55,21 +56,24 @@ def test_pair_moves_stay_within_the_ranges_and_never_lose_the_best():
 def test_order_moves_move_a_transfer_earlier_on_its_link_when_that_is_faster():
     order = [("a", 0), ("b", 0), ("c", 0)]
     links = {"a": ["L"], "b": ["M"], "c": ["L"]}
-    best, period, tried = order_moves(order, links,  # faster once c precedes a on link L
-                                      lambda o: 1.0 if o.index(("c", 0)) < o.index(("a", 0)) else 2.0,
-                                      10)
+    best, period, tried = order_moves(
+        order,
+        links,  # faster once c precedes a on link L
+        lambda o: 1.0 if o.index(("c", 0)) < o.index(("a", 0)) else 2.0,
+        10,
+    )
     assert best.index(("c", 0)) < best.index(("a", 0)) and period == 1.0 and tried >= 2
 
 
 def test_an_order_that_cannot_run_is_not_taken():
     order = [("a", 0), ("b", 0)]
-    best, period, _ = order_moves(order, {"a": ["L"], "b": ["L"]},
-                                  lambda o: 1.0 if o == order else FAR, 10)
+    best, period, _ = order_moves(order, {"a": ["L"], "b": ["L"]}, lambda o: 1.0 if o == order else FAR, 10)
     assert best == order and period == 1.0
 
 
-@pytest.mark.parametrize("flag,value", [("models", "bert"), ("stages", 3), ("comm_fractions", "0"),
-                                        ("comm_fractions", "x"), ("budget", 2)])
+@pytest.mark.parametrize(
+    "flag,value", [("models", "bert"), ("stages", 3), ("comm_fractions", "0"), ("comm_fractions", "x"), ("budget", 2)]
+)
 def test_bad_arguments_are_refused_naming_the_flag(flag, value):
     args = argparse.Namespace(quick=False, models=None, stages=None, comm_fractions=None, budget=None)
     setattr(args, flag, value)

@@ -1,13 +1,14 @@
 """`meshjob bench tune`, part 3: the tuned manifest against hand-written ones on the emulated cluster."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from meshjob.devices import parse_device
+from meshjob.costs.devices import parse_device
 from meshjob.errors import UsageError
-from meshjob.spec import parse_job
+from meshjob.spec.manifest import parse_job
 from meshjob.units import parse_rate
 from meshjob_bench import tune_measure as tm
 from meshjob_bench.tune import main, parse_parts
@@ -72,8 +73,13 @@ def _row(model, config, tokens):
 
 
 def test_rows_are_ranked_against_the_best_hand_written_configuration_of_their_model():
-    rows = [_row("gpt", "tuned", 12.0), _row("gpt", "example", 10.0), _row("gpt", "data-parallel", 5.0),
-            _row("utransformer", "tuned", 3.0), _row("utransformer", "example", 4.0)]
+    rows = [
+        _row("gpt", "tuned", 12.0),
+        _row("gpt", "example", 10.0),
+        _row("gpt", "data-parallel", 5.0),
+        _row("utransformer", "tuned", 3.0),
+        _row("utransformer", "example", 4.0),
+    ]
     tm.rank_rows(rows)
     assert [r.over_best_hand_written for r in rows] == pytest.approx([1.2, 1.0, 0.5, 0.75, 1.0])
     got = tm.targets(rows)
@@ -99,10 +105,10 @@ def test_the_search_objective_off_by_more_than_ten_percent_misses_its_target():
 
 
 def test_the_example_layouts_two_data_parallel_stages_share_their_hosts_nics_in_the_prediction():
-    from meshjob.device_costs import emulated_costs
-    from meshjob.gradient_sync import stage_hosts
-    from meshjob.plan import build_plan
-    from meshjob.simulate import CostModel, simulate_plan
+    from meshjob.costs.device_costs import emulated_costs
+    from meshjob.plan.build import build_plan
+    from meshjob.search.gradient_sync import stage_hosts
+    from meshjob.simulate.simulator import CostModel, simulate_plan
 
     doc = tm.hand_written(tm.model_doc("gpt", FULL), "gpt", FULL)["example"]
     job = parse_job(doc)
@@ -121,13 +127,18 @@ def test_the_ranks_run_the_plan_the_prediction_simulates(monkeypatch):
     import meshjob_bench.e2e as e2e
 
     ran = []
-    monkeypatch.setattr(e2e, "run", lambda job, nic_rate, compute, plan=None: (ran.append((job, plan)), (1.0, "net"))[1])
+    monkeypatch.setattr(
+        e2e, "run", lambda job, nic_rate, compute, plan=None: (ran.append((job, plan)), (1.0, "net"))[1]
+    )
     doc = tm.model_doc("utransformer", QUICK)
-    monkeypatch.setattr(tm, "configurations", lambda model, setting: ({"example": tm.example_doc(
-        doc, tm._load_example(tm.EXAMPLES["utransformer"]))}, None))
+    monkeypatch.setattr(
+        tm,
+        "configurations",
+        lambda model, setting: ({"example": tm.example_doc(doc, tm._load_example(tm.EXAMPLES["utransformer"]))}, None),
+    )
     monkeypatch.setattr(tm, "search_step_s", lambda doc, setting: 1.0)
     tm.measure(["utransformer"], QUICK, log=lambda line: None)
-    (job, plan), = ran
+    ((job, plan),) = ran
     expected, _ = tm.planned(job, QUICK)
     assert plan is not None and plan.weight_delay == expected.weight_delay  # not each rank's default plan
     assert plan.schedules == expected.schedules
@@ -143,8 +154,9 @@ def test_unknown_parts_name_the_flag_and_what_is_allowed():
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason=f"needs network namespaces: {WHY_NOT}")
 def test_quick_measure_writes_every_field_and_keeps_the_other_parts(tmp_path):
-    (tmp_path / "tune.json").write_text(json.dumps({"cases": [], "large": {"hosts": 1},
-                                                    "targets": {"equal_to_exhaustive": True}}))
+    (tmp_path / "tune.json").write_text(
+        json.dumps({"cases": [], "large": {"hosts": 1}, "targets": {"equal_to_exhaustive": True}})
+    )
     assert main(["--parts", "measure", "--quick", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "tune.json").read_text())
     assert doc["large"] == {"hosts": 1} and doc["targets"]["equal_to_exhaustive"] is True
@@ -161,7 +173,13 @@ def test_quick_measure_writes_every_field_and_keeps_the_other_parts(tmp_path):
         assert r["search_over_measured"] == pytest.approx(r["search_step_s"] / r["measured_step_s"])
     assert max(rows[c]["over_best_hand_written"] for c in tm.HAND_WRITTEN) == pytest.approx(1.0)
     assert set(doc["targets"]["measured_throughput"]) == {
-        "tuned_over_best_hand_written", "tuned_at_least_best_hand_written", "worst_prediction_error",
-        "predictions_within_10_percent", "prediction_within_10_percent", "worst_search_prediction_error",
-        "search_predictions_within_10_percent", "search_prediction_within_10_percent"}
+        "tuned_over_best_hand_written",
+        "tuned_at_least_best_hand_written",
+        "worst_prediction_error",
+        "predictions_within_10_percent",
+        "prediction_within_10_percent",
+        "worst_search_prediction_error",
+        "search_predictions_within_10_percent",
+        "search_prediction_within_10_percent",
+    }
     assert (tmp_path / "tune_measured.png").stat().st_size > 10_000

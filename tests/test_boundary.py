@@ -1,10 +1,11 @@
 """BoundaryKey: one name per transfer between stages, one text form, read back by one parser."""
+
 from __future__ import annotations
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
-from meshjob.schedule import Action
+from meshjob.schedule.actions import Action
+from meshjob.schedule.boundary import BoundaryKey
 
 
 def test_text_form_names_stages_tensor_and_direction():
@@ -23,13 +24,16 @@ def test_parse_rejects_other_text_naming_it_and_the_form(text):
         BoundaryKey.parse(text)
 
 
-@pytest.mark.parametrize("stage,action,key", [
-    (0, Action("SEND_F", 2, 1), BoundaryKey(0, 1, "activation")),
-    (1, Action("RECV_F", 2, 0), BoundaryKey(0, 1, "activation")),
-    (1, Action("SEND_B", 2, 0), BoundaryKey(1, 0, "activation", grad=True)),
-    (0, Action("RECV_B", 2, 1), BoundaryKey(1, 0, "activation", grad=True)),
-    (3, Action("RECV_F", 0, 1, "skip1"), BoundaryKey(1, 3, "skip1")),
-])
+@pytest.mark.parametrize(
+    "stage,action,key",
+    [
+        (0, Action("SEND_F", 2, 1), BoundaryKey(0, 1, "activation")),
+        (1, Action("RECV_F", 2, 0), BoundaryKey(0, 1, "activation")),
+        (1, Action("SEND_B", 2, 0), BoundaryKey(1, 0, "activation", grad=True)),
+        (0, Action("RECV_B", 2, 1), BoundaryKey(1, 0, "activation", grad=True)),
+        (3, Action("RECV_F", 0, 1, "skip1"), BoundaryKey(1, 3, "skip1")),
+    ],
+)
 def test_a_send_and_its_recv_name_the_same_boundary(stage, action, key):
     assert BoundaryKey.of_action(stage, action) == key
 

@@ -1,6 +1,7 @@
 """Calibration at the start of a run (weightGradDelay: auto): every rank profiles its stage, all ranks
 agree on one figure per stage, re-plan, and run the same plan, whose delays keep every stage's stash
 within eager-1F1B's bound."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from meshjob.costs import StageCost
-from meshjob.plan import build_plan
-from meshjob.schedule import peak_stashed, peak_stashed_stage, stage_actions, stash_bound
-from meshjob.spec import load_job
+from meshjob.costs.compute import StageCost
+from meshjob.plan.build import build_plan
+from meshjob.schedule.actions import peak_stashed, peak_stashed_stage, stage_actions, stash_bound
+from meshjob.spec.manifest import load_job
 
 EXAMPLES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
 
 def with_auto_delay(job):
-    return dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind="eager-1f1b",
-                                                                 weight_grad_delay="auto"))
+    return dataclasses.replace(
+        job, schedule=dataclasses.replace(job.schedule, kind="eager-1f1b", weight_grad_delay="auto")
+    )
 
 
 def calibrate_everywhere(gang, plan):
@@ -83,8 +85,7 @@ def test_only_an_auto_delay_with_a_split_backward_is_calibrated():
     job = load_job(EXAMPLES[0])
     assert needs_calibration(build_plan(with_auto_delay(job)))
     for fixed in (0, 1):
-        plan = build_plan(dataclasses.replace(job, schedule=dataclasses.replace(job.schedule,
-                                                                                weight_grad_delay=fixed)))
+        plan = build_plan(dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, weight_grad_delay=fixed)))
         assert not needs_calibration(plan)
 
 
@@ -96,9 +97,12 @@ def test_the_worker_calibrates_and_reports_every_stages_delay(gang, capfd):
     from meshjob_trainer.worker import JobSetup, run_worker
 
     job = with_auto_delay(load_job(EXAMPLES[0]))
-    job = dataclasses.replace(job, training=dataclasses.replace(job.training, steps=1,
-                                                                checkpoint=dataclasses.replace(
-                                                                    job.training.checkpoint, every=0, path="")))
+    job = dataclasses.replace(
+        job,
+        training=dataclasses.replace(
+            job.training, steps=1, checkpoint=dataclasses.replace(job.training.checkpoint, every=0, path="")
+        ),
+    )
     plan = build_plan(job)
 
     class Collect:

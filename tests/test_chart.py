@@ -1,6 +1,7 @@
 """The Helm chart: it lints and renders (helm-python-sdk, Helm's own Go code) with default and
 non-default values, every rendered manifest validates, values.schema.json rejects bad values, and the
 operator Deployment is locked down."""
+
 from __future__ import annotations
 
 import ast
@@ -21,21 +22,32 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "meshjob"
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.latest_version())
 EVERYTHING_ON = {
-    "monitoring": {"release": "kube-prom", "serviceMonitor": {"enabled": True},
-                   "podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    "monitoring": {
+        "release": "kube-prom",
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+    },
     "grafana": {"dashboard": {"enabled": True}},
 }
 NON_DEFAULT = {
     **EVERYTHING_ON,
     "fullnameOverride": "mj",
-    "operator": {"replicas": 2, "namespaces": ["team-a", "team-b"], "peering": {"enabled": True, "name": "mj"},
-                 "image": {"repository": "registry.example/meshjob/operator", "tag": "0.1.0-rc1"},
-                 "imagePullSecrets": [{"name": "regcred"}], "extraArgs": ["--verbose"],
-                 "allowedImages": ["registry.example/ml/*", "meshjob/trainer:*"],
-                 "nodeSelector": {"kubernetes.io/os": "linux"},
-                 "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
-                 "webhook": {"enabled": True, "certManager": {"enabled": True,
-                                                              "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}}},
+    "operator": {
+        "replicas": 2,
+        "namespaces": ["team-a", "team-b"],
+        "peering": {"enabled": True, "name": "mj"},
+        "image": {"repository": "registry.example/meshjob/operator", "tag": "0.1.0-rc1"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "extraArgs": ["--verbose"],
+        "allowedImages": ["registry.example/ml/*", "meshjob/trainer:*"],
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "webhook": {
+            "enabled": True,
+            "certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}},
+        },
+    },
     "serviceAccount": {"name": "meshjob-op", "annotations": {"example.com/role": "x"}},
 }
 
@@ -69,31 +81,108 @@ def validate_custom(doc: dict[str, Any], crd: dict[str, Any]) -> None:
 
 # Prometheus Operator kinds: no schema ships offline, so check the fields this chart relies on.
 MONITORING_SHAPES = {
-    "ServiceMonitor": {"type": "object", "required": ["spec"], "properties": {"spec": {
-        "type": "object", "required": ["selector", "endpoints"], "properties": {
-            "selector": {"type": "object", "required": ["matchLabels"]},
-            "endpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["port", "interval"],
-                "properties": {"honorLabels": {"type": "boolean"}}}}}}}},
-    "PodMonitor": {"type": "object", "required": ["spec"], "properties": {"spec": {
-        "type": "object", "required": ["selector", "podMetricsEndpoints", "namespaceSelector"], "properties": {
-            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["interval", "honorLabels"],
-                "properties": {"relabelings": {"type": "array", "items": {
-                    "type": "object", "required": ["sourceLabels"], "properties": {
-                        "sourceLabels": {"type": "array", "items": {"type": "string"}},
-                        "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]}}}}}}}}}}},
-    "PrometheusRule": {"type": "object", "required": ["spec"], "properties": {"spec": {
-        "type": "object", "required": ["groups"], "properties": {"groups": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["name", "rules"]}}}}}},
+    "ServiceMonitor": {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["selector", "endpoints"],
+                "properties": {
+                    "selector": {"type": "object", "required": ["matchLabels"]},
+                    "endpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["port", "interval"],
+                            "properties": {"honorLabels": {"type": "boolean"}},
+                        },
+                    },
+                },
+            }
+        },
+    },
+    "PodMonitor": {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["selector", "podMetricsEndpoints", "namespaceSelector"],
+                "properties": {
+                    "podMetricsEndpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["interval", "honorLabels"],
+                            "properties": {
+                                "relabelings": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["sourceLabels"],
+                                        "properties": {
+                                            "sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                            "action": {
+                                                "enum": [
+                                                    "replace",
+                                                    "keep",
+                                                    "drop",
+                                                    "labelmap",
+                                                    "labeldrop",
+                                                    "labelkeep",
+                                                ]
+                                            },
+                                        },
+                                    },
+                                }
+                            },
+                        },
+                    }
+                },
+            }
+        },
+    },
+    "PrometheusRule": {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["groups"],
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"type": "object", "required": ["name", "rules"]},
+                    }
+                },
+            }
+        },
+    },
 }
 # cert-manager kinds: no schema ships offline either
 CERT_MANAGER_SHAPES = {
-    "Certificate": {"type": "object", "required": ["spec"], "properties": {"spec": {
-        "type": "object", "required": ["secretName", "dnsNames", "issuerRef"], "properties": {
-            "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string"}},
-            "issuerRef": {"type": "object", "required": ["name", "kind"],
-                          "properties": {"kind": {"enum": ["Issuer", "ClusterIssuer"]}}}}}}},
+    "Certificate": {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["secretName", "dnsNames", "issuerRef"],
+                "properties": {
+                    "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    "issuerRef": {
+                        "type": "object",
+                        "required": ["name", "kind"],
+                        "properties": {"kind": {"enum": ["Issuer", "ClusterIssuer"]}},
+                    },
+                },
+            }
+        },
+    },
     "Issuer": {"type": "object", "required": ["spec"], "properties": {"spec": {"type": "object", "minProperties": 1}}},
 }
 
@@ -123,6 +212,7 @@ def rendered_crds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 # --- lint and render ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("values", [{}, NON_DEFAULT], ids=["default", "non-default"])
 def test_chart_lints_without_errors_or_warnings(values):
     report = lint(CHART, values, strict=True)
@@ -141,15 +231,27 @@ def test_every_rendered_manifest_validates(values):
 
 def test_default_render_has_exactly_the_core_objects():
     kinds = sorted(d["kind"] for d in manifests(render()))
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                     "Service", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "Service",
+        "ServiceAccount",
+    ]
 
 
 def test_optional_objects_appear_only_behind_their_flags():
     kinds = {d["kind"] for d in manifests(render(EVERYTHING_ON))}
     assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} <= kinds
-    for flag, kind in [(("monitoring", "serviceMonitor"), "ServiceMonitor"), (("monitoring", "podMonitor"), "PodMonitor"),
-                       (("monitoring", "prometheusRule"), "PrometheusRule"), (("grafana", "dashboard"), "ConfigMap")]:
+    for flag, kind in [
+        (("monitoring", "serviceMonitor"), "ServiceMonitor"),
+        (("monitoring", "podMonitor"), "PodMonitor"),
+        (("monitoring", "prometheusRule"), "PrometheusRule"),
+        (("grafana", "dashboard"), "ConfigMap"),
+    ]:
         values = json.loads(json.dumps(EVERYTHING_ON))
         values[flag[0]][flag[1]]["enabled"] = False
         assert kind not in {d["kind"] for d in manifests(render(values))}, flag
@@ -173,25 +275,29 @@ def test_chart_crds_are_identical_to_the_generated_crds():
 
 # --- values.schema.json -------------------------------------------------------------------
 
+
 def test_default_values_satisfy_the_schema():
     jsonschema.Draft7Validator.check_schema(json.loads((CHART / "values.schema.json").read_text()))
     with Chart.load(CHART) as chart:
         chart.validate_schema(chart.values)
 
 
-@pytest.mark.parametrize("values,path", [
-    ({"operator": {"replicas": -1}}, "replicas"),
-    ({"operator": {"metricsPort": 70000}}, "metricsPort"),
-    ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
-    ({"operator": {"namespaces": ["Not_A_Namespace"]}}, "namespaces"),
-    ({"operator": {"replica": 2}}, "replica"),
-    ({"monitoring": {"serviceMonitor": {"enabled": "yes"}}}, "enabled"),
-    ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "interval"),
-    ({"service": {"type": "Ingress"}}, "type"),
-    ({"grafana": {"dashboard": {"enabled": True, "labelValue": 1}}}, "labelValue"),
-    ({"trainer": {"serviceAccount": {"create": True}}}, "trainer"),
-    ({"operator": {"webhook": {"enabled": True, "certSecret": 7}}}, "certSecret"),
-])
+@pytest.mark.parametrize(
+    "values,path",
+    [
+        ({"operator": {"replicas": -1}}, "replicas"),
+        ({"operator": {"metricsPort": 70000}}, "metricsPort"),
+        ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
+        ({"operator": {"namespaces": ["Not_A_Namespace"]}}, "namespaces"),
+        ({"operator": {"replica": 2}}, "replica"),
+        ({"monitoring": {"serviceMonitor": {"enabled": "yes"}}}, "enabled"),
+        ({"monitoring": {"podMonitor": {"enabled": True, "interval": "fast"}}}, "interval"),
+        ({"service": {"type": "Ingress"}}, "type"),
+        ({"grafana": {"dashboard": {"enabled": True, "labelValue": 1}}}, "labelValue"),
+        ({"trainer": {"serviceAccount": {"create": True}}}, "trainer"),
+        ({"operator": {"webhook": {"enabled": True, "certSecret": 7}}}, "certSecret"),
+    ],
+)
 def test_schema_rejects_bad_values_naming_the_field(values, path):
     with pytest.raises(HelmError) as err:
         render(values)
@@ -199,6 +305,7 @@ def test_schema_rejects_bad_values_naming_the_field(values, path):
 
 
 # --- the operator Deployment ----------------------------------------------------------------
+
 
 def deployment(values: dict[str, Any] | None = None) -> dict[str, Any]:
     (dep,) = by_kind(manifests(render(values)), "Deployment")
@@ -240,7 +347,9 @@ def test_default_images_are_the_dockerfile_targets_at_app_version():
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MESHJOB_TRAINER_IMAGE"] == f"meshjob/trainer:{app_version}"
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM \S+ AS operator$", dockerfile, re.M) and re.search(r"^FROM \S+ AS trainer$", dockerfile, re.M)
+    assert re.search(r"^FROM \S+ AS operator$", dockerfile, re.M) and re.search(
+        r"^FROM \S+ AS trainer$", dockerfile, re.M
+    )
 
 
 def test_namespaces_and_peering_values_become_operator_arguments():
@@ -259,14 +368,14 @@ def test_every_operator_argument_is_accepted_by_meshjob_operator():
     (container,) = deployment(NON_DEFAULT)["spec"]["template"]["spec"]["containers"]
     args = [a for a in container["args"] if a != "--verbose"]
     (default,) = deployment()["spec"]["template"]["spec"]["containers"]
-    code = ("import sys; from meshjob.cli import build_parser; "
-            "argv = sys.argv[1:]; build_parser(argv).parse_args(argv)")
+    code = "import sys; from meshjob.cli import build_parser; argv = sys.argv[1:]; build_parser(argv).parse_args(argv)"
     for argv in (container["command"][1:] + args, default["command"][1:] + default["args"]):
         result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"meshjob {' '.join(argv)}:\n{result.stderr[-1500:]}"
 
 
 # --- monitoring objects, dashboard, notes -------------------------------------------------
+
 
 def test_monitors_and_rule_carry_the_configured_release_label():
     docs = manifests(render(EVERYTHING_ON))
@@ -277,6 +386,7 @@ def test_monitors_and_rule_carry_the_configured_release_label():
 
 def test_pod_monitor_selects_trainer_pods_by_the_operators_job_label():
     from meshjob_operator import names
+
     (pm,) = by_kind(manifests(render(EVERYTHING_ON)), "PodMonitor")
     assert pm["spec"]["selector"]["matchExpressions"] == [{"key": names.JOB_LABEL, "operator": "Exists"}]
     assert pm["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
@@ -294,9 +404,8 @@ def _kept_port_names(pod_monitor: dict[str, Any], port_names: list[str]) -> list
 def test_pod_monitor_scrapes_the_metrics_port_of_every_local_rank_and_no_other_port():
     """The port names the operator declares for a 16-device host: all 16 metrics ports are kept,
     the rendezvous port is not."""
+    from meshjob.spec.manifest import parse_job
     from meshjob_operator import render as operator_render
-    from meshjob.spec import parse_job
-
     from meshjob_operator.testing import job_body
 
     job = parse_job(job_body("demo"))
@@ -412,8 +521,10 @@ def needed_by_operator_source() -> set[tuple[str, str, str]]:
                             group = text.split("/")[2]
                     needed.add((group, plural, KUBE_PLURAL_METHODS[func.attr]))
                 else:
-                    raise AssertionError(f"{path.name}:{node.lineno}: kube.{func.attr} is not in KUBE_METHODS: "
-                                         "add its (group, resource, verb) and review templates/rbac.yaml")
+                    raise AssertionError(
+                        f"{path.name}:{node.lineno}: kube.{func.attr} is not in KUBE_METHODS: "
+                        "add its (group, resource, verb) and review templates/rbac.yaml"
+                    )
             # kopf.event / kopf.warn ...: Events
             elif isinstance(owner, ast.Name) and owner.id == "kopf" and func.attr in KOPF_EVENT_CALLS:
                 needed.add(("", "events", "create"))
@@ -440,18 +551,25 @@ def needed_by_operator_source() -> set[tuple[str, str, str]]:
 
 def needed_by_kopf(values: dict[str, Any]) -> set[tuple[str, str, str]]:
     """What kopf itself calls for the chart's operator flags (kopf 1.45: scanning, peering, admission)."""
-    operator = {**{"namespaces": [], "peering": {"enabled": False}, "webhook": {"enabled": True}},
-                **values.get("operator", {})}
-    needed = {("apiextensions.k8s.io", "customresourcedefinitions", "list"),
-              ("apiextensions.k8s.io", "customresourcedefinitions", "watch")}
+    operator = {
+        **{"namespaces": [], "peering": {"enabled": False}, "webhook": {"enabled": True}},
+        **values.get("operator", {}),
+    }
+    needed = {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    }
     if operator["namespaces"]:
         needed |= {("", "namespaces", "list"), ("", "namespaces", "watch")}
     if operator["peering"]["enabled"]:
         plural = "kopfpeerings" if operator["namespaces"] else "clusterkopfpeerings"
         needed |= {("kopf.dev", plural, verb) for verb in ("list", "watch", "patch")}
     if operator["webhook"]["enabled"]:  # kopf manages both kinds of configuration, whatever handlers exist
-        needed |= {("admissionregistration.k8s.io", kind, verb) for verb in ("create", "patch")
-                   for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations")}
+        needed |= {
+            ("admissionregistration.k8s.io", kind, verb)
+            for verb in ("create", "patch")
+            for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations")
+        }
         needed.add(("authorization.k8s.io", "subjectaccessreviews", "create"))  # our webhook: may_create_pods
     return needed
 
@@ -463,8 +581,13 @@ def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     role = operator_role(docs)
-    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
 def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -476,13 +599,18 @@ def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     return found
 
 
-WEBHOOK_ON = {**NON_DEFAULT, "operator": {**NON_DEFAULT["operator"],
-                                          "webhook": {"enabled": True, "certSecret": "mj-webhook-tls"}}}
+WEBHOOK_ON = {
+    **NON_DEFAULT,
+    "operator": {**NON_DEFAULT["operator"], "webhook": {"enabled": True, "certSecret": "mj-webhook-tls"}},
+}
 WEBHOOK_ONE_REPLICA = {"operator": {"webhook": {"enabled": True}}}
 
 
-@pytest.mark.parametrize("values", [{}, NON_DEFAULT, WEBHOOK_ON, WEBHOOK_ONE_REPLICA],
-                         ids=["default", "non-default", "webhook", "webhook-self-signed"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, NON_DEFAULT, WEBHOOK_ON, WEBHOOK_ONE_REPLICA],
+    ids=["default", "non-default", "webhook", "webhook-self-signed"],
+)
 def test_rbac_grants_exactly_what_the_operator_source_calls(values):
     needed = needed_by_operator_source() | needed_by_kopf(values)
     rules = granted(manifests(render(values)))
@@ -512,7 +640,9 @@ def test_webhook_patch_permission_names_only_its_own_configuration():
     role = operator_role(manifests(render(WEBHOOK_ON)))
     rules = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in rules} == {
-        ("create",): None, ("patch",): ["trainingjobs.meshjob.io"]}
+        ("create",): None,
+        ("patch",): ["trainingjobs.meshjob.io"],
+    }
     assert all(r["resources"] == ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"] for r in rules)
 
 
@@ -526,8 +656,9 @@ def test_webhook_cert_secret_is_mounted_and_passed_as_cert_key_and_ca():
     spec = deployment(WEBHOOK_ON)["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     tls = "/etc/meshjob/webhook-tls"
-    assert {f"--webhook-cert={tls}/tls.crt", f"--webhook-key={tls}/tls.key", f"--webhook-ca={tls}/ca.crt"} \
-        <= set(container["args"])
+    assert {f"--webhook-cert={tls}/tls.crt", f"--webhook-key={tls}/tls.key", f"--webhook-ca={tls}/ca.crt"} <= set(
+        container["args"]
+    )
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == tls]
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     assert volume["secret"]["secretName"] == "mj-webhook-tls" and mount["readOnly"] is True
@@ -544,7 +675,9 @@ def test_cert_manager_signs_the_webhook_certificate_for_the_name_the_operator_re
     docs = manifests(render({"operator": {"webhook": {"certManager": {"enabled": True}}}}))
     (certificate,) = by_kind(docs, "Certificate")
     (issuer,) = by_kind(docs, "Issuer")  # none named: a self-signed one
-    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"] and issuer["spec"] == {"selfSigned": {}}
+    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"] and issuer["spec"] == {
+        "selfSigned": {}
+    }
     spec = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     (host,) = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--webhook-host=")]
@@ -570,14 +703,18 @@ def test_trainingjobs_join_the_standard_edit_and_view_roles_and_grant_nothing_el
     assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert "create" in edit["rules"][0]["verbs"] and not {"create", "update", "patch", "delete"} & {
-        verb for rule in view["rules"] for verb in rule["verbs"]}
+        verb for rule in view["rules"] for verb in rule["verbs"]
+    }
     assert {g for r in (edit, view) for rule in r["rules"] for g in rule["apiGroups"]} == {"meshjob.io"}
-    off = {r["metadata"]["name"] for r in by_kind(manifests(render({"rbac": {"aggregateToStandardRoles": False}})),
-                                                  "ClusterRole")}
+    off = {
+        r["metadata"]["name"]
+        for r in by_kind(manifests(render({"rbac": {"aggregateToStandardRoles": False}})), "ClusterRole")
+    }
     assert off == {"meshjob-operator"}
 
 
 # --- trainer pods: no API access, so nothing for them in the chart -----------------------
+
 
 def test_the_chart_gives_trainer_pods_no_account_role_or_binding():
     """Trainers report nothing through the API (the operator reads their metrics), and their pods carry no
@@ -609,8 +746,13 @@ def test_a_real_operator_run_as_the_charts_service_account_is_never_forbidden(tm
     derived = needed_by_operator_source() | needed_by_kopf({})
     assert used(events) <= derived, f"calls the source derivation missed: {sorted(used(events) - derived)}"
     # the run exercised the core of the rules, not a trivial subset
-    assert {("", "pods", "create"), ("", "pods", "delete"), ("meshjob.io", "trainingjobs/status", "patch"),
-            ("", "events", "create"), ("", "configmaps", "create")} <= used(events)
+    assert {
+        ("", "pods", "create"),
+        ("", "pods", "delete"),
+        ("meshjob.io", "trainingjobs/status", "patch"),
+        ("", "events", "create"),
+        ("", "configmaps", "create"),
+    } <= used(events)
 
 
 @pytest.mark.slow
@@ -627,8 +769,13 @@ def test_rendered_chart_is_accepted_by_a_real_kube_apiserver(tmp_path):
         for path in sorted((CHART / "crds").glob("*.yaml")):
             envtest.kubectl("apply", "-f", str(path))
         crds = by_kind(docs, "CustomResourceDefinition")
-        envtest.apply(crds + [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
-                              for ns in ("meshjob-system", "team-a", "team-b", "team-c")])
+        envtest.apply(
+            crds
+            + [
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+                for ns in ("meshjob-system", "team-a", "team-b", "team-c")
+            ]
+        )
         envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
         rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
         result = envtest.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(rest), check=False)

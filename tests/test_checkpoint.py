@@ -1,6 +1,7 @@
 """Checkpoints: atomic per-rank files, completeness, resume from the newest step every rank can
 load (or a clear error, never a silent fresh start), refusal of a checkpoint written for another
 spec, pruning that leaves `keep` steps of every rank on disk."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshjob.spec import load_job
-from meshjob_trainer.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch, atomic_write, spec_fingerprint,
-                                        survey)
+from meshjob.spec.manifest import load_job
+from meshjob_trainer.checkpoint import (
+    CheckpointCorrupt,
+    Checkpointer,
+    CheckpointMismatch,
+    atomic_write,
+    spec_fingerprint,
+    survey,
+)
 from meshjob_trainer.dist import WorkerSettings, init_distributed, shutdown_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.yaml"
@@ -111,8 +118,11 @@ def test_a_zero_1_checkpoint_is_refused_by_a_run_without_zero_naming_the_field(t
     sharded = dataclasses.replace(job, training=training)
     module, opt = model_and_optimizer(1)
     Checkpointer(tmp_path, 0, 1, spec_fingerprint(sharded, 1)).save(3, module, opt)
-    with pytest.raises(CheckpointMismatch, match=r"spec.training.optimizer.zeroStage: 1 in the checkpoint, "
-                                                 r"'\(absent\)' now"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"spec.training.optimizer.zeroStage: 1 in the checkpoint, "
+        r"'\(absent\)' now",
+    ):
         Checkpointer(tmp_path, 0, 1, spec_fingerprint(job, 1)).restore(module, opt)
     assert "spec.training.optimizer.zeroStage" not in spec_fingerprint(job, 1)  # older checkpoints still load
 
@@ -151,15 +161,19 @@ def train_job(job_path: str, listeners=lambda rank: (), **launch_args):
 
     settings = WorkerSettings(job_path=job_path)
     setup = load_setup(settings)
-    return launch(setup.plan.placement.world_size,
-                  lambda ctx: run_worker(ctx.env, settings, setup, 30, listeners(ctx.rank)), timeout_s=50,
-                  **launch_args)
+    return launch(
+        setup.plan.placement.world_size,
+        lambda ctx: run_worker(ctx.env, settings, setup, 30, listeners(ctx.rank)),
+        timeout_s=50,
+        **launch_args,
+    )
 
 
 @pytest.mark.slow
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_host_job, tmp_path):
     """4 steps with checkpoints, then a fresh gang asked for 6 resumes at 4: same final weights
     and losses as 6 steps in one go."""
+
     def run(job_path: str):
         return train_job(job_path).raise_on_failure().values
 
@@ -201,6 +215,7 @@ def test_after_kill_9_of_one_rank_the_restarted_gang_ends_with_uninterrupted_wei
 
 # --- pruning ---------------------------------------------------------------------------------
 
+
 def bytes_on_disk(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
@@ -239,6 +254,7 @@ def test_pruning_removes_an_old_step_a_crash_left_incomplete(tmp_path):
 @pytest.mark.slow
 def test_pruning_in_a_gang_leaves_keep_steps_of_every_rank_on_disk(gang, tmp_path):
     """The real thing: 2 ranks with a process group save 200 steps' checkpoints every 5, keep 2."""
+
     def target(env):
         init_distributed(env, timeout_s=20)
         try:
@@ -258,6 +274,7 @@ def test_pruning_in_a_gang_leaves_keep_steps_of_every_rank_on_disk(gang, tmp_pat
 
 
 # --- corruption: every case resumes from the right step or fails clearly, and says which ---------
+
 
 def saved_steps(tmp_path: Path, steps=(2, 4), world_size: int = 1) -> list[Checkpointer]:
     """Every rank's checkpoints of `steps`, each step with different weights."""
@@ -341,8 +358,10 @@ def test_survey_finds_the_step_every_rank_can_load_and_why_newer_ones_cannot(tmp
     ranks[0].marker_path(4).write_text("")
     found = survey(tmp_path / "ckpt", 2)
     assert found.resume_step == 2 and not found.corrupt
-    assert found.skipped == ("step 6: rank-00001.pt does not match the sha256 in its marker (damaged after writing)",
-                             "step 4: rank-00000.done is unreadable (JSONDecodeError): the marker is corrupted")
+    assert found.skipped == (
+        "step 6: rank-00001.pt does not match the sha256 in its marker (damaged after writing)",
+        "step 4: rank-00000.done is unreadable (JSONDecodeError): the marker is corrupted",
+    )
 
 
 def test_survey_of_checkpoints_no_step_of_which_loads_everywhere_is_corrupt(tmp_path):
@@ -381,5 +400,7 @@ def test_one_ranks_files_damaged_in_every_step_fail_every_rank_clearly(tmp_path)
     assert all(r.value is None for r in result.ranks)  # no rank resumed, nor started from step 0
     error = result.first_failure.error  # the launcher stops the other rank once one has failed
     assert "CheckpointCorrupt: no checkpoint in" in error
-    assert {0: "step 4: rank 0 can load it; another rank cannot",
-            1: "step 4: rank-00001.pt does not match the sha256 in its marker"}[result.first_failure.rank] in error
+    assert {
+        0: "step 4: rank 0 can load it; another rank cannot",
+        1: "step 4: rank-00001.pt does not match the sha256 in its marker",
+    }[result.first_failure.rank] in error

@@ -1,4 +1,5 @@
 """`meshjob plan`: tables, --json, and exit code 2 with the field named for bad input."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ TINY = ROOT / "examples" / "tiny.yaml"
 
 
 def meshjob(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshjob.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def bad_manifest(tmp_path: Path) -> Path:
@@ -44,9 +46,20 @@ def test_plan_tables_show_placement_tasks_makespan_and_schedules() -> None:
     result = meshjob("plan", str(TINY))
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for heading in ("Placement", "Network: NIC bytes per step", "Balancing windows", "joint makespan",
-                    "Boundaries", "unit tasks by start", "lower bound", "chunks", "Schedules", "stash bound",
-                    "W delay", "peak stashed"):
+    for heading in (
+        "Placement",
+        "Network: NIC bytes per step",
+        "Balancing windows",
+        "joint makespan",
+        "Boundaries",
+        "unit tasks by start",
+        "lower bound",
+        "chunks",
+        "Schedules",
+        "stash bound",
+        "W delay",
+        "peak stashed",
+    ):
         assert heading in out
     assert "grad:activation" in out
     assert "SEND_F0@1" in out
@@ -69,8 +82,10 @@ def test_plan_json_in_process_matches_tiny(capsys: pytest.CaptureFixture[str]) -
 
 def test_plan_with_a_hosts_file_places_on_those_hosts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = tmp_path / "hosts.yaml"
-    hosts.write_text("hosts:\n- {name: n0, devices: 2, rack: r0}\n- {name: n1, devices: 1, rack: r0}\n"
-                     "- {name: n2, devices: 1, rack: r1}\n")
+    hosts.write_text(
+        "hosts:\n- {name: n0, devices: 2, rack: r0}\n- {name: n1, devices: 1, rack: r0}\n"
+        "- {name: n2, devices: 1, rack: r1}\n"
+    )
     assert main(["plan", str(TINY), "--hosts", str(hosts), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(row["stage"], row["host"]) for row in doc["placement"]] == [(0, "n0"), (1, "n1"), (1, "n2")]
@@ -88,7 +103,9 @@ def test_plan_bad_hosts_file_exits_2_naming_the_field(tmp_path: Path, capsys: py
     assert "hosts[0].devices: -2" in capsys.readouterr().err
 
 
-def test_plan_too_small_cluster_exits_2_saying_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_too_small_cluster_exits_2_saying_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("- {name: n0, devices: 2}\n- {name: n1, devices: 1}\n")
     assert main(["plan", str(TINY), "--hosts", str(hosts)]) == 2
@@ -133,8 +150,8 @@ def test_plan_half_duplex_is_the_papers_model_for_the_ablation(capsys: pytest.Ca
 def test_plan_emulated_is_the_plan_meshjob_run_runs(capsys: pytest.CaptureFixture[str]) -> None:
     import os
 
-    from meshjob.rendered import PlanInputs
-    from meshjob.spec import load_job
+    from meshjob.plan.rendered import PlanInputs
+    from meshjob.spec.manifest import load_job
 
     path = ROOT / "examples" / "gpt-demo.yaml"
     assert main(["plan", str(path), "--emulated", "--nic-rate", "500mbit", "--skip-files", "--json"]) == 0
@@ -152,11 +169,14 @@ def test_plan_emulated_header_names_the_cpu_a_message_takes_on_the_shared_cores(
 
 
 @pytest.mark.parametrize("option", [["--message-us", "5"], ["--duplex", "half"], ["--tbf-burst", "128kb"]])
-def test_plan_emulated_refuses_the_options_it_sets_itself(option: list[str],
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_emulated_refuses_the_options_it_sets_itself(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plan", str(TINY), "--emulated", *option]) == 2
-    assert f"--emulated plans with the costs `meshjob run` uses on the emulated cluster: it takes --nic-rate, " \
-           f"not {option[0]}" in capsys.readouterr().err
+    assert (
+        f"--emulated plans with the costs `meshjob run` uses on the emulated cluster: it takes --nic-rate, "
+        f"not {option[0]}" in capsys.readouterr().err
+    )
 
 
 def test_plan_bad_message_cost_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,7 +185,8 @@ def test_plan_bad_message_cost_exits_2(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_plan_calibrate_without_the_trainer_distribution_exits_2_saying_what_to_install(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "meshjob_trainer.calibrate", None)  # as if not installed
     assert main(["plan", str(TINY), "--calibrate"]) == 2
     err = capsys.readouterr().err
@@ -185,6 +206,7 @@ def test_plan_calibrate_measures_the_costs_that_size_the_plan() -> None:
 
 # --- manifests read like kubectl reads them, and safely -----------------------------------------
 
+
 def billion_laughs() -> str:
     """300 bytes that stand for 9**9 strings once every alias is expanded."""
     lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
@@ -193,14 +215,21 @@ def billion_laughs() -> str:
 
 
 def test_plan_dash_reads_the_manifest_from_stdin() -> None:
-    result = subprocess.run([sys.executable, "-m", "meshjob.cli", "plan", "-", "--json"], input=TINY.read_text(),
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "plan", "-", "--json"],
+        input=TINY.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["job"] == "tiny"
 
 
 def test_plan_of_a_multi_document_file_prints_one_plan_per_document(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     second = TINY.read_text().replace("name: tiny", "name: tiny-two")
     path = tmp_path / "two.yaml"
     path.write_text(TINY.read_text() + "---\n" + second)
@@ -209,7 +238,8 @@ def test_plan_of_a_multi_document_file_prints_one_plan_per_document(
 
 
 def test_plan_of_a_multi_document_file_names_the_bad_document(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "two.yaml"
     path.write_text(TINY.read_text() + "---\n" + TINY.read_text().replace("layers: 2,", "layers: 0,"))
     assert main(["plan", str(path)]) == 2
@@ -218,8 +248,11 @@ def test_plan_of_a_multi_document_file_names_the_bad_document(
 
 def test_plan_names_a_duplicate_key_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "dup.yaml"
-    path.write_text(TINY.read_text().replace("  topology: {devicesPerHost: 2}\n",
-                                             "  topology: {devicesPerHost: 2, devicesPerHost: 4}\n"))
+    path.write_text(
+        TINY.read_text().replace(
+            "  topology: {devicesPerHost: 2}\n", "  topology: {devicesPerHost: 2, devicesPerHost: 4}\n"
+        )
+    )
     assert main(["plan", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:8:" in err and "'spec.topology.devicesPerHost' is invalid: each key once" in err
@@ -233,12 +266,15 @@ def test_plan_reads_exponent_floats_like_kubectl(tmp_path: Path, capsys: pytest.
 
 
 def test_plan_refuses_unquoted_on_for_weight_grad_delay_saying_what_to_write(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "on.yaml"
     path.write_text(TINY.read_text().replace("weightGradDelay: 0", "weightGradDelay: on"))
     assert main(["plan", str(path)]) == 2
-    assert "spec.schedule.weightGradDelay: True is invalid: auto or an integer in 0..4095; True is no longer " \
-           "accepted: true is what YAML makes of unquoted on/yes: write 1" in capsys.readouterr().err
+    assert (
+        "spec.schedule.weightGradDelay: True is invalid: auto or an integer in 0..4095; True is no longer "
+        "accepted: true is what YAML makes of unquoted on/yes: write 1" in capsys.readouterr().err
+    )
 
 
 def test_plan_alias_bomb_exits_2_fast_with_a_short_message(tmp_path: Path) -> None:

@@ -6,22 +6,22 @@ Real processes over gloo, with an instrumented wire (meshjob_trainer.wire.Checke
 the run on any message issued out of order, as NCCL would pair it wrongly, and logs every issue and
 completion. A test perturbs one rank's order and sees the run fail.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
 
-from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, transfer_order
-from meshjob.network import overlap_bytes
-from meshjob.plan import ITEMSIZE, build_plan
+from meshjob.network.model import overlap_bytes
+from meshjob.plan.build import ITEMSIZE, build_plan
+from meshjob.plan.comm_order import TransferOrder, transfer_order
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.launch import launch
 from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import routes_from_plan
-
-from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
 
 
 def train_checked(job, perturb: tuple[int, TransferOrder] | None = None, timeout_s: float = 90):
@@ -40,8 +40,9 @@ def train_checked(job, perturb: tuple[int, TransferOrder] | None = None, timeout
             order = perturb[1] if perturb and perturb[0] == env.rank else transfer_order(plan)
             wire = CheckedWire(GlooWire(), env.rank)
             reshard = ReshardExecutor(plan, env.rank, wire=wire, order=order)
-            result = train(WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
-                                         reshard=reshard))
+            result = train(
+                WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank), reshard=reshard)
+            )
             torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
             return result, list(wire.log.entries)
         finally:
@@ -52,7 +53,7 @@ def train_checked(job, perturb: tuple[int, TransferOrder] | None = None, timeout
 
 def planned_messages(plan, rank: int, send: bool = True) -> dict[tuple, list[str]]:
     """Per link: the messages `rank` must send (or post receives for) in one step, in order: transfers in
-    the step's order, each in the rank's program order (meshjob.program), then its gather inside the
+    the step's order, each in the rank's program order (meshjob.plan.program), then its gather inside the
     destination mesh. Sends by the link they leave on, receives by the link they arrive on."""
     routes = {r.boundary.key: r for r in routes_from_plan(plan)}
     out: dict[tuple, list[str]] = {}
@@ -95,8 +96,9 @@ def message_bytes(plan) -> dict[str, int]:
     return sizes
 
 
-def most_packed_bytes(log, links: dict[str, tuple], sizes: dict[str, int], window: int,
-                      kind: str = "send") -> dict[tuple, int]:
+def most_packed_bytes(
+    log, links: dict[str, tuple], sizes: dict[str, int], window: int, kind: str = "send"
+) -> dict[tuple, int]:
     """Replays a wire log: per link, the most bytes in flight whenever more than `window` messages were."""
     now: dict[tuple, list[str]] = {}
     most: dict[tuple, int] = {}
@@ -163,8 +165,9 @@ def test_no_link_has_more_messages_issued_at_once_than_the_network_model_allows(
         planned = planned_messages(plan, rank, send=op == "send")
         links = {m: link for link, messages in planned.items() for m in messages}
         most = most_in_flight(log, links, kind=op)
-        assert all(n <= (window if link[1] == "local" else small_window) for link, n in most.items()), \
+        assert all(n <= (window if link[1] == "local" else small_window) for link, n in most.items()), (
             f"rank {rank} {op}: {most}"
+        )
         packed = most_packed_bytes(log, links, sizes, window, kind=op)
         assert all(n <= threshold for n in packed.values()), f"rank {rank} {op}: {packed} > {threshold}"
     # That the bound is reached (not only respected) depends on timing here; the test below forces it.
@@ -200,6 +203,7 @@ def test_a_rank_that_issues_two_transfers_in_another_order_fails_the_run():
 
 # --- one boundary: the in-flight bound is a setting, and the log measures it ------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("window, small_window", [(1, 1), (2, 2), (2, 4)])
 def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, window, small_window):
@@ -207,8 +211,8 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, window, small_w
     bound = small_window
     from test_trainer_reshard import CASES, global_tensor, make_boundary, natural_tile
 
-    from meshjob_trainer.route import make_routes
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
+    from meshjob_trainer.route import make_routes
     from meshjob_trainer.wire import CheckedWire, GlooWire
 
     case = CASES[1]  # one device -> 2x2, a broadcast chain of 8 chunks
@@ -222,8 +226,14 @@ def test_a_chains_sender_keeps_exactly_the_bound_in_flight(gang, window, small_w
         init_distributed(env, timeout_s=20)
         try:
             wire = CheckedWire(GlooWire(), env.rank)
-            ex = ReshardExecutor(None, env.rank, routes=routes, wire=wire, in_flight_per_link=window,
-                                 small_in_flight_per_link=small_window)
+            ex = ReshardExecutor(
+                None,
+                env.rank,
+                routes=routes,
+                wire=wire,
+                in_flight_per_link=window,
+                small_in_flight_per_link=small_window,
+            )
             mine = natural_tile(case, global_tensor(case, 3), env.rank)
             if env.rank in first_hop:
                 # Post nothing until the source has issued `bound` messages here: gloo completes a send

@@ -1,6 +1,7 @@
-"""The step's transfer order every rank derives from the plan (meshjob.comm_order): complete, causal,
+"""The step's transfer order every rank derives from the plan (meshjob.plan.comm_order): complete, causal,
 and with receive depths that cover the run it comes from while holding fewer buffers than every
 microbatch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,32 +9,42 @@ from pathlib import Path
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, need_order, recv_depths, transfer_order
-from meshjob.costs import CostModel
-from meshjob.device_costs import emulated_costs
-from meshjob.devices import parse_device
-from meshjob.network import NetworkModel
-from meshjob.plan import build_plan
-from meshjob.schedule import SCHEDULE_KINDS, Action
-from meshjob.simulate import plan_cost, simulate_plan
-from meshjob.spec import load_job, parse_job
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_costs
+from meshjob.costs.devices import parse_device
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan
+from meshjob.plan.comm_order import TransferOrder, need_order, recv_depths, transfer_order
+from meshjob.schedule.actions import SCHEDULE_KINDS, Action
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import plan_cost, simulate_plan
+from meshjob.spec.manifest import load_job, parse_job
 
 EXAMPLES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
 
 def plan_of(example: str, kind: str, microbatches: int | None = None, delay: str | int = "off"):
     job = load_job(example)
-    training = job.training if microbatches is None else dataclasses.replace(
-        job.training, microbatches=microbatches, global_batch=microbatches * 2 * job.training.microbatch_size)
-    job = dataclasses.replace(job, training=training,
-                              schedule=dataclasses.replace(job.schedule, kind=kind, weight_grad_delay=delay))
+    training = (
+        job.training
+        if microbatches is None
+        else dataclasses.replace(
+            job.training, microbatches=microbatches, global_batch=microbatches * 2 * job.training.microbatch_size
+        )
+    )
+    job = dataclasses.replace(
+        job, training=training, schedule=dataclasses.replace(job.schedule, kind=kind, weight_grad_delay=delay)
+    )
     return build_plan(job)
 
 
 def sends_of(plan) -> list[tuple[BoundaryKey, int]]:
-    return [(BoundaryKey.of_action(s, a), a.mb) for s, acts in plan.schedules.items() for a in acts
-            if a.kind.startswith("SEND")]
+    return [
+        (BoundaryKey.of_action(s, a), a.mb)
+        for s, acts in plan.schedules.items()
+        for a in acts
+        if a.kind.startswith("SEND")
+    ]
 
 
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
@@ -58,9 +69,12 @@ def assert_causal(plan, order: TransferOrder) -> None:
                 received.append(transfer)
                 continue
             at = order.position(*transfer)
-            assert at > last_to.get(a.peer, -1), f"stage {stage} sends {transfer} before a send to its peer listed earlier"
-            assert all(order.position(*r) < at for r in received), \
+            assert at > last_to.get(a.peer, -1), (
+                f"stage {stage} sends {transfer} before a send to its peer listed earlier"
+            )
+            assert all(order.position(*r) < at for r in received), (
                 f"stage {stage} sends {transfer} before one it received earlier in its list"
+            )
             last_to[a.peer] = at
 
 
@@ -74,14 +88,23 @@ def test_the_order_is_causal_a_stage_sends_after_what_it_received_before(example
 def heavy_skip_plan(kind: str = "eager-1f1b", delay: int | str = "auto"):
     """The bench's U-Transformer shape in small: skips from stage 0 to the last stage share stage 0's
     out-link with its activations, on NICs about as slow as the compute."""
-    job = parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "heavy-skips"},
-        "spec": {"model": {"kind": "utransformer", "layers": 16, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
-                 "training": {"globalBatch": 8, "microbatches": 8}, "topology": {"devicesPerHost": 1},
-                 "stages": [{"layers": [4 * i, 4 * i + 4], "mesh": [1, 1]} for i in range(4)],
-                 "schedule": {"kind": kind, "weightGradDelay": delay}}})
-    cost = CostModel(network=NetworkModel(nic_bytes_per_s=4e6), stages=emulated_costs(job, parse_device("1")),
-                     measured=True)
+    job = parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "heavy-skips"},
+            "spec": {
+                "model": {"kind": "utransformer", "layers": 16, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                "training": {"globalBatch": 8, "microbatches": 8},
+                "topology": {"devicesPerHost": 1},
+                "stages": [{"layers": [4 * i, 4 * i + 4], "mesh": [1, 1]} for i in range(4)],
+                "schedule": {"kind": kind, "weightGradDelay": delay},
+            },
+        }
+    )
+    cost = CostModel(
+        network=NetworkModel(nic_bytes_per_s=4e6), stages=emulated_costs(job, parse_device("1")), measured=True
+    )
     return build_plan(job, cost=cost, network=cost.network)
 
 
@@ -114,8 +137,14 @@ def test_a_need_order_puts_a_transfer_needed_now_before_ones_sent_earlier_but_ne
 
 def test_depth_is_one_more_than_the_most_transfers_of_a_boundary_in_flight():
     key = BoundaryKey(0, 1, "activation")
-    run = [(0, Action("SEND_F", 0, 1)), (0, Action("SEND_F", 1, 1)), (1, Action("RECV_F", 0, 0)),
-           (0, Action("SEND_F", 2, 1)), (1, Action("RECV_F", 1, 0)), (1, Action("RECV_F", 2, 0))]
+    run = [
+        (0, Action("SEND_F", 0, 1)),
+        (0, Action("SEND_F", 1, 1)),
+        (1, Action("RECV_F", 0, 0)),
+        (0, Action("SEND_F", 2, 1)),
+        (1, Action("RECV_F", 1, 0)),
+        (1, Action("RECV_F", 2, 0)),
+    ]
     order = TransferOrder.of_run(run)
     assert order.transfers == ((key, 0), (key, 1), (key, 2))
     assert order.depth == {key: 3}
@@ -145,12 +174,14 @@ def test_a_need_order_times_every_receive_a_compute_takes_by_the_first_of_them()
     """Stage 2's F takes stage 0's activation (sent at 2) and stage 1's (sent at 0.5) through one in-link;
     the list-scheduled run reaches stage 1's RECV only once stage 0's transfer has landed, but stage 2
     needs both from the start: stage 1's, sent first, goes first and the in-link does not idle."""
-    from meshjob.simulate import simulate_pipeline
+    from meshjob.simulate.simulator import simulate_pipeline
 
     keys = {0: BoundaryKey(0, 2, "activation"), 1: BoundaryKey(1, 2, "skip")}
-    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
-                 1: [Action("F", 0, None), Action("SEND_F", 0, 2, "skip")],
-                 2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1, "skip"), Action("F", 0, None)]}
+    schedules = {
+        0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+        1: [Action("F", 0, None), Action("SEND_F", 0, 2, "skip")],
+        2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1, "skip"), Action("F", 0, None)],
+    }
     compute = {(0, "F"): 2.0, (1, "F"): 0.5, (2, "F"): 1.0}
     nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
     transfers = {key: (1.0, {(src, "out"): nbytes, (2, "in"): nbytes}) for src, key in keys.items()}
@@ -165,20 +196,24 @@ def two_waiting_receivers():
     stage 1, over its one out-link; both receivers wait already, but stage 0 also needs stage 1's
     gradient, which stage 1 computes only once its own has landed (the U-Transformer's last stage
     after its first I)."""
-    schedules = {0: [Action("RECV_B", 0, 2, "skip"), Action("RECV_B", 0, 1), Action("I", 0, None)],
-                 1: [Action("RECV_B", 0, 2), Action("I", 0, None), Action("SEND_B", 0, 0)],
-                 2: [Action("I", 0, None), Action("SEND_B", 0, 0, "skip"), Action("SEND_B", 0, 1)]}
+    schedules = {
+        0: [Action("RECV_B", 0, 2, "skip"), Action("RECV_B", 0, 1), Action("I", 0, None)],
+        1: [Action("RECV_B", 0, 2), Action("I", 0, None), Action("SEND_B", 0, 0)],
+        2: [Action("I", 0, None), Action("SEND_B", 0, 0, "skip"), Action("SEND_B", 0, 1)],
+    }
     compute = {(s, "I"): 1.0 for s in range(3)}
     nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
     skip, chain = BoundaryKey(2, 0, "skip", grad=True), BoundaryKey(2, 1, "activation", grad=True)
-    transfers = {skip: (1.0, {(2, "out"): nbytes, (0, "in"): nbytes}),
-                 chain: (1.0, {(2, "out"): nbytes, (1, "in"): nbytes}),
-                 BoundaryKey(1, 0, "activation", grad=True): (1.0, {(1, "out"): nbytes, (0, "in"): nbytes})}
+    transfers = {
+        skip: (1.0, {(2, "out"): nbytes, (0, "in"): nbytes}),
+        chain: (1.0, {(2, "out"): nbytes, (1, "in"): nbytes}),
+        BoundaryKey(1, 0, "activation", grad=True): (1.0, {(1, "out"): nbytes, (0, "in"): nbytes}),
+    }
     return schedules, compute, transfers, skip, chain
 
 
 def test_need_order_ties_go_in_the_send_order_or_to_the_transfer_its_receiver_uses_first():
-    from meshjob.simulate import simulate_pipeline
+    from meshjob.simulate.simulator import simulate_pipeline
 
     schedules, compute, transfers, skip, chain = two_waiting_receivers()
     run = simulate_pipeline(schedules, compute, transfers)
@@ -191,7 +226,7 @@ def test_need_order_ties_go_in_the_send_order_or_to_the_transfer_its_receiver_us
 
 
 def test_the_fastest_order_tries_both_tie_rules():
-    from meshjob.comm_order import TIES, fastest_order
+    from meshjob.plan.comm_order import TIES, fastest_order
 
     schedules, compute, transfers, *_ = two_waiting_receivers()
     alone = {rule: fastest_order(schedules, compute, transfers, None, ties=(rule,))[1] for rule in TIES}
@@ -200,7 +235,7 @@ def test_the_fastest_order_tries_both_tie_rules():
 
 
 def test_an_unknown_tie_rule_is_named():
-    from meshjob.simulate import simulate_pipeline
+    from meshjob.simulate.simulator import simulate_pipeline
 
     schedules, compute, transfers, *_ = two_waiting_receivers()
     with pytest.raises(ValueError, match=r"ties 'random' is invalid: one of sent, used"):

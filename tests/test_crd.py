@@ -1,5 +1,6 @@
 """The TrainingJob CRD: generated from the spec model, committed identically twice, structural,
 free of CEL rules, and accepted by a real kube-apiserver v1.20 (envtest) when one is available."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,15 +10,17 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
-from meshjob import cli, spec
-from meshjob.crd import build_crd, crd_yaml, open_api_schema
+from meshjob import cli
+from meshjob.spec import manifest as spec
+from meshjob.spec.crd import build_crd, crd_yaml, open_api_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = [ROOT / "crds" / "trainingjob.yaml", ROOT / "charts" / "meshjob" / "crds" / "trainingjob.yaml"]
@@ -68,38 +71,55 @@ def test_names_group_version_and_scope():
     assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
     assert crd["metadata"]["name"] == "trainingjobs.meshjob.io"
     assert crd["spec"]["group"] == "meshjob.io" and crd["spec"]["scope"] == "Namespaced"
-    assert crd["spec"]["names"] == {"kind": "TrainingJob", "listKind": "TrainingJobList",
-                                    "plural": "trainingjobs", "singular": "trainingjob", "shortNames": ["tj"]}
+    assert crd["spec"]["names"] == {
+        "kind": "TrainingJob",
+        "listKind": "TrainingJobList",
+        "plural": "trainingjobs",
+        "singular": "trainingjob",
+        "shortNames": ["tj"],
+    }
     assert version()["name"] == "v1alpha1" and version()["served"] and version()["storage"]
 
 
 def test_status_subresource_and_printer_columns():
     assert version()["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version()["additionalPrinterColumns"]}
-    assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Progress": ".status.progress.percent",
-                       "Hosts": ".status.hosts", "Restarts": ".status.restarts", "Age": ".metadata.creationTimestamp"}
+    assert columns == {
+        "Phase": ".status.phase",
+        "Step": ".status.step",
+        "Progress": ".status.progress.percent",
+        "Hosts": ".status.hosts",
+        "Restarts": ".status.restarts",
+        "Age": ".metadata.creationTimestamp",
+    }
 
 
 def test_schema_is_structural_every_node_has_a_type():
-    untyped = [p for p, s in walk(open_api_schema())
-               if "type" not in s and not s.get("x-kubernetes-int-or-string")
-               and not s.get("x-kubernetes-preserve-unknown-fields")]
+    untyped = [
+        p
+        for p, s in walk(open_api_schema())
+        if "type" not in s
+        and not s.get("x-kubernetes-int-or-string")
+        and not s.get("x-kubernetes-preserve-unknown-fields")
+    ]
     assert untyped == []
 
 
 def test_schema_sets_no_type_inside_any_of_but_int_or_strings():
     """Structural rule: anyOf/allOf/oneOf/not name no type, except IntOrString's two."""
+
     def types_inside(node: Any) -> Iterator[Any]:
         if isinstance(node, dict):
             for key, sub in node.items():
                 if key in ("anyOf", "allOf", "oneOf", "not"):
-                    for branch in (sub if isinstance(sub, list) else [sub]):
+                    for branch in sub if isinstance(sub, list) else [sub]:
                         if "type" in branch:
                             yield node
                 yield from types_inside(sub)
         elif isinstance(node, list):
             for sub in node:
                 yield from types_inside(sub)
+
     assert [n for n in types_inside(open_api_schema()) if not n.get("x-kubernetes-int-or-string")] == []
 
 
@@ -120,14 +140,41 @@ def test_schema_has_no_cel_rules_so_it_loads_on_kubernetes_1_20():
 
 def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
     props = open_api_schema()["properties"]["spec"]["properties"]
-    assert set(props) == {"image", "model", "data", "training", "topology", "stages", "edges", "resharding",
-                          "schedule", "runPolicy", "metrics", "resources", "scheduling", "serviceAccountName",
-                          "podTemplate"}
-    assert set(props["model"]["properties"]) == {"kind", "layers", "hidden", "heads", "vocab", "seqLen", "kvHeads",
-                                                 "ffnHidden", "tieEmbeddings", "ropeTheta", "entrypoint", "config"}
+    assert set(props) == {
+        "image",
+        "model",
+        "data",
+        "training",
+        "topology",
+        "stages",
+        "edges",
+        "resharding",
+        "schedule",
+        "runPolicy",
+        "metrics",
+        "resources",
+        "scheduling",
+        "serviceAccountName",
+        "podTemplate",
+    }
+    assert set(props["model"]["properties"]) == {
+        "kind",
+        "layers",
+        "hidden",
+        "heads",
+        "vocab",
+        "seqLen",
+        "kvHeads",
+        "ffnHidden",
+        "tieEmbeddings",
+        "ropeTheta",
+        "entrypoint",
+        "config",
+    }
     assert set(props["data"]["properties"]) == {"kind", "path", "valPath", "dtype"}
-    assert {"precision", "recompute", "gradClip", "lrSchedule", "evalEvery", "evalBatches",
-            "optimizer"} <= set(props["training"]["properties"])
+    assert {"precision", "recompute", "gradClip", "lrSchedule", "evalEvery", "evalBatches", "optimizer"} <= set(
+        props["training"]["properties"]
+    )
     assert set(props["edges"]["items"]["properties"]) == {"from", "to", "send", "recv", "tensor"}
 
 
@@ -135,15 +182,27 @@ def test_operator_only_fields_are_in_the_schema_so_the_apiserver_keeps_them():
     # a structural schema prunes unknown fields: what meshjob_operator/render.py reads must be declared
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["scheduling"]["properties"] == {
-        "gang": {"type": "boolean"}, "schedulerName": {"type": "string", "maxLength": 253},
+        "gang": {"type": "boolean"},
+        "schedulerName": {"type": "string", "maxLength": 253},
         "queue": {"type": "string", "maxLength": 253},
-        "topologyLevel": {"type": "string", "description": "node label for Kueue's required topology",
-                          "maxLength": 317}}
+        "topologyLevel": {
+            "type": "string",
+            "description": "node label for Kueue's required topology",
+            "maxLength": 317,
+        },
+    }
     assert props["serviceAccountName"]["type"] == "string"
     template = props["podTemplate"]["properties"]
     assert set(template["metadata"]["properties"]) == {"labels", "annotations"}
-    assert set(template["spec"]["properties"]) == {"tolerations", "nodeSelector", "affinity", "priorityClassName",
-                                                   "imagePullSecrets", "volumes", "containers"}
+    assert set(template["spec"]["properties"]) == {
+        "tolerations",
+        "nodeSelector",
+        "affinity",
+        "priorityClassName",
+        "imagePullSecrets",
+        "volumes",
+        "containers",
+    }
     assert template["spec"]["properties"]["containers"]["items"]["properties"]["name"]["enum"] == ["trainer"]
     volume = props["training"]["properties"]["checkpoint"]["properties"]["volume"]
     assert volume["x-kubernetes-preserve-unknown-fields"] is True
@@ -156,9 +215,9 @@ def test_the_schema_refuses_names_no_child_could_carry():
 
 
 def test_enums_come_from_the_plan_layers_single_definitions():
-    from meshjob.balance import BALANCERS
-    from meshjob.resharding import STRATEGIES
-    from meshjob.schedule import SCHEDULE_KINDS
+    from meshjob.resharding.balance import BALANCERS
+    from meshjob.resharding.strategies import STRATEGIES
+    from meshjob.schedule.actions import SCHEDULE_KINDS
 
     props = open_api_schema()["properties"]["spec"]["properties"]
     assert props["model"]["properties"]["kind"]["enum"] == list(spec.MODEL_KINDS)
@@ -177,8 +236,10 @@ def test_minimums_maximums_and_required_fields():
     assert stage["properties"]["mesh"]["items"]["minimum"] == 1
     assert (stage["properties"]["mesh"]["minItems"], stage["properties"]["mesh"]["maxItems"]) == (1, 3)
     assert props["edges"]["items"]["required"] == ["from", "to"]
-    assert (props["metrics"]["properties"]["port"]["minimum"], props["metrics"]["properties"]["port"]["maximum"]) \
-        == (1, 65535)
+    assert (props["metrics"]["properties"]["port"]["minimum"], props["metrics"]["properties"]["port"]["maximum"]) == (
+        1,
+        65535,
+    )
     assert props["resharding"]["properties"]["budgetSeconds"]["exclusiveMinimum"] is True
     assert props["runPolicy"]["properties"]["backoffLimit"]["minimum"] == 0
 
@@ -206,11 +267,29 @@ def test_microbatches_is_an_int_or_string_of_auto_or_a_count_in_range():
 def test_status_schema_fields_and_preserved_unknown_fields():
     status = open_api_schema()["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
-    assert set(status["properties"]) == {"phase", "conditions", "hosts", "restarts", "disruptions", "step", "checkpointStep", "progress",
-                                         "startTime", "completionTime", "placement", "pods",
-                                         "observedGeneration", "tuned"}
+    assert set(status["properties"]) == {
+        "phase",
+        "conditions",
+        "hosts",
+        "restarts",
+        "disruptions",
+        "step",
+        "checkpointStep",
+        "progress",
+        "startTime",
+        "completionTime",
+        "placement",
+        "pods",
+        "observedGeneration",
+        "tuned",
+    }
     assert set(status["properties"]["conditions"]["items"]["properties"]) == {
-        "type", "status", "reason", "message", "lastTransitionTime"}
+        "type",
+        "status",
+        "reason",
+        "message",
+        "lastTransitionTime",
+    }
     assert set(status["properties"]["placement"]["items"]["properties"]) == {"stage", "host", "node", "devices"}
     assert status["properties"]["pods"]["additionalProperties"] == {"type": "string"}
     resources = open_api_schema()["properties"]["spec"]["properties"]["resources"]
@@ -218,6 +297,7 @@ def test_status_schema_fields_and_preserved_unknown_fields():
 
 
 # --- a real kube-apiserver (v1.20.2 from ../shared/envtest) ----------------------------------
+
 
 def envtest_dir() -> Path | None:
     for candidate in (os.environ.get("KUBEBUILDER_ASSETS"), str(ROOT.parent / "shared" / "envtest")):
@@ -240,11 +320,18 @@ def module_apiserver(tmp_path_factory) -> Iterator[dict[str, str]]:
     if assets is None or shutil.which("etcd") is None or shutil.which("kubectl") is None:
         pytest.skip("needs ../shared/envtest (or KUBEBUILDER_ASSETS), etcd and kubectl")
     folder = tmp_path_factory.mktemp("kas")
-    env = dict(os.environ, KAS_DIR=str(folder), KAS_KCM="0", ETCD_PORT=str(free_port()),
-               ETCD_PEER_PORT=str(free_port()), APISERVER_PORT=str(free_port()))
+    env = dict(
+        os.environ,
+        KAS_DIR=str(folder),
+        KAS_KCM="0",
+        ETCD_PORT=str(free_port()),
+        ETCD_PEER_PORT=str(free_port()),
+        APISERVER_PORT=str(free_port()),
+    )
     try:
-        subprocess.run(["bash", str(assets / "start.sh")], env=env, check=True, timeout=60,
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["bash", str(assets / "start.sh")], env=env, check=True, timeout=60, capture_output=True, text=True
+        )
         yield dict(env, KUBECONFIG=str(folder / "run" / "kubeconfig"))
     finally:
         subprocess.run(["bash", str(assets / "stop.sh")], env=env, timeout=30, capture_output=True)
@@ -258,8 +345,10 @@ def apiserver(module_apiserver, tmp_path, request) -> dict[str, str]:
     kubeconfig = tmp_path / "kubeconfig"
     shutil.copy(module_apiserver["KUBECONFIG"], kubeconfig)
     env = dict(module_apiserver, KUBECONFIG=str(kubeconfig))
-    for args in (("create", "namespace", namespace),
-                 ("config", "set-context", "--current", f"--namespace={namespace}")):
+    for args in (
+        ("create", "namespace", namespace),
+        ("config", "set-context", "--current", f"--namespace={namespace}"),
+    ):
         done = kubectl(env, *args)
         assert done.returncode == 0, done.stderr
     return env
@@ -292,7 +381,8 @@ def test_real_apiserver_establishes_the_crd_and_serves_the_examples(apiserver):
     listed = kubectl(apiserver, "get", "tj", "-o", "json")
     items = json.loads(listed.stdout)["items"]
     assert sorted(i["metadata"]["name"] for i in items) == sorted(
-        yaml.safe_load(e.read_text())["metadata"]["name"] for e in examples)
+        yaml.safe_load(e.read_text())["metadata"]["name"] for e in examples
+    )
     # what the server stored parses back into the same job
     for item in items:
         stored = spec.parse_job(item)
@@ -313,12 +403,21 @@ def test_real_apiserver_rejects_bad_specs_and_keeps_operator_fields_and_status(a
     doc = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
     doc["spec"]["scheduling"] = {"gang": True, "queue": "team-q"}
     assert kubectl(apiserver, "create", "-f", "-", stdin=json.dumps(doc)).returncode == 0
-    status = {"status": {"phase": "Running", "step": 2, "hosts": 2, "restarts": 0,
-                         "progress": {"step": 2, "total": 4, "percent": 50, "eta": "2026-01-01T00:00:00Z"},
-                         "placement": [{"stage": 0, "host": "h0", "node": "n0", "devices": [0, 1]}],
-                         "pods": {"tiny-h0": "Running"}, "kopf": {"progress": {}}}}
-    patched = kubectl(apiserver, "patch", "tj", "tiny", "--subresource=status", "--type=merge",
-                      "-p", json.dumps(status))
+    status = {
+        "status": {
+            "phase": "Running",
+            "step": 2,
+            "hosts": 2,
+            "restarts": 0,
+            "progress": {"step": 2, "total": 4, "percent": 50, "eta": "2026-01-01T00:00:00Z"},
+            "placement": [{"stage": 0, "host": "h0", "node": "n0", "devices": [0, 1]}],
+            "pods": {"tiny-h0": "Running"},
+            "kopf": {"progress": {}},
+        }
+    }
+    patched = kubectl(
+        apiserver, "patch", "tj", "tiny", "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
     assert patched.returncode == 0, patched.stderr
     row = kubectl(apiserver, "get", "tj", "tiny", "--no-headers").stdout.split()
     assert row[:6] == ["tiny", "Running", "2", "50", "2", "0"]
@@ -344,10 +443,16 @@ def test_real_apiserver_takes_chunks_as_auto_or_a_positive_integer(apiserver):
 def test_real_apiserver_enforces_the_bounds_parse_job_enforces(apiserver):
     install_crd(apiserver)
     tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    bad = [("model", "layers", spec.MAX_LAYERS + 1), ("model", "seqLen", 2**63),
-           ("runPolicy", "activeDeadlineSeconds", 10**39), ("runPolicy", "backoffLimit", 2**31),
-           ("schedule", "weightGradDelay", True), ("schedule", "weightGradDelay", 5000),
-           ("schedule", "weightGradDelay", "on"), ("training", "microbatches", spec.MAX_MICROBATCHES + 1)]
+    bad = [
+        ("model", "layers", spec.MAX_LAYERS + 1),
+        ("model", "seqLen", 2**63),
+        ("runPolicy", "activeDeadlineSeconds", 10**39),
+        ("runPolicy", "backoffLimit", 2**31),
+        ("schedule", "weightGradDelay", True),
+        ("schedule", "weightGradDelay", 5000),
+        ("schedule", "weightGradDelay", "on"),
+        ("training", "microbatches", spec.MAX_MICROBATCHES + 1),
+    ]
     for section, key, value in bad:
         doc = json.loads(json.dumps(tiny))
         doc["spec"].setdefault(section, {})[key] = value
@@ -369,8 +474,15 @@ def test_real_apiserver_enforces_the_bounds_parse_job_enforces(apiserver):
 def test_real_apiserver_takes_stages_as_auto_or_a_list_and_refuses_the_rest(apiserver):
     install_crd(apiserver)
     tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    cases = [("auto", True), (tiny["spec"]["stages"], True), (5, False), ("many", False), ([], False),
-             ({"layers": [0, 2]}, False), ([{"layers": "x", "mesh": [1, 1]}], False)]
+    cases = [
+        ("auto", True),
+        (tiny["spec"]["stages"], True),
+        (5, False),
+        ("many", False),
+        ([], False),
+        ({"layers": [0, 2]}, False),
+        ([{"layers": "x", "mesh": [1, 1]}], False),
+    ]
     for i, (stages, ok) in enumerate(cases):
         doc = json.loads(json.dumps(tiny))
         doc["metadata"]["name"] = f"tiny-{i}"
@@ -387,11 +499,18 @@ def test_real_apiserver_takes_stages_as_auto_or_a_list_and_refuses_the_rest(apis
 def test_real_apiserver_takes_auto_in_the_searched_fields_and_refuses_other_words(apiserver):
     install_crd(apiserver)
     tiny = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
-    cases = [("training", "microbatches", "auto", True), ("schedule", "kind", "auto", True),
-             ("resharding", "strategy", "auto", True), ("resharding", "balancer", "auto", True),
-             ("training", "microbatches", "AUTO", False), ("training", "microbatches", "4", False),
-             ("training", "microbatches", 0, False), ("training", "microbatches", True, False),
-             ("schedule", "kind", "automatic", False), ("resharding", "balancer", "Auto", False)]
+    cases = [
+        ("training", "microbatches", "auto", True),
+        ("schedule", "kind", "auto", True),
+        ("resharding", "strategy", "auto", True),
+        ("resharding", "balancer", "auto", True),
+        ("training", "microbatches", "AUTO", False),
+        ("training", "microbatches", "4", False),
+        ("training", "microbatches", 0, False),
+        ("training", "microbatches", True, False),
+        ("schedule", "kind", "automatic", False),
+        ("resharding", "balancer", "Auto", False),
+    ]
     for i, (section, key, value, ok) in enumerate(cases):
         doc = json.loads(json.dumps(tiny))
         doc["metadata"]["name"] = f"tiny-{i}"
@@ -405,16 +524,18 @@ def test_real_apiserver_takes_auto_in_the_searched_fields_and_refuses_other_word
 
 
 # scalars whose reading differs between YAML 1.1 (PyYAML), YAML 1.2 and kubectl (go-yaml v2)
-TRICKY_SCALARS = ("{a: 1e400, b: 100000000000000000000000000000000000000000, e: 0b101, f: +12, g: -0x10, "
-                  "h: 1.0e+3, i: 2001-12-14T21:59:43.10-05:00, j: Yes, k: ON, l: NO, m: ~, n: Null, p: 1:30, "
-                  "q: 0., r: -.5e1, s: 1_000.5, t: 0o, u: 0x, v: 00, w: -0b11, x: '12', z: !!str 12, "
-                  "aa: !!int '13', ab: 12e, ac: 1e+3, ad: 0777, ae: 08, af: .5, ag: 1E3, ah: y, 3: three}")
+TRICKY_SCALARS = (
+    "{a: 1e400, b: 100000000000000000000000000000000000000000, e: 0b101, f: +12, g: -0x10, "
+    "h: 1.0e+3, i: 2001-12-14T21:59:43.10-05:00, j: Yes, k: ON, l: NO, m: ~, n: Null, p: 1:30, "
+    "q: 0., r: -.5e1, s: 1_000.5, t: 0o, u: 0x, v: 00, w: -0b11, x: '12', z: !!str 12, "
+    "aa: !!int '13', ab: 12e, ac: 1e+3, ad: 0777, ae: 08, af: .5, ag: 1E3, ah: y, 3: three}"
+)
 
 
 @pytest.mark.slow
 def test_meshjob_reads_yaml_scalars_as_kubectl_sends_them(apiserver):
     """spec.resources keeps unknown fields, so the server returns exactly what kubectl sent."""
-    from meshjob.safeyaml import load_documents
+    from meshjob.spec.safeyaml import load_documents
 
     install_crd(apiserver)
     text = (ROOT / "examples" / "tiny.yaml").read_text() + f"  resources: {TRICKY_SCALARS}\n"

@@ -1,5 +1,6 @@
 """User models (spec.model.kind: custom): the entry point is loaded, built and run on one sequence
 before any rank starts, and every way it can be wrong is one error naming the field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,20 @@ import torch
 import yaml
 
 from meshjob.errors import SpecError
-from meshjob.spec import ModelSpec
+from meshjob.spec.manifest import ModelSpec
 from meshjob_trainer.custom import CustomStage, check_custom
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ModelSpec("custom", layers=4, hidden=16, heads=1, vocab=64, seq_len=8, entrypoint="custom_entrypoints:good",
-                  config={"kernel": 3})
+MODEL = ModelSpec(
+    "custom",
+    layers=4,
+    hidden=16,
+    heads=1,
+    vocab=64,
+    seq_len=8,
+    entrypoint="custom_entrypoints:good",
+    config={"kernel": 3},
+)
 
 
 @pytest.fixture(autouse=True)
@@ -34,18 +43,21 @@ def problem(entrypoint: str) -> tuple[str, str]:
     return error.path, error.allowed
 
 
-@pytest.mark.parametrize("entrypoint,field,words", [
-    ("no_such_package.models:build", "spec.model.entrypoint", "importing 'no_such_package.models' raised"),
-    ("custom_entrypoints:missing", "spec.model.entrypoint", "has no callable 'missing'"),
-    ("custom_entrypoints:NOT_CALLABLE", "spec.model.entrypoint", "has no callable 'NOT_CALLABLE'"),
-    ("custom_entrypoints:raises", "spec.model.entrypoint", "it raised KeyError: 'depth'"),
-    ("custom_entrypoints:returns_a_dict", "spec.model.entrypoint", "dict lacks embedding, blocks, head, boundary"),
-    ("custom_entrypoints:too_few_blocks", "spec.model.layers", "the number of blocks"),
-    ("custom_entrypoints:wrong_boundary", "spec.model.entrypoint", "it returned (8, 32)"),
-    ("custom_entrypoints:block_is_no_module", "spec.model.entrypoint", "blocks[0] is a torch.nn.Module"),
-    ("custom_entrypoints:forward_fails", "spec.model.entrypoint", "forward runs on one sequence"),
-    ("custom_entrypoints:head_too_narrow", "spec.model.entrypoint", "it returned (1, 8, 63)"),
-])
+@pytest.mark.parametrize(
+    "entrypoint,field,words",
+    [
+        ("no_such_package.models:build", "spec.model.entrypoint", "importing 'no_such_package.models' raised"),
+        ("custom_entrypoints:missing", "spec.model.entrypoint", "has no callable 'missing'"),
+        ("custom_entrypoints:NOT_CALLABLE", "spec.model.entrypoint", "has no callable 'NOT_CALLABLE'"),
+        ("custom_entrypoints:raises", "spec.model.entrypoint", "it raised KeyError: 'depth'"),
+        ("custom_entrypoints:returns_a_dict", "spec.model.entrypoint", "dict lacks embedding, blocks, head, boundary"),
+        ("custom_entrypoints:too_few_blocks", "spec.model.layers", "the number of blocks"),
+        ("custom_entrypoints:wrong_boundary", "spec.model.entrypoint", "it returned (8, 32)"),
+        ("custom_entrypoints:block_is_no_module", "spec.model.entrypoint", "blocks[0] is a torch.nn.Module"),
+        ("custom_entrypoints:forward_fails", "spec.model.entrypoint", "forward runs on one sequence"),
+        ("custom_entrypoints:head_too_narrow", "spec.model.entrypoint", "it returned (1, 8, 63)"),
+    ],
+)
 def test_a_bad_entry_point_is_one_error_naming_the_field(entrypoint, field, words):
     path, allowed = problem(entrypoint)
     assert path == field and words in allowed, allowed
@@ -78,8 +90,14 @@ def custom_job(tmp_path: Path, entrypoint: str) -> Path:
 
 def meshjob(*args: str) -> subprocess.CompletedProcess[str]:
     paths = [str(ROOT / "examples" / "custom_model"), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    return subprocess.run([sys.executable, "-m", "meshjob.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+    return subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
 
 
 def test_run_exits_2_naming_the_entry_point_before_any_rank_starts(tmp_path):

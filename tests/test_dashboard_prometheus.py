@@ -6,44 +6,69 @@
   whose pod fails once), and every dashboard query, evaluated through Prometheus' HTTP API,
   returns data.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
-
-from prometheus_harness import (BLOCKED_NAMESPACE, DASHBOARD, JOB_NAME, ROOT, PanelQuery, Prometheus,
-                                dashboard_queries, envtest_dir, free_port, instantiate, operator_scenario)
+from prometheus_harness import (
+    BLOCKED_NAMESPACE,
+    DASHBOARD,
+    JOB_NAME,
+    ROOT,
+    PanelQuery,
+    Prometheus,
+    dashboard_queries,
+    envtest_dir,
+    free_port,
+    instantiate,
+    operator_scenario,
+)
 
 RULES = ROOT / "charts" / "meshjob" / "rules"
 # Grafana's $__rate_interval; here a window that covers a whole short run.
 VARIABLES = {"namespace": ".*", "trainingjob": ".*", "__rate_interval": "2m", "datasource": "prometheus"}
 REQUIRED_PANELS = {
-    "Resharding bandwidth per link and strategy", "Resharding time / lower bound", "Step time", "Throughput",
-    "Bubble fraction per stage", "Communication/compute overlap per stage", "Loss", "Gang restarts",
+    "Resharding bandwidth per link and strategy",
+    "Resharding time / lower bound",
+    "Step time",
+    "Throughput",
+    "Bubble fraction per stage",
+    "Communication/compute overlap per stage",
+    "Loss",
+    "Gang restarts",
     "Jobs by phase",
 }
 
 
 # --- alerting rules -------------------------------------------------------------------------
 
+
 def test_alert_rules_pass_promtool_check():
-    result = subprocess.run(["promtool", "check", "rules", str(RULES / "meshjob-alerts.yaml")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(RULES / "meshjob-alerts.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 6 rules found" in result.stdout
 
 
 def test_alert_rules_pass_promtool_unit_tests():
-    result = subprocess.run(["promtool", "test", "rules", str(RULES / "meshjob-alerts.test.yaml")],
-                            capture_output=True, text=True, timeout=60, cwd=RULES)
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(RULES / "meshjob-alerts.test.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=RULES,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -56,6 +81,7 @@ def test_alerts_cover_stuck_blocked_and_restarting_jobs_and_slow_resharding():
 
 
 # --- dashboard structure --------------------------------------------------------------------
+
 
 def test_dashboard_has_the_required_panels_each_with_a_query():
     dashboard = json.loads(DASHBOARD.read_text())
@@ -71,14 +97,20 @@ def test_dashboard_queries_use_only_metrics_that_exist():
     """Every meshjob_* name in a query is exported by TrainerMetrics or OperatorMetrics."""
     import re
 
-    from meshjob_trainer.metrics import TrainerMetrics
     from meshjob_operator.metrics import OperatorMetrics
+    from meshjob_trainer.metrics import TrainerMetrics
 
     exported = set()
     for registry in (TrainerMetrics("j", 0, "h", 0).registry, OperatorMetrics().registry):
         for family in registry.collect():
-            exported |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_sum",
-                         family.name + "_count", family.name + "_info"}
+            exported |= {
+                family.name,
+                family.name + "_total",
+                family.name + "_bucket",
+                family.name + "_sum",
+                family.name + "_count",
+                family.name + "_info",
+            }
     for q in dashboard_queries():
         for name in re.findall(r"\bmeshjob_\w+", q.expr):
             assert name in exported, f"{q.panel}: {name} is exported by nobody"
@@ -123,25 +155,31 @@ def run_trainer(tmp_path: Path, port: int) -> subprocess.CompletedProcess:
     ckpt = tmp_path / "ckpt"
     job = tmp_path / "job.yaml"
     job.write_text(JOB_YAML.replace("CKPT", str(ckpt)))
-    return subprocess.run([sys.executable, "-m", "meshjob.cli", "run", str(job), "--metrics-port", str(port),
-                           "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "run", str(job), "--metrics-port", str(port), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory) -> Iterator[Scraped]:
     tmp = tmp_path_factory.mktemp("dashboard")
     trainer_port, operator_port = free_port(), free_port()
-    prom = Prometheus(tmp / "prometheus", {"trainer": [f"127.0.0.1:{trainer_port}"],
-                                           "operator": [f"127.0.0.1:{operator_port}"]})
+    prom = Prometheus(
+        tmp / "prometheus", {"trainer": [f"127.0.0.1:{trainer_port}"], "operator": [f"127.0.0.1:{operator_port}"]}
+    )
     assets = envtest_dir()
     with prom:
         operator_at = None
         if assets is not None:
             with operator_scenario(assets, tmp / "envtest", operator_port, blocked=True) as scenario:
-                prom.wait_for('meshjob_operator_restarts_total > 0', timeout_s=30)
+                prom.wait_for("meshjob_operator_restarts_total > 0", timeout_s=30)
                 # a counter's first sample is no increase: wait for the job's next refused retry to be scraped
-                prom.wait_for('increase(meshjob_operator_api_errors_total[10m]) > 0', timeout_s=90)
-                operator_at = last_sample_time(prom, 'meshjob_operator_api_errors_total')
+                prom.wait_for("increase(meshjob_operator_api_errors_total[10m]) > 0", timeout_s=90)
+                operator_at = last_sample_time(prom, "meshjob_operator_api_errors_total")
                 scenario.check()
         result = run_trainer(tmp, trainer_port)
         assert result.returncode == 0, f"meshjob run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -170,8 +208,8 @@ def test_dashboard_query_returns_data(scraped, query):
 @pytest.mark.slow
 def test_nic_bandwidth_is_labelled_with_the_plans_host_names(scraped, tmp_path):
     """Every host with a rank that receives across hosts shows up under its own name."""
-    from meshjob.plan import build_plan
-    from meshjob.spec import load_job
+    from meshjob.plan.build import build_plan
+    from meshjob.spec.manifest import load_job
 
     job_path = tmp_path / "job.yaml"
     job_path.write_text(JOB_YAML.replace("CKPT", str(tmp_path / "ckpt")))
@@ -179,8 +217,9 @@ def test_nic_bandwidth_is_labelled_with_the_plans_host_names(scraped, tmp_path):
     placement = plan.placement
     receivers = {s.dst for b in plan.boundaries for s in b.steps if s.scope == "cross_host"}
     expected = {placement.hosts[placement.host_of(r)].name for r in receivers}
-    result = scraped.prometheus.query('meshjob_nic_bandwidth_bytes_per_second{trainingjob="dashboard-demo"}',
-                                      at=scraped.trainer_at)
+    result = scraped.prometheus.query(
+        'meshjob_nic_bandwidth_bytes_per_second{trainingjob="dashboard-demo"}', at=scraped.trainer_at
+    )
     assert {r["metric"]["host"] for r in result} == expected
     assert all(float(r["value"][1]) > 0 for r in result)
 
@@ -191,8 +230,9 @@ def test_namespace_and_trainingjob_variables_list_the_running_job(scraped):
     same-named jobs of two namespaces stay apart."""
     window = {"start": scraped.trainer_at - 600, "end": scraped.trainer_at}
     assert "default" in scraped.prometheus.api("label/namespace/values", **{"match[]": "meshjob_info"}, **window)
-    jobs = scraped.prometheus.api("label/trainingjob/values", **{"match[]": 'meshjob_info{namespace=~"default"}'},
-                                  **window)
+    jobs = scraped.prometheus.api(
+        "label/trainingjob/values", **{"match[]": 'meshjob_info{namespace=~"default"}'}, **window
+    )
     assert "dashboard-demo" in jobs
 
 
@@ -201,8 +241,10 @@ def _per_job(scraped: Scraped, panel: str, label: str) -> dict[tuple[str, str, s
     if scraped.operator_at is None:
         pytest.skip("no real kube-apiserver (KUBEBUILDER_ASSETS): the operator was not run")
     (query,) = [q for q in dashboard_queries() if q.panel == panel]
-    return {(r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"][label]): float(r["value"][1])
-            for r in _evaluate(scraped, query)}
+    return {
+        (r["metric"]["namespace"], r["metric"]["trainingjob"], r["metric"][label]): float(r["value"][1])
+        for r in _evaluate(scraped, query)
+    }
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Token-file data (spec.data.kind: tokens): batches are windows of the file chosen by (seed, stream,
 step) alone, so a resumed run reads what an uninterrupted one would; validation reads its own file."""
+
 from __future__ import annotations
 
 import array
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshjob.spec import parse_job
+from meshjob.spec.manifest import parse_job
 from meshjob_trainer.data import TRAIN, VAL, BigramData, TokenData, make_data
 
 DATA = Path(__file__).resolve().parent.parent / "examples" / "data"
@@ -17,8 +18,9 @@ TRAIN_FILE = str(DATA / "shakespeare-train.bin")
 
 
 def data(**kw) -> TokenData:
-    return TokenData(**{"path": TRAIN_FILE, "dtype": "uint16", "vocab": 256, "seq_len": 16, "global_batch": 8,
-                        "seed": 0, **kw})
+    return TokenData(
+        **{"path": TRAIN_FILE, "dtype": "uint16", "vocab": 256, "seq_len": 16, "global_batch": 8, "seed": 0, **kw}
+    )
 
 
 def test_a_batch_is_windows_of_the_file_with_targets_one_token_ahead():
@@ -57,13 +59,16 @@ def test_uint32_files_are_read_little_endian(tmp_path):
 
 
 def job(kind: str):
-    spec = {"model": {"kind": "gpt", "layers": 2, "hidden": 16, "heads": 2, "vocab": 256, "seqLen": 8},
-            "training": {"globalBatch": 4, "microbatches": 2, "evalEvery": 1},
-            "stages": [{"layers": [0, 2], "mesh": [1]}]}
+    spec = {
+        "model": {"kind": "gpt", "layers": 2, "hidden": 16, "heads": 2, "vocab": 256, "seqLen": 8},
+        "training": {"globalBatch": 4, "microbatches": 2, "evalEvery": 1},
+        "stages": [{"layers": [0, 2], "mesh": [1]}],
+    }
     if kind == "tokens":
         spec["data"] = {"kind": "tokens", "path": TRAIN_FILE, "valPath": str(DATA / "shakespeare-val.bin")}
-    return parse_job({"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "d"},
-                      "spec": spec})
+    return parse_job(
+        {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "d"}, "spec": spec}
+    )
 
 
 def test_the_job_picks_its_files_or_the_bigram_chain_with_a_validation_stream():

@@ -1,4 +1,5 @@
 """weightGradDelay auto picks its delays by simulating candidates on the plan's own network and costs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from meshjob import comm_order, delay_choice
-from meshjob.costs import CostModel
-from meshjob.delay_choice import DelayCandidate, candidate_delays, global_delays, pick, warmup_leads
-from meshjob.device_costs import emulated_costs
-from meshjob.devices import parse_device
-from meshjob.network import NetworkModel
-from meshjob.plan import build_plan
-from meshjob.schedule import generate, peak_stashed, stash_bound
-from meshjob.simulate import compute_costs, plan_cost, transfer_costs
-from meshjob.steady import plan_period_s
-from meshjob.spec import job_to_dict, load_job, parse_job
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_costs
+from meshjob.costs.devices import parse_device
+from meshjob.network.model import NetworkModel
+from meshjob.plan import comm_order, delay_choice
+from meshjob.plan.build import build_plan
+from meshjob.plan.delay_choice import DelayCandidate, candidate_delays, global_delays, pick, warmup_leads
+from meshjob.schedule.actions import generate, peak_stashed, stash_bound
+from meshjob.simulate.simulator import compute_costs, plan_cost, transfer_costs
+from meshjob.simulate.steady import plan_period_s
+from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -37,17 +38,26 @@ def step_s(plan: Any) -> float:
 def queued_gradients_job() -> Any:
     """4 stages of a small GPT on (1, 2) meshes, M = 8, emulated 1 TFLOP/s devices on 1 gbit NICs: each
     stage's gradient fits under one W by the ratio rule, but the step's transfers share the NICs."""
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "queued-gradients"},
-        "spec": {"model": {"kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
-                 "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 2},
-                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 2], "tensorParallelDim": 1} for i in range(4)],
-                 "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "queued-gradients"},
+            "spec": {
+                "model": {"kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                "training": {"globalBatch": 32, "microbatches": 8},
+                "topology": {"devicesPerHost": 2},
+                "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 2], "tensorParallelDim": 1} for i in range(4)],
+                "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"},
+            },
+        }
+    )
 
 
 def emulated_cost(job: Any) -> CostModel:
-    return CostModel(network=NetworkModel(nic_bytes_per_s=1e9 / 8), stages=emulated_costs(job, parse_device("1")),
-                     measured=True)
+    return CostModel(
+        network=NetworkModel(nic_bytes_per_s=1e9 / 8), stages=emulated_costs(job, parse_device("1")), measured=True
+    )
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -90,7 +100,8 @@ def test_where_the_steps_transfers_share_the_nics_the_rule_delays_too_little_and
 
 
 def test_the_plan_takes_the_chosen_candidates_transfer_order_without_simulating_it_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     job = queued_gradients_job()
     cost = emulated_cost(job)
     plan = build_plan(job, cost=cost, network=cost.network)
@@ -100,7 +111,7 @@ def test_the_plan_takes_the_chosen_candidates_transfer_order_without_simulating_
     assert plan.transfer_order == recomputed
     changed = dataclasses.replace(plan, schedules=dict(plan.schedules))  # a changed plan computes its own
     with pytest.raises(pytest.fail.Exception, match="simulated again"):
-        changed.transfer_order
+        _ = changed.transfer_order
 
 
 def test_an_integer_weight_grad_delay_still_forces_the_delay() -> None:
@@ -128,11 +139,17 @@ def test_pick_takes_the_smallest_within_tolerance_and_never_slower_than_the_rule
 def test_candidates_are_the_rule_one_global_delay_and_the_rule_raised_each_capped_by_the_stages_room() -> None:
     assert global_delays(7) == [0, 1, 2, 3, 4, 6, 7] and global_delays(31) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 31]
     listed = candidate_delays({0: 0, 1: 1, 2: 2, 3: 0}, {0: 0, 1: 4, 2: 3, 3: 4})
-    assert listed == [("rule", {0: 0, 1: 1, 2: 2, 3: 0}), ("d=0", {0: 0, 1: 0, 2: 0, 3: 0}),
-                      ("d=1", {0: 0, 1: 1, 2: 1, 3: 1}), ("d=2", {0: 0, 1: 2, 2: 2, 3: 2}),
-                      ("d=3", {0: 0, 1: 3, 2: 3, 3: 3}), ("d=4", {0: 0, 1: 4, 2: 3, 3: 4}),
-                      ("rule+1", {0: 0, 1: 2, 2: 3, 3: 1}), ("rule+2", {0: 0, 1: 3, 2: 3, 3: 2}),
-                      ("rule+3", {0: 0, 1: 4, 2: 3, 3: 3})]  # rule+4 is d=4: listed once
+    assert listed == [
+        ("rule", {0: 0, 1: 1, 2: 2, 3: 0}),
+        ("d=0", {0: 0, 1: 0, 2: 0, 3: 0}),
+        ("d=1", {0: 0, 1: 1, 2: 1, 3: 1}),
+        ("d=2", {0: 0, 1: 2, 2: 2, 3: 2}),
+        ("d=3", {0: 0, 1: 3, 2: 3, 3: 3}),
+        ("d=4", {0: 0, 1: 4, 2: 3, 3: 4}),
+        ("rule+1", {0: 0, 1: 2, 2: 3, 3: 1}),
+        ("rule+2", {0: 0, 1: 3, 2: 3, 3: 2}),
+        ("rule+3", {0: 0, 1: 4, 2: 3, 3: 3}),
+    ]  # rule+4 is d=4: listed once
 
 
 def test_ramp_candidates_raise_the_rule_toward_the_last_stage_by_its_shorter_warm_up() -> None:
@@ -148,12 +165,20 @@ def test_ramp_candidates_raise_the_rule_toward_the_last_stage_by_its_shorter_war
 
 def one_device_stages_job(stages: int) -> Any:
     """`stages` stages of a small GPT (2 layers each) on one device each, M = 8."""
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": f"stages-{stages}"},
-        "spec": {"model": {"kind": "gpt", "layers": 2 * stages, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
-                 "training": {"globalBatch": 32, "microbatches": 8}, "topology": {"devicesPerHost": 1},
-                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(stages)],
-                 "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"}}})
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": f"stages-{stages}"},
+            "spec": {
+                "model": {"kind": "gpt", "layers": 2 * stages, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                "training": {"globalBatch": 32, "microbatches": 8},
+                "topology": {"devicesPerHost": 1},
+                "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(stages)],
+                "schedule": {"kind": "eager-1f1b", "weightGradDelay": "auto"},
+            },
+        }
+    )
 
 
 def test_eight_stages_delay_more_ws_toward_the_last_stage_and_that_is_faster_than_one_delay_for_all() -> None:
@@ -194,5 +219,7 @@ def test_candidates_are_rated_by_their_steady_period_where_the_last_stages_ws_ov
 
     chosen = one_step(dict(choice.chosen.delays))
     # one isolated step rates a smaller candidate as fast, but run step after step it is slower
-    smaller = [c for c in choice.candidates if c.size < choice.chosen.size and one_step(dict(c.delays)) <= chosen * 1.01]
+    smaller = [
+        c for c in choice.candidates if c.size < choice.chosen.size and one_step(dict(c.delays)) <= chosen * 1.01
+    ]
     assert smaller and all(c.step_s > 1.03 * choice.chosen.step_s for c in smaller)

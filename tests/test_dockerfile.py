@@ -1,5 +1,6 @@
 """The Dockerfile, without a docker engine: it parses, its targets exist, it pins what it installs,
 runs as non-root, and every command it (and the chart) runs is one of the project's entry points."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -8,16 +9,33 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTRUCTIONS = {"FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "EXPOSE", "ENTRYPOINT", "CMD",
-                "LABEL", "HEALTHCHECK", "SHELL", "VOLUME", "STOPSIGNAL", "ONBUILD"}
+INSTRUCTIONS = {
+    "FROM",
+    "RUN",
+    "COPY",
+    "ADD",
+    "ENV",
+    "ARG",
+    "WORKDIR",
+    "USER",
+    "EXPOSE",
+    "ENTRYPOINT",
+    "CMD",
+    "LABEL",
+    "HEALTHCHECK",
+    "SHELL",
+    "VOLUME",
+    "STOPSIGNAL",
+    "ONBUILD",
+}
 
 
 @dataclass
@@ -84,6 +102,7 @@ def chain(stages: dict[str, Stage], name: str) -> list[Stage]:
 
 def exec_form(args: str) -> list[str]:
     import json
+
     value = json.loads(args)
     assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"not exec form: {args}"
     return value
@@ -117,8 +136,9 @@ def test_base_image_is_pinned_to_a_patch_release(dockerfile):
     bases = {s.base for s in stages.values() if s.base not in stages}
     for base in bases:
         image = global_args.get(base.strip("${}"), base) if base.startswith("$") else base
-        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*(@sha256:[0-9a-f]{64})?", image), \
+        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*(@sha256:[0-9a-f]{64})?", image), (
             f"base image {image!r} must name an exact version"
+        )
 
 
 def test_every_pip_install_pins_exact_versions(dockerfile):
@@ -133,7 +153,9 @@ def test_pinned_meshjob_version_is_the_project_version(dockerfile):
     _, stages = dockerfile
     version = project()["version"]
     assert all(project(d)["version"] == version for d in ("operator", "trainer", "bench"))
-    pins = [r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run) if r.startswith("meshjob")]
+    pins = [
+        r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run) if r.startswith("meshjob")
+    ]
     assert pins and all(r.endswith(f"=={version}") for r in pins), pins
 
 
@@ -204,8 +226,9 @@ def test_trainer_cuda_image_installs_torch_2_13_0_from_a_cuda_wheel_index(docker
     _, stages = dockerfile
     runs = " ".join(run for s in chain(stages, "trainer-cuda") for run in s.all("RUN"))
     assert "torch==2.13.0" in runs and "--index-url" in runs
-    assert any(re.search(r"whl/cu\d{3}$", a) for a in stages["trainer-cuda"].all("ARG")), \
+    assert any(re.search(r"whl/cu\d{3}$", a) for a in stages["trainer-cuda"].all("ARG")), (
         "torch must come from a CUDA wheel index (whl/cuNNN)"
+    )
 
 
 def test_trainer_cuda_image_pins_what_the_cpu_trainer_image_pins(dockerfile):
@@ -224,25 +247,37 @@ def test_target_runs_as_numeric_non_root_user(dockerfile, target):
     assert uid.isdigit() and int(uid) != 0, f"target {target} runs as {users[-1]!r}"
 
 
-@pytest.mark.parametrize("target,subcommand", [("operator", "operator"), ("trainer", "worker"),
-                                               ("trainer-cuda", "worker")])
+@pytest.mark.parametrize(
+    "target,subcommand", [("operator", "operator"), ("trainer", "worker"), ("trainer-cuda", "worker")]
+)
 def test_entrypoint_is_the_projects_real_command(dockerfile, target, subcommand):
     _, stages = dockerfile
     command = exec_form(stages[target].all("ENTRYPOINT")[-1]) + exec_form(stages[target].all("CMD")[-1])
     assert command == ["meshjob", subcommand]
     scripts = project()["scripts"]
     assert scripts["meshjob"] == "meshjob.cli:main"
-    result = subprocess.run([sys.executable, "-m", "meshjob.cli", *command[1:], "--help"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", *command[1:], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, f"`meshjob {subcommand} --help` failed:\n{result.stderr[-2000:]}"
 
 
 def _context_files() -> list[str]:
     """Files of the repository that .dockerignore lets into the build context."""
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
-    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     kept = []
     for path in tracked:
         included = True
@@ -250,9 +285,12 @@ def _context_files() -> list[str]:
             negate = pattern.startswith("!")
             pat = pattern[1:] if negate else pattern
             pat = pat.rstrip("/")
-            if fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(path, pat + "/*") or \
-                    fnmatch.fnmatch(path, pat.replace("**/", "*/")) or \
-                    (pat.startswith("**/") and fnmatch.fnmatch(Path(path).name, pat[3:])):
+            if (
+                fnmatch.fnmatch(path, pat)
+                or fnmatch.fnmatch(path, pat + "/*")
+                or fnmatch.fnmatch(path, pat.replace("**/", "*/"))
+                or (pat.startswith("**/") and fnmatch.fnmatch(Path(path).name, pat[3:]))
+            ):
                 included = negate
         if included:
             kept.append(path)
@@ -270,11 +308,15 @@ def test_dockerignore_keeps_tests_charts_and_git_out_of_the_context():
 
 def test_trainer_image_holds_the_readme_jobs_token_files_where_its_relative_paths_point(dockerfile):
     """examples/gpt-demo.yaml reads examples/data/*.bin relative to the working directory, /app in the image."""
-    from meshjob.spec import load_job
+    from meshjob.spec.manifest import load_job
 
     _, stages = dockerfile
-    copied = [source for args in stages["trainer"].all("COPY") if not args.startswith("--from")
-              for source in shlex.split(args)[:-1]]
+    copied = [
+        source
+        for args in stages["trainer"].all("COPY")
+        if not args.startswith("--from")
+        for source in shlex.split(args)[:-1]
+    ]
     data = load_job(str(ROOT / "examples" / "gpt-demo.yaml")).data
     assert {data.path, data.val_path} <= set(copied)
     assert any(args.startswith("/app") for args in stages["base"].all("WORKDIR"))
@@ -288,8 +330,9 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
             if args.startswith("--from"):
                 continue
             for source in shlex.split(args)[:-1]:
-                assert any(k == source or k.startswith(source.rstrip("/") + "/") for k in kept), \
+                assert any(k == source or k.startswith(source.rstrip("/") + "/") for k in kept), (
                     f"COPY {source} in stage {stage.name}: not in the build context (.dockerignore)"
+                )
 
 
 @pytest.mark.slow
@@ -301,12 +344,30 @@ def test_wheels_built_from_the_context_hold_each_distributions_package(tmp_path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes((ROOT / path).read_bytes())
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "--wheel-dir", str(wheels), str(context), str(context / "operator"), str(context / "trainer")],
-                   check=True, timeout=180, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    expected = {"meshjob-": ("meshjob/cli.py", "meshjob/plan.py"),
-                "meshjob_operator-": ("meshjob_operator/handlers.py",),
-                "meshjob_trainer-": ("meshjob_trainer/metrics.py", "meshjob_trainer/commands/worker.py")}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "--wheel-dir",
+            str(wheels),
+            str(context),
+            str(context / "operator"),
+            str(context / "trainer"),
+        ],
+        check=True,
+        timeout=180,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    expected = {
+        "meshjob-": ("meshjob/cli.py", "meshjob/plan/build.py"),
+        "meshjob_operator-": ("meshjob_operator/handlers.py",),
+        "meshjob_trainer-": ("meshjob_trainer/metrics.py", "meshjob_trainer/commands/worker.py"),
+    }
     for prefix, modules in expected.items():
         (wheel,) = wheels.glob(f"{prefix}[0-9]*.whl")
         names = set(zipfile.ZipFile(wheel).namelist())

@@ -1,6 +1,7 @@
-"""Emulated device compute (meshjob.devices, meshjob.device_costs, meshjob_trainer.compute): a rank waits
+"""Emulated device compute (meshjob.costs.devices, meshjob.costs.device_costs, meshjob_trainer.compute): a rank waits
 the modelled time of each compute and sends tensors of the real shapes, so the network sees what a
 real run sends."""
+
 from __future__ import annotations
 
 import json
@@ -9,30 +10,38 @@ import statistics
 
 import pytest
 import torch
+from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
 
 from meshjob.cli import main as cli_main
-from meshjob.device_costs import emulated_cost, emulated_costs, stage_work
-from meshjob.devices import DEVICES, ComputeMode, parse_compute, parse_device
+from meshjob.costs.device_costs import emulated_cost, emulated_costs, stage_work
+from meshjob.costs.devices import DEVICES, ComputeMode, parse_compute, parse_device
 from meshjob.errors import SpecError
-from meshjob.plan import build_plan
-from meshjob.spec import parse_job
+from meshjob.plan.build import build_plan
+from meshjob.spec.manifest import parse_job
 from meshjob_trainer.launch import launch
-
-from test_pipeline_equivalence import make_job  # noqa: E402 - tests dir is on sys.path
 
 
 def one_rank_job(microbatches: int = 4, samples: int = 2):
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "one-rank"},
-        "spec": {
-            "model": {"kind": "gpt", "layers": 2, "hidden": 1024, "heads": 8, "vocab": 512, "seqLen": 1024},
-            "training": {"steps": 4, "globalBatch": samples * microbatches, "microbatches": microbatches,
-                         "learningRate": 1e-3, "seed": 0},
-            "topology": {"devicesPerHost": 1},
-            "stages": [{"layers": [0, 2], "mesh": [1, 1]}],
-            "schedule": {"kind": "1f1b", "weightGradDelay": 0},
-        },
-    })
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "one-rank"},
+            "spec": {
+                "model": {"kind": "gpt", "layers": 2, "hidden": 1024, "heads": 8, "vocab": 512, "seqLen": 1024},
+                "training": {
+                    "steps": 4,
+                    "globalBatch": samples * microbatches,
+                    "microbatches": microbatches,
+                    "learningRate": 1e-3,
+                    "seed": 0,
+                },
+                "topology": {"devicesPerHost": 1},
+                "stages": [{"layers": [0, 2], "mesh": [1, 1]}],
+                "schedule": {"kind": "1f1b", "weightGradDelay": 0},
+            },
+        }
+    )
 
 
 def test_a_device_is_a_named_profile_or_a_positive_number_of_tflops():
@@ -167,8 +176,16 @@ def _messages_per_peer(job, compute: ComputeMode) -> list[dict]:
         try:
             wire = SizedWire(CheckedWire(GlooWire(), ctx.env.rank))
             reshard = ReshardExecutor(plan, ctx.env.rank, wire=wire)
-            train(WorkerContext(env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank),
-                                reshard=reshard, compute=compute))
+            train(
+                WorkerContext(
+                    env=ctx.env,
+                    job=job,
+                    plan=plan,
+                    stage=plan.placement.stage_of(ctx.env.rank),
+                    reshard=reshard,
+                    compute=compute,
+                )
+            )
             torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
             per_peer: dict = {}
             for op, peer, message, nbytes, dtype in wire.issued:
@@ -193,8 +210,23 @@ def test_real_and_emulated_compute_send_the_same_bytes_in_the_same_order():
 @pytest.mark.slow
 def test_meshjob_run_under_emulated_compute_says_so_and_reports_no_loss(tmp_path):
     out = tmp_path / "summary.json"
-    assert cli_main(["run", "examples/tiny.yaml", "--compute", "emulated", "--device", "h100", "--no-netns",
-                     "--quiet", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "run",
+                "examples/tiny.yaml",
+                "--compute",
+                "emulated",
+                "--device",
+                "h100",
+                "--no-netns",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["steps_completed"] == summary["total_steps"]
     assert summary["compute"] == "emulated" and summary["device"]["name"] == "h100"

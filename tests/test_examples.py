@@ -1,5 +1,6 @@
 """Every manifest under examples/ is valid for both the CRD's openAPIV3Schema and parse_job,
 and each example is what its name promises."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,8 @@ import jsonschema
 import pytest
 import yaml
 
-from meshjob.crd import open_api_schema
-from meshjob.spec import job_to_dict, load_job, parse_job
+from meshjob.spec.crd import open_api_schema
+from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 MAX_RANKS = 8  # the machines here have 2 cores

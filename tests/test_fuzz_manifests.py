@@ -2,6 +2,7 @@
 bombs, huge numbers, wrong types, duplicate keys, unicode, missing fields, random bytes...) through
 `meshjob plan` and the operator's validate(). Each must end in success or a clear error (exit 2 with
 a message, SpecError); never a traceback, never a hang."""
+
 from __future__ import annotations
 
 import subprocess
@@ -24,8 +25,7 @@ def results():
 
 
 def test_every_generated_manifest_ends_in_success_or_a_clear_error(results):
-    failures = [(r.case, r.mutation, r.path, r.outcome, r.detail) for r in results
-                if r.outcome not in ("ok", "error")]
+    failures = [(r.case, r.mutation, r.path, r.outcome, r.detail) for r in results if r.outcome not in ("ok", "error")]
     assert failures == []
 
 
@@ -46,8 +46,13 @@ def test_bombs_and_deep_nesting_exit_2_in_a_fresh_process(mutation, tmp_path):
     for case in cases:
         path = tmp_path / f"case-{case.index}.yaml"
         path.write_bytes(case.data)
-        done = subprocess.run([sys.executable, "-m", "meshjob.cli", "plan", str(path)], capture_output=True,
-                              text=True, timeout=120, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-m", "meshjob.cli", "plan", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert done.returncode in (0, 2), done.stderr
         assert "Traceback" not in done.stderr
         assert done.returncode == 0 or done.stderr.strip()

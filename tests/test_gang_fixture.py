@@ -1,11 +1,15 @@
 """The `gang` fixture launches a gang once more only when gloo's connection mesh did not form."""
+
 from __future__ import annotations
 
 from conftest import failed_only_forming_the_mesh
+
 from meshjob_trainer.launch import LaunchResult, RankResult
 
-MESH = ("RuntimeError: Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
-        "Connection closed by peer [127.0.0.1]:20661.")
+MESH = (
+    "RuntimeError: Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+    "Connection closed by peer [127.0.0.1]:20661."
+)
 KILLED = "killed: another rank failed"
 
 

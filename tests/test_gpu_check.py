@@ -1,4 +1,5 @@
 """bench/gpu_check.sh runs only on a lent GPU machine; here: it parses, and every step has a limit that can skip it."""
+
 from __future__ import annotations
 
 import re

@@ -1,12 +1,13 @@
-"""meshjob.gradient_sync: the step's tail after the pipeline (gradient all-reduce, then optimizer step), with
+"""meshjob.search.gradient_sync: the step's tail after the pipeline (gradient all-reduce, then optimizer step), with
 stages whose rings cross the same hosts sharing those hosts' NICs."""
+
 from __future__ import annotations
 
 import pytest
 
-from meshjob.gradient_sync import GradientSync, stage_hosts, tail_ends
-from meshjob.plan import build_plan
-from meshjob.spec import parse_job
+from meshjob.plan.build import build_plan
+from meshjob.search.gradient_sync import GradientSync, stage_hosts, tail_ends
+from meshjob.spec.manifest import parse_job
 
 
 def test_a_stage_alone_on_its_hosts_takes_its_ring_then_its_fixed_part():
@@ -39,12 +40,21 @@ def test_a_ring_inside_one_host_and_the_optimizer_step_are_not_slowed_by_other_s
 
 
 def test_stage_hosts_are_where_the_placement_puts_each_stages_devices():
-    doc = {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "t"},
-           "spec": {"model": {"kind": "gpt", "layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 16},
-                    "training": {"globalBatch": 4, "microbatches": 2}, "topology": {"devicesPerHost": 2},
-                    "stages": [{"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
-                               {"layers": [1, 2], "mesh": [2, 1], "dataParallelDim": 0},
-                               {"layers": [2, 3], "mesh": [1, 2], "tensorParallelDim": 1},
-                               {"layers": [3, 4], "mesh": [2, 1], "dataParallelDim": 0}]}}
+    doc = {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"kind": "gpt", "layers": 4, "hidden": 64, "heads": 4, "vocab": 256, "seqLen": 16},
+            "training": {"globalBatch": 4, "microbatches": 2},
+            "topology": {"devicesPerHost": 2},
+            "stages": [
+                {"layers": [0, 1], "mesh": [1, 2], "tensorParallelDim": 1},
+                {"layers": [1, 2], "mesh": [2, 1], "dataParallelDim": 0},
+                {"layers": [2, 3], "mesh": [1, 2], "tensorParallelDim": 1},
+                {"layers": [3, 4], "mesh": [2, 1], "dataParallelDim": 0},
+            ],
+        },
+    }
     hosts = stage_hosts(build_plan(parse_job(doc)).placement)
     assert len(hosts[0]) == len(hosts[2]) == 1 and len(hosts[1]) == 2 and hosts[1] == hosts[3]

@@ -6,8 +6,9 @@ import platform
 import subprocess
 import sys
 
-import meshjob_trainer.launch as launch_module
 import pytest
+
+import meshjob_trainer.launch as launch_module
 from meshjob_trainer.launch import launch
 
 PAGES_PER_TENSOR = 16 * 1024 * 1024 // 4096
@@ -39,7 +40,9 @@ def steps():
 
 
 def _faults_in_a_fresh_process(keep: bool) -> list[int]:
-    code = STEP_LOOP + ("from meshjob_trainer.heap import keep_freed_memory\nassert keep_freed_memory()\n" if keep else "")
+    code = STEP_LOOP + (
+        "from meshjob_trainer.heap import keep_freed_memory\nassert keep_freed_memory()\n" if keep else ""
+    )
     code += "print(*steps())\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     return [int(x) for x in out.stdout.split()]
@@ -71,7 +74,9 @@ def test_every_launched_rank_keeps_freed_memory_before_its_target_runs(monkeypat
 
 @glibc
 def test_a_rank_done_with_its_shapes_hands_the_kept_memory_back():
-    code = STEP_LOOP + """
+    code = (
+        STEP_LOOP
+        + """
 from meshjob_trainer.heap import keep_freed_memory, release_freed_memory
 assert keep_freed_memory()
 def rss_kib():
@@ -81,6 +86,7 @@ kept = rss_kib()
 released = release_freed_memory()
 print(kept, rss_kib(), released)
 """
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     kept, after, released = out.stdout.split()
     assert released == "True"

@@ -1,7 +1,8 @@
-"""The ranks of one host follow the plan's order on the host's shared NIC links (meshjob.host_order,
+"""The ranks of one host follow the plan's order on the host's shared NIC links (meshjob.plan.host_order,
 meshjob_trainer.board): the order is data derived from the plan, the board enforces it across the
 ranks' engines, nothing deadlocks, and a rank waiting on a dead peer fails with a clear error.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,23 +12,23 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, mesh, natural_tile
 
-from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder
-from meshjob.host_order import HostLinkOrder, check_subsequence, host_link_orders
-from meshjob.resharding import STRATEGIES
+from meshjob.plan.comm_order import TransferOrder
+from meshjob.plan.host_order import HostLinkOrder, check_subsequence, host_link_orders
+from meshjob.resharding.strategies import STRATEGIES
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.board import BoardError, HostBoard, link_clock_after, may_start
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Job, MessageSpec
 from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import make_routes
 
-from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, mesh, natural_tile
-
 # Two hosts of two ranks each send to two hosts of two: every source host's out-link carries messages of
 # both its ranks, every destination host's in-link messages for both of its ranks.
-TRANSPOSE = Case("2x2 S0S1 -> 2x2 S1S0", (8, 8), mesh((2, 2), 0), "S0S1", "S0S1", mesh((2, 2), 4, first_host=2),
-                 "S1S0", "S1S0")
+TRANSPOSE = Case(
+    "2x2 S0S1 -> 2x2 S1S0", (8, 8), mesh((2, 2), 0), "S0S1", "S0S1", mesh((2, 2), 4, first_host=2), "S1S0", "S1S0"
+)
 KEY = BoundaryKey(0, 1, "activation")
 
 
@@ -36,6 +37,7 @@ def routes_of(case: Case, boundaries):
 
 
 # --- the plan side: pure data ---------------------------------------------------------------------
+
 
 def test_a_hosts_link_order_interleaves_its_ranks_messages_in_the_plans_order():
     boundary = make_boundary(TRANSPOSE, "broadcast", chunks=2)
@@ -50,8 +52,12 @@ def test_a_hosts_link_order_interleaves_its_ranks_messages_in_the_plans_order():
         assert len(set(order.ranks)) == 2 and {e[0] for e in entries} == set(order.ranks)
         assert [e[2] for e in entries] == sorted(e[2] for e in entries)  # microbatch 0's before 1's
         for rank in order.ranks:  # each rank's own program is a subsequence of the host's order
-            own = [(k, mb, s.index) for k, mb in transfers for s in route.message_specs(rank)
-                   if (s.link == (host, direction))]
+            own = [
+                (k, mb, s.index)
+                for k, mb in transfers
+                for s in route.message_specs(rank)
+                if (s.link == (host, direction))
+            ]
             check_subsequence(order, rank, (host, direction), own)
     json.dumps([o.to_json() for o in orders.values()])  # printable
 
@@ -103,6 +109,7 @@ def test_a_links_clock_advances_by_each_messages_bytes_at_the_nic_rate_from_its_
 
 # --- the board across processes ---------------------------------------------------------------------
 
+
 class _Recorder:
     """A wire that records when each message is issued (monotonic: one clock for every rank here)."""
 
@@ -124,18 +131,24 @@ class _Recorder:
 @pytest.mark.slow
 @pytest.mark.parametrize("balancer", ["naive", "greedy"])
 def test_the_ranks_of_a_host_issue_their_messages_on_a_shared_link_in_the_hosts_order(gang, balancer):
-    from meshjob.plan import plan_boundary
-    from meshjob.sharding import ShardingSpec
-    from meshjob.spec import ReshardingSpec
+    from test_trainer_reshard import NIC_BYTES_PER_S, host_of
+
+    from meshjob.layout.sharding import ShardingSpec
+    from meshjob.plan.build import plan_boundary
+    from meshjob.spec.manifest import ReshardingSpec
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
     from meshjob_trainer.wire import GlooWire
 
-    from test_trainer_reshard import NIC_BYTES_PER_S, host_of
-
     case = TRANSPOSE
-    boundary = plan_boundary(KEY, case.shape, (case.src, ShardingSpec.parse(case.send)),
-                             (case.dst, ShardingSpec.parse(case.recv)), ReshardingSpec("broadcast", 3, balancer),
-                             host_of(case), NIC_BYTES_PER_S)
+    boundary = plan_boundary(
+        KEY,
+        case.shape,
+        (case.src, ShardingSpec.parse(case.send)),
+        (case.dst, ShardingSpec.parse(case.recv)),
+        ReshardingSpec("broadcast", 3, balancer),
+        host_of(case),
+        NIC_BYTES_PER_S,
+    )
     (route,) = routes_of(case, [boundary])
     order = TransferOrder(tuple((KEY, mb) for mb in range(3)))
 
@@ -197,8 +210,7 @@ def test_every_strategy_runs_to_the_exact_tiles_with_the_board_without_deadlock(
     results = gang(case.world_size, target, timeout_s=90)
     assert all(ok for _, ok in results)
     shared = host_link_orders(order.transfers, {r.boundary.key: r.planned_sides() for r in routes})
-    assert {r for r, (on_board, _) in enumerate(results) if on_board} == \
-        {r for o in shared.values() for r in o.ranks}
+    assert {r for r, (on_board, _) in enumerate(results) if on_board} == {r for o in shared.values() for r in o.ranks}
 
 
 class _Payload(Job):
@@ -255,7 +267,9 @@ def test_a_rank_waiting_for_its_turn_behind_a_dead_peer_fails_with_a_clear_error
         handle.wait(timeout_s=10)
     engine.close(timeout_s=5)
     assert not os.path.exists(boards[0].path)
-    assert not [f for f in os.listdir(os.path.dirname(boards[0].path)) if f.startswith(os.path.basename(boards[0].path))]
+    assert not [
+        f for f in os.listdir(os.path.dirname(boards[0].path)) if f.startswith(os.path.basename(boards[0].path))
+    ]
 
 
 def test_a_turn_that_never_comes_times_out_with_the_link_and_the_holder_named(tmp_path):
@@ -274,6 +288,7 @@ def test_a_turn_that_never_comes_times_out_with_the_link_and_the_holder_named(tm
 
 
 # --- when a send is done for its NIC link ------------------------------------------------------------
+
 
 class _Instant:
     """A wire whose sends are done the moment they are issued (as gloo reports a send done once its bytes
@@ -312,8 +327,9 @@ class _Sized(Job):
 def _send_times(link, nic_bytes_per_s, nbytes=4 << 20, lead_s=0.0):
     specs = {KEY: tuple(MessageSpec(i, i, 1 + i, True, link) for i in range(3))}
     wire = _Instant()
-    engine = CommEngine(0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s,
-                        lead_s=lead_s)
+    engine = CommEngine(
+        0, wire, specs, 2, None, None, overlap_bytes=1 << 20, nic_bytes_per_s=nic_bytes_per_s, lead_s=lead_s
+    )
     job = _Sized(KEY, 0, specs[KEY], 0)
     job.size = nbytes
     try:
@@ -377,11 +393,11 @@ def _on_one_board(tmp_path, order, specs, wires, transfers, job_type, lead_s):
         store = dist.FileStore(path, 2)
 
         def board_for(transfers, wake):
-            return HostBoard(order, r, 2, 1 << 20, store, "k", wake, timeout_s=10, nic_bytes_per_s=1e8,
-                             lead_s=lead_s)
+            return HostBoard(order, r, 2, 1 << 20, store, "k", wake, timeout_s=10, nic_bytes_per_s=1e8, lead_s=lead_s)
 
-        engines[r] = CommEngine(r, wires[r], specs[r], 2, transfers, board_for, overlap_bytes=1 << 20,
-                                nic_bytes_per_s=1e8, lead_s=lead_s)
+        engines[r] = CommEngine(
+            r, wires[r], specs[r], 2, transfers, board_for, overlap_bytes=1 << 20, nic_bytes_per_s=1e8, lead_s=lead_s
+        )
         jobs[r] = [job_type(key, 0, key_specs, 0) for key, key_specs in specs[r].items()]
         handles = [engines[r].submit(job) for job in jobs[r]]
         for handle in handles:
@@ -401,10 +417,13 @@ def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not
     bytes alone would free it at ~74 ms); rank 0's second goes its lead before that (~74 ms)."""
     link, per_message, lead = (0, "out"), (4 << 20) / 1e8, 10e-3
     order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, KEY, 0, 1), (0, KEY, 0, 2))})
-    specs = {0: {KEY: (MessageSpec(0, 0, 5, True, link), MessageSpec(2, 2, 5, True, link))},
-             1: {KEY: (MessageSpec(1, 1, 5, True, link),)}}
-    jobs = _on_one_board(tmp_path, order, specs, {r: _Instant() for r in (0, 1)}, TransferOrder(((KEY, 0),)),
-                         _Sized, lead)
+    specs = {
+        0: {KEY: (MessageSpec(0, 0, 5, True, link), MessageSpec(2, 2, 5, True, link))},
+        1: {KEY: (MessageSpec(1, 1, 5, True, link),)},
+    }
+    jobs = _on_one_board(
+        tmp_path, order, specs, {r: _Instant() for r in (0, 1)}, TransferOrder(((KEY, 0),)), _Sized, lead
+    )
     first, second = (jobs[0][0].messages[i] for i in (0, 2))
     other = jobs[1][0].messages[1]
     t0 = first.issued_s
@@ -414,6 +433,7 @@ def test_on_a_board_a_large_send_is_held_and_the_next_led_by_the_hosts_clock_not
 
 
 # --- the lead on an in-link: by the receive's own buffer -----------------------------------------
+
 
 class _Trickle(_Instant):
     """A wire whose receives fill their buffer front to back at `rate` bytes/s, each sender starting
@@ -441,7 +461,7 @@ class _Trickle(_Instant):
             self.started[peer] = t0
             for at in range(0, flat.numel(), step):
                 time.sleep(max(0.0, t0 + at / self.rate - time.monotonic()))
-                flat[at:at + step] = 7
+                flat[at : at + step] = 7
                 self.written.setdefault(peer, []).append((time.monotonic(), min(at + step, flat.numel())))
             self.landed[peer] = time.monotonic()
             done.set()
@@ -466,8 +486,9 @@ class _Landing(_Sized):
         pass
 
 
-def _receive_times(late_s: dict[int, float], rate: float = 1e8, lead_s: float = 10e-3,
-                   one_transfer: bool = True) -> tuple[float, _Trickle]:
+def _receive_times(
+    late_s: dict[int, float], rate: float = 1e8, lead_s: float = 10e-3, one_transfer: bool = True
+) -> tuple[float, _Trickle]:
     """Two 4 MiB receives on one NIC in-link (from ranks 5 and 6), posted in that order, both of one transfer
     or each of its own (an activation's, then a skip's, in a planned order), their bytes arriving at `rate`:
     when the second was posted, and the wire (when each one's bytes began and landed)."""
@@ -523,14 +544,16 @@ def test_the_next_transfers_receive_goes_by_the_links_clock_not_the_first_ones_b
 
 # --- the lead on a host's in-link shared by its ranks: the first rank reads its markers for the next ---
 
+
 def _two_boards(order, path, lead_s=10e-3, wakes=None):
     """Ranks 0 and 1 of host 0 on one board."""
     boards = {}
 
     def attach(r):
         wake = (lambda why: wakes.append((r, why))) if wakes is not None else (lambda _: None)
-        boards[r] = HostBoard(order, r, 2, 1 << 20, dist.FileStore(path, 2), "k", wake, timeout_s=10,
-                              nic_bytes_per_s=1e8, lead_s=lead_s)
+        boards[r] = HostBoard(
+            order, r, 2, 1 << 20, dist.FileStore(path, 2), "k", wake, timeout_s=10, nic_bytes_per_s=1e8, lead_s=lead_s
+        )
 
     errors = _as_ranks_0_and_1(attach, timeout_s=10)
     assert not errors, errors
@@ -563,11 +586,19 @@ def test_a_peers_watched_receive_holds_the_next_rank_of_its_transfer_until_it_sa
         second.close()
 
 
-@pytest.mark.parametrize("entries", [
-    ((0, KEY, 0, 0), (0, KEY, 0, 1), (1, KEY, 0, 2)),  # its own next: its own markers lead it (engine._in_link_due_s)
-    ((0, KEY, 0, 0), (1, SKIP, 0, 0)),  # another transfer's: the host's clock leads, as between transfers
-    ((1, KEY, 0, 0), (0, KEY, 0, 1)),  # its last on the link in the pass: the next is the next pass's
-], ids=["own next", "another transfer", "next pass"])
+@pytest.mark.parametrize(
+    "entries",
+    [
+        (
+            (0, KEY, 0, 0),
+            (0, KEY, 0, 1),
+            (1, KEY, 0, 2),
+        ),  # its own next: its own markers lead it (engine._in_link_due_s)
+        ((0, KEY, 0, 0), (1, SKIP, 0, 0)),  # another transfer's: the host's clock leads, as between transfers
+        ((1, KEY, 0, 0), (0, KEY, 0, 1)),  # its last on the link in the pass: the next is the next pass's
+    ],
+    ids=["own next", "another transfer", "next pass"],
+)
 def test_a_receive_is_watched_only_where_the_links_next_message_is_another_ranks_of_its_transfer(tmp_path, entries):
     link = (0, "in")
     first, second = _two_boards(HostLinkOrder(0, {link: entries}), str(tmp_path / "store"))
@@ -589,8 +620,10 @@ def _board_receive_times(late_s, tmp_path, one_transfer=True, lead_s=10e-3):
     link = (0, "in")
     key1 = KEY if one_transfer else SKIP
     order = HostLinkOrder(0, {link: ((0, KEY, 0, 0), (1, key1, 0, 1 if one_transfer else 0))})
-    specs = {0: {KEY: (MessageSpec(0, 0, 5, False, link),)},
-             1: {key1: (MessageSpec(1 if one_transfer else 0, 1, 6, False, link),)}}
+    specs = {
+        0: {KEY: (MessageSpec(0, 0, 5, False, link),)},
+        1: {key1: (MessageSpec(1 if one_transfer else 0, 1, 6, False, link),)},
+    }
     transfers = TransferOrder(((KEY, 0),) if one_transfer else ((KEY, 0), (SKIP, 0)))
     wires = {0: _Trickle(1e8, late_s), 1: _Trickle(1e8, late_s)}
     _on_one_board(tmp_path, order, specs, wires, transfers, _Landing, lead_s)

@@ -1,4 +1,5 @@
 """A receive's landing markers: how far its bytes have come, read from its own buffer (meshjob_trainer.landing)."""
+
 from __future__ import annotations
 
 import time
@@ -36,12 +37,15 @@ def test_bytes_landing_front_to_back_bring_the_due_down_to_the_lead():
     assert probe.due_in_s(RATE) <= 1_000_000 / RATE
 
 
-@pytest.mark.parametrize("buffer, why", [
-    (torch.zeros(10, 4)[:, :2], "not contiguous"),
-    (torch.zeros(3, dtype=torch.uint8), "not whole 8-byte words"),
-    (torch.zeros(8, dtype=torch.uint8)[1:].contiguous()[:0], "empty"),
-    (torch.zeros(16), "no longer than the lead"),
-])
+@pytest.mark.parametrize(
+    "buffer, why",
+    [
+        (torch.zeros(10, 4)[:, :2], "not contiguous"),
+        (torch.zeros(3, dtype=torch.uint8), "not whole 8-byte words"),
+        (torch.zeros(8, dtype=torch.uint8)[1:].contiguous()[:0], "empty"),
+        (torch.zeros(16), "no longer than the lead"),
+    ],
+)
 def test_a_buffer_that_cannot_be_read_as_it_lands_gets_no_markers(buffer, why):
     assert LandingProbe.place(buffer, lead_bytes=1024) is None, why
 

@@ -1,5 +1,6 @@
 """The Llama family against itself in one process, and its tensor-parallel stage (vocab-parallel
 embedding and loss, grouped-query attention split by rank) against the single-process model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from meshjob.spec import ModelSpec, StageSpec
+from meshjob.spec.manifest import ModelSpec, StageSpec
 from meshjob_trainer.data import BigramData
 from meshjob_trainer.llama import LlamaStage, apply_rotary, rotary_tables
 from meshjob_trainer.model import full_parameters
@@ -73,7 +74,7 @@ def _tp_worker(env):
     """Two ranks, one TP group: loss and reassembled gradients of a sharded whole-model stage."""
     import torch.distributed as dist
 
-    from meshjob.mesh import Mesh
+    from meshjob.layout.mesh import Mesh
     from meshjob_trainer.dist import init_distributed
     from meshjob_trainer.parallel import build_groups, shard_info
 

@@ -1,5 +1,6 @@
 """Messages between ranks of one host move by one memory copy (meshjob_trainer.local_copy), messages to
 other hosts over gloo; real processes, real system calls."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,16 +29,23 @@ class RecordingWire:
         self.inner.wait(work)
 
 
-def exchange(env, local: dict[int, set[int]], sends: list[tuple[int, int, int]], numel: dict[int, int] | None = None,
-             refused: bool = False):
+def exchange(
+    env,
+    local: dict[int, set[int]],
+    sends: list[tuple[int, int, int]],
+    numel: dict[int, int] | None = None,
+    refused: bool = False,
+):
     """Each (src, dst, tag) in `sends`: src sends arange * (tag + 1) to dst. Returns (received, inner peers).
     refused: the kernel refuses every read of another process (Yama ptrace_scope 2, say)."""
     from meshjob_trainer import local_copy
     from meshjob_trainer.dist import init_distributed, shutdown_distributed
 
     if refused:
+
         def refuse(pid, address, into):
             raise PermissionError(1, f"process_vm_readv from pid {pid}: Operation not permitted")
+
         local_copy.copy_from = refuse
 
     init_distributed(env, timeout_s=20)
@@ -100,8 +108,9 @@ def test_messages_to_another_host_go_over_the_inner_wire(gang):
 def test_a_receive_of_another_size_than_the_message_is_named():
     from meshjob_trainer.launch import launch
 
-    result = launch(2, lambda ctx: exchange(ctx.env, {0: {1}, 1: {0}}, [(0, 1, 0)], numel={0: 4}), timeout_s=30,
-                    kill_grace_s=0.5)
+    result = launch(
+        2, lambda ctx: exchange(ctx.env, {0: {1}, 1: {0}}, [(0, 1, 0)], numel={0: 4}), timeout_s=30, kill_grace_s=0.5
+    )
     assert not result.ok
     assert "local copy from rank 0: 32 bytes sent, 16 expected" in result.ranks[1].error
 
@@ -147,8 +156,10 @@ def test_a_receiver_that_posts_in_another_order_than_its_sender_issued_is_named(
 
     result = launch(2, lambda ctx: _posts_out_of_order(ctx.env), timeout_s=30, kill_grace_s=0.5)
     assert not result.ok
-    assert ("local copy from rank 0: message 1 carries tag 1, the receiver posted tag 2; the two ranks issue their "
-            "messages in different orders") in result.ranks[1].error
+    assert (
+        "local copy from rank 0: message 1 carries tag 1, the receiver posted tag 2; the two ranks issue their "
+        "messages in different orders"
+    ) in result.ranks[1].error
 
 
 def _sender_leaves_early(env):
@@ -175,8 +186,8 @@ def test_a_receiver_whose_sender_is_gone_fails_instead_of_waiting_forever():
 
 
 def test_a_ranks_local_peers_are_the_ranks_of_its_host_it_exchanges_messages_with():
-    from meshjob.plan import build_plan
-    from meshjob.spec import load_job
+    from meshjob.plan.build import build_plan
+    from meshjob.spec.manifest import load_job
     from meshjob_trainer.route import local_peers, routes_from_plan
 
     plan = build_plan(load_job("examples/gpt-demo.yaml"))
@@ -186,5 +197,8 @@ def test_a_ranks_local_peers_are_the_ranks_of_its_host_it_exchanges_messages_wit
         partners = {p for r in routes for pair in r.pairs() if rank in pair for p in pair} - {rank}
         assert local_peers(routes, rank) == {p for p in partners if host_of(p) == host_of(rank)}
     assert any(local_peers(routes, r) for r in range(plan.placement.world_size))
-    assert any(host_of(p) != host_of(r) for r in range(plan.placement.world_size)
-               for p in {p for route in routes for pair in route.pairs() if r in pair for p in pair})
+    assert any(
+        host_of(p) != host_of(r)
+        for r in range(plan.placement.world_size)
+        for p in {p for route in routes for pair in route.pairs() if r in pair for p in pair}
+    )

@@ -1,4 +1,5 @@
-"""meshjob.memory_model against the peaks `meshjob bench memory` measured (bench/results/memory.json)."""
+"""meshjob.search.memory_model against the peaks `meshjob bench memory` measured (bench/results/memory.json)."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from meshjob.memory_model import activation_bytes, stage_memory, stage_parameters
-from meshjob.spec import ModelSpec, TrainingSpec
+from meshjob.search.memory_model import activation_bytes, stage_memory, stage_parameters
+from meshjob.spec.manifest import ModelSpec, TrainingSpec
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "memory.json"
 
@@ -32,16 +33,26 @@ def test_parameters_match_the_measured_bytes():
 def test_activations_are_within_15_percent_of_the_measured_peak(index):
     doc = measured()
     m, row = model(doc), doc["rows"][index]
-    predicted = activation_bytes(m, m.layers, 1, 1, row["measured"]["stashed"], row["recompute"], row["precision"],
-                                 True, True)
+    predicted = activation_bytes(
+        m, m.layers, 1, 1, row["measured"]["stashed"], row["recompute"], row["precision"], True, True
+    )
     assert predicted == pytest.approx(row["measured"]["activations"], rel=0.15)
 
 
 def test_zero1_shards_the_optimizer_state_over_data_parallel_ranks():
     m = ModelSpec(kind="llama", layers=4, hidden=128, heads=4, vocab=256, seq_len=64, kv_heads=2)
     plain = stage_memory(m, TrainingSpec(global_batch=16, microbatches=4), 0, 4, 4, 1, 4, "none", 0)
-    from meshjob.spec import OptimizerSpec
+    from meshjob.spec.manifest import OptimizerSpec
 
-    zero = stage_memory(m, TrainingSpec(global_batch=16, microbatches=4, optimizer=OptimizerSpec(zero_stage=1)),
-                        0, 4, 4, 1, 4, "none", 0)
+    zero = stage_memory(
+        m,
+        TrainingSpec(global_batch=16, microbatches=4, optimizer=OptimizerSpec(zero_stage=1)),
+        0,
+        4,
+        4,
+        1,
+        4,
+        "none",
+        0,
+    )
     assert zero.optimizer == pytest.approx(plain.optimizer / 4, rel=1e-6)

@@ -1,8 +1,10 @@
 """Mesh: index arithmetic, host mapping, and rejection of malformed meshes."""
-import pytest
-from hypothesis import given, strategies as st
 
-from meshjob.mesh import Mesh
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshjob.layout.mesh import Mesh
 
 
 def test_grid_puts_one_host_per_index_of_mesh_dim_0():

@@ -1,10 +1,11 @@
 """The models, the data and the tensor-parallel layers, against the single-process model."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshjob.spec import ModelSpec, StageSpec, TrainingSpec, default_edges, skip_pairs
+from meshjob.spec.manifest import ModelSpec, StageSpec, TrainingSpec, default_edges, skip_pairs
 from meshjob_trainer.data import BigramData
 from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import train_reference
@@ -46,7 +47,9 @@ def test_utransformer_stage_inputs_and_outputs_match_the_specs_default_edges():
     for s, (first, last) in enumerate(cuts):
         module = StageModule(config, first, last, seed=0)
         assert sorted(e.tensor for e in edges if e.dst == s) == sorted(n for n in module.input_names() if n != "tokens")
-        assert sorted({e.tensor for e in edges if e.src == s}) == sorted(n for n in module.output_names() if n != "loss")
+        assert sorted({e.tensor for e in edges if e.src == s}) == sorted(
+            n for n in module.output_names() if n != "loss"
+        )
 
 
 def test_initial_weights_do_not_depend_on_how_the_model_is_cut():
@@ -130,13 +133,12 @@ def _tp_worker(env):
     """Two ranks, one TP group: forward loss and reassembled gradients of a sharded stage."""
     import torch.distributed as dist
 
+    from meshjob.layout.mesh import Mesh
     from meshjob_trainer.dist import init_distributed
-    from meshjob.mesh import Mesh
     from meshjob_trainer.parallel import build_groups, shard_info
 
     init_distributed(env, timeout_s=30)
-    groups = build_groups([StageSpec(layers=(0, 6), mesh=(1, 2), tensor_parallel_dim=1)], [Mesh.grid((1, 2))],
-                          env.rank)
+    groups = build_groups([StageSpec(layers=(0, 6), mesh=(1, 2), tensor_parallel_dim=1)], [Mesh.grid((1, 2))], env.rank)
     config = ModelSpec("gpt", **TINY)
     module = StageModule(config, 0, 6, seed=4, tp=groups.tp)
     batch = BigramData(32, 8, 4, seed=1).batch(0)

@@ -5,6 +5,7 @@ machine together with the trainer tests (which train on CUDA over NCCL wherever 
 meshjob_trainer.dist picks the backend), and the README records what it measured. There the ranks
 outnumber the GPUs: each rank becomes an NCCL host of its own (meshjob_trainer.dist.nccl_host_id).
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses  # noqa: E402
+from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
 
-from meshjob.resharding import STRATEGIES
+from meshjob.resharding.strategies import STRATEGIES
 from meshjob_bench.machine import gpu_visible
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
 from meshjob_trainer.reference import reference_for_job
@@ -22,17 +25,15 @@ from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import make_routes
 from meshjob_trainer.wire import CheckedWire, NcclWire, wire_for
 
-from test_pipeline_equivalence import WEIGHT_ATOL, make_job, pipeline_losses  # noqa: E402
-from test_trainer_reshard import CASES, Case, global_tensor, make_boundary, natural_tile  # noqa: E402
-
 # gpu_visible asks NVML: CUDA initialised in this process would break the ranks it forks
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not gpu_visible(), reason="needs a CUDA GPU")]
 
 # Few steps: the first GPU run's two training tests, with 10 steps, did not finish within 150 s (cause not
 # established; a guess: 7 ranks' CUDA contexts take turns on the one GPU, each NCCL operation waits for its peer's)
 GPU_STEPS = 3
-STRATEGY_CASES = ([(c, "broadcast") for c in CASES]
-                  + [(c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")])
+STRATEGY_CASES = [(c, "broadcast") for c in CASES] + [
+    (c, s) for c in (CASES[0], CASES[6]) for s in STRATEGIES if s not in ("broadcast", "signal")
+]
 
 
 # The training tests first: pytest-xdist hands tests out in file order, and they take the longest; then the
@@ -49,14 +50,17 @@ def train_on_cuda(env, job):
 TWO_STAGES = [{"layers": [0, 4], "mesh": [1, 1]}, {"layers": [4, 8], "mesh": [1, 1]}]
 
 
-@pytest.mark.parametrize("kind,schedule,delay,stages", [("gpt", "1f1b", 0, TWO_STAGES), ("gpt", "1f1b", 0, None),
-                                                        ("utransformer", "eager-1f1b", 1, None)],
-                         ids=["gpt-2-ranks", "gpt", "utransformer"])
-def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(gang, kind, schedule, delay,
-                                                                                     stages):
+@pytest.mark.parametrize(
+    "kind,schedule,delay,stages",
+    [("gpt", "1f1b", 0, TWO_STAGES), ("gpt", "1f1b", 0, None), ("utransformer", "eager-1f1b", 1, None)],
+    ids=["gpt-2-ranks", "gpt", "utransformer"],
+)
+def test_a_pipelined_job_trains_on_cuda_over_nccl_like_the_single_process_reference(
+    gang, kind, schedule, delay, stages
+):
     """Tensor and data parallel stages and cross-mesh resharding, every payload on the GPU; the reference
     runs on this process's CPU, so losses agree to float32 rounding across devices."""
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
     from meshjob_trainer.model import full_parameters
 
     layout = {} if stages is None else {"stages": stages}
@@ -148,4 +152,3 @@ def test_every_strategy_delivers_the_exact_tile_device_to_device_in_the_planned_
         assert nccl, f"rank {rank} did not get the NCCL wire"
         if role == "receiver":
             assert outcome == ("cuda", True), f"rank {rank} got {outcome} with {strategy} on {case.name}"
-

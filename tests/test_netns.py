@@ -1,4 +1,5 @@
 """The emulated cluster: namespaces made and always removed, tbf really throttles, loopback fallback."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,7 @@ import time
 import pytest
 
 from meshjob.units import parse_rate
-from meshjob_trainer.emulate.netns import (EmulatedCluster, cleanup_stale, list_netns, netns_available,
-                                           write_hosts_file)
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale, list_netns, netns_available, write_hosts_file
 from meshjob_trainer.launch import RankContext, launch, launch_with_restarts
 
 HAVE_NETNS, WHY_NOT = netns_available()
@@ -40,8 +40,9 @@ def test_cluster_makes_one_namespace_per_host_plus_switch_and_removes_them():
     with EmulatedCluster(3, "1gbit", prefix="mjt1_") as c:
         assert ours("mjt1_") == ["mjt1_h0", "mjt1_h1", "mjt1_h2", "mjt1_sw"]
         assert c.emulated and [h.address for h in c.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
-        qdiscs = subprocess.run(["ip", "netns", "exec", "mjt1_sw", "tc", "qdisc", "show"],
-                                capture_output=True, text=True).stdout
+        qdiscs = subprocess.run(
+            ["ip", "netns", "exec", "mjt1_sw", "tc", "qdisc", "show"], capture_output=True, text=True
+        ).stdout
         assert qdiscs.count("tbf") == 3  # the switch end of every host's veth (receive side)
     assert ours("mjt1_") == []
 
@@ -125,6 +126,7 @@ def _sender(nbytes: int, address: str):
                 time.sleep(0.05)
         with conn:
             conn.sendall(b"\0" * nbytes)
+
     return send
 
 
@@ -135,8 +137,7 @@ def test_tbf_throttles_a_tcp_transfer_between_two_hosts_to_the_nic_rate():
     nbytes, rate = 4 << 20, 100e6  # 4 MiB at 100 mbit: >= 0.34 s
     with EmulatedCluster(2, "100mbit", prefix="mjt5_") as c:
         address, send = c.hosts[1].address, _sender(nbytes, c.hosts[1].address)
-        result = launch(2, lambda ctx: _receiver(address) if ctx.rank == 0 else send(),
-                        **c.gang([1, 0]).launch_args())
+        result = launch(2, lambda ctx: _receiver(address) if ctx.rank == 0 else send(), **c.gang([1, 0]).launch_args())
     assert result.ok, result
     received, seconds = result.values[0]
     assert received == nbytes
@@ -180,8 +181,10 @@ def test_hosts_without_a_hosts_file_still_make_a_cluster(monkeypatch):
 
 def _store_gang(ctx: RankContext) -> None:
     from meshjob_trainer.dist import init_distributed
+
     init_distributed(ctx.env, backend="gloo")
     import torch.distributed as dist
+
     dist.barrier()
     dist.destroy_process_group()
 
@@ -210,6 +213,7 @@ def test_gang_kills_the_other_ranks_when_one_fails():
         if ctx.rank == 1:
             raise SystemExit(3)
         time.sleep(60)  # would hang in a collective; the launcher must kill it
+
     with pytest.warns(RuntimeWarning):
         with EmulatedCluster(2, use_netns=False) as c:
             t0 = time.monotonic()
@@ -224,11 +228,17 @@ def test_gang_restarts_after_a_killed_rank_and_reports_each_attempt():
         if ctx.rank == 0 and ctx.attempt == 0:
             os.kill(os.getpid(), 9)
         ctx.events.emit(("attempt", ctx.attempt))
+
     events: list[tuple[int, tuple[str, int]]] = []
     with pytest.warns(RuntimeWarning):
         with EmulatedCluster(1, use_netns=False) as c:
-            results = launch_with_restarts(2, target, max_restarts=2, on_event=lambda rank, e: events.append((rank, e)),
-                                           **c.gang([0, 0]).launch_args())
+            results = launch_with_restarts(
+                2,
+                target,
+                max_restarts=2,
+                on_event=lambda rank, e: events.append((rank, e)),
+                **c.gang([0, 0]).launch_args(),
+            )
     assert [r.ok for r in results] == [False, True] and [r.attempt for r in results] == [0, 1]
     assert results[0].first_failure.describe() == "rank 0 killed by SIGKILL"
     assert {rank for rank, (_, attempt) in events if attempt == 1} == {0, 1}

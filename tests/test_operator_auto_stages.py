@@ -6,22 +6,33 @@ that fits no plan fails the job (reason Infeasible) with a Warning Event naming 
 Run against kmock and, when KUBEBUILDER_ASSETS names a folder with kube-apiserver, against a real
 kube-apiserver v1.20 with the generated CRD (which must take `stages: auto`), as the operator scenarios are.
 """
+
 from __future__ import annotations
 
 import pytest
 import yaml
+from operator_harness import (  # noqa: F401 - the fixtures: kmock and a real API server
+    add_nodes,
+    apiserver,
+    cluster,
+    condition,
+    delete_and_wait,
+    env_of,
+    operator,
+    plan_on_cluster,
+    prepare_namespace,
+    scenario_job,
+    wait_pods,
+    wait_status,
+)
 
-from meshjob import auto_stages
-from meshjob.cluster import host_pods
-from meshjob.placement import Host
-from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
-from meshjob.spec import parse_job
+from meshjob.cluster import auto_stages
+from meshjob.cluster.nodes import host_pods
+from meshjob.plan.placement import Host
+from meshjob.plan.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
+from meshjob.spec.manifest import parse_job
 from meshjob_operator.reconcile import manifest
 from meshjob_operator.testing import eventually
-
-from operator_harness import (add_nodes, condition, delete_and_wait, env_of, plan_on_cluster, prepare_namespace,
-                              scenario_job, wait_pods, wait_status)
-from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,8 +57,12 @@ def auto_job(tag: str, model: dict, devices: int = 2) -> dict:
 
 async def chosen_events(cluster, tag: str, reason: str, type_: str) -> list[dict]:
     async def found() -> list[dict] | None:
-        return [e for e in await cluster.events(tag) if e.get("reason") == reason and e.get("type") == type_
-                and e.get("involvedObject", {}).get("name") == tag] or None
+        return [
+            e
+            for e in await cluster.events(tag)
+            if e.get("reason") == reason and e.get("type") == type_ and e.get("involvedObject", {}).get("name") == tag
+        ] or None
+
     return await eventually(found, what=f"a {type_} Event {reason}")
 
 
@@ -59,8 +74,9 @@ async def test_stages_auto_creates_the_pods_of_the_chosen_plan_and_records_the_c
     shown = await plan_on_cluster(cluster, body, tmp_path)
     await cluster.create_job(body)
     # the same search in this process, on the same hosts: the operator's child must choose the same
-    expected = auto_stages.tune(manifest(body), auto_stages.search_cluster(
-        [Host(n, 2) for n in nodes], DEFAULT_NIC_BYTES_PER_S))
+    expected = auto_stages.tune(
+        manifest(body), auto_stages.search_cluster([Host(n, 2) for n in nodes], DEFAULT_NIC_BYTES_PER_S)
+    )
     chosen = expected.job()
     assert len(chosen.stages) > 1  # the model fits no single device
     wanted = host_pods(PlanInputs.of(chosen, [Host(n, 2) for n in nodes]).build().placement)
@@ -97,7 +113,8 @@ async def test_stages_auto_that_fits_nowhere_fails_with_the_smallest_overflow(cl
 
 
 async def test_microbatches_auto_with_stages_written_runs_the_chosen_plan_and_records_the_microbatches(
-        cluster, operator):
+    cluster, operator
+):
     tag = "auto-microbatches"
     await prepare_namespace(cluster, tag)
     nodes = await add_nodes(cluster, tag, 2)
@@ -105,8 +122,9 @@ async def test_microbatches_auto_with_stages_written_runs_the_chosen_plan_and_re
     body["spec"]["training"]["microbatches"] = "auto"
     await cluster.create_job(body)
     # the search with the stages as written, on the same hosts: the operator's child must choose the same
-    expected = auto_stages.tune(manifest(body), auto_stages.search_cluster(
-        [Host(n, 2) for n in nodes], DEFAULT_NIC_BYTES_PER_S))
+    expected = auto_stages.tune(
+        manifest(body), auto_stages.search_cluster([Host(n, 2) for n in nodes], DEFAULT_NIC_BYTES_PER_S)
+    )
     chosen = expected.job()
     assert chosen.stages == parse_job(scenario_job(tag)).stages  # kept as written
     wanted = host_pods(PlanInputs.of(chosen, [Host(n, 2) for n in nodes]).build().placement)

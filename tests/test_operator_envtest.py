@@ -4,16 +4,16 @@ the API server when `kubectl apply` runs. The scenarios every server runs are in
 Runs when KUBEBUILDER_ASSETS names a folder with kube-apiserver and etcd is on PATH (tests/run.sh
 sets it to ../shared/envtest); ServiceAccount admission is on, as on every real cluster.
 """
+
 from __future__ import annotations
 
 import asyncio
 
+import operator_harness as h
 import pytest
 import pytest_asyncio
 
 from meshjob_operator import testing
-
-import operator_harness as h
 
 ASSETS = testing.envtest_assets()
 WEBHOOK_CONFIG = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
@@ -21,8 +21,9 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),
     pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver "
-                                              "(and etcd on PATH)"),
+    pytest.mark.skipif(
+        ASSETS is None, reason="KUBEBUILDER_ASSETS does not name a folder with kube-apiserver (and etcd on PATH)"
+    ),
 ]
 
 
@@ -65,34 +66,61 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
     import sys
 
     await asyncio.to_thread(cluster.kubectl, "apply", "-f", str(h.PEERING_CRDS))
-    await asyncio.to_thread(cluster.kubectl, "wait", "--for=condition=Established",
-                            "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s")
-    await cluster.create("/apis/kopf.dev/v1/clusterkopfpeerings",
-                         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "meshjob-test"}})
+    await asyncio.to_thread(
+        cluster.kubectl, "wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s"
+    )
+    await cluster.create(
+        "/apis/kopf.dev/v1/clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "meshjob-test"}},
+    )
     replicas = {}
     probes: dict[str, int] = {}  # replica -> liveness port
     try:
         for name, priority in (("active", 10), ("standby", 5)):
             port, live = testing.free_port(), testing.free_port()
             log = open(tmp_path / f"{name}.log", "w")
-            proc = subprocess.Popen([sys.executable, "-m", "meshjob.cli", "operator", "--peering", "meshjob-test",
-                                     "--priority", str(priority), "--no-webhook", "--metrics-port", str(port),
-                                     "--liveness", f"http://127.0.0.1:{live}/healthz",
-                                     "--kubeconfig", str(cluster.kubeconfig)], stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "meshjob.cli",
+                    "operator",
+                    "--peering",
+                    "meshjob-test",
+                    "--priority",
+                    str(priority),
+                    "--no-webhook",
+                    "--metrics-port",
+                    str(port),
+                    "--liveness",
+                    f"http://127.0.0.1:{live}/healthz",
+                    "--kubeconfig",
+                    str(cluster.kubeconfig),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             replicas[name] = (proc, port, tmp_path / f"{name}.log")
             probes[name] = live
 
             async def metrics_up(port=port) -> bool:
-                return await asyncio.to_thread(_metric, port, "meshjob_operator_reconcile_duration_seconds_count") is not None
+                return (
+                    await asyncio.to_thread(_metric, port, "meshjob_operator_reconcile_duration_seconds_count")
+                    is not None
+                )
+
             await testing.eventually(metrics_up, timeout=40, what=f"the {name} replica's metrics endpoint")
 
         async def both_peered() -> bool:
             peering = await cluster.kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/meshjob-test")
             return sorted(p["priority"] for p in (peering.get("status") or {}).values()) == [5, 10]
+
         await testing.eventually(both_peered, timeout=30, what="both replicas in the peering object")
         for live in probes.values():  # --liveness serves kopf's health probe
+
             async def healthy(live=live) -> bool:
                 return await asyncio.to_thread(_status_code, f"http://127.0.0.1:{live}/healthz") == 200
+
             await testing.eventually(healthy, timeout=20, what="the liveness probe answering 200")
 
         tag = "peering"
@@ -100,14 +128,21 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
         await h.add_nodes(cluster, tag, 2)
         await cluster.create_job(h.scenario_job(tag))
         await h.wait_pods(cluster, tag, 2, timeout=30)
-        reconciles = lambda name: _metric(replicas[name][1], "meshjob_operator_reconcile_duration_seconds_count")
+
+        def reconciles(name: str) -> float:
+            return _metric(replicas[name][1], "meshjob_operator_reconcile_duration_seconds_count")
+
         async def active_reconciled() -> bool:  # observed when its reconcile returns, after the pods exist
             return (await asyncio.to_thread(reconciles, "active")) > 0
+
         await testing.eventually(active_reconciled, timeout=10, what="a reconcile by the active replica")
         assert (await asyncio.to_thread(reconciles, "standby")) == 0
 
         async def active_counts_the_job() -> bool:  # its first reconcile may end while the plan is still being made
-            return await asyncio.to_thread(_metric, replicas["active"][1], 'meshjob_operator_jobs{phase="Created"}') == 1
+            return (
+                await asyncio.to_thread(_metric, replicas["active"][1], 'meshjob_operator_jobs{phase="Created"}') == 1
+            )
+
         await testing.eventually(active_counts_the_job, timeout=10, what="the active replica counting the job Created")
 
         replicas["active"][0].terminate()
@@ -128,7 +163,8 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
 
 
 async def test_admission_webhook_rejects_an_invalid_spec_and_an_edit_of_a_started_job_at_kubectl_apply(
-        cluster, tmp_path):
+    cluster, tmp_path
+):
     """kubectl apply itself shows the plan layer's message, and refuses changing a started job's stages."""
     import asyncio
     import subprocess
@@ -136,9 +172,14 @@ async def test_admission_webhook_rejects_an_invalid_spec_and_an_edit_of_a_starte
     import yaml
 
     pki = cluster.kubeconfig.parent / "pki"  # start.sh's serving cert has 127.0.0.1 as a SAN
-    webhook = {"webhook_addr": "127.0.0.1", "webhook_port": testing.free_port(), "webhook_host": "127.0.0.1",
-               "webhook_cert": str(pki / "apiserver.crt"), "webhook_key": str(pki / "apiserver.key"),
-               "webhook_ca": str(pki / "ca.crt")}
+    webhook = {
+        "webhook_addr": "127.0.0.1",
+        "webhook_port": testing.free_port(),
+        "webhook_host": "127.0.0.1",
+        "webhook_cert": str(pki / "apiserver.crt"),
+        "webhook_key": str(pki / "apiserver.key"),
+        "webhook_ca": str(pki / "ca.crt"),
+    }
     tag = "webhook"
     await h.prepare_namespace(cluster, tag)
     await h.add_nodes(cluster, tag, 3)
@@ -150,12 +191,20 @@ async def test_admission_webhook_rejects_an_invalid_spec_and_an_edit_of_a_starte
     config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
     try:
         async with testing.running_operator(cluster, webhook=webhook):
-            await testing.eventually(lambda: _registered(cluster, webhook["webhook_port"]), timeout=30,
-                                     what="kopf's ValidatingWebhookConfiguration for this server")
+            await testing.eventually(
+                lambda: _registered(cluster, webhook["webhook_port"]),
+                timeout=30,
+                what="kopf's ValidatingWebhookConfiguration for this server",
+            )
 
             def apply(name: str) -> subprocess.CompletedProcess:
-                return subprocess.run(["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f",
-                                       str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+                return subprocess.run(
+                    ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f", str(tmp_path / name)],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+
             rejected = await asyncio.to_thread(apply, "bad.yaml")
             assert rejected.returncode != 0
             assert "denied the request" in rejected.stderr
@@ -191,11 +240,18 @@ async def test_self_signed_webhook_rejects_an_invalid_spec_at_kubectl_apply(clus
     config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
     try:
         async with testing.running_operator(cluster, webhook=webhook):
-            await testing.eventually(lambda: _registered(cluster, webhook["webhook_port"]), timeout=30,
-                                     what="kopf's ValidatingWebhookConfiguration for this server")
+            await testing.eventually(
+                lambda: _registered(cluster, webhook["webhook_port"]),
+                timeout=30,
+                what="kopf's ValidatingWebhookConfiguration for this server",
+            )
             rejected = await asyncio.to_thread(
-                subprocess.run, ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f",
-                                 str(tmp_path / "bad.yaml")], capture_output=True, text=True, timeout=60)
+                subprocess.run,
+                ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "-f", str(tmp_path / "bad.yaml")],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert rejected.returncode != 0
             assert "denied the request" in rejected.stderr
             assert "spec.stages[1].layers: [1, 3] is invalid" in rejected.stderr
@@ -215,14 +271,24 @@ async def test_creating_a_job_needs_the_right_to_create_pods_and_an_allowed_imag
     tag, user = "rbacgate", "alice"
     await h.prepare_namespace(cluster, tag)
     rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{tag}"
-    for role, rules in (("jobs", [{"apiGroups": ["meshjob.io"], "resources": ["trainingjobs"],
-                                   "verbs": ["get", "list", "create", "patch"]}]),
-                        ("pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}])):
-        await cluster.create(f"{rbac}/roles", {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                                               "metadata": {"name": role}, "rules": rules})
-    bind = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "jobs"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "jobs"},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
+    for role, rules in (
+        (
+            "jobs",
+            [{"apiGroups": ["meshjob.io"], "resources": ["trainingjobs"], "verbs": ["get", "list", "create", "patch"]}],
+        ),
+        ("pods", [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}]),
+    ):
+        await cluster.create(
+            f"{rbac}/roles",
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": role}, "rules": rules},
+        )
+    bind = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "jobs"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "jobs"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }
     await cluster.create(f"{rbac}/rolebindings", bind)
     job, foreign = h.scenario_job(tag), h.scenario_job(tag)
     foreign["spec"]["image"] = "docker.io/someone/miner:1"
@@ -232,22 +298,30 @@ async def test_creating_a_job_needs_the_right_to_create_pods_and_an_allowed_imag
     webhook = {"webhook_addr": "127.0.0.1", "webhook_port": testing.free_port(), "webhook_host": "127.0.0.1"}
     try:
         async with testing.running_operator(cluster, webhook=webhook):
-            await testing.eventually(lambda: _registered(cluster, webhook["webhook_port"]), timeout=30,
-                                     what="kopf's ValidatingWebhookConfiguration for this server")
+            await testing.eventually(
+                lambda: _registered(cluster, webhook["webhook_port"]),
+                timeout=30,
+                what="kopf's ValidatingWebhookConfiguration for this server",
+            )
             apply = ("apply", "-n", tag, "-f", str(tmp_path / "job.yaml"))
             refused = await asyncio.to_thread(cluster.kubectl, f"--as={user}", *apply, check=False)
-            assert refused.returncode != 0 and f"{user} may not create pods in namespace {tag}" in refused.stderr, \
+            assert refused.returncode != 0 and f"{user} may not create pods in namespace {tag}" in refused.stderr, (
                 refused.stderr
+            )
             assert await cluster.job(tag, tag) is None
-            await cluster.create(f"{rbac}/rolebindings", {**bind, "metadata": {"name": "pods"},
-                                                          "roleRef": {**bind["roleRef"], "name": "pods"}})
+            await cluster.create(
+                f"{rbac}/rolebindings",
+                {**bind, "metadata": {"name": "pods"}, "roleRef": {**bind["roleRef"], "name": "pods"}},
+            )
 
             async def accepted() -> bool:
                 result = await asyncio.to_thread(cluster.kubectl, f"--as={user}", *apply, check=False)
                 return result.returncode == 0
+
             await testing.eventually(accepted, timeout=30, what=f"{user}'s apply accepted once she may create pods")
-            foreign_apply = await asyncio.to_thread(cluster.kubectl, "apply", "-f", str(tmp_path / "foreign.yaml"),
-                                                    check=False)
+            foreign_apply = await asyncio.to_thread(
+                cluster.kubectl, "apply", "-f", str(tmp_path / "foreign.yaml"), check=False
+            )
             assert foreign_apply.returncode != 0 and "docker.io/someone/miner:1" in foreign_apply.stderr
             assert "one matching meshjob/trainer:*" in foreign_apply.stderr
             await h.delete_and_wait(cluster, tag)
@@ -278,8 +352,12 @@ async def test_a_trainer_pods_identity_can_modify_no_other_object(cluster):
         trainer = f"--as=system:serviceaccount:{tag}:default"
         other = pods[1]["metadata"]["name"]
         image = json.dumps({"spec": {"containers": [{"name": "trainer", "image": "evil"}]}})
-        attempts = [("patch", "pod", other, "-p", image), ("label", "pod", other, "meshjob.io/job-name-"),
-                    ("delete", "trainingjob", tag, "--wait=false"), ("run", "intruder", "--image=evil")]
+        attempts = [
+            ("patch", "pod", other, "-p", image),
+            ("label", "pod", other, "meshjob.io/job-name-"),
+            ("delete", "trainingjob", tag, "--wait=false"),
+            ("run", "intruder", "--image=evil"),
+        ]
         for attempt in attempts:
             result = await asyncio.to_thread(cluster.kubectl, trainer, "-n", tag, *attempt, check=False)
             assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (attempt, result.stderr)

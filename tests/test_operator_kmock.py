@@ -1,6 +1,7 @@
 """The operator against kmock's in-memory API server only: what a real API server cannot be made to do
 (injected API errors), the example manifests through kubectl, `kopf run -m`, the default command line.
 The scenarios every server runs are in test_operator_scenarios.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +9,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import operator_harness as h
 import pytest
 
 from meshjob_operator import testing
-
-import operator_harness as h
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -34,12 +34,17 @@ async def operator(cluster):
 async def test_kubectl_apply_examples_against_kmock(cluster):
     files = sorted(EXAMPLES.glob("*.yaml"))
     assert files, "examples/ holds the spec helper's manifests"
-    out = await asyncio.to_thread(subprocess.run, ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply",
-                                                   "--validate=false", "-f", str(EXAMPLES)],
-                                  capture_output=True, text=True, timeout=60)
+    out = await asyncio.to_thread(
+        subprocess.run,
+        ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "apply", "--validate=false", "-f", str(EXAMPLES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     for f in files:
         import yaml
+
         name = yaml.safe_load(f.read_text())["metadata"]["name"]
         assert f"trainingjob.meshjob.io/{name} created" in out.stdout
         assert await cluster.job(name) is not None
@@ -78,11 +83,19 @@ async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
     import os
     import sys
 
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "MESHJOB_OPERATOR_METRICS_PORT": "0",
-           "MESHJOB_OPERATOR_WEBHOOK": "0"}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "MESHJOB_OPERATOR_METRICS_PORT": "0",
+        "MESHJOB_OPERATOR_WEBHOOK": "0",
+    }
     log = open(tmp_path / "kopf.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", "-m", "meshjob_operator.handlers", "--standalone", "-A"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kopf", "run", "-m", "meshjob_operator.handlers", "--standalone", "-A"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         await h.add_nodes(cluster, "kopfrun", 2)
         await cluster.create_job(h.scenario_job("kopfrun"))
@@ -99,12 +112,21 @@ async def test_kopf_run_module_runs_the_same_operator(cluster, tmp_path):
 def _admission_review(job: dict, operation: str = "CREATE", old: dict | None = None) -> dict:
     from meshjob_operator import names
 
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": "review-1", "operation": operation, "userInfo": {"username": "tester"},
-        "kind": {"group": names.GROUP, "version": names.VERSION, "kind": names.KIND},
-        "resource": {"group": names.GROUP, "version": names.VERSION, "resource": names.PLURAL},
-        "namespace": job["metadata"]["namespace"], "name": job["metadata"]["name"],
-        "object": job, "oldObject": old}}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "review-1",
+            "operation": operation,
+            "userInfo": {"username": "tester"},
+            "kind": {"group": names.GROUP, "version": names.VERSION, "kind": names.KIND},
+            "resource": {"group": names.GROUP, "version": names.VERSION, "resource": names.PLURAL},
+            "namespace": job["metadata"]["namespace"],
+            "name": job["metadata"]["name"],
+            "object": job,
+            "oldObject": old,
+        },
+    }
 
 
 async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cluster, tmp_path):
@@ -121,12 +143,26 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
 
     live = testing.free_port()
     log_path = tmp_path / "operator.log"
-    proc = subprocess.Popen([sys.executable, "-m", "meshjob.cli", "operator", "--kubeconfig", str(cluster.kubeconfig),
-                             "--liveness", f"http://127.0.0.1:{live}/healthz", "--metrics-port", str(testing.free_port())],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshjob.cli",
+            "operator",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--liveness",
+            f"http://127.0.0.1:{live}/healthz",
+            "--metrics-port",
+            str(testing.free_port()),
+        ],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+    )
     config_path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
     try:
+
         def probe() -> int:
             try:
                 return urllib.request.urlopen(f"http://127.0.0.1:{live}/healthz", timeout=2).status
@@ -136,10 +172,13 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
         async def healthy() -> bool:
             assert proc.poll() is None, f"the operator exited:\n{log_path.read_text()[-3000:]}"
             return await asyncio.to_thread(probe) == 200
+
         await testing.eventually(healthy, timeout=40, what="the liveness probe answering 200")
+
         async def both_checks() -> dict | None:  # kopf creates the configuration empty, then fills it
             config = await cluster.kube.request("GET", config_path)
             return config if len(config.get("webhooks") or []) == 2 else None
+
         config = await testing.eventually(both_checks, timeout=20, what="kopf's ValidatingWebhookConfiguration")
         # two checks: the requester's right to create pods (Fail) and the spec (Ignore)
         hooks = {hook["failurePolicy"]: hook["clientConfig"] for hook in config["webhooks"]}
@@ -151,8 +190,9 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
 
         def review(job: dict, operation: str = "CREATE", old: dict | None = None, policy: str = "Ignore") -> dict:
             body = json.dumps(_admission_review(job, operation, old)).encode()
-            request = urllib.request.Request(hooks[policy]["url"], data=body,
-                                             headers={"Content-Type": "application/json"}, method="POST")
+            request = urllib.request.Request(
+                hooks[policy]["url"], data=body, headers={"Content-Type": "application/json"}, method="POST"
+            )
             return json.loads(urllib.request.urlopen(request, context=context, timeout=10).read())["response"]
 
         bad = h.scenario_job("selfsigned")

@@ -1,4 +1,5 @@
 """Pure rendering of a TrainingJob's children, Node -> Host conversion, status rules (no server)."""
+
 from __future__ import annotations
 
 import datetime
@@ -9,16 +10,15 @@ import re
 import pytest
 import yaml
 
-from meshjob.cluster import host_pods
+from meshjob.cluster.nodes import host_pods
 from meshjob.errors import SpecError
-from meshjob.placement import Host
-from meshjob.plan import build_plan
-from meshjob.rendered import PlanInputs, RenderedDigest
-from meshjob.spec import parse_job
-
+from meshjob.plan.build import build_plan
+from meshjob.plan.placement import Host
+from meshjob.plan.rendered import PlanInputs, RenderedDigest
+from meshjob.spec.manifest import parse_job
 from meshjob_operator import lifecycle, names, render
-from meshjob_operator.render import scale_quantity
 from meshjob_operator.reconcile import Draft, manifest, validate
+from meshjob_operator.render import scale_quantity
 from meshjob_operator.status import PodView, set_condition, status_placement
 from meshjob_operator.testing import job_body
 
@@ -43,7 +43,15 @@ def test_one_pod_per_host_runs_meshjob_worker_for_its_devices():
     pod = render.pod(META, job, pods[2], pods)
     assert pod["metadata"]["name"] == "demo-host-2"
     assert pod["spec"]["containers"][0]["command"] == [
-        "meshjob", "worker", "--job", "/etc/meshjob/job.yaml", "--nproc", "2", "--node-rank", "2"]
+        "meshjob",
+        "worker",
+        "--job",
+        "/etc/meshjob/job.yaml",
+        "--nproc",
+        "2",
+        "--node-rank",
+        "2",
+    ]
 
 
 def test_pod_env_follows_torchrun_and_kubeflow_names():
@@ -60,7 +68,7 @@ def test_pod_env_follows_torchrun_and_kubeflow_names():
 
 def _plan_files(job, plan) -> dict[str, str]:
     """The ConfigMap's plan files, as the operator's planning process renders them."""
-    from meshjob import rendered
+    from meshjob.plan import rendered
 
     return rendered.render(PlanInputs.of(job, plan.placement.hosts), plan)
 
@@ -69,20 +77,31 @@ def test_pod_is_pinned_to_its_host_by_required_node_affinity():
     body, job, plan, pods = _rendered(hosts=2)
     pod = render.pod(META, job, pods[1], pods)
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
-        {"key": "kubernetes.io/hostname", "operator": "In", "values": [pods[1].host]}]}]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [pods[1].host]}]}
+    ]
 
 
 def test_children_carry_job_labels_and_a_controller_owner_reference():
     body, job, plan, pods = _rendered(hosts=2)
-    children = [render.pod(META, job, pods[0], pods), render.service(META, job),
-                render.configmap(META, body["spec"], _plan_files(job, plan))]
+    children = [
+        render.pod(META, job, pods[0], pods),
+        render.service(META, job),
+        render.configmap(META, body["spec"], _plan_files(job, plan)),
+    ]
     for child in children:
         assert child["metadata"]["namespace"] == "team-a"
         assert child["metadata"]["labels"][names.JOB_LABEL] == "demo"
-        assert child["metadata"]["ownerReferences"] == [{
-            "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "name": "demo", "uid": "uid-123",
-            "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "meshjob.io/v1alpha1",
+                "kind": "TrainingJob",
+                "name": "demo",
+                "uid": "uid-123",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     assert children[0]["metadata"]["labels"][names.HOST_INDEX_LABEL] == "0"
 
 
@@ -100,8 +119,9 @@ def test_pod_security_context_is_restricted():
 
 
 def test_resources_scale_per_device_and_request_the_device_resource():
-    body, job, plan, pods = _rendered(hosts=2, devices=2, resources={"requests": {"memory": "1Gi", "cpu": "500m"},
-                                                                      "limits": {"memory": "2Gi"}})
+    body, job, plan, pods = _rendered(
+        hosts=2, devices=2, resources={"requests": {"memory": "1Gi", "cpu": "500m"}, "limits": {"memory": "2Gi"}}
+    )
     res = render.pod(META, job, pods[0], pods)["spec"]["containers"][0]["resources"]
     assert res["requests"]["memory"] == "2Gi" and res["limits"]["memory"] == "4Gi"
     assert res["requests"]["cpu"] == "2"  # the device resource (cpu) wins over the per-device cpu request
@@ -109,8 +129,11 @@ def test_resources_scale_per_device_and_request_the_device_resource():
 
 def test_gpu_device_resource_sets_equal_requests_and_limits():
     body, job, plan, pods = _rendered(hosts=2, devices=2)
-    job = parse_job(manifest({**body, "spec": {**body["spec"], "topology": {
-        "devicesPerHost": 2, "deviceResource": "nvidia.com/gpu"}}}))
+    job = parse_job(
+        manifest(
+            {**body, "spec": {**body["spec"], "topology": {"devicesPerHost": 2, "deviceResource": "nvidia.com/gpu"}}}
+        )
+    )
     res = render.resources(job, 2)
     assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "2"
 
@@ -118,12 +141,18 @@ def test_gpu_device_resource_sets_equal_requests_and_limits():
 def test_pod_declares_rendezvous_and_one_metrics_port_per_local_rank():
     model = {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seqLen": 16}
     body, job, plan, pods = _rendered(hosts=2, devices=4, model=model)
-    ports = {p["name"]: p["containerPort"] for p in render.pod(META, job, pods[1], pods)
-             ["spec"]["containers"][0]["ports"]}
+    ports = {
+        p["name"]: p["containerPort"] for p in render.pod(META, job, pods[1], pods)["spec"]["containers"][0]["ports"]
+    }
     base = job.metrics.port
     assert pods[1].devices == 4
-    assert ports == {"rendezvous": 29500, "metrics": base, "metrics-1": base + 1, "metrics-2": base + 2,
-                     "metrics-3": base + 3}
+    assert ports == {
+        "rendezvous": 29500,
+        "metrics": base,
+        "metrics-1": base + 1,
+        "metrics-2": base + 2,
+        "metrics-3": base + 3,
+    }
 
 
 def test_metrics_port_names_fit_the_15_character_limit_for_16_local_ranks():
@@ -158,8 +187,9 @@ def test_headless_service_publishes_not_ready_pods_for_rendezvous():
 def test_configmap_holds_the_plans_inputs_and_its_digest():
     body, job, plan, pods = _rendered(hosts=3)
     cm = render.configmap(META, body["spec"], _plan_files(job, plan))
-    assert parse_job(yaml.safe_load(cm["data"]["job.yaml"])) == parse_job({**manifest(body),
-                                                                           "metadata": {"name": "demo", "namespace": "team-a"}})
+    assert parse_job(yaml.safe_load(cm["data"]["job.yaml"])) == parse_job(
+        {**manifest(body), "metadata": {"name": "demo", "namespace": "team-a"}}
+    )
     assert [h["name"] for h in yaml.safe_load(cm["data"]["hosts.yaml"])] == [h.name for h in plan.placement.hosts]
     rendered = json.loads(cm["data"]["plan.json"])
     assert rendered["digest"] == plan.digest() and rendered["nic_bytes_per_s"] == plan.nic_bytes_per_s
@@ -167,21 +197,23 @@ def test_configmap_holds_the_plans_inputs_and_its_digest():
 
 
 def test_a_worker_rebuilds_the_very_plan_from_the_configmaps_files(tmp_path):
-    from meshjob import rendered
+    from meshjob.plan import rendered
 
     body, job, plan, pods = _rendered(hosts=3)
     cm = render.configmap(META, body["spec"], _plan_files(job, plan))
     for name, text in cm["data"].items():
         (tmp_path / name).write_text(text)
-    inputs, expected = rendered.load(str(tmp_path / "job.yaml"), str(tmp_path / "hosts.yaml"),
-                                     str(tmp_path / "plan.json"))
+    inputs, expected = rendered.load(
+        str(tmp_path / "job.yaml"), str(tmp_path / "hosts.yaml"), str(tmp_path / "plan.json")
+    )
     assert isinstance(expected, RenderedDigest)
     expected.check(inputs.build())  # raises when the digests differ
 
 
 def test_gang_scheduling_adds_a_podgroup_and_the_scheduler():
-    body, job, plan, pods = _rendered(hosts=3, scheduling={"gang": True, "queue": "research",
-                                                            "topologyLevel": "topology.kubernetes.io/zone"})
+    body, job, plan, pods = _rendered(
+        hosts=3, scheduling={"gang": True, "queue": "research", "topologyLevel": "topology.kubernetes.io/zone"}
+    )
     pod = render.pod(META, job, pods[0], pods)
     assert pod["spec"]["schedulerName"] == render.DEFAULT_GANG_SCHEDULER
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
@@ -223,9 +255,19 @@ def test_status_placement_names_the_node_of_each_mesh_row():
     assert sorted(r for row in rows for r in row["devices"]) == list(range(plan.placement.world_size))
 
 
-@pytest.mark.parametrize("value, factor, expected", [("2Gi", 3, "6Gi"), ("500m", 2, "1000m"), ("1.5", 2, "3"),
-                                                     (4, 2, "8"), ("0.25", 2, "0.5"), ("100n", 3, "300n"),
-                                                     ("1e3", 2, "2000"), ("1.5Ki", 2, "3Ki")])
+@pytest.mark.parametrize(
+    "value, factor, expected",
+    [
+        ("2Gi", 3, "6Gi"),
+        ("500m", 2, "1000m"),
+        ("1.5", 2, "3"),
+        (4, 2, "8"),
+        ("0.25", 2, "0.5"),
+        ("100n", 3, "300n"),
+        ("1e3", 2, "2000"),
+        ("1.5Ki", 2, "3Ki"),
+    ],
+)
 def test_quantities_scale_keeping_their_unit(value, factor, expected):
     assert scale_quantity(value, factor) == expected
 
@@ -259,16 +301,22 @@ def test_clean_pod_policy_picks_pods_to_delete(policy, expected):
 def test_progress_is_read_from_a_trainers_metrics_exposition():
     from meshjob_operator import progress
 
-    text = ('meshjob_step{trainingjob="demo",stage="0"} 40.0\n'
-            'meshjob_last_checkpoint_step{trainingjob="demo",stage="0"} 30.0\n'
-            '# TYPE meshjob_step_seconds histogram\n'
-            'meshjob_step_seconds_bucket{le="+Inf",trainingjob="demo",stage="0"} 40.0\n'
-            'meshjob_step_seconds_count{trainingjob="demo",stage="0"} 40.0\n'
-            'meshjob_step_seconds_sum{trainingjob="demo",stage="0"} 20.0\n')
+    text = (
+        'meshjob_step{trainingjob="demo",stage="0"} 40.0\n'
+        'meshjob_last_checkpoint_step{trainingjob="demo",stage="0"} 30.0\n'
+        "# TYPE meshjob_step_seconds histogram\n"
+        'meshjob_step_seconds_bucket{le="+Inf",trainingjob="demo",stage="0"} 40.0\n'
+        'meshjob_step_seconds_count{trainingjob="demo",stage="0"} 40.0\n'
+        'meshjob_step_seconds_sum{trainingjob="demo",stage="0"} 20.0\n'
+    )
     reading = progress.parse(text)
     assert reading == progress.Reading(step=40, checkpoint_step=30, mean_step_s=0.5)
-    assert progress.status(reading, 100, NOW) == {"step": 40, "total": 100, "percent": 40,
-                                                  "eta": "2026-01-01T12:00:30Z"}  # 60 steps x 0.5 s
+    assert progress.status(reading, 100, NOW) == {
+        "step": 40,
+        "total": 100,
+        "percent": 40,
+        "eta": "2026-01-01T12:00:30Z",
+    }  # 60 steps x 0.5 s
     assert progress.parse("") == progress.Reading()
 
 
@@ -302,8 +350,20 @@ def test_status_draft_patches_only_what_changed_and_deletes_cleared_fields():
     assert draft.changes() == {"restartPending": None, "step": 4}
 
 
-@pytest.mark.parametrize("status, temporary", [(409, True), (429, True), (500, True), (503, True), (504, True),
-                                               (400, False), (403, False), (404, False), (422, False)])
+@pytest.mark.parametrize(
+    "status, temporary",
+    [
+        (409, True),
+        (429, True),
+        (500, True),
+        (503, True),
+        (504, True),
+        (400, False),
+        (403, False),
+        (404, False),
+        (422, False),
+    ],
+)
 def test_api_errors_say_whether_they_pass_by_themselves(status, temporary):
     from meshjob_operator.kube import ApiError
 
@@ -313,10 +373,21 @@ def test_api_errors_say_whether_they_pass_by_themselves(status, temporary):
 def test_an_api_error_keeps_the_servers_reason_and_message():
     from meshjob_operator.kube import _api_error
 
-    text = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
-                       "message": 'pods "j-host-0" is forbidden: exceeded quota: zero'})
+    text = json.dumps(
+        {
+            "kind": "Status",
+            "status": "Failure",
+            "reason": "Forbidden",
+            "code": 403,
+            "message": 'pods "j-host-0" is forbidden: exceeded quota: zero',
+        }
+    )
     err = _api_error(403, "POST", "/api/v1/namespaces/x/pods", text)
-    assert (err.status, err.reason, err.message) == (403, "Forbidden", 'pods "j-host-0" is forbidden: exceeded quota: zero')
+    assert (err.status, err.reason, err.message) == (
+        403,
+        "Forbidden",
+        'pods "j-host-0" is forbidden: exceeded quota: zero',
+    )
     assert _api_error(502, "GET", "/x", "<html>bad gateway</html>").reason == "HTTP502"
 
 
@@ -348,13 +419,16 @@ def test_operator_cli_defaults_watch_the_whole_cluster_with_metrics_and_webhook(
     assert args.namespace == [] and args.metrics_port == 9401 and args.webhook and args.peering is None
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--metrics-port", "70000"), "--metrics-port=70000 is invalid: a TCP port 1-65535 (or 0 for off)"),
-    (("--webhook-port", "0"), "--webhook-port=0 is invalid: a TCP port 1-65535"),
-    (("--peering", "p", "--standalone"), "--peering and --standalone exclude each other"),
-    (("--webhook-cert", "c.pem"), "--webhook-cert needs its partner: give both --webhook-cert and --webhook-key"),
-    (("--webhook-key", "k.pem"), "--webhook-key needs its partner"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--metrics-port", "70000"), "--metrics-port=70000 is invalid: a TCP port 1-65535 (or 0 for off)"),
+        (("--webhook-port", "0"), "--webhook-port=0 is invalid: a TCP port 1-65535"),
+        (("--peering", "p", "--standalone"), "--peering and --standalone exclude each other"),
+        (("--webhook-cert", "c.pem"), "--webhook-cert needs its partner: give both --webhook-cert and --webhook-key"),
+        (("--webhook-key", "k.pem"), "--webhook-key needs its partner"),
+    ],
+)
 def test_operator_cli_rejects_bad_flags_naming_them(argv, message):
     cli, args = _operator_args(*argv)
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -389,11 +463,11 @@ def test_webhook_without_a_certificate_that_can_be_made_is_off_with_a_warning(mo
 
     def no_cryptography(*_args, **_kwargs):
         raise ImportError("No module named 'cryptography'")
+
     monkeypatch.setattr(certs, "self_signed_certificate", no_cryptography)
     logger = logging.getLogger("test-webhook")
     with caplog.at_level(logging.WARNING, logger="test-webhook"):
-        server = certs.webhook_server(addr="0.0.0.0", port=9443, host=None, cert=None, key=None, ca=None,
-                                      logger=logger)
+        server = certs.webhook_server(addr="0.0.0.0", port=9443, host=None, cert=None, key=None, ca=None, logger=logger)
     assert server is None
     assert "admission webhook off" in caplog.text and "cryptography" in caplog.text
 
@@ -402,10 +476,21 @@ def test_webhook_with_given_files_uses_them_and_needs_no_self_signed_certificate
     from meshjob_operator import certs
 
     monkeypatch.setattr(certs, "self_signed_certificate", lambda *a, **k: pytest.fail("must not self-sign"))
-    server = certs.webhook_server(addr="0.0.0.0", port=9443, host="wh.ops.svc", cert="/tls/tls.crt",
-                                  key="/tls/tls.key", ca="/tls/ca.crt", logger=None)  # type: ignore[arg-type]
+    server = certs.webhook_server(
+        addr="0.0.0.0",
+        port=9443,
+        host="wh.ops.svc",
+        cert="/tls/tls.crt",
+        key="/tls/tls.key",
+        ca="/tls/ca.crt",
+        logger=None,
+    )  # type: ignore[arg-type]
     assert (server.certfile, server.pkeyfile, server.cafile, server.host) == (
-        "/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt", "wh.ops.svc")
+        "/tls/tls.crt",
+        "/tls/tls.key",
+        "/tls/ca.crt",
+        "wh.ops.svc",
+    )
 
 
 def test_a_job_without_an_image_runs_the_operators_trainer_image(monkeypatch):
@@ -430,6 +515,7 @@ def test_the_api_client_asks_for_credentials_on_every_request_so_rotated_tokens_
 
     def rotate(cfg):
         cfg.api_key["authorization"] = f"Bearer {next(tokens)}"
+
     config.refresh_api_key_hook = rotate
     assert _auth_headers(config) == {"Authorization": "Bearer first"}
     assert _auth_headers(config) == {"Authorization": "Bearer second"}
@@ -442,16 +528,28 @@ TEMPLATE = {
     "spec": {
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "nodeSelector": {"pool": "gpu"},
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["h100"]}]},
-            {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["a100"]}]}]}},
-            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["h100"]}]},
+                        {"matchExpressions": [{"key": "gen", "operator": "In", "values": ["a100"]}]},
+                    ]
+                }
+            },
+            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+        },
         "priorityClassName": "training-high",
         "imagePullSecrets": [{"name": "regcred"}],
         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
-        "containers": [{"name": "trainer", "env": [{"name": "HF_HOME", "value": "/data/hf"}],
-                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                        "resources": {"limits": {"memory": "8Gi"}}}],
+        "containers": [
+            {
+                "name": "trainer",
+                "env": [{"name": "HF_HOME", "value": "/data/hf"}],
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                "resources": {"limits": {"memory": "8Gi"}},
+            }
+        ],
     },
 }
 
@@ -481,19 +579,41 @@ def test_the_host_pin_is_added_to_every_required_node_affinity_term():
     assert "podAntiAffinity" in affinity
 
 
-@pytest.mark.parametrize("template, path, allowed", [
-    ({"spec": {"volumes": [{"name": "scratch", "hostPath": {"path": "/data"}}]}},
-     "spec.podTemplate.spec.volumes[0].hostPath", "no hostPath"),
-    ({"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}}, "spec.podTemplate.spec.volumes[0].name",
-     "a name the operator does not use"),
-    ({"spec": {"containers": [{"name": "trainer", "volumeMounts": [{"name": "x", "mountPath": "/etc/meshjob"}]}]}},
-     "spec.podTemplate.spec.containers[trainer].volumeMounts", "a mount path the operator does not use"),
-    ({"spec": {"containers": [{"name": "trainer", "env": [{"name": "MASTER_ADDR", "value": "evil"}]}]}},
-     "spec.podTemplate.spec.containers[trainer].env", "a variable the operator does not set"),
-    ({"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]}},
-     "spec.podTemplate.spec.containers[trainer].resources.requests", "spec.topology.deviceResource"),
-    ({"metadata": {"labels": {"replicas": 3}}}, "spec.podTemplate.metadata['replicas']", "a string"),
-])
+@pytest.mark.parametrize(
+    "template, path, allowed",
+    [
+        (
+            {"spec": {"volumes": [{"name": "scratch", "hostPath": {"path": "/data"}}]}},
+            "spec.podTemplate.spec.volumes[0].hostPath",
+            "no hostPath",
+        ),
+        (
+            {"spec": {"volumes": [{"name": "config", "emptyDir": {}}]}},
+            "spec.podTemplate.spec.volumes[0].name",
+            "a name the operator does not use",
+        ),
+        (
+            {
+                "spec": {
+                    "containers": [{"name": "trainer", "volumeMounts": [{"name": "x", "mountPath": "/etc/meshjob"}]}]
+                }
+            },
+            "spec.podTemplate.spec.containers[trainer].volumeMounts",
+            "a mount path the operator does not use",
+        ),
+        (
+            {"spec": {"containers": [{"name": "trainer", "env": [{"name": "MASTER_ADDR", "value": "evil"}]}]}},
+            "spec.podTemplate.spec.containers[trainer].env",
+            "a variable the operator does not set",
+        ),
+        (
+            {"spec": {"containers": [{"name": "trainer", "resources": {"requests": {"cpu": "1"}}}]}},
+            "spec.podTemplate.spec.containers[trainer].resources.requests",
+            "spec.topology.deviceResource",
+        ),
+        ({"metadata": {"labels": {"replicas": 3}}}, "spec.podTemplate.metadata['replicas']", "a string"),
+    ],
+)
 def test_a_template_the_merge_cannot_take_is_an_invalid_spec_naming_the_field(template, path, allowed):
     with pytest.raises(SpecError) as err:
         validate(job_body("demo", podTemplate=template))
@@ -501,12 +621,19 @@ def test_a_template_the_merge_cannot_take_is_an_invalid_spec_naming_the_field(te
 
 
 def test_only_the_trainer_container_can_be_templated():
-    with pytest.raises(SpecError, match=r"spec.podTemplate.spec.containers\[0\].name: 'sidecar' is invalid: one of trainer"):
+    with pytest.raises(
+        SpecError, match=r"spec.podTemplate.spec.containers\[0\].name: 'sidecar' is invalid: one of trainer"
+    ):
         validate(job_body("demo", podTemplate={"spec": {"containers": [{"name": "sidecar"}]}}))
 
 
-@pytest.mark.parametrize("volume, allowed", [({"hostPath": {"path": "/ckpt"}}, "no hostPath"),
-                                             ({"emptyDir": {}, "nfs": {"server": "x"}}, "exactly one volume source")])
+@pytest.mark.parametrize(
+    "volume, allowed",
+    [
+        ({"hostPath": {"path": "/ckpt"}}, "no hostPath"),
+        ({"emptyDir": {}, "nfs": {"server": "x"}}, "exactly one volume source"),
+    ],
+)
 def test_a_checkpoint_volume_is_one_source_and_never_a_host_path(volume, allowed):
     body = job_body("demo")
     body["spec"]["training"]["checkpoint"]["volume"] = volume
@@ -527,7 +654,9 @@ def test_checkpoints_go_to_the_volume_the_spec_names_else_an_empty_dir_never_a_h
     assert pod["spec"]["securityContext"]["fsGroup"] == render.RUN_AS_USER  # the non-root trainer may write
 
 
-@pytest.mark.parametrize("example", sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "examples").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "example", sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "examples").glob("*.yaml"))
+)
 def test_every_example_renders_pods_that_pass_pod_security_restricted(example):
     from pod_security import restricted_violations
 

@@ -7,27 +7,40 @@ module: each scenario has its own namespace, nodes and device resource). No kube
 plays it by patching pod status. Tests that need one kind of server only live in
 test_operator_kmock.py (fault injection) and test_operator_envtest.py (peering, kubectl apply).
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from operator_harness import (  # noqa: F401 - the fixtures: kmock and a real API server
+    add_nodes,
+    apiserver,
+    cluster,
+    condition,
+    delete_and_wait,
+    env_of,
+    job_gone,
+    operator,
+    plan_on_cluster,
+    prepare_namespace,
+    scenario_job,
+    wait_pods,
+    wait_status,
+)
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
-from meshjob import api
+from meshjob.spec import api
 from meshjob_operator import names
 from meshjob_operator.handlers import STATE
 from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 from meshjob_operator.status import parse_time
 from meshjob_operator.testing import Cluster, OperatorThread, eventually, free_port, job_body, running_operator
-
-from operator_harness import (job_gone, add_nodes, condition, delete_and_wait, env_of, plan_on_cluster,
-                              prepare_namespace, scenario_job, wait_pods, wait_status)
-from operator_harness import apiserver, cluster, operator  # noqa: F401 - the fixtures: kmock and a real API server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
@@ -35,8 +48,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(lo
 async def create_service_account(cluster: Cluster, namespace: str, name: str) -> None:
     """What a job's namespace needs before pods may name the account (ServiceAccount admission)."""
     if cluster.real:
-        await cluster.create(f"/api/v1/namespaces/{namespace}/serviceaccounts",
-                             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+        await cluster.create(
+            f"/api/v1/namespaces/{namespace}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+        )
 
 
 async def test_create_makes_pinned_pods_with_env_service_configmap_and_owner(cluster, operator):
@@ -69,7 +84,7 @@ async def test_create_makes_pinned_pods_with_env_service_configmap_and_owner(clu
 
 @contextlib.contextmanager
 def trainer_exporter(step: int, checkpoint_step: int, step_seconds: float) -> Iterator[int]:
-    """A Prometheus exporter on 127.0.0.1 with what global rank 0 serves (the names of meshjob.api)."""
+    """A Prometheus exporter on 127.0.0.1 with what global rank 0 serves (the names of meshjob.spec.api)."""
     registry = CollectorRegistry()
     labels = {"trainingjob": "x", "stage": "0"}
     Gauge(api.STEP_METRIC, "step", list(labels), registry=registry).labels(**labels).set(step)
@@ -93,20 +108,27 @@ async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_delet
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
     with trainer_exporter(step=7, checkpoint_step=4, step_seconds=2.0) as port:
-        body = scenario_job(tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"},
-                            metrics={"port": port})
+        body = scenario_job(
+            tag, run_policy={"ttlSecondsAfterFinished": 2, "cleanPodPolicy": "All"}, metrics={"port": port}
+        )
         body["spec"]["training"]["steps"] = 10
         await cluster.create_job(body)
         pods = await wait_pods(cluster, tag, 2)
         for pod in pods:
             await cluster.set_pod_phase(pod["metadata"]["name"], "Running", tag, ip="127.0.0.1")
-        status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 7,
-                                   "Running at step 7")
+        status = await wait_status(
+            cluster, tag, lambda s: s.get("phase") == "Running" and s.get("step") == 7, "Running at step 7"
+        )
     assert status["checkpointStep"] == 4 and condition(status, "Running")["status"] == "True"
     progress = status["progress"]
     assert (progress["step"], progress["total"], progress["percent"]) == (7, 10, 70)
-    assert 5 <= (parse_time(progress["eta"]) - parse_time(condition(status, "Running")["lastTransitionTime"])
-                 ).total_seconds() <= 60  # 3 steps of 2 s from about now
+    assert (
+        5
+        <= (
+            parse_time(progress["eta"]) - parse_time(condition(status, "Running")["lastTransitionTime"])
+        ).total_seconds()
+        <= 60
+    )  # 3 steps of 2 s from about now
     assert set(status["pods"].values()) == {"Running"}
     for pod in pods:
         await cluster.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag)
@@ -126,7 +148,9 @@ async def test_pod_failure_restarts_the_gang_then_fails_after_backoff_limit(clus
     failures = STATE.metrics.restarts.labels(namespace=tag, trainingjob=tag, reason="failure")
     before = failures._value.get()  # the registry outlives one operator: kmock's run counts too
     await cluster.set_pod_phase(first[1]["metadata"]["name"], "Failed", tag)
-    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    status = await wait_status(
+        cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1"
+    )
     assert condition(status, "Restarting")["status"] == "True"
     assert f"pod {tag}-host-1 failed" in condition(status, "Restarting")["message"]
     second = await wait_pods(cluster, tag, 2, phase="Pending")
@@ -179,9 +203,15 @@ async def test_invalid_spec_sets_invalid_spec_condition_and_warning_event(cluste
     assert failed["reason"] == "InvalidSpec" and field in failed["message"] and says in failed["message"]
 
     async def warning() -> list[dict] | None:
-        found = [e for e in await cluster.events(tag) if e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
-                 and e.get("involvedObject", {}).get("name") == tag]
+        found = [
+            e
+            for e in await cluster.events(tag)
+            if e.get("reason") == "InvalidSpec"
+            and e.get("type") == "Warning"
+            and e.get("involvedObject", {}).get("name") == tag
+        ]
         return found or None
+
     events = await eventually(warning, what="a Warning Event InvalidSpec")
     assert field in events[0]["message"]
     assert await cluster.pods(tag, tag) == []
@@ -193,13 +223,17 @@ async def test_unschedulable_until_a_node_appears(cluster, operator):
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 1)
     await cluster.create_job(scenario_job(tag))
-    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True", "Unschedulable")
+    status = await wait_status(
+        cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True", "Unschedulable"
+    )
     message = condition(status, "Unschedulable")["message"]
     assert "missing 1 host" in message and f"example.com/{tag}" in message
     assert await cluster.pods(tag, tag) == []
     await add_nodes(cluster, tag, 1, start=1)
     await wait_pods(cluster, tag, 2)
-    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled")
+    status = await wait_status(
+        cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled"
+    )
     assert condition(status, "Unschedulable")["reason"] == "Scheduled"
     await delete_and_wait(cluster, tag)
 
@@ -215,17 +249,20 @@ async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster,
     pod = (await wait_pods(cluster, tag, 2))[1]["metadata"]["name"]
     why = "0/2 nodes are available: 1 Insufficient memory, 1 node(s) didn't match Pod's node affinity/selector."
     await cluster.set_pod_scheduled(pod, tag, unschedulable=why)
-    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True",
-                               "Unschedulable")
+    status = await wait_status(
+        cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "True", "Unschedulable"
+    )
     assert condition(status, "Unschedulable")["reason"] == "PodUnschedulable"
     assert f"pod {pod}: {why}" in condition(status, "Unschedulable")["message"]
 
     async def warned() -> list[dict] | None:
         return [e for e in await cluster.events(tag) if e.get("reason") == "Unschedulable"] or None
+
     assert why in (await eventually(warned, what="a Warning Event Unschedulable"))[0]["message"]
     await cluster.set_pod_scheduled(pod, tag)
-    status = await wait_status(cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False",
-                               "scheduled")
+    status = await wait_status(
+        cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled"
+    )
     assert condition(status, "Unschedulable")["reason"] == "Scheduled"
     await delete_and_wait(cluster, tag)
 
@@ -233,12 +270,16 @@ async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster,
 def huge_but_valid_job(tag: str, stages: int = 128) -> dict[str, Any]:
     """Every count within the spec's bounds, and seconds of CPU to plan: 128 stages of 2x8 devices on 2
     hosts of 1024 devices, 128 microbatches (the schedule's 16384 cells are its bound)."""
-    return scenario_job(tag, hosts=2, devices=1024,
-                        model={"kind": "gpt", "layers": stages, "hidden": 64, "heads": 8, "vocab": 64, "seqLen": 16},
-                        training={"steps": 3, "globalBatch": 256, "microbatches": 128},
-                        stages=[{"layers": [i, i + 1], "mesh": [2, 8], "tensorParallelDim": 1} for i in range(stages)],
-                        resharding={"strategy": "broadcast", "balancer": "greedy", "budgetSeconds": 1},
-                        schedule={"kind": "1f1b", "weightGradDelay": "auto"})
+    return scenario_job(
+        tag,
+        hosts=2,
+        devices=1024,
+        model={"kind": "gpt", "layers": stages, "hidden": 64, "heads": 8, "vocab": 64, "seqLen": 16},
+        training={"steps": 3, "globalBatch": 256, "microbatches": 128},
+        stages=[{"layers": [i, i + 1], "mesh": [2, 8], "tensorParallelDim": 1} for i in range(stages)],
+        resharding={"strategy": "broadcast", "balancer": "greedy", "budgetSeconds": 1},
+        schedule={"kind": "1f1b", "weightGradDelay": "auto"},
+    )
 
 
 def _probe_seconds(url: str) -> float:
@@ -272,10 +313,13 @@ async def test_a_huge_but_valid_job_delays_neither_another_jobs_pods_nor_the_liv
         async def huge_placed() -> list[dict] | None:
             probes.append(await asyncio.to_thread(_probe_seconds, health))
             return await cluster.pods(huge, huge) or None
+
         await eventually(huge_placed, timeout=240, interval=0.5, what="the huge job's pods")
         huge_s = time.monotonic() - started
-        print(f"small job's pods after {small_s:.2f} s, the huge job's after {huge_s:.2f} s; "
-              f"/healthz at most {max(probes):.3f} s over {len(probes)} probes")
+        print(
+            f"small job's pods after {small_s:.2f} s, the huge job's after {huge_s:.2f} s; "
+            f"/healthz at most {max(probes):.3f} s over {len(probes)} probes"
+        )
         assert len(probes) >= 3 and small_s < huge_s / 2, (small_s, huge_s)
         assert max(probes) < huge_s / 5, (probes, huge_s)
         for tag in (huge, small):
@@ -305,8 +349,13 @@ async def test_fifty_jobs_on_two_nodes_place_only_those_that_fit_and_freed_devic
     await add_nodes(cluster, tag, 2)
     jobs = [f"{tag}-{i:02d}" for i in range(count)]
     for name in jobs:
-        body = job_body(name, tag, hosts=1, devices_per_host=2,
-                        model={"kind": "gpt", "layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16})
+        body = job_body(
+            name,
+            tag,
+            hosts=1,
+            devices_per_host=2,
+            model={"kind": "gpt", "layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
+        )
         body["spec"]["topology"]["deviceResource"] = f"example.com/{tag}"
         await cluster.create_job(body)
 
@@ -317,6 +366,7 @@ async def test_fifty_jobs_on_two_nodes_place_only_those_that_fit_and_freed_devic
         placed = [name for name, s in zip(jobs, statuses) if condition(s, "Created").get("status") == "True"]
         waiting = [s for s in statuses if condition(s, "Unschedulable").get("status") == "True"]
         return (placed, waiting) if len(placed) + len(waiting) == count else None
+
     placed, waiting = await eventually(verdicts, timeout=300, interval=1, what="every job placed or Unschedulable")
     assert len(placed) == 2 and len(waiting) == count - 2
     assert all("in use by other pods" in condition(s, "Unschedulable")["message"] for s in waiting)
@@ -328,11 +378,12 @@ async def test_fifty_jobs_on_two_nodes_place_only_those_that_fit_and_freed_devic
     async def third() -> list[str] | None:
         found = await verdicts()
         return [n for n in found[0] if n not in placed] or None if found else None
+
     assert len(await eventually(third, timeout=120, interval=1, what="a waiting job placed on the freed node")) == 1
     for name in jobs:
         await cluster.delete_job(name, tag)
     for name in jobs:
-        await eventually(lambda: _gone(cluster, name, tag), timeout=60, what=f"job {name} deleted")
+        await eventually(lambda name=name: _gone(cluster, name, tag), timeout=60, what=f"job {name} deleted")
 
 
 async def _gone(cluster: Cluster, name: str, namespace: str) -> bool:
@@ -406,7 +457,9 @@ async def test_operator_killed_mid_creation_converges_without_duplicates(cluster
         if cluster.real:  # the survivors were kept, not recreated
             kept = {p["metadata"]["name"]: p["metadata"]["uid"] for p in survivors}
             assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods if p["metadata"]["name"] in kept} == kept
-        status = await wait_status(cluster, tag, lambda s: s.get("hosts") == 4 and len(s.get("pods") or {}) == 4, "4 pods")
+        status = await wait_status(
+            cluster, tag, lambda s: s.get("hosts") == 4 and len(s.get("pods") or {}) == 4, "4 pods"
+        )
         assert not status.get("restarts")
         await asyncio.sleep(0.5)  # a later reconcile must not add anything
         assert len(await cluster.pods(tag, tag)) == 4
@@ -429,8 +482,9 @@ async def test_restart_is_counted_once_across_operator_restart(cluster):
     await cluster.set_pod_phase(pods[0]["metadata"]["name"], "Failed", tag)
     await cluster.kube.patch_job_status(tag, tag, {"restarts": 1, "restartPending": True, "phase": "Restarting"})
     async with running_operator(cluster):
-        status = await wait_status(cluster, tag, lambda s: not s.get("restartPending") and len(s.get("pods") or {}) == 2,
-                                   "restart finished")
+        status = await wait_status(
+            cluster, tag, lambda s: not s.get("restartPending") and len(s.get("pods") or {}) == 2, "restart finished"
+        )
         new = await wait_pods(cluster, tag, 2, phase="Pending")
         assert status["restarts"] == 1
         if cluster.real:
@@ -448,7 +502,9 @@ async def test_a_pod_deleted_by_someone_else_restarts_the_gang_without_consuming
     pods = await wait_pods(cluster, tag, 2)
     await wait_status(cluster, tag, lambda s: len(s.get("pods") or {}) == 2, "pods recorded")
     await cluster.kube.delete_pod(tag, pods[1]["metadata"]["name"])
-    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1")
+    status = await wait_status(
+        cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart 1"
+    )
     restarting = condition(status, "Restarting")
     assert f"pod {tag}-host-1 disappeared" in restarting["message"] and restarting["reason"] == "PodDisrupted"
     assert status["disruptions"] == 1 and status["phase"] != "Failed"
@@ -465,7 +521,9 @@ async def test_an_evicted_pod_does_not_consume_backoff_limit_but_a_failure_does(
     await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 0, "cleanPodPolicy": "None"}))
     first = await wait_pods(cluster, tag, 2)
     await cluster.set_pod_phase(first[0]["metadata"]["name"], "Failed", tag, reason="Evicted")
-    status = await wait_status(cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart")
+    status = await wait_status(
+        cluster, tag, lambda s: s.get("restarts") == 1 and not s.get("restartPending"), "restart"
+    )
     assert status["disruptions"] == 1 and condition(status, "Restarting")["reason"] == "PodDisrupted"
     assert "not counted toward runPolicy.backoffLimit" in condition(status, "Restarting")["message"]
     second = await wait_pods(cluster, tag, 2, phase="Pending")
@@ -481,8 +539,9 @@ async def test_a_permanent_exit_code_fails_the_job_at_once_and_tells_kueue(clust
     tag = "permanent"
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
-    await cluster.create_job(scenario_job(tag, run_policy={"backoffLimit": 5, "cleanPodPolicy": "None"},
-                                          scheduling={"queue": "team"}))
+    await cluster.create_job(
+        scenario_job(tag, run_policy={"backoffLimit": 5, "cleanPodPolicy": "None"}, scheduling={"queue": "team"})
+    )
     pods = await wait_pods(cluster, tag, 2)
     await cluster.set_pod_phase(pods[1]["metadata"]["name"], "Failed", tag, exit_code=2)
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Failed", "Failed")
@@ -514,6 +573,7 @@ async def test_an_edit_to_a_started_jobs_stages_is_refused_and_the_job_runs_on(c
 
     async def warned() -> list[dict] | None:
         return [e for e in await cluster.events(tag) if e.get("reason") == "EditRefused"] or None
+
     assert "spec.stages" in (await eventually(warned, what="a Warning Event EditRefused"))[0]["message"]
     identity = "uid" if cluster.real else "name"  # kmock gives the pods it stores no uid
     assert [p["metadata"][identity] for p in await cluster.pods(tag, tag)] == [p["metadata"][identity] for p in pods]
@@ -526,21 +586,43 @@ async def test_an_edit_to_a_started_jobs_stages_is_refused_and_the_job_runs_on(c
 
 # scheduler-plugins' PodGroup, reduced to what the operator writes (a real API server needs the CRD)
 PODGROUP_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "podgroups.scheduling.x-k8s.io"},
-    "spec": {"group": "scheduling.x-k8s.io", "scope": "Namespaced",
-             "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup", "shortNames": ["pg"]},
-             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "properties": {"spec": {"type": "object", "properties": {
-                     "minMember": {"type": "integer", "format": "int32"}}}}}}}]},
+    "spec": {
+        "group": "scheduling.x-k8s.io",
+        "scope": "Namespaced",
+        "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup", "shortNames": ["pg"]},
+        "versions": [
+            {
+                "name": "v1alpha1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "properties": {"minMember": {"type": "integer", "format": "int32"}},
+                            }
+                        },
+                    }
+                },
+            }
+        ],
+    },
 }
 
 
 async def install_podgroup_crd(cluster: Cluster) -> None:
     if cluster.real:
-        await cluster.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json.loads(json.dumps(PODGROUP_CRD)))
-        await asyncio.to_thread(cluster.kubectl, "wait", "--for=condition=Established",
-                                "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s")
+        await cluster.create(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json.loads(json.dumps(PODGROUP_CRD))
+        )
+        await asyncio.to_thread(
+            cluster.kubectl, "wait", "--for=condition=Established", "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s"
+        )
 
 
 async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster, operator):
@@ -587,14 +669,16 @@ async def test_a_refused_api_call_blocks_the_job_visibly_until_it_goes_through(c
     await add_nodes(cluster, tag, 2)
     refusal = await cluster.forbid_pods(tag)
     await cluster.create_job(scenario_job(tag))
-    status = await wait_status(cluster, tag, lambda s: condition(s, "Blocked").get("status") == "True", "Blocked",
-                               timeout=30)
+    status = await wait_status(
+        cluster, tag, lambda s: condition(s, "Blocked").get("status") == "True", "Blocked", timeout=30
+    )
     blocked = condition(status, "Blocked")
     assert blocked["reason"] == "Forbidden" and refusal in blocked["message"]
     assert f"/api/v1/namespaces/{tag}/pods refused (HTTP 403 Forbidden)" in blocked["message"]
 
     async def warned() -> list[dict] | None:
         return [e for e in await cluster.events(tag) if e.get("reason") == "Blocked"] or None
+
     assert refusal in (await eventually(warned, what="a Warning Event Blocked"))[0]["message"]
     assert STATE.metrics.api_errors.labels(namespace=tag, trainingjob=tag, code="403")._value.get() >= 1
     if cluster.real:  # (kmock refuses every listing of these pods, the test's own too)
@@ -619,15 +703,24 @@ async def test_meshjob_plan_cluster_shows_the_placement_the_operator_makes(clust
     plan = await plan_on_cluster(cluster, body, tmp_path)
     await cluster.create_job(body)
     pods = await wait_pods(cluster, tag, 3)
-    made = [{"name": p["metadata"]["name"], "node": pinned_node(p),
-             "devices": int(p["metadata"]["annotations"]["meshjob.io/devices"])} for p in pods]
+    made = [
+        {
+            "name": p["metadata"]["name"],
+            "node": pinned_node(p),
+            "devices": int(p["metadata"]["annotations"]["meshjob.io/devices"]),
+        }
+        for p in pods
+    ]
     assert [{k: p[k] for k in ("name", "node", "devices")} for p in plan["cluster"]["pods"]] == made
     assert {p["devices"] for p in made} == {2} and f"{tag}-n1" not in {p["node"] for p in made}
     (left_out,) = [n for n in plan["cluster"]["nodes"] if n["problem"] and n["name"].startswith(tag)]
-    assert left_out["name"] == f"{tag}-n1" and "taint dedicated=other-team:NoSchedule not tolerated" in left_out["problem"]
+    assert (
+        left_out["name"] == f"{tag}-n1" and "taint dedicated=other-team:NoSchedule not tolerated" in left_out["problem"]
+    )
     status = await wait_status(cluster, tag, lambda s: s.get("placement"), "placement in status")
-    assert [(r["stage"], r["node"], r["devices"]) for r in status["placement"]] == \
-        [(r["stage"], r["host"], r["devices"]) for r in plan["placement"]]  # host label = node name here
+    assert [(r["stage"], r["node"], r["devices"]) for r in status["placement"]] == [
+        (r["stage"], r["host"], r["devices"]) for r in plan["placement"]
+    ]  # host label = node name here
     await delete_and_wait(cluster, tag)
 
 
@@ -647,12 +740,21 @@ async def test_pod_template_tolerations_and_volumes_reach_the_pods_on_tolerated_
     for i in range(2):
         await cluster.add_node(f"{tag}-n{i}", 2, resource=f"example.com/{tag}", taints=gpu, labels={"pool": "gpu"})
     await cluster.add_node(f"{tag}-cpu", 2, resource=f"example.com/{tag}", labels={"pool": "cpu"})
-    template = {"metadata": {"labels": {"team": "vision"}},
-                "spec": {"tolerations": [{"key": "pool", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
-                         "nodeSelector": {"pool": "gpu"},
-                         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
-                         "containers": [{"name": "trainer", "env": [{"name": "DATA", "value": "/data"}],
-                                         "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}]}}
+    template = {
+        "metadata": {"labels": {"team": "vision"}},
+        "spec": {
+            "tolerations": [{"key": "pool", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+            "nodeSelector": {"pool": "gpu"},
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
+            "containers": [
+                {
+                    "name": "trainer",
+                    "env": [{"name": "DATA", "value": "/data"}],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+                }
+            ],
+        },
+    }
     body = scenario_job(tag, podTemplate=template)
     body["spec"]["training"]["checkpoint"]["volume"] = {"persistentVolumeClaim": {"claimName": "checkpoints"}}
     await cluster.create_job(body)

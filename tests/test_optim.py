@@ -1,5 +1,6 @@
 """The optimizer step's parts that need no process group: the learning-rate schedule, the clipping
 coefficient, ZeRO-1's flat layout, and the refusal of optimizer state laid out for another run."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshjob.spec import LrScheduleSpec, TrainingSpec
+from meshjob.spec.manifest import LrScheduleSpec, TrainingSpec
 from meshjob_trainer.checkpoint import CheckpointMismatch
 from meshjob_trainer.optim import FlatLayout, StageOptimizer, clip_coefficient, lr_at
 from meshjob_trainer.parallel import StageGroups, TPGroup
@@ -52,8 +53,11 @@ def single_rank_optimizer() -> StageOptimizer:
 
 def test_optimizer_state_sharded_by_zero_1_is_refused_by_an_unsharded_run_naming_both_layouts():
     state = {"zero": {"numel": 6, "dp_size": 2, "dp_rank": 1}, "adamw": single_rank_optimizer().state_dict()}
-    with pytest.raises(CheckpointMismatch, match=r"sharded by ZeRO-1 over 2 data-parallel ranks .*this run's is "
-                                                 r"whole on every rank \(zeroStage 0\).*zeroStage"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"sharded by ZeRO-1 over 2 data-parallel ranks .*this run's is "
+        r"whole on every rank \(zeroStage 0\).*zeroStage",
+    ):
         single_rank_optimizer().load_state_dict(state)
 
 

@@ -5,6 +5,7 @@ The job: 8 layers in 4 stages on 7 ranks; tensor parallel 2 on stage 0, data par
 hosts on stage 1, one device on stage 2, data parallel 2 inside a host on the last stage, so the
 boundaries reshard between differently shaped and differently sharded meshes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,8 @@ import zlib
 import pytest
 import torch
 
-from meshjob.plan import build_plan
-from meshjob.spec import ModelSpec, TrainingJob, parse_job
+from meshjob.plan.build import build_plan
+from meshjob.spec.manifest import ModelSpec, TrainingJob, parse_job
 from meshjob_trainer.launch import launch
 from meshjob_trainer.model import StageModule, full_parameters
 from meshjob_trainer.reference import ReferenceResult, reference_for_job
@@ -32,24 +33,42 @@ STAGES = [
 WEIGHT_ATOL = LR / 50
 
 
-def make_job(kind: str, schedule: str, weight_grad_delay: int | str, stages=STAGES, steps: int = STEPS,
-             global_batch: int = 8, microbatches: int = 4, checkpoint_every: int = 0,
-             edges: list | None = None) -> TrainingJob:
+def make_job(
+    kind: str,
+    schedule: str,
+    weight_grad_delay: int | str,
+    stages=STAGES,
+    steps: int = STEPS,
+    global_batch: int = 8,
+    microbatches: int = 4,
+    checkpoint_every: int = 0,
+    edges: list | None = None,
+) -> TrainingJob:
     checkpoint = {"every": checkpoint_every, "path": "/unused/train_rank/takes/a/directory"}
     extra = {} if edges is None else {"edges": edges}
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "equivalence"},
-        "spec": {
-            "model": {"kind": kind, "layers": 8, "hidden": 16, "heads": 2, "vocab": 32, "seqLen": 8},
-            "training": {"steps": steps, "globalBatch": global_batch, "microbatches": microbatches,
-                         "learningRate": LR, "seed": 0, "checkpoint": checkpoint},
-            "topology": {"devicesPerHost": 2},
-            "stages": stages,
-            "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
-            "schedule": {"kind": schedule, "weightGradDelay": weight_grad_delay},
-            **extra,
-        },
-    })
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "equivalence"},
+            "spec": {
+                "model": {"kind": kind, "layers": 8, "hidden": 16, "heads": 2, "vocab": 32, "seqLen": 8},
+                "training": {
+                    "steps": steps,
+                    "globalBatch": global_batch,
+                    "microbatches": microbatches,
+                    "learningRate": LR,
+                    "seed": 0,
+                    "checkpoint": checkpoint,
+                },
+                "topology": {"devicesPerHost": 2},
+                "stages": stages,
+                "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
+                "schedule": {"kind": schedule, "weightGradDelay": weight_grad_delay},
+                **extra,
+            },
+        }
+    )
 
 
 def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None, plan=None) -> list[TrainResult]:
@@ -59,7 +78,7 @@ def run_job(job: TrainingJob, schedules=None, checkpoint_dir: str | None = None,
     return result.raise_on_failure().values
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind: str) -> ReferenceResult:
     return reference_for_job(make_job(kind, "gpipe", 0))
 
@@ -98,8 +117,7 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
     """0 -> 1 sends sequence-sharded slices of its replicated activation; 2 -> 3 delivers them
     sequence-sharded to a tensor-parallel stage, which all-gathers inside its mesh."""
     stages = STAGES[:3] + [{"layers": [6, 8], "mesh": [1, 2], "tensorParallelDim": 1}]
-    edges = [{"from": 0, "to": 1, "send": "RS1R", "recv": "S0RR"},
-             {"from": 2, "to": 3, "send": "RRR", "recv": "RS1R"}]
+    edges = [{"from": 0, "to": 1, "send": "RS1R", "recv": "S0RR"}, {"from": 2, "to": 3, "send": "RRR", "recv": "RS1R"}]
     results = run_job(make_job("gpt", "1f1b", 0, stages=stages, edges=edges))
     ref = reference("gpt")
     for reported in pipeline_losses(results):
@@ -113,11 +131,11 @@ def test_edges_sharded_beyond_the_natural_layouts_train_the_same():
 def test_ranks_that_follow_a_need_order_of_transfers_train_the_same():
     """On NICs as slow as the compute, stage 0's skips to the last stage would hold the last stage's
     in-link ahead of the activation it needs first: the plan's links take transfers in need order, not
-    in the order they are sent (meshjob.comm_order), and real ranks issuing them so still match."""
-    from meshjob.comm_order import TransferOrder
-    from meshjob.costs import CostModel
-    from meshjob.network import NetworkModel
-    from meshjob.simulate import plan_cost, simulate_plan
+    in the order they are sent (meshjob.plan.comm_order), and real ranks issuing them so still match."""
+    from meshjob.costs.compute import CostModel
+    from meshjob.network.model import NetworkModel
+    from meshjob.plan.comm_order import TransferOrder
+    from meshjob.simulate.simulator import plan_cost, simulate_plan
 
     one_device = [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(4)]
     job = make_job("utransformer", "eager-1f1b", 1, stages=one_device, microbatches=8)
@@ -135,8 +153,11 @@ def test_ranks_that_follow_a_need_order_of_transfers_train_the_same():
         init_distributed(ctx.env, timeout_s=30)
         try:
             reshard = ReshardExecutor(plan, ctx.env.rank, wire=CheckedWire(GlooWire(), ctx.env.rank))
-            result = train(WorkerContext(env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank),
-                                         reshard=reshard))
+            result = train(
+                WorkerContext(
+                    env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank), reshard=reshard
+                )
+            )
             torch.distributed.barrier()  # rank 0 hosts the store the checks use: nobody leaves early
             return result
         finally:
@@ -178,8 +199,9 @@ def test_resuming_from_a_checkpoint_continues_exactly_like_an_uninterrupted_run(
     whole = run_job(make_job("utransformer", "eager-1f1b", 1, steps=6))
     first = make_job("utransformer", "eager-1f1b", 1, steps=3, checkpoint_every=3)
     run_job(first, checkpoint_dir=str(tmp_path))
-    resumed = run_job(make_job("utransformer", "eager-1f1b", 1, steps=6, checkpoint_every=3),
-                      checkpoint_dir=str(tmp_path))
+    resumed = run_job(
+        make_job("utransformer", "eager-1f1b", 1, steps=6, checkpoint_every=3), checkpoint_dir=str(tmp_path)
+    )
 
     assert {r.start_step for r in resumed} == {3}
     assert pipeline_losses(resumed)[0] == pytest.approx(pipeline_losses(whole)[0][3:], abs=1e-6)
@@ -189,6 +211,7 @@ def test_resuming_from_a_checkpoint_continues_exactly_like_an_uninterrupted_run(
 
 
 # --- the executor alone, in one process: a recording transport stands in for resharding ------
+
 
 class RecordingTransport:
     """Receives return fixed random tensors; sends are recorded (test double for this unit test)."""
@@ -218,7 +241,7 @@ class _Done:
 def run_middle_stage(actions: str):
     """Layers [2, 4) of an 8-layer U-Transformer: input 'activation', outputs 'activation',
     'skip2' and 'skip3' (a skip output is also used inside the stage)."""
-    from meshjob.schedule import Action
+    from meshjob.schedule.actions import Action
     from meshjob_trainer.pipeline import PipelineExecutor
 
     config = ModelSpec("utransformer", 8, 16, 2, 32, 8)
@@ -234,8 +257,13 @@ RECV_BACK = "RECV_B{m}@2 RECV_B{m}@2:skip2 RECV_B{m}@2:skip3"
 
 def test_split_backward_gives_the_same_gradients_as_the_full_backward():
     full = " ".join(f"RECV_F{m}@0 F{m} {RECV_BACK.format(m=m)} B{m} SEND_B{m}@0" for m in range(2))
-    split = ("RECV_F0@0 F0 RECV_F1@0 F1 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 "
-             + RECV_BACK.format(m=1) + " I1 SEND_B1@0 W0 W1")
+    split = (
+        "RECV_F0@0 F0 RECV_F1@0 F1 "
+        + RECV_BACK.format(m=0)
+        + " I0 SEND_B0@0 "
+        + RECV_BACK.format(m=1)
+        + " I1 SEND_B1@0 W0 W1"
+    )
     grads_b, sent_b, _ = run_middle_stage(full)
     grads_iw, sent_iw, stats = run_middle_stage(split)
     assert stats.peak_stashed == 2
@@ -256,7 +284,9 @@ def test_a_backward_before_its_forward_is_refused_naming_stage_and_action():
 def test_a_forward_without_its_receive_is_refused():
     from meshjob_trainer.pipeline import PipelineError
 
-    with pytest.raises(PipelineError, match="stage 1: action F0: input 'activation' of microbatch 0 was never received"):
+    with pytest.raises(
+        PipelineError, match="stage 1: action F0: input 'activation' of microbatch 0 was never received"
+    ):
         run_middle_stage("F0")
 
 
@@ -268,13 +298,16 @@ def test_an_action_list_that_leaves_a_microbatch_unfinished_is_refused():
 
 
 def test_a_plan_whose_edges_miss_a_skip_connection_is_refused_naming_the_stage():
-    from meshjob.spec import EdgeSpec
+    from meshjob.spec.manifest import EdgeSpec
     from meshjob_trainer.train import check_edges
 
     module = StageModule(ModelSpec("utransformer", 8, 16, 2, 32, 8), 6, 8, seed=0)
     edges = [EdgeSpec(2, 3, "RRR", "RRR"), EdgeSpec(0, 3, "RRR", "RRR", tensor="skip0")]
-    with pytest.raises(ValueError, match=r"spec.edges: stage 3 receives \['activation', 'skip0'\].*"
-                                         r"need inputs \['activation', 'skip0', 'skip1'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"spec.edges: stage 3 receives \['activation', 'skip0'\].*"
+        r"need inputs \['activation', 'skip0', 'skip1'\]",
+    ):
         check_edges(module, 3, edges)
 
 
@@ -327,13 +360,14 @@ class TimedCompute:
         def timed(*args):
             self.clock.now += self.seconds[name]
             return getattr(self.inner, name)(*args)
+
         return timed
 
 
 def test_a_step_reads_its_clock_an_action_computing_after_its_waits_for_inputs():
     """On any clock (the host's, a GPU's stream): F0 waits 5 s for its input then computes 1 s; I0 waits
     5 s for each of its three gradients then computes 2 s; W0 computes 3 s; the send waits 2 s at the end."""
-    from meshjob.schedule import Action
+    from meshjob.schedule.actions import Action
     from meshjob_trainer.compute import RealCompute
     from meshjob_trainer.pipeline import PipelineExecutor
 
@@ -341,16 +375,22 @@ def test_a_step_reads_its_clock_an_action_computing_after_its_waits_for_inputs()
     module = StageModule(ModelSpec("utransformer", 8, 16, 2, 32, 8), 2, 4, seed=0)
     actions = [Action.parse(a) for a in ("RECV_F0@0 F0 " + RECV_BACK.format(m=0) + " I0 SEND_B0@0 W0").split()]
     params = [p for p in module.parameters() if p.requires_grad]
-    compute = TimedCompute(RealCompute(module, params, True), clock,
-                           {"forward": 1.0, "input_grad": 2.0, "weight_grad": 3.0})
-    executor = PipelineExecutor(1, module, actions, SlowTransport((2, 8, 16), clock), 1.0,
-                                compute=compute, clock=clock)
+    compute = TimedCompute(
+        RealCompute(module, params, True), clock, {"forward": 1.0, "input_grad": 2.0, "weight_grad": 3.0}
+    )
+    executor = PipelineExecutor(1, module, actions, SlowTransport((2, 8, 16), clock), 1.0, compute=compute, clock=clock)
     _, stats = executor.run_step(lambda mb: None)
     assert stats.timeline_origin == 100.0
     assert stats.compute_s == 6.0 and stats.wait_s == 22.0
-    assert stats.timeline == [("wait", 0.0, 5.0), ("F0", 5.0, 6.0), ("wait", 6.0, 11.0), ("wait", 11.0, 16.0),
-                              ("wait", 16.0, 21.0), ("I0", 21.0, 23.0),
-                              ("W0", 23.0, 26.0)] + [("wait", 26.0, 26.0)] * 4 + [("wait", 26.0, 28.0)]
+    assert stats.timeline == [
+        ("wait", 0.0, 5.0),
+        ("F0", 5.0, 6.0),
+        ("wait", 6.0, 11.0),
+        ("wait", 11.0, 16.0),
+        ("wait", 16.0, 21.0),
+        ("I0", 21.0, 23.0),
+        ("W0", 23.0, 26.0),
+    ] + [("wait", 26.0, 26.0)] * 4 + [("wait", 26.0, 28.0)]
     # at the end the step waits for every handle: the four received ones are done, the send takes 2 s
 
 

@@ -2,22 +2,23 @@
 backwarded) against the schedules' memory bounds: eager-1f1b's stage i holds
 min(M, 2(S-i)-1) microbatches (§4 of
 "On Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022)), 1f1b min(M, S-i), gpipe all M."""
+
 from __future__ import annotations
 
 import pytest
-
-from meshjob.plan import build_plan
-from meshjob.schedule import peak_stashed_stage, warmup_forwards
-
 from test_pipeline_equivalence import make_job, run_job  # noqa: E402 - tests dir is on sys.path
+
+from meshjob.plan.build import build_plan
+from meshjob.schedule.actions import peak_stashed_stage, warmup_forwards
 
 ONE_DEVICE_STAGES = [{"layers": [2 * s, 2 * s + 2], "mesh": [1, 1]} for s in range(4)]
 MICROBATCHES = 8
 
 
 def measured_peaks(schedule: str, delay: int | str) -> tuple[dict[int, int], object]:
-    job = make_job("gpt", schedule, delay, stages=ONE_DEVICE_STAGES, steps=1,
-                   global_batch=MICROBATCHES, microbatches=MICROBATCHES)
+    job = make_job(
+        "gpt", schedule, delay, stages=ONE_DEVICE_STAGES, steps=1, global_batch=MICROBATCHES, microbatches=MICROBATCHES
+    )
     results = run_job(job)
     return {r.stage: r.stats.peak_stashed for r in results}, build_plan(job)
 

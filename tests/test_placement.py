@@ -1,17 +1,17 @@
 """Placement of stage meshes on hosts (issue 2 item 6)."""
+
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshjob.errors import PlacementError, SpecError
-from meshjob.placement import Host, Placement, default_hosts, load_hosts, place
-from meshjob.spec import StageSpec, TopologySpec, TrainingJob
+from meshjob.plan.placement import Host, Placement, default_hosts, load_hosts, place
+from meshjob.spec.manifest import StageSpec, TopologySpec, TrainingJob
 
 
 def job(*meshes: tuple[int, ...], devices_per_host: int = 2, resource: str = "cpu") -> TrainingJob:
@@ -41,8 +41,9 @@ def test_each_mesh_row_lies_on_one_host_and_rows_of_a_stage_on_distinct_hosts() 
     j = job((2, 2), (3, 1), (1, 2))
     placement = place(j, [Host(f"h{i}", 4) for i in range(3)])
     for row in placement.to_json():
-        assert {placement.host_of(r) for r in row["devices"]} == {placement.hosts.index(
-            next(h for h in placement.hosts if h.name == row["host"]))}
+        assert {placement.host_of(r) for r in row["devices"]} == {
+            placement.hosts.index(next(h for h in placement.hosts if h.name == row["host"]))
+        }
     for stage in range(3):
         names = hosts_of(placement, stage)
         assert len(names) == len(set(names))

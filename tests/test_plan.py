@@ -1,4 +1,5 @@
 """The Plan: placement + boundaries + schedules, and its JSON contract (`meshjob plan --json`)."""
+
 from __future__ import annotations
 
 import copy
@@ -10,17 +11,18 @@ from typing import Any
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
 from meshjob.errors import PlacementError
-from meshjob.mesh import Mesh
-from meshjob.network import NetworkModel
-from meshjob.placement import Host
-from meshjob.plan import build_plan, plan_boundary
-from meshjob.schedule import Action, validate, warmup_forwards
-from meshjob.sharding import ShardingSpec
-from meshjob.simulate import simulate_transfer
-from meshjob.job import ReshardingSpec
-from meshjob.spec import load_job, parse_job
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan, plan_boundary
+from meshjob.plan.placement import Host
+from meshjob.resharding.strategies import task_cost
+from meshjob.schedule.actions import Action, validate, warmup_forwards
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import simulate_transfer
+from meshjob.spec.manifest import load_job, parse_job
+from meshjob.spec.model import ReshardingSpec
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -66,6 +68,7 @@ def utransformer_job(**spec_changes: Any):
 
 
 # --- the JSON contract -------------------------------------------------------------------------
+
 
 def assert_contract(doc: dict[str, Any], num_stages: int) -> None:
     assert isinstance(doc["placement"], list) and doc["placement"]
@@ -129,6 +132,7 @@ def test_placement_json_lists_every_rank_once_stage_by_stage() -> None:
 
 # --- boundaries --------------------------------------------------------------------------------
 
+
 def test_every_edge_has_a_forward_and_a_backward_boundary() -> None:
     job = utransformer_job()
     plan = build_plan(job)
@@ -182,11 +186,16 @@ def _mesh_4x2(first_rank: int) -> Mesh:
 def test_an_allgather_boundary_is_timed_message_by_message_where_its_tasks_rings_interleave() -> None:
     # 4x2 -> 4x2 meshes, S0R -> RR: four tasks, each a ring over all eight receiving devices. The balancer
     # holds each task's links from its first message to its last and so serialises them; the executor
-    # (and meshjob.simulate) interleaves their messages on the links.
+    # (and meshjob.simulate.simulator) interleaves their messages on the links.
     src, dst = _mesh_4x2(0), _mesh_4x2(8)
-    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (256, 1024), (src, ShardingSpec.parse("S0R")),
-                             (dst, ShardingSpec.parse("RR")), ReshardingSpec("global_allgather", 1, "greedy"),
-                             lambda rank: rank // 2)
+    boundary = plan_boundary(
+        BoundaryKey(0, 1, "x"),
+        (256, 1024),
+        (src, ShardingSpec.parse("S0R")),
+        (dst, ShardingSpec.parse("RR")),
+        ReshardingSpec("global_allgather", 1, "greedy"),
+        lambda rank: rank // 2,
+    )
     timed = simulate_transfer(boundary.steps, lambda rank: rank // 2, NetworkModel()).makespan_s
     assert len(boundary.tasks) == 4
     assert boundary.makespan_s == boundary.timed_s == timed
@@ -201,8 +210,14 @@ def test_an_allgather_window_times_its_boundaries_steps_together_in_the_joint_sc
     members = [plan.boundaries[b] for b in window.boundaries]
     keyed, first = [], 0
     for k, boundary in enumerate(members):  # ids apart: each boundary numbers its steps from 0
-        keyed += [(window.schedule.start_s[window.offsets[k] + s.task], first + s.id,
-                   replace(s, id=s.id + first, after=tuple(a + first for a in s.after))) for s in boundary.steps]
+        keyed += [
+            (
+                window.schedule.start_s[window.offsets[k] + s.task],
+                first + s.id,
+                replace(s, id=s.id + first, after=tuple(a + first for a in s.after)),
+            )
+            for s in boundary.steps
+        ]
         first += max(s.id for s in boundary.steps) + 1
     steps = [s for _, _, s in sorted(keyed, key=lambda x: x[:2])]
     together = simulate_transfer(steps, plan.placement.host_of, plan.network).makespan_s
@@ -218,9 +233,14 @@ def test_a_broadcast_window_keeps_its_joint_schedules_makespan() -> None:
 
 def test_a_broadcast_boundary_keeps_its_schedules_makespan() -> None:
     src, dst = _mesh_4x2(0), _mesh_4x2(8)
-    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (256, 1024), (src, ShardingSpec.parse("S0R")),
-                             (dst, ShardingSpec.parse("RR")), ReshardingSpec("broadcast", 4, "greedy"),
-                             lambda rank: rank // 2)
+    boundary = plan_boundary(
+        BoundaryKey(0, 1, "x"),
+        (256, 1024),
+        (src, ShardingSpec.parse("S0R")),
+        (dst, ShardingSpec.parse("RR")),
+        ReshardingSpec("broadcast", 4, "greedy"),
+        lambda rank: rank // 2,
+    )
     assert boundary.timed_s is None
     assert boundary.makespan_s == boundary.schedule.makespan_s
 
@@ -229,13 +249,19 @@ def test_a_cpu_bound_broadcast_on_shared_cores_is_planned_as_the_simulator_times
     # 4x2 -> 4x2, RS1 -> S1R with K=64 on an emulated cluster (two shared cores): the chains' CPU on the
     # shared cores is as long as their link time, so the two contend; the plan's makespan takes that
     # into account as the simulator does, not only the larger of the two.
-    from meshjob.network import emulated_network
+    from meshjob.network.model import emulated_network
 
     network = emulated_network(1.25e8, 2)
     src, dst = _mesh_4x2(0), _mesh_4x2(8)
-    boundary = plan_boundary(BoundaryKey(0, 1, "x"), (2048, 2048), (src, ShardingSpec.parse("RS1")),
-                             (dst, ShardingSpec.parse("S1R")), ReshardingSpec("broadcast", 64, "greedy"),
-                             lambda rank: rank // 2, network=network)
+    boundary = plan_boundary(
+        BoundaryKey(0, 1, "x"),
+        (2048, 2048),
+        (src, ShardingSpec.parse("RS1")),
+        (dst, ShardingSpec.parse("S1R")),
+        ReshardingSpec("broadcast", 64, "greedy"),
+        lambda rank: rank // 2,
+        network=network,
+    )
     schedule = boundary.schedule
     timed = simulate_transfer(boundary.steps, lambda rank: rank // 2, network).makespan_s
     assert schedule.makespan_s > max(b + d for b, d in zip(schedule.start_s, schedule.seconds)) * 1.05
@@ -243,32 +269,37 @@ def test_a_cpu_bound_broadcast_on_shared_cores_is_planned_as_the_simulator_times
 
 
 def test_chunks_auto_takes_each_tasks_k_from_the_network_model_and_an_integer_forces_it() -> None:
-    from meshjob.network import NetworkModel
-    from meshjob.plan import host_task
-    from meshjob.window import with_shares
+    from meshjob.network.model import NetworkModel
+    from meshjob.plan.build import host_task
+    from meshjob.resharding.window import with_shares
 
     network = NetworkModel(message_s=20e-6)
-    job = make_job(model={"hidden": 1024},
-                   stages=[{"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
-                           {"layers": [2, 4], "mesh": [2, 1], "tensorParallelDim": 0}],  # replicated on 2 hosts
-                   resharding={"chunks": "auto"})
+    job = make_job(
+        model={"hidden": 1024},
+        stages=[
+            {"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
+            {"layers": [2, 4], "mesh": [2, 1], "tensorParallelDim": 0},
+        ],  # replicated on 2 hosts
+        resharding={"chunks": "auto"},
+    )
     auto = build_plan(job, network=network)
     (step,) = auto.windows
     balanced = with_shares([host_task(t, auto.placement.host_of) for b in auto.boundaries for t in b.tasks])
     for i, task in enumerate(balanced):
-        best = network.task_cost(task, step.schedule.sender_host[i], "broadcast", "auto").chunks
+        best = task_cost(network, task, step.schedule.sender_host[i], "broadcast", "auto").chunks
         assert step.schedule.chunks[i] == best
     assert all(b.chunks == "auto" for b in auto.boundaries)
     # a chain to 2 hosts is cut finer than one hop whose head copies to its host's other device
     assert set(step.schedule.chunks) == {5, 2}
     forced = build_plan(utransformer_job(resharding={"chunks": 3}))
     assert {k for b in forced.boundaries for k in b.schedule.chunks} == {3}
-    assert all(len({s.region for s in b.steps if s.task == 0 and s.src == b.senders[0]}) == 3
-               for b in forced.boundaries)
+    assert all(
+        len({s.region for s in b.steps if s.task == 0 and s.src == b.senders[0]}) == 3 for b in forced.boundaries
+    )
 
 
 def test_a_slower_nic_scales_the_makespan() -> None:
-    from meshjob.network import NetworkModel
+    from meshjob.network.model import NetworkModel
 
     bytes_only = {"message_s": 0.0, "intra_message_s": 0.0, "intra_host_bytes_per_s": 1e18}
     fast = build_plan(make_job(), network=NetworkModel(nic_bytes_per_s=1e9, **bytes_only))
@@ -286,6 +317,7 @@ def test_explicit_hosts_are_used_and_too_few_raise_placement_error() -> None:
 
 
 # --- schedules ---------------------------------------------------------------------------------
+
 
 def edges_of(job) -> list[tuple[int, int, str]]:
     return [(e.src, e.dst, e.tensor) for e in job.edges]

@@ -1,22 +1,27 @@
 """Per-rank communication programs: the ordered sends and receives an executor follows."""
+
 from __future__ import annotations
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
-from meshjob.network import NetworkModel
-from meshjob.plan import build_plan
-from meshjob.simulate import simulate_transfer
-from meshjob.spec import load_job, parse_job
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import simulate_transfer
+from meshjob.spec.manifest import load_job, parse_job
 
 CHAIN = {  # stage 1 replicated on two hosts: every forward task is a chain, cut into chunks
-    "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "chain"},
+    "apiVersion": "meshjob.io/v1alpha1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "chain"},
     "spec": {
         "model": {"kind": "gpt", "layers": 4, "hidden": 1024, "heads": 2, "vocab": 64, "seqLen": 8},
         "training": {"steps": 1, "globalBatch": 8, "microbatches": 4, "seed": 0},
         "topology": {"devicesPerHost": 2},
-        "stages": [{"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
-                   {"layers": [2, 4], "mesh": [2, 1], "tensorParallelDim": 0}],
+        "stages": [
+            {"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1},
+            {"layers": [2, 4], "mesh": [2, 1], "tensorParallelDim": 0},
+        ],
         "resharding": {"strategy": "broadcast", "chunks": "auto", "balancer": "greedy", "budgetSeconds": 0.2},
     },
 }
@@ -46,7 +51,7 @@ def test_a_forwarding_rank_sends_each_chunk_after_it_lands_and_chunks_in_order(p
     forward = plan.boundaries[0]
     assert max(forward.schedule.chunks) > 1
     timed = simulate_transfer(forward.steps, plan.placement.host_of, plan.network)
-    for rank, prog in programs(plan, forward).items():
+    for prog in programs(plan, forward).values():
         landed = {s.id: timed.finish_s[s.id] for s in prog.recvs}
         for step in prog.sends:
             for dep in step.after:  # a forward waits for what this rank received
@@ -57,7 +62,7 @@ def test_a_forwarding_rank_sends_each_chunk_after_it_lands_and_chunks_in_order(p
 
 def test_sends_name_the_link_they_use(plan):
     for b in plan.boundaries:
-        for rank, prog in programs(plan, b).items():
+        for prog in programs(plan, b).values():
             for step, link in zip(prog.sends, prog.send_links):
                 src, dst = plan.placement.host_of(step.src), plan.placement.host_of(step.dst)
                 assert link == ((src, "local") if src == dst else (src, "out"))
@@ -66,15 +71,16 @@ def test_sends_name_the_link_they_use(plan):
 def test_a_rank_outside_the_boundary_has_an_empty_program():
     plan = build_plan(load_job("examples/gpt-demo.yaml"))
     b = plan.boundary(BoundaryKey(0, 1, "activation"))
-    outside = next(r for r in range(plan.placement.world_size)
-                   if r not in plan.mesh(0).ranks and r not in plan.mesh(1).ranks)
+    outside = next(
+        r for r in range(plan.placement.world_size) if r not in plan.mesh(0).ranks and r not in plan.mesh(1).ranks
+    )
     prog = plan.program(b, outside)
     assert prog.sends == () and prog.recvs == () and prog.send_bytes == 0
 
 
 def test_receives_name_the_link_they_arrive_on(plan):
     for b in plan.boundaries:
-        for rank, prog in programs(plan, b).items():
+        for prog in programs(plan, b).values():
             assert len(prog.recv_links) == len(prog.recvs)
             for step, link in zip(prog.recvs, prog.recv_links):
                 src, dst = plan.placement.host_of(step.src), plan.placement.host_of(step.dst)

@@ -2,6 +2,7 @@
 (as on every real cluster): the chart as `helm install` renders it (its CRD, the operator's account and
 RBAC, the operator run with the chart's command line as that account), then each `kubectl` line of the
 README in a fresh namespace. No kubelet runs: the test plays it, and the job's pods reach Running."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from prometheus_harness import Envtest, chart_operator, envtest_dir, node, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,10 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def readme_commands() -> list[list[str]]:
     """The shell commands of the README's "On Kubernetes" block (continued lines joined, comments dropped)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## On Kubernetes"):]
+    section = text[text.index("## On Kubernetes") :]
     start = section.index("```bash") + len("```bash")
     commands, pending = [], ""
-    for line in section[start:section.index("```", start)].splitlines():
+    for line in section[start : section.index("```", start)].splitlines():
         line = line.split(" #")[0].rstrip()
         if line.endswith("\\"):
             pending += line[:-1] + " "
@@ -67,8 +67,15 @@ def test_the_readmes_own_commands_give_running_pods_in_a_fresh_namespace(tmp_pat
         hosts = [f"host-{i}" for i in range(4)]  # gpt-demo: 4 hosts of devicesPerHost 2
         envtest.apply([node(name, 2) for name in hosts])
         for name in hosts:  # a node's status is its own subresource; a Ready node loses the not-ready taint
-            envtest.kubectl("patch", "node", name, "--subresource=status", "--type=merge",
-                            "-p", json.dumps({"status": node(name, 2)["status"]}))
+            envtest.kubectl(
+                "patch",
+                "node",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": node(name, 2)["status"]}),
+            )
             envtest.kubectl("patch", "node", name, "--type=merge", "-p", json.dumps({"spec": {"taints": None}}))
         namespace = ""
         for command in kubectl:
@@ -88,12 +95,22 @@ def test_the_readmes_own_commands_give_running_pods_in_a_fresh_namespace(tmp_pat
 
         created = wait_until(lambda: len(pods()) == 4 and pods(), 60, "the job's 4 host pods")
         for pod in created:  # play the kubelet
-            envtest.kubectl("patch", "pod", "-n", namespace, pod["metadata"]["name"], "--subresource=status",
-                            "--type=merge", "-p", json.dumps({"status": {"phase": "Running"}}))
+            envtest.kubectl(
+                "patch",
+                "pod",
+                "-n",
+                namespace,
+                pod["metadata"]["name"],
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": {"phase": "Running"}}),
+            )
 
         def phase() -> str:
             out = envtest.kubectl("get", "tj", "-n", namespace, "gpt-demo", "-o", "jsonpath={.status.phase}")
             return out.stdout
+
         wait_until(lambda: phase() == "Running", 60, "phase Running")
         table = envtest.kubectl(*[a for a in kubectl[-1][1:] if a != "-w"]).stdout.split("\n")[0].split()
         assert table == ["NAME", "PHASE", "STEP", "PROGRESS", "HOSTS", "RESTARTS", "AGE"]

@@ -1,5 +1,6 @@
 """The operator ships the plan's inputs and digest; a worker rebuilds from them and refuses a plan
 whose digest differs, naming both digests and the parts that differ."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshjob import rendered
-from meshjob.placement import Host
-from meshjob.rendered import PlanInputs, PlanMismatch
-from meshjob.spec import load_job
+from meshjob.plan import rendered
+from meshjob.plan.placement import Host
+from meshjob.plan.rendered import PlanInputs, PlanMismatch
+from meshjob.spec.manifest import load_job
 
 TINY = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
 HOSTS = (Host("n0", 2, "r0"), Host("n1", 2, "r0"), Host("n2", 2, "r1"))

@@ -4,18 +4,20 @@ and lowering of unit tasks by strategy.
 Lowered steps are checked by simulating them on numpy arrays: every device starts with its source
 tile, steps run in a random order that respects their dependencies, and each receiver must end
 with exactly its destination tile."""
+
 import math
 import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshjob.errors import SpecError
-from meshjob.mesh import Mesh
-from meshjob.resharding import (CROSS_HOST, INTRA_HOST, STRATEGIES, UnitTask, decompose, lower,
-                                nic_bytes, split)
-from meshjob.sharding import ShardingSpec, contains, tile, to_index
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec, contains, tile, to_index
+from meshjob.resharding.strategies import STRATEGIES, lower
+from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST, UnitTask, decompose, nic_bytes, split
 
 
 # ---------------------------------------------------------------- random meshes and specs
@@ -37,8 +39,9 @@ def resharding_cases(draw):
     shape_a, shape_b = draw(mesh_shapes()), draw(mesh_shapes())
     ndim = draw(st.integers(1, 3))
     spec_a, spec_b = draw(specs(shape_a, ndim)), draw(specs(shape_b, ndim))
-    tensor = tuple(math.lcm(a, b) * draw(st.integers(1, 2))
-                   for a, b in zip(spec_a.shards(shape_a), spec_b.shards(shape_b)))
+    tensor = tuple(
+        math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(spec_a.shards(shape_a), spec_b.shards(shape_b))
+    )
     mesh_a = Mesh.grid(shape_a)
     # The destination may share hosts with the source (first_host inside A's hosts) or not.
     mesh_b = Mesh.grid(shape_b, first_rank=mesh_a.size, first_host=draw(st.integers(0, shape_a[0])))
@@ -83,14 +86,21 @@ def test_each_receiver_gets_exactly_its_tile(case):
 def test_senders_are_exactly_the_source_devices_holding_the_slice(case):
     tensor, mesh_a, spec_a, mesh_b, spec_b = case
     for task in decompose(tensor, mesh_a, spec_a, mesh_b, spec_b):
-        holders = tuple(r for r in mesh_a.ranks
-                        if contains(tile(spec_a, mesh_a.shape, tensor, mesh_a.index_of(r)), task.slice))
+        holders = tuple(
+            r for r in mesh_a.ranks if contains(tile(spec_a, mesh_a.shape, tensor, mesh_a.index_of(r)), task.slice)
+        )
         assert task.senders == holders and holders
 
 
 def test_bytes_are_numel_times_itemsize():
-    [task] = decompose((4, 6), Mesh.grid((1,)), ShardingSpec.parse("RR"),
-                       Mesh.grid((2,), first_rank=1, first_host=1), ShardingSpec.parse("RR"), itemsize=2)
+    [task] = decompose(
+        (4, 6),
+        Mesh.grid((1,)),
+        ShardingSpec.parse("RR"),
+        Mesh.grid((2,), first_rank=1, first_host=1),
+        ShardingSpec.parse("RR"),
+        itemsize=2,
+    )
     assert task.bytes == 4 * 6 * 2 and task.receivers == (1, 2) and task.senders == (0,)
 
 
@@ -99,8 +109,11 @@ def test_paper_case_1_s01r_to_s0r_gives_one_task_per_row():
     a, b = Mesh.grid((2, 2)), Mesh.grid((2, 2), first_rank=4, first_host=2)
     tasks = decompose((4, 4), a, ShardingSpec.parse("S01R"), b, ShardingSpec.parse("S0R"))
     assert [(t.slice, t.senders, t.receivers) for t in tasks] == [
-        (((0, 1), (0, 4)), (0,), (4, 5)), (((1, 2), (0, 4)), (1,), (4, 5)),
-        (((2, 3), (0, 4)), (2,), (6, 7)), (((3, 4), (0, 4)), (3,), (6, 7))]
+        (((0, 1), (0, 4)), (0,), (4, 5)),
+        (((1, 2), (0, 4)), (1,), (4, 5)),
+        (((2, 3), (0, 4)), (2,), (6, 7)),
+        (((3, 4), (0, 4)), (3,), (6, 7)),
+    ]
 
 
 def test_paper_case_2_s0r_to_rs1_cuts_both_dims():
@@ -112,8 +125,9 @@ def test_paper_case_2_s0r_to_rs1_cuts_both_dims():
 
 def test_invalid_specs_are_rejected_naming_the_side():
     with pytest.raises(SpecError, match="dst_spec"):
-        decompose((6, 4), Mesh.grid((2,)), ShardingSpec.parse("S0R"),
-                  Mesh.grid((4,), first_rank=2), ShardingSpec.parse("S0R"))
+        decompose(
+            (6, 4), Mesh.grid((2,)), ShardingSpec.parse("S0R"), Mesh.grid((4,), first_rank=2), ShardingSpec.parse("S0R")
+        )
 
 
 # ---------------------------------------------------------------- lowering, simulated on arrays
@@ -194,12 +208,15 @@ def one_to_two_by_four():
     return task, host_map(a, b)
 
 
-@pytest.mark.parametrize("strategy, out_copies, steps_cross", [
-    ("send_recv", 8, 8),             # A*B copies from the sender
-    ("local_allgather", 2, 8),       # one copy per host, split in B parts
-    ("global_allgather", 1, 8 + 14),  # A*B parts out; 8 parts x 2 ring boundaries, less 2 unused
-    ("broadcast", 1, 4 + 4),         # K=4 chunks to host 1, then 4 chunks host 1 -> host 2
-])
+@pytest.mark.parametrize(
+    "strategy, out_copies, steps_cross",
+    [
+        ("send_recv", 8, 8),  # A*B copies from the sender
+        ("local_allgather", 2, 8),  # one copy per host, split in B parts
+        ("global_allgather", 1, 8 + 14),  # A*B parts out; 8 parts x 2 ring boundaries, less 2 unused
+        ("broadcast", 1, 4 + 4),  # K=4 chunks to host 1, then 4 chunks host 1 -> host 2
+    ],
+)
 def test_nic_bytes_per_strategy(strategy, out_copies, steps_cross):
     task, host_of = one_to_two_by_four()
     steps = lower(task, 0, 0, strategy, 4, host_of)
@@ -259,8 +276,10 @@ def test_signal_has_broadcast_shape_with_one_byte_steps():
     task, host_of = one_to_two_by_four()
     signal = lower(task, 0, 0, "signal", 16, host_of)
     shape = lower(task, 0, 0, "broadcast", 1, host_of)
+
     def shape_of(steps):
         return [(s.src, s.dst, s.after, s.scope) for s in steps]
+
     assert shape_of(signal) == shape_of(shape)
     assert all(s.signal and s.nbytes() == 1 for s in signal)
     assert nic_bytes(signal, host_of) == {0: (1, 0), 1: (1, 1), 2: (0, 1)}

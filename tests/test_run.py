@@ -1,5 +1,6 @@
 """`meshjob run`: a tiny job end to end on the emulated cluster and on loopback, cleanup after
 success, failure and Ctrl-C, gang restart from a checkpoint, metrics while it runs."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.emulate.netns import list_netns, netns_available
-from meshjob.boundary import BoundaryKey
 from meshjob_trainer.emulate.progress import RunStats
 from meshjob_trainer.events import CheckpointRestored, LowerBoundRatio, NicBandwidth, StepFinished, UnitTasks
 
@@ -43,8 +44,13 @@ class Run:
         env = {**os.environ, "MESHJOB_TEST_TAG": self.tag}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshjob.cli", "run", str(job), "--quiet", "--json", str(self.json_path), *args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_ctrl_c_as_at_a_terminal)
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_ctrl_c_as_at_a_terminal,
+        )
 
     def wait(self, timeout: float = 150) -> int:
         try:
@@ -52,7 +58,9 @@ class Run:
         except subprocess.TimeoutExpired:
             self.proc.terminate()  # SIGTERM: the run still removes its namespaces
             self.out, self.err = self.proc.communicate(timeout=20)
-            raise AssertionError(f"meshjob run still running after {timeout:g} s; stderr:\n{self.err[-3000:]}")
+            raise AssertionError(
+                f"meshjob run still running after {timeout:g} s; stderr:\n{self.err[-3000:]}"
+            ) from None
         return self.proc.returncode
 
     def summary(self) -> dict:
@@ -232,8 +240,11 @@ def test_metrics_port_serves_the_aggregated_step_and_loss_while_running(tmp_path
         run.wait()
     assert 'meshjob_loss{namespace="default",stage="1",trainingjob="tiny"}' in text
     assert "meshjob_tokens_total" in text
-    nic_hosts = {line.split('host="')[1].split('"')[0] for line in text.splitlines()
-                 if line.startswith("meshjob_nic_bandwidth_bytes_per_second{")}
+    nic_hosts = {
+        line.split('host="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("meshjob_nic_bandwidth_bytes_per_second{")
+    }
     assert nic_hosts and all(h.startswith("host-") for h in nic_hosts), nic_hosts  # the plan's names
     run.assert_clean()
 
@@ -245,8 +256,9 @@ def test_bad_nic_rate_is_rejected_naming_the_option(tmp_path, start):
     assert "--nic-rate: 'fast' is invalid" in run.err
 
 
-def step_event_of(rank: int, step: int, seconds: float, loss: float = math.nan,
-                  tokens: int = 1000) -> tuple[int, StepFinished]:
+def step_event_of(
+    rank: int, step: int, seconds: float, loss: float = math.nan, tokens: int = 1000
+) -> tuple[int, StepFinished]:
     """(rank, its step event): rank r runs stage r here."""
     return rank, StepFinished(stage=rank, step=step, seconds=seconds, tokens=tokens, loss=loss)
 
@@ -341,9 +353,14 @@ def test_a_hosts_file_places_the_job_and_only_used_hosts_are_emulated(tmp_path, 
 
 def test_nic_ratio_and_unit_task_events_are_summarised_per_host_boundary_and_balancer():
     stats = RunStats(world_size=2, total_steps=1)
-    for rank, event in ((0, NicBandwidth("host-1", 2e6)), (1, NicBandwidth("host-1", 5e6)),
-                        (1, LowerBoundRatio(FORWARD, 3.0)), (1, LowerBoundRatio(FORWARD, 1.5)),
-                        (0, UnitTasks("greedy", 2)), (1, UnitTasks("greedy", 3))):
+    for rank, event in (
+        (0, NicBandwidth("host-1", 2e6)),
+        (1, NicBandwidth("host-1", 5e6)),
+        (1, LowerBoundRatio(FORWARD, 3.0)),
+        (1, LowerBoundRatio(FORWARD, 1.5)),
+        (0, UnitTasks("greedy", 2)),
+        (1, UnitTasks("greedy", 3)),
+    ):
         stats.add(rank, event)
     summary = stats.to_json()
     assert summary["nic_bytes_per_s_max"] == {"host-1": 5e6}
@@ -353,10 +370,10 @@ def test_nic_ratio_and_unit_task_events_are_summarised_per_host_boundary_and_bal
 
 @pytest.fixture
 def feed():
+    from meshjob.plan.build import build_plan
+    from meshjob.plan.placement import default_hosts
+    from meshjob.spec.manifest import load_job
     from meshjob_trainer.commands.run import MetricsFeed
-    from meshjob.placement import default_hosts
-    from meshjob.plan import build_plan
-    from meshjob.spec import load_job
 
     job = load_job(str(TINY))
     plan = build_plan(job, default_hosts(job))
@@ -370,9 +387,21 @@ def test_metrics_feed_labels_nic_bandwidth_with_the_ranks_host_names(feed):
     for host, rate in (("host-0", 1e6), ("host-1", 3e6)):
         feed.on_event(NicBandwidth(host, rate), stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-0"}) == 1e6
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-1"}) == 3e6
-    assert get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "launcher"}) is None
+    assert (
+        get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-0"})
+        == 1e6
+    )
+    assert (
+        get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "tiny", "namespace": "default", "host": "host-1"})
+        == 3e6
+    )
+    assert (
+        get(
+            "meshjob_nic_bandwidth_bytes_per_second",
+            {"trainingjob": "tiny", "namespace": "default", "host": "launcher"},
+        )
+        is None
+    )
 
 
 def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
@@ -381,7 +410,13 @@ def test_metrics_feed_passes_on_lower_bound_ratio_and_unit_tasks(feed):
     feed.on_event(UnitTasks("greedy", 4), stats)
     feed.on_event(UnitTasks("greedy", 2), stats)
     get = feed.metrics.registry.get_sample_value
-    assert get("meshjob_resharding_lower_bound_ratio", {"trainingjob": "tiny", "namespace": "default", "boundary": "0->1:activation"}) == 1.25
+    assert (
+        get(
+            "meshjob_resharding_lower_bound_ratio",
+            {"trainingjob": "tiny", "namespace": "default", "boundary": "0->1:activation"},
+        )
+        == 1.25
+    )
     assert get("meshjob_unit_tasks_total", {"trainingjob": "tiny", "namespace": "default", "balancer": "greedy"}) == 6
 
 
@@ -393,5 +428,7 @@ def test_the_feed_reports_a_step_once_every_rank_finished_it_as_the_last_stage(f
     get = feed.metrics.registry.get_sample_value
     assert get("meshjob_step", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 1
     assert get("meshjob_step", {"trainingjob": "tiny", "namespace": "default", "stage": "0"}) is None
-    assert get("meshjob_step_seconds_sum", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 0.5  # the slowest rank's time
+    assert (
+        get("meshjob_step_seconds_sum", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 0.5
+    )  # the slowest rank's time
     assert get("meshjob_loss", {"trainingjob": "tiny", "namespace": "default", "stage": "1"}) == 3.5

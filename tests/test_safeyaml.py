@@ -1,4 +1,5 @@
-"""meshjob.safeyaml: manifests are read within bounds, with kubectl's scalars, refusing duplicate keys."""
+"""meshjob.spec.safeyaml: manifests are read within bounds, with kubectl's scalars, refusing duplicate keys."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import time
 import pytest
 
 from meshjob.errors import FieldError, SpecError, short
-from meshjob.safeyaml import LIMITS, Limits, check_tree, load_documents, load_one, resolve_plain
+from meshjob.spec.safeyaml import LIMITS, Limits, check_tree, load_documents, load_one, resolve_plain
 
 
 def refusal(text: str, limits: Limits = LIMITS) -> FieldError:
@@ -27,17 +28,37 @@ def billion_laughs(levels: int = 9, width: int = 9) -> str:
 
 # --- kubectl's scalars -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, value", [
-    ("1e-3", 0.001), ("1E3", 1000.0), (".5", 0.5), ("-.5e1", -5.0), ("3.0e-4", 3e-4), ("1_000.5", 1000.5),
-])
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1e-3", 0.001),
+        ("1E3", 1000.0),
+        (".5", 0.5),
+        ("-.5e1", -5.0),
+        ("3.0e-4", 3e-4),
+        ("1_000.5", 1000.5),
+    ],
+)
 def test_exponents_without_a_dot_and_leading_dots_are_floats(text, value):
     assert resolve_plain(text) == value and isinstance(resolve_plain(text), float)
 
 
-@pytest.mark.parametrize("text, value", [
-    ("12", 12), ("+12", 12), ("-0x10", -16), ("0x1F", 31), ("0o17", 15), ("0b101", 5), ("0777", 511),
-    ("1_000", 1000), ("00", 0), ("9223372036854775808", 2**63),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("12", 12),
+        ("+12", 12),
+        ("-0x10", -16),
+        ("0x1F", 31),
+        ("0o17", 15),
+        ("0b101", 5),
+        ("0777", 511),
+        ("1_000", 1000),
+        ("00", 0),
+        ("9223372036854775808", 2**63),
+    ],
+)
 def test_integers_take_go_prefixes_octal_zero_and_underscores(text, value):
     assert resolve_plain(text) == value and type(resolve_plain(text)) is int
 
@@ -73,12 +94,14 @@ def test_special_floats():
 
 def test_quoted_and_str_tagged_scalars_stay_strings():
     assert load_documents("a: '12'\nb: \"on\"\nc: !!str 1e3\nd: |\n  yes\n") == [
-        {"a": "12", "b": "on", "c": "1e3", "d": "yes\n"}]
+        {"a": "12", "b": "on", "c": "1e3", "d": "yes\n"}
+    ]
 
 
 def test_core_tags_convert_and_other_tags_are_refused():
     assert load_documents("a: !!int '13'\nb: !!float 1\nc: !!bool 'on'\nd: !!null ''\n") == [
-        {"a": 13, "b": 1.0, "c": True, "d": None}]
+        {"a": 13, "b": 1.0, "c": True, "d": None}
+    ]
     assert "not supported" in refusal("a: !!binary aGVsbG8=\n").allowed
     assert "not supported" in refusal("a: !!python/object:os.system x\n").allowed
     assert "not a valid !!int" in refusal("a: !!int twelve\n").allowed
@@ -94,6 +117,7 @@ def test_null_and_collection_keys_are_refused():
 
 
 # --- structure -----------------------------------------------------------------------------------
+
 
 def test_duplicate_key_is_refused_naming_its_path_and_line():
     error = refusal("spec:\n  model:\n    layers: 8\n    hidden: 4\n    layers: 9\n")
@@ -151,6 +175,7 @@ def test_control_characters_and_lone_surrogates_are_refused(text):
 
 
 # --- bounds ---------------------------------------------------------------------------------------
+
 
 def test_alias_bomb_is_refused_fast_without_expanding():
     text = billion_laughs()  # 9**9 = 387 million leaves in about 300 bytes
@@ -217,6 +242,7 @@ def test_check_tree_accepts_ordinary_documents():
 
 # --- messages --------------------------------------------------------------------------------------
 
+
 def test_error_values_are_truncated():
     assert len(short("x" * 1_000_000)) < 100
     assert len(short(list(range(1_000_000)))) < 100
@@ -235,10 +261,23 @@ def test_error_paths_from_huge_keys_are_truncated():
 def test_dump_yaml_reads_back_the_same_values_where_pyyaml_would_not():
     import yaml
 
-    from meshjob.safeyaml import dump_yaml
+    from meshjob.spec.safeyaml import dump_yaml
 
-    doc = {"y": "y", "on": "on", "octal": "0o17", "exp": "1e3", "dot": ".5", "empty": "", "date": "2001-12-14",
-           "plain": "gpt", "n": 3, "f": 0.001, "b": False, "none": None, "list": ["n", "S0RR", "0777"]}
+    doc = {
+        "y": "y",
+        "on": "on",
+        "octal": "0o17",
+        "exp": "1e3",
+        "dot": ".5",
+        "empty": "",
+        "date": "2001-12-14",
+        "plain": "gpt",
+        "n": 3,
+        "f": 0.001,
+        "b": False,
+        "none": None,
+        "list": ["n", "S0RR", "0777"],
+    }
     assert load_documents(yaml.safe_dump(doc)) != [doc]  # PyYAML writes y, 0o17 and 1e3 plain
     assert load_documents(dump_yaml(doc)) == [doc]
     assert "plain: gpt" in dump_yaml(doc)  # ordinary strings stay unquoted

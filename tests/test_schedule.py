@@ -1,11 +1,12 @@
 """Pipeline schedules: action IR, generators, validator (issue 2 item 5)."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshjob.schedule import (
+from meshjob.schedule.actions import (
     Action,
     ScheduleError,
     generate,
@@ -33,6 +34,7 @@ def computes(actions: list[Action]) -> list[str]:
 
 
 # --- the action IR ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "text", ["F3", "B0", "I12", "W7", "SEND_F3@2", "RECV_B3@1", "SEND_B0@0:skip0", "RECV_F9@4:skip1"]
@@ -69,7 +71,9 @@ def test_generated_chain_schedules_validate(kind: str, split: bool, num_stages: 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_stages,microbatches", [(4, 4), (4, 8), (6, 6), (8, 16)])
-def test_generated_schedules_with_skip_edges_validate(kind: str, split: bool, num_stages: int, microbatches: int) -> None:
+def test_generated_schedules_with_skip_edges_validate(
+    kind: str, split: bool, num_stages: int, microbatches: int
+) -> None:
     edges = u_net(num_stages)
     assert any(dst - src > 1 for src, dst, _ in edges)
     schedules = generate(kind, num_stages, microbatches, edges, split_backward=split)
@@ -153,15 +157,22 @@ def test_1f1b_stashes_fewer_microbatches_than_gpipe() -> None:
 def test_split_backward_replaces_b_with_i_then_w() -> None:
     schedules = generate("1f1b", 2, 2, chain(2), split_backward=True)
     assert [str(a) for a in schedules[1]] == [
-        "RECV_F0@0", "F0", "I0", "SEND_B0@0", "W0", "RECV_F1@0", "F1", "I1", "SEND_B1@0", "W1"
+        "RECV_F0@0",
+        "F0",
+        "I0",
+        "SEND_B0@0",
+        "W0",
+        "RECV_F1@0",
+        "F1",
+        "I1",
+        "SEND_B1@0",
+        "W1",
     ]
 
 
 def test_weight_delay_postpones_w_behind_later_i_and_drains_at_the_end() -> None:
     schedules = generate("1f1b", 2, 4, chain(2), split_backward=True, weight_delay={1: 2})
-    assert computes(schedules[1]) == [
-        "F0", "I0", "F1", "I1", "F2", "I2", "W0", "F3", "I3", "W1", "W2", "W3"
-    ]
+    assert computes(schedules[1]) == ["F0", "I0", "F1", "I1", "F2", "I2", "W0", "F3", "I3", "W1", "W2", "W3"]
     assert peak_stashed(schedules)[1] == 3  # one forward in flight plus two delayed W's
 
 
@@ -184,6 +195,7 @@ def test_generate_rejects_an_unknown_kind() -> None:
 
 
 # --- the validator rejects tampered lists, naming the action ---------------------------------
+
 
 def tampered(kind: str = "1f1b", split: bool = False) -> tuple[dict[int, list[Action]], list[tuple[int, int, str]]]:
     edges = chain(3) + [(0, 2, "skip0")]
@@ -263,7 +275,9 @@ def test_validator_detects_two_stages_waiting_on_each_other() -> None:
     s0 = schedules[0]
     s0.remove(Action("RECV_B", 0, 1))
     s0.insert(s0.index(Action("SEND_F", 0, 1)), Action("RECV_B", 0, 1))
-    with pytest.raises(ScheduleError, match=r"deadlock: stage 0: action RECV_B0@1 never completes.*stage 1 waits at RECV_F0@0"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: stage 0: action RECV_B0@1 never completes.*stage 1 waits at RECV_F0@0"
+    ):
         validate(schedules, edges, 2, False)
 
 

@@ -1,5 +1,6 @@
-"""meshjob.search: equals exhaustive enumeration on small spaces, keeps the fixed fields, says how much memory
+"""meshjob.search.algorithm: equals exhaustive enumeration on small spaces, keeps the fixed fields, says how much memory
 is missing when nothing fits, and gives the same answer in another process."""
+
 from __future__ import annotations
 
 import json
@@ -11,23 +12,36 @@ from dataclasses import replace
 
 import pytest
 
-from meshjob.tune_cluster import DEVICES, Cluster
-from meshjob.network import NetworkModel
-from meshjob.search import Infeasible, Problem, default_space, exhaustive, search
-from meshjob.tune_input import base_job, read_fixed
+from meshjob.network.model import NetworkModel
+from meshjob.search.algorithm import Infeasible, Problem, default_space, exhaustive, search
+from meshjob.search.cluster import DEVICES, Cluster
+from meshjob.search.inputs import base_job, read_fixed
 
 
 def manifest(layers: int, hidden: int = 64, heads: int = 4, batch: int = 8, seq: int = 32, **spec) -> dict:
-    return {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "t"},
-            "spec": {"model": {"kind": "gpt", "layers": layers, "hidden": hidden, "heads": heads, "vocab": 256,
-                               "seqLen": seq}, "training": {"globalBatch": batch}, **spec}}
+    return {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"kind": "gpt", "layers": layers, "hidden": hidden, "heads": heads, "vocab": 256, "seqLen": seq},
+            "training": {"globalBatch": batch},
+            **spec,
+        },
+    }
 
 
-def problem(doc: dict, hosts: int, per_host: int, nic: float = 1e9 / 8, memory: int | None = None,
-            device: str = "h100", **space) -> Problem:
+def problem(
+    doc: dict, hosts: int, per_host: int, nic: float = 1e9 / 8, memory: int | None = None, device: str = "h100", **space
+) -> Problem:
     profile = DEVICES[device]
-    cluster = Cluster(hosts, per_host, profile, NetworkModel(nic_bytes_per_s=nic,
-                                                              intra_host_bytes_per_s=profile.link_bytes_per_s), memory)
+    cluster = Cluster(
+        hosts,
+        per_host,
+        profile,
+        NetworkModel(nic_bytes_per_s=nic, intra_host_bytes_per_s=profile.link_bytes_per_s),
+        memory,
+    )
     fixed = read_fixed(doc)
     job = base_job(doc, per_host)
     return Problem(doc, job, cluster, fixed, replace(default_space(job, fixed, cluster), **space))
@@ -42,8 +56,16 @@ def random_case(seed: int) -> Problem:
     doc = manifest(layers, hidden=hidden, batch=rng.choice([4, 8]), seq=rng.choice([16, 64]))
     nic = rng.choice([1e8, 1e9, 1e10]) / 8
     kinds = tuple(rng.sample([("1f1b", 0), ("eager-1f1b", "auto"), ("gpipe", 0)], 2))
-    return problem(doc, hosts, per_host, nic=nic, microbatches=(2, 4), schedules=kinds,
-                   strategies=("broadcast",), balancers=("greedy",))
+    return problem(
+        doc,
+        hosts,
+        per_host,
+        nic=nic,
+        microbatches=(2, 4),
+        schedules=kinds,
+        strategies=("broadcast",),
+        balancers=("greedy",),
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -61,14 +83,24 @@ def test_lower_bound_never_exceeds_the_simulated_step():
 
 
 def test_fixed_fields_are_kept():
-    doc = manifest(4, stages=[{"layers": [0, 1]}, {}], schedule={"kind": "gpipe", "weightGradDelay": 0},
-                   resharding={"strategy": "send_recv"})
+    doc = manifest(
+        4,
+        stages=[{"layers": [0, 1]}, {}],
+        schedule={"kind": "gpipe", "weightGradDelay": 0},
+        resharding={"strategy": "send_recv"},
+    )
     doc["spec"]["training"]["microbatches"] = 2
     p = problem(doc, 2, 2, strategies=("send_recv",), balancers=("greedy",))
     for prediction in search(p, top=10, max_evaluations=10**6).ranked:
         c = prediction.candidate
-        assert (len(c.layers), c.layers[0], c.microbatches, c.kind, c.delay, c.strategy) == \
-            (2, 1, 2, "gpipe", "0", "send_recv")
+        assert (len(c.layers), c.layers[0], c.microbatches, c.kind, c.delay, c.strategy) == (
+            2,
+            1,
+            2,
+            "gpipe",
+            "0",
+            "send_recv",
+        )
 
 
 def test_a_fixed_mesh_is_used_as_written():
@@ -85,8 +117,8 @@ def test_a_model_too_large_for_the_cluster_reports_the_smallest_overflow():
 
 
 def test_the_written_manifest_passes_the_spec():
-    from meshjob.plan import build_plan
-    from meshjob.spec import parse_job
+    from meshjob.plan.build import build_plan
+    from meshjob.spec.manifest import parse_job
 
     p = random_case(4)
     best = search(p, max_evaluations=10**6).best
@@ -98,7 +130,7 @@ CHILD = """
 import json, sys
 sys.path[:0] = {path!r}
 from tests.test_search import random_case
-from meshjob.search import search
+from meshjob.search.algorithm import search
 r = search(random_case(5), max_evaluations=10**6)
 print(json.dumps([r.best.step_s, r.best.candidate.label(), r.evaluated]))
 """
@@ -109,6 +141,12 @@ def test_the_search_is_deterministic_across_processes():
     r = search(random_case(5), max_evaluations=10**6)
     here = [r.best.step_s, r.best.candidate.label(), r.evaluated]
     env = {**os.environ, "PYTHONHASHSEED": "123"}
-    out = subprocess.run([sys.executable, "-c", CHILD.format(path=[root] + sys.path)], capture_output=True,
-                         text=True, env=env, check=True, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(path=[root] + sys.path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd=root,
+    )
     assert json.loads(out.stdout) == here

@@ -1,37 +1,54 @@
 """Sharding specs: notation, validation errors, tiles and the nesting relation."""
+
 import itertools
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshjob.errors import SpecError
-from meshjob.sharding import (ShardingSpec, at_least_as_sharded, check_spec, contains, intersect,
-                              slice_numel, slice_shape, tile)
+from meshjob.layout.sharding import (
+    ShardingSpec,
+    at_least_as_sharded,
+    check_spec,
+    contains,
+    intersect,
+    slice_numel,
+    slice_shape,
+    tile,
+)
 
 
-@pytest.mark.parametrize("text, dims", [
-    ("S01R", ((0, 1), ())),
-    ("S0R", ((0,), ())),
-    ("RS1", ((), (1,))),
-    ("S0RR", ((0,), (), ())),
-    ("S01,R", ((0, 1), ())),
-    ("S1, R, S0", ((1,), (), (0,))),
-    ("S10R", ((1, 0), ())),
-    ("S0S1", ((0,), (1,))),
-])
+@pytest.mark.parametrize(
+    "text, dims",
+    [
+        ("S01R", ((0, 1), ())),
+        ("S0R", ((0,), ())),
+        ("RS1", ((), (1,))),
+        ("S0RR", ((0,), (), ())),
+        ("S01,R", ((0, 1), ())),
+        ("S1, R, S0", ((1,), (), (0,))),
+        ("S10R", ((1, 0), ())),
+        ("S0S1", ((0,), (1,))),
+    ],
+)
 def test_parse_accepts_compact_and_separated_forms(text, dims):
     assert ShardingSpec.parse(text).dims == dims
 
 
-@pytest.mark.parametrize("text, canonical", [("S01,R", "S01R"), ("R,S1", "RS1"), ("S0RR", "S0RR"),
-                                             ("R, R, R", "RRR")])
+@pytest.mark.parametrize("text, canonical", [("S01,R", "S01R"), ("R,S1", "RS1"), ("S0RR", "S0RR"), ("R, R, R", "RRR")])
 def test_str_prints_the_canonical_compact_form(text, canonical):
     assert str(ShardingSpec.parse(text)) == canonical
 
 
-@given(st.lists(st.one_of(st.just(()), st.lists(st.integers(0, 2), min_size=1, max_size=3,
-                                                unique=True).map(tuple)), min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.one_of(st.just(()), st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True).map(tuple)),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_printing_then_parsing_round_trips(dims):
     spec = ShardingSpec(tuple(dims))
     assert ShardingSpec.parse(str(spec)) == spec
@@ -86,7 +103,11 @@ def test_tile_of_s01r_follows_the_paper_figure():
     # a 4x4 matrix on a 2x2 mesh, S01R: device (i, j) holds row 2i + j.
     spec = ShardingSpec.parse("S01R")
     assert [tile(spec, (2, 2), (4, 4), ix) for ix in itertools.product(range(2), range(2))] == [
-        ((0, 1), (0, 4)), ((1, 2), (0, 4)), ((2, 3), (0, 4)), ((3, 4), (0, 4))]
+        ((0, 1), (0, 4)),
+        ((1, 2), (0, 4)),
+        ((2, 3), (0, 4)),
+        ((3, 4), (0, 4)),
+    ]
 
 
 def test_tile_major_mesh_dim_is_listed_first():

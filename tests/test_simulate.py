@@ -1,18 +1,20 @@
 """The simulator against analytic cases: broadcast chains, send/recv fan-out, 1F1B bubbles."""
+
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
 
-from meshjob.boundary import BoundaryKey
-from meshjob.network import NetworkModel
-from meshjob.resharding import Step
-from meshjob.schedule import Action, generate
-from meshjob.simulate import (
+from meshjob.network.model import NetworkModel
+from meshjob.resharding.strategies import task_cost
+from meshjob.resharding.tasks import Step
+from meshjob.schedule.actions import Action, generate
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import (
     CostModel,
-    bubble_1f1b,
     broadcast_time,
+    bubble_1f1b,
     simulate_pipeline,
     simulate_transfer,
 )
@@ -36,8 +38,9 @@ def chain_steps(hosts: int, chunks: int, nbytes: int) -> list[Step]:
         region = ((k * per, (k + 1) * per),)
         for h in range(1, hosts + 1):
             after = (last_hop[k],) if h > 1 else ()
-            steps.append(Step(id=sid, task=0, src=h - 1, dst=h, region=region, after=after,
-                              scope="cross_host", signal=False))
+            steps.append(
+                Step(id=sid, task=0, src=h - 1, dst=h, region=region, after=after, scope="cross_host", signal=False)
+            )
             last_hop[k] = sid
             sid += 1
     return steps
@@ -53,8 +56,10 @@ def test_broadcast_chain_matches_t_plus_a_minus_1_t_over_k(hosts, chunks):
 
 def test_send_recv_fan_out_serializes_on_the_sender_nic():
     nbytes, receivers = 8 * MiB, 5
-    steps = [Step(id=i, task=0, src=0, dst=i + 1, region=((0, nbytes // 4),), after=(), scope="cross_host",
-                  signal=False) for i in range(receivers)]
+    steps = [
+        Step(id=i, task=0, src=0, dst=i + 1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)
+        for i in range(receivers)
+    ]
     result = simulate_transfer(steps, host_of_rank, COST)
     assert result.makespan_s == pytest.approx(receivers * nbytes / COST.nic_bytes_per_s)
     assert result.nic_busy_s[(0, "out")] == pytest.approx(result.makespan_s)
@@ -62,16 +67,20 @@ def test_send_recv_fan_out_serializes_on_the_sender_nic():
 
 def test_transfers_on_disjoint_links_run_in_parallel():
     nbytes = 8 * MiB
-    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
-             Step(id=1, task=1, src=2, dst=3, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)]
+    steps = [
+        Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+        Step(id=1, task=1, src=2, dst=3, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+    ]
     result = simulate_transfer(steps, host_of_rank, COST)
     assert result.makespan_s == pytest.approx(nbytes / COST.nic_bytes_per_s)
 
 
 def test_signal_steps_cost_one_byte():
     steps = chain_steps(3, 1, 64 * MiB)
-    signal = [Step(id=s.id, task=s.task, src=s.src, dst=s.dst, region=s.region, after=s.after, scope=s.scope,
-                   signal=True) for s in steps]
+    signal = [
+        Step(id=s.id, task=s.task, src=s.src, dst=s.dst, region=s.region, after=s.after, scope=s.scope, signal=True)
+        for s in steps
+    ]
     assert simulate_transfer(signal, host_of_rank, COST).makespan_s == pytest.approx(3 / COST.nic_bytes_per_s)
 
 
@@ -86,8 +95,9 @@ def test_every_message_pays_the_per_message_cost_on_its_links():
 def test_a_message_that_runs_alone_on_its_nic_link_pays_the_alone_cost_and_a_small_one_does_not():
     """Chunks above alone_bytes are held by the executor until they have left, so the next one's cost no
     longer overlaps them: the simulator charges alone_message_s on each, as the chain formula does."""
-    held = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=1e-4,
-                        alone_bytes=MiB, alone_message_s=1e-3)
+    held = NetworkModel(
+        nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, message_s=1e-4, alone_bytes=MiB, alone_message_s=1e-3
+    )
     nbytes, hosts = 64 * MiB, 3
     for chunks, alone in ((16, 1e-3), (64, 0.0)):  # 4 MiB chunks run alone, 1 MiB ones do not
         result = simulate_transfer(chain_steps(hosts, chunks, nbytes), host_of_rank, held)
@@ -98,8 +108,10 @@ def test_a_message_that_runs_alone_on_its_nic_link_pays_the_alone_cost_and_a_sma
 def test_half_duplex_makes_a_host_send_and_receive_one_after_the_other():
     half = NetworkModel(nic_bytes_per_s=100 * MiB, duplex="half", **BYTES_ONLY)
     nbytes = 8 * MiB
-    steps = [Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
-             Step(id=1, task=1, src=1, dst=0, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False)]
+    steps = [
+        Step(id=0, task=0, src=0, dst=1, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+        Step(id=1, task=1, src=1, dst=0, region=((0, nbytes // 4),), after=(), scope="cross_host", signal=False),
+    ]
     t = nbytes / half.nic_bytes_per_s
     assert simulate_transfer(steps, host_of_rank, half).makespan_s == pytest.approx(2 * t)
     assert simulate_transfer(steps, host_of_rank, COST).makespan_s == pytest.approx(t)
@@ -159,13 +171,18 @@ def test_calibration_measures_positive_costs_and_the_cli_uses_them():
     import subprocess
     import sys
 
-    from meshjob.spec import load_job
+    from meshjob.spec.manifest import load_job
     from meshjob_trainer.calibrate import measure_costs
 
     costs = measure_costs(load_job("examples/tiny.yaml"), repeats=1)
     assert costs["layer_forward_s"] > 0 and costs["backward_factor"] > 0
-    out = subprocess.run([sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--calibrate",
-                          "--json"], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--calibrate", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     report = json.loads(out.stdout)
     assert report["cost_model"]["layer_forward_s"] != CostModel().layer_forward_s
     assert report["cost_model"]["measured"] is True
@@ -173,9 +190,9 @@ def test_calibration_measures_positive_costs_and_the_cli_uses_them():
 
 
 def test_a_job_spread_over_more_hosts_keeps_its_stages_and_grows_data_parallel():
-    from meshjob.plan import build_plan
-    from meshjob.simulate import scale_job
-    from meshjob.spec import load_job
+    from meshjob.plan.build import build_plan
+    from meshjob.simulate.simulator import scale_job
+    from meshjob.spec.manifest import load_job
 
     job = scale_job(load_job("examples/gpt-demo.yaml"), 64)
     assert len(job.stages) == 4 and all(s.mesh[0] == 16 and s.data_parallel == 16 for s in job.stages)
@@ -187,15 +204,21 @@ def test_cli_rejects_a_bad_nic_rate_with_exit_2():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--nic-rate",
-                          "fast"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", "simulate", "examples/tiny.yaml", "--nic-rate", "fast"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--nic-rate" in out.stderr and "gbit" in out.stderr
 
 
 def test_a_token_bucket_lets_a_burst_leave_at_line_rate_then_refills_at_the_nic_rate():
     cost = NetworkModel(nic_bytes_per_s=1e6, burst_bytes=100e3, line_bytes_per_s=1e9, **BYTES_ONLY)
-    steps = [Step(id=i, task=i, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)
-             for i in range(2)]  # 80 kB each
+    steps = [
+        Step(id=i, task=i, src=0, dst=1, region=((0, 20_000),), after=(), scope="cross_host", signal=False)
+        for i in range(2)
+    ]  # 80 kB each
     result = simulate_transfer(steps, host_of_rank, cost)
     assert result.finish_s[0] == pytest.approx(80e3 / 1e9)  # within the bucket: line rate
     # the second finds 20 kB of tokens (+ a little refill) and waits for the other 60 kB at the NIC rate
@@ -212,19 +235,27 @@ def test_without_a_bucket_the_nic_rate_applies_from_the_first_byte():
 def test_on_shared_cores_a_transfer_ends_no_sooner_than_its_messages_cpu_work():
     steps = chain_steps(hosts=4, chunks=64, nbytes=4 * MiB)
     links_only = simulate_transfer(steps, host_of_rank, COST).makespan_s
-    shared = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
-                          message_cpu_s=2e-3, **BYTES_ONLY)
+    shared = NetworkModel(
+        nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2, message_cpu_s=2e-3, **BYTES_ONLY
+    )
     assert simulate_transfer(steps, host_of_rank, shared).makespan_s == pytest.approx(len(steps) * 2e-3 / 2)
     assert len(steps) * 2e-3 / 2 > links_only
-    cheap = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
-                         message_cpu_s=1e-6, **BYTES_ONLY)
+    cheap = NetworkModel(
+        nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2, message_cpu_s=1e-6, **BYTES_ONLY
+    )
     assert simulate_transfer(steps, host_of_rank, cheap).makespan_s == pytest.approx(links_only)
 
 
 def test_a_transfer_reports_its_time_on_the_links_and_the_cpu_its_messages_are_priced_at():
     steps = chain_steps(hosts=2, chunks=8, nbytes=MiB)
-    shared = NetworkModel(nic_bytes_per_s=100 * MiB, intra_host_bytes_per_s=1e15, shared_cpu_cores=2,
-                          message_cpu_s=1e-3, net_byte_cpu_s=2e-9, **BYTES_ONLY)
+    shared = NetworkModel(
+        nic_bytes_per_s=100 * MiB,
+        intra_host_bytes_per_s=1e15,
+        shared_cpu_cores=2,
+        message_cpu_s=1e-3,
+        net_byte_cpu_s=2e-9,
+        **BYTES_ONLY,
+    )
     result = simulate_transfer(steps, host_of_rank, shared)
     assert result.cpu_work_s == pytest.approx(16 * 1e-3 + 2 * MiB * 2e-9)  # 16 messages of 1/8 MiB, all cores
     assert result.link_s == pytest.approx(simulate_transfer(steps, host_of_rank, COST).makespan_s)
@@ -236,9 +267,11 @@ def test_a_transfer_reports_its_time_on_the_links_and_the_cpu_its_messages_are_p
 def two_senders_into_one_host() -> tuple[dict, dict, dict]:
     """Stages 0 and 1 each send one activation to stage 2 (one host each); stage 1 is ready first."""
     to_2 = {0: BoundaryKey(0, 2, "activation"), 1: BoundaryKey(1, 2, "activation")}
-    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
-                 1: [Action("F", 0, None), Action("SEND_F", 0, 2)],
-                 2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1), Action("F", 0, None)]}
+    schedules = {
+        0: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+        1: [Action("F", 0, None), Action("SEND_F", 0, 2)],
+        2: [Action("RECV_F", 0, 0), Action("RECV_F", 0, 1), Action("F", 0, None)],
+    }
     compute = {(0, "F"): 2.0, (1, "F"): 1.0, (2, "F"): 1.0}
     nbytes = CostModel().nic_bytes_per_s  # one second on the default NIC
     transfers = {key: (1.0, {(src, "out"): nbytes, (2, "in"): nbytes}) for src, key in to_2.items()}
@@ -264,18 +297,19 @@ def test_a_link_carries_transfers_in_the_planned_order_even_when_a_later_one_is_
 def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_it():
     from pathlib import Path
 
-    from meshjob.comm_order import TransferOrder, fastest_order, transfer_order
-    from meshjob.plan import build_plan
-    from meshjob.simulate import compute_costs, plan_cost, simulate_plan, transfer_costs
-    from meshjob.spec import load_job
+    from meshjob.plan.build import build_plan
+    from meshjob.plan.comm_order import TransferOrder, fastest_order, transfer_order
+    from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_plan, transfer_costs
+    from meshjob.spec.manifest import load_job
 
     plan = build_plan(load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml")))
     own = simulate_plan(plan)
     cost = plan_cost(plan)
     assert own.step_s == fastest_order(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)[1]
     assert own.step_s <= simulate_plan(plan, cost, follow_plan_order=False).step_s
-    slow_nic = CostModel(network=NetworkModel(nic_bytes_per_s=plan.network.nic_bytes_per_s / 20),
-                         stages=plan_cost(plan).stages)
+    slow_nic = CostModel(
+        network=NetworkModel(nic_bytes_per_s=plan.network.nic_bytes_per_s / 20), stages=plan_cost(plan).stages
+    )
     free = simulate_plan(plan, slow_nic, follow_plan_order=False)
     planned = transfer_order(plan).transfers
     assert TransferOrder.of_run(free.order).transfers != planned  # the slow NIC alone would reorder
@@ -286,11 +320,18 @@ def test_a_plan_on_its_own_costs_runs_the_order_it_defines_and_on_others_keeps_i
 def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_plans():
     """chunks: auto and the simulator read one model: the K it plans is at the bottom of the simulated
     U (too few chunks: the chain's fill; too many: the shared cores' messages)."""
-    from meshjob.task_costs import HostTask
-    from meshjob.resharding import UnitTask, lower
+    from meshjob.network.host_task import HostTask
+    from meshjob.resharding.strategies import lower
+    from meshjob.resharding.tasks import UnitTask
 
-    model = NetworkModel(nic_bytes_per_s=1.25e8, shared_cpu_cores=2, message_cpu_s=530e-6, net_byte_cpu_s=1.4e-9,
-                         local_byte_cpu_s=0.75e-9, cpu_contention_p=4.0)
+    model = NetworkModel(
+        nic_bytes_per_s=1.25e8,
+        shared_cpu_cores=2,
+        message_cpu_s=530e-6,
+        net_byte_cpu_s=1.4e-9,
+        local_byte_cpu_s=0.75e-9,
+        cpu_contention_p=4.0,
+    )
     task = UnitTask(((0, 4096), (0, 1024)), (0,), tuple(range(1, 9)), 16 * MiB)  # rank 0 -> 2 hosts x 4 devices
 
     def host_of(rank: int) -> int:
@@ -299,7 +340,7 @@ def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_pla
     def simulated(k: int) -> float:
         return simulate_transfer(lower(task, 0, 0, "broadcast", k, host_of), host_of, model).makespan_s
 
-    auto = model.task_cost(HostTask((0,), (1, 2), 16 * MiB, (4, 4), 4096), 0, "broadcast", "auto").chunks
+    auto = task_cost(model, HostTask((0,), (1, 2), 16 * MiB, (4, 4), 4096), 0, "broadcast", "auto").chunks
     sweep = {k: simulated(k) for k in (1, 4, 16, 64, 256)}
     assert sweep[1] > sweep[16] < sweep[256]
     assert simulated(auto) <= 1.03 * min(sweep.values())
@@ -307,17 +348,20 @@ def test_on_shared_cores_the_simulated_chain_is_fastest_near_the_chunks_auto_pla
 
 def paced_pair(burst_bytes: float) -> tuple[dict, dict, NetworkModel, int]:
     """Stage 0 sends two activations to stage 1 (another host), each one step of 4 MiB above alone_bytes."""
-    network = NetworkModel(nic_bytes_per_s=4 * 2**20, message_s=0.0, burst_bytes=burst_bytes,
-                           alone_bytes=2**20, alone_message_s=0.25)
+    network = NetworkModel(
+        nic_bytes_per_s=4 * 2**20, message_s=0.0, burst_bytes=burst_bytes, alone_bytes=2**20, alone_message_s=0.25
+    )
     key = BoundaryKey(0, 1, "activation")
-    schedules = {0: [Action("F", 0, None), Action("SEND_F", 0, 1), Action("F", 1, None), Action("SEND_F", 1, 1)],
-                 1: [Action("RECV_F", 0, 0), Action("RECV_F", 1, 0), Action("F", 0, None)]}
+    schedules = {
+        0: [Action("F", 0, None), Action("SEND_F", 0, 1), Action("F", 1, None), Action("SEND_F", 1, 1)],
+        1: [Action("RECV_F", 0, 0), Action("RECV_F", 1, 0), Action("F", 0, None)],
+    }
     compute = {(0, "F"): 0.0, (1, "F"): 1.0}
     return schedules, compute, network, key
 
 
 def test_a_transfer_whose_messages_run_alone_holds_its_link_for_bytes_and_message_costs_the_bucket_unused():
-    from meshjob.simulate import TransferCost, paced_early_s
+    from meshjob.simulate.simulator import TransferCost, paced_early_s
 
     for burst in (0.0, 2**20):
         schedules, compute, network, key = paced_pair(burst)
@@ -333,7 +377,7 @@ def test_a_transfer_whose_messages_run_alone_holds_its_link_for_bytes_and_messag
 
 
 def test_a_transfer_of_small_messages_is_not_paced():
-    from meshjob.simulate import paced_early_s
+    from meshjob.simulate.simulator import paced_early_s
 
     _, _, network, _ = paced_pair(2**20)
     small = Step(id=0, task=0, src=0, dst=1, region=((0, 2**10),), after=(), scope="cross_host")
@@ -343,20 +387,23 @@ def test_a_transfer_of_small_messages_is_not_paced():
 
 
 @pytest.mark.parametrize("strategy", ["local_allgather", "global_allgather"])
-@pytest.mark.parametrize("devices, sender_receives", [((4,), False), ((2, 3), False), ((2, 2, 1), True),
-                                                      ((3, 3, 3), False)])
-def test_a_scatter_then_ring_task_costs_what_the_simulator_times_for_its_lowered_steps(strategy, devices,
-                                                                                      sender_receives):
+@pytest.mark.parametrize(
+    "devices, sender_receives", [((4,), False), ((2, 3), False), ((2, 2, 1), True), ((3, 3, 3), False)]
+)
+def test_a_scatter_then_ring_task_costs_what_the_simulator_times_for_its_lowered_steps(
+    strategy, devices, sender_receives
+):
     """The balancers' cost of an all-gather task and the simulator agree: each part's ring hops start as
     soon as it lands, overlapping the scatter (rounds one after the other over-charged it up to 1.4x)."""
-    from meshjob.task_costs import HostTask
-    from meshjob.resharding import UnitTask, lower
+    from meshjob.network.host_task import HostTask
+    from meshjob.resharding.strategies import lower
+    from meshjob.resharding.tasks import UnitTask
 
     model = NetworkModel(nic_bytes_per_s=1.25e8, message_s=100e-6, intra_host_bytes_per_s=1e9, intra_message_s=50e-6)
     first = 0 if sender_receives else 1
-    hosts = [0] + [first + h for h, b in enumerate(devices) for _ in range(b)][1 if sender_receives else 0:]
+    hosts = [0] + [first + h for h, b in enumerate(devices) for _ in range(b)][1 if sender_receives else 0 :]
     receivers = tuple(range(0 if sender_receives else 1, len(hosts)))  # the sender, rank 0, among them or not
     task = UnitTask(((0, 720), (0, 1024)), (0,), receivers, 720 * 1024 * 4)
     simulated = simulate_transfer(lower(task, 0, 0, strategy, 1, hosts.__getitem__), hosts.__getitem__, model)
     host_task = HostTask((0,), tuple(range(first, first + len(devices))), task.bytes, devices)
-    assert model.task_cost(host_task, 0, strategy, 1).seconds == pytest.approx(simulated.makespan_s, rel=1e-9)
+    assert task_cost(model, host_task, 0, strategy, 1).seconds == pytest.approx(simulated.makespan_s, rel=1e-9)

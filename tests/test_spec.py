@@ -1,4 +1,5 @@
-"""meshjob.spec: the TrainingJob manifest (README), its defaults, and every validation rule."""
+"""meshjob.spec.manifest: the TrainingJob manifest (README), its defaults, and every validation rule."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,17 @@ import pytest
 import yaml
 
 from meshjob.errors import FieldError, SpecError
-from meshjob.spec import (EdgeSpec, StageSpec, TrainingJob, job_to_dict, load_job, load_jobs, natural_layout,
-                          parse_job, parse_yaml)
+from meshjob.spec.manifest import (
+    EdgeSpec,
+    StageSpec,
+    TrainingJob,
+    job_to_dict,
+    load_job,
+    load_jobs,
+    natural_layout,
+    parse_job,
+    parse_yaml,
+)
 
 DESIGN_EXAMPLE = """
 apiVersion: meshjob.io/v1alpha1
@@ -66,6 +76,7 @@ def errors_of(doc: Any) -> list[FieldError]:
 
 # --- the valid manifest ---------------------------------------------------------------------
 
+
 def test_chunks_is_auto_by_default_or_the_integer_given():
     assert parse_job(mutate(base(), "spec.resharding.chunks", DELETE)).resharding.chunks == "auto"
     assert parse_job(mutate(base(), "spec.resharding.chunks", "auto")).resharding.chunks == "auto"
@@ -81,8 +92,7 @@ def test_design_example_parses_into_snake_case_dataclasses():
     assert job.model.seq_len == 128 and job.training.global_batch == 32
     assert job.training.learning_rate == pytest.approx(3.0e-4)
     assert job.training.checkpoint.every == 10 and job.topology.devices_per_host == 2
-    assert job.stages[0] == StageSpec(layers=(0, 4), mesh=(1, 2), data_parallel_dim=0,
-                                      tensor_parallel_dim=1)
+    assert job.stages[0] == StageSpec(layers=(0, 4), mesh=(1, 2), data_parallel_dim=0, tensor_parallel_dim=1)
     assert job.resharding.budget_seconds == 1.0 and job.schedule.weight_grad_delay == "auto"
     assert job.run_policy.active_deadline_seconds == 3600 and job.run_policy.clean_pod_policy == "Running"
     assert job.activation_shape() == (4, 128, 256)
@@ -116,10 +126,16 @@ def test_other_kubernetes_metadata_and_status_are_ignored():
     assert parse_job(doc).name == "gpt-demo"
 
 
-@pytest.mark.parametrize("mesh, dp, expected", [
-    ((2, 1), 0, "S0RR"), ((1, 2), 1, "S1RR"), ((1, 2), 0, "RRR"), ((2, 2), None, "RRR"),
-    ((2, 2, 2), 2, "S2RR"),
-])
+@pytest.mark.parametrize(
+    "mesh, dp, expected",
+    [
+        ((2, 1), 0, "S0RR"),
+        ((1, 2), 1, "S1RR"),
+        ((1, 2), 0, "RRR"),
+        ((2, 2), None, "RRR"),
+        ((2, 2, 2), 2, "S2RR"),
+    ],
+)
 def test_natural_layout_shards_batch_over_the_data_parallel_dim_only(mesh, dp, expected):
     assert natural_layout(StageSpec(layers=(0, 1), mesh=mesh, data_parallel_dim=dp)) == expected
 
@@ -132,15 +148,24 @@ def test_default_edges_are_the_chain_with_natural_layouts():
 def test_utransformer_adds_skip_edges_between_the_stages_of_layer_i_and_layer_L_minus_1_minus_i():
     doc = mutate(base(), "spec.model.kind", "utransformer")
     doc = mutate(doc, "spec.edges", DELETE)
-    doc = mutate(doc, "spec.stages", [
-        {"layers": [0, 3], "mesh": [2, 1], "dataParallelDim": 0},
-        {"layers": [3, 5], "mesh": [1, 2]},
-        {"layers": [5, 8], "mesh": [1, 1]},
-    ])
+    doc = mutate(
+        doc,
+        "spec.stages",
+        [
+            {"layers": [0, 3], "mesh": [2, 1], "dataParallelDim": 0},
+            {"layers": [3, 5], "mesh": [1, 2]},
+            {"layers": [5, 8], "mesh": [1, 1]},
+        ],
+    )
     edges = parse_job(doc).edges
     # layers 0,1,2 -> 7,6,5 (stage 0 -> 2); layer 3 -> 4 stays inside stage 1
     assert [(e.src, e.dst, e.tensor) for e in edges] == [
-        (0, 1, "activation"), (1, 2, "activation"), (0, 2, "skip0"), (0, 2, "skip1"), (0, 2, "skip2")]
+        (0, 1, "activation"),
+        (1, 2, "activation"),
+        (0, 2, "skip0"),
+        (0, 2, "skip1"),
+        (0, 2, "skip2"),
+    ]
     assert all(e.send == "S0RR" for e in edges if e.src == 0)
 
 
@@ -184,105 +209,276 @@ BAD = [
     ("model-kind", [("spec.model.kind", "bert")], "spec.model.kind", "bert", "one of gpt, utransformer"),
     ("layers-zero", [("spec.model.layers", 0)], "spec.model.layers", 0, "an integer in 1..1024"),
     ("heads-string", [("spec.model.heads", "eight")], "spec.model.heads", "eight", "an integer in 1..1024"),
-    ("heads-divide-hidden", [("spec.model.heads", 7)], "spec.model.heads", 7,
-     "a divisor of spec.model.hidden (256)"),
+    ("heads-divide-hidden", [("spec.model.heads", 7)], "spec.model.heads", 7, "a divisor of spec.model.hidden (256)"),
     ("bool-is-no-integer", [("spec.training.steps", True)], "spec.training.steps", True, "an integer"),
-    ("microbatches-divide-batch", [("spec.training.microbatches", 5)], "spec.training.microbatches", 5,
-     "a divisor of spec.training.globalBatch (32)"),
+    (
+        "microbatches-divide-batch",
+        [("spec.training.microbatches", 5)],
+        "spec.training.microbatches",
+        5,
+        "a divisor of spec.training.globalBatch (32)",
+    ),
     ("learning-rate-zero", [("spec.training.learningRate", 0)], "spec.training.learningRate", 0, "a number > 0"),
-    ("learning-rate-string", [("spec.training.learningRate", "fast")], "spec.training.learningRate",
-     "fast", "a number > 0"),
-    ("checkpoint-path-needed", [("spec.training.checkpoint.path", "")], "spec.training.checkpoint.path",
-     "", "non-empty path when spec.training.checkpoint.every > 0"),
+    (
+        "learning-rate-string",
+        [("spec.training.learningRate", "fast")],
+        "spec.training.learningRate",
+        "fast",
+        "a number > 0",
+    ),
+    (
+        "checkpoint-path-needed",
+        [("spec.training.checkpoint.path", "")],
+        "spec.training.checkpoint.path",
+        "",
+        "non-empty path when spec.training.checkpoint.every > 0",
+    ),
     ("image-empty", [("spec.image", "")], "spec.image", "", "a string of 1 to 1024 characters"),
     ("stages-empty", [("spec.stages", [])], "spec.stages", [], "a list of 1 to 128 items"),
     ("stages-missing", [("spec.stages", DELETE)], "spec.stages", None, "required"),
-    ("stage-gap", [("spec.stages[1].layers", [5, 8])], "spec.stages[1].layers", [5, 8],
-     "[4, n) with 4 < n <= 8"),
-    ("stage-empty-range", [("spec.stages[1].layers", [4, 4])], "spec.stages[1].layers", [4, 4],
-     "a non-empty range"),
-    ("stage-past-model", [("spec.stages[1].layers", [4, 9])], "spec.stages[1].layers", [4, 9],
-     "ending at most at spec.model.layers (8)"),
-    ("stages-short-of-model", [("spec.stages[1].layers", [4, 6])], "spec.stages[1].layers", [4, 6],
-     "ending at spec.model.layers (8)"),
+    ("stage-gap", [("spec.stages[1].layers", [5, 8])], "spec.stages[1].layers", [5, 8], "[4, n) with 4 < n <= 8"),
+    ("stage-empty-range", [("spec.stages[1].layers", [4, 4])], "spec.stages[1].layers", [4, 4], "a non-empty range"),
+    (
+        "stage-past-model",
+        [("spec.stages[1].layers", [4, 9])],
+        "spec.stages[1].layers",
+        [4, 9],
+        "ending at most at spec.model.layers (8)",
+    ),
+    (
+        "stages-short-of-model",
+        [("spec.stages[1].layers", [4, 6])],
+        "spec.stages[1].layers",
+        [4, 6],
+        "ending at spec.model.layers (8)",
+    ),
     ("layers-not-a-pair", [("spec.stages[0].layers", [0])], "spec.stages[0].layers", [0], "exactly 2"),
     ("stage-layers-missing", [("spec.stages[0].layers", DELETE)], "spec.stages[0].layers", None, "required"),
-    ("mesh-four-dims", [("spec.stages[0].mesh", [1, 1, 1, 1])], "spec.stages[0].mesh", [1, 1, 1, 1],
-     "a list of 1 to 3 items, each an integer in 1..4096"),
+    (
+        "mesh-four-dims",
+        [("spec.stages[0].mesh", [1, 1, 1, 1])],
+        "spec.stages[0].mesh",
+        [1, 1, 1, 1],
+        "a list of 1 to 3 items, each an integer in 1..4096",
+    ),
     ("mesh-zero-dim", [("spec.stages[0].mesh", [0, 2])], "spec.stages[0].mesh[0]", 0, "an integer in 1..4096"),
-    ("mesh-exceeds-host", [("spec.stages[0].mesh", [1, 4])], "spec.stages[0].mesh", [1, 4],
-     "spec.topology.devicesPerHost (2)"),
-    ("mesh-too-large", [("spec.stages[1].mesh", [4096, 2])], "spec.stages[1].mesh", [4096, 2],
-     "at most 4096 devices"),
-    ("mesh-dim-too-large", [("spec.stages[1].mesh", [5000, 1])], "spec.stages[1].mesh[0]", 5000,
-     "an integer in 1..4096"),
-    ("dp-dim-out-of-range", [("spec.stages[1].dataParallelDim", 2)], "spec.stages[1].dataParallelDim", 2,
-     "a mesh dim in 0..1"),
-    ("dp-equals-tp", [("spec.stages[0].dataParallelDim", 1)], "spec.stages[0].tensorParallelDim", 1,
-     "other than dataParallelDim (1)"),
-    ("tp-degree-divides-heads", [("spec.topology.devicesPerHost", 3), ("spec.stages[0].mesh", [1, 3])],
-     "spec.stages[0].mesh[1]", 3, "dividing spec.model.heads (8)"),
-    ("dp-degree-divides-microbatch", [("spec.stages[1].mesh", [3, 1])], "spec.stages[1].mesh[0]", 3,
-     "dividing the microbatch size 4"),
-    ("strategy", [("spec.resharding.strategy", "bcast")], "spec.resharding.strategy", "bcast",
-     "one of send_recv, local_allgather, global_allgather, broadcast, signal"),
-    ("balancer", [("spec.resharding.balancer", "random")], "spec.resharding.balancer", "random",
-     "one of naive, load_balance, dfs, greedy"),
+    (
+        "mesh-exceeds-host",
+        [("spec.stages[0].mesh", [1, 4])],
+        "spec.stages[0].mesh",
+        [1, 4],
+        "spec.topology.devicesPerHost (2)",
+    ),
+    ("mesh-too-large", [("spec.stages[1].mesh", [4096, 2])], "spec.stages[1].mesh", [4096, 2], "at most 4096 devices"),
+    (
+        "mesh-dim-too-large",
+        [("spec.stages[1].mesh", [5000, 1])],
+        "spec.stages[1].mesh[0]",
+        5000,
+        "an integer in 1..4096",
+    ),
+    (
+        "dp-dim-out-of-range",
+        [("spec.stages[1].dataParallelDim", 2)],
+        "spec.stages[1].dataParallelDim",
+        2,
+        "a mesh dim in 0..1",
+    ),
+    (
+        "dp-equals-tp",
+        [("spec.stages[0].dataParallelDim", 1)],
+        "spec.stages[0].tensorParallelDim",
+        1,
+        "other than dataParallelDim (1)",
+    ),
+    (
+        "tp-degree-divides-heads",
+        [("spec.topology.devicesPerHost", 3), ("spec.stages[0].mesh", [1, 3])],
+        "spec.stages[0].mesh[1]",
+        3,
+        "dividing spec.model.heads (8)",
+    ),
+    (
+        "dp-degree-divides-microbatch",
+        [("spec.stages[1].mesh", [3, 1])],
+        "spec.stages[1].mesh[0]",
+        3,
+        "dividing the microbatch size 4",
+    ),
+    (
+        "strategy",
+        [("spec.resharding.strategy", "bcast")],
+        "spec.resharding.strategy",
+        "bcast",
+        "one of send_recv, local_allgather, global_allgather, broadcast, signal",
+    ),
+    (
+        "balancer",
+        [("spec.resharding.balancer", "random")],
+        "spec.resharding.balancer",
+        "random",
+        "one of naive, load_balance, dfs, greedy",
+    ),
     ("chunks-zero", [("spec.resharding.chunks", 0)], "spec.resharding.chunks", 0, "auto or an integer in 1..4096"),
-    ("chunks-word", [("spec.resharding.chunks", "max")], "spec.resharding.chunks", "max",
-     "auto or an integer in 1..4096"),
-    ("budget-negative", [("spec.resharding.budgetSeconds", -1)], "spec.resharding.budgetSeconds", -1,
-     "a number > 0"),
-    ("schedule-kind", [("spec.schedule.kind", "interleaved")], "spec.schedule.kind", "interleaved",
-     "one of gpipe, 1f1b, eager-1f1b"),
-    ("weight-grad-delay-old-off", [("spec.schedule.weightGradDelay", "off")],
-     "spec.schedule.weightGradDelay", "off", "'off' is no longer accepted: write 0"),
-    ("weight-grad-delay-old-on", [("spec.schedule.weightGradDelay", "on")],
-     "spec.schedule.weightGradDelay", "on", "'on' is no longer accepted: write 1 (one delayed W per stage) or auto"),
-    ("weight-grad-delay-unquoted-off", [("spec.schedule.weightGradDelay", False)],
-     "spec.schedule.weightGradDelay", False, "false is what YAML makes of unquoted off/no: write 0"),
-    ("weight-grad-delay-unquoted-on", [("spec.schedule.weightGradDelay", True)],
-     "spec.schedule.weightGradDelay", True, "true is what YAML makes of unquoted on/yes: write 1"),
-    ("weight-grad-delay-negative", [("spec.schedule.weightGradDelay", -1)],
-     "spec.schedule.weightGradDelay", -1, "auto or an integer in 0..4095"),
-    ("weight-grad-delay-word", [("spec.schedule.weightGradDelay", "always")],
-     "spec.schedule.weightGradDelay", "always", "auto or an integer in 0..4095"),
-    ("clean-pod-policy", [("spec.runPolicy.cleanPodPolicy", "Always")], "spec.runPolicy.cleanPodPolicy",
-     "Always", "one of All, Running, None"),
-    ("backoff-negative", [("spec.runPolicy.backoffLimit", -1)], "spec.runPolicy.backoffLimit", -1,
-     "an integer in 0..2147483647"),
+    (
+        "chunks-word",
+        [("spec.resharding.chunks", "max")],
+        "spec.resharding.chunks",
+        "max",
+        "auto or an integer in 1..4096",
+    ),
+    ("budget-negative", [("spec.resharding.budgetSeconds", -1)], "spec.resharding.budgetSeconds", -1, "a number > 0"),
+    (
+        "schedule-kind",
+        [("spec.schedule.kind", "interleaved")],
+        "spec.schedule.kind",
+        "interleaved",
+        "one of gpipe, 1f1b, eager-1f1b",
+    ),
+    (
+        "weight-grad-delay-old-off",
+        [("spec.schedule.weightGradDelay", "off")],
+        "spec.schedule.weightGradDelay",
+        "off",
+        "'off' is no longer accepted: write 0",
+    ),
+    (
+        "weight-grad-delay-old-on",
+        [("spec.schedule.weightGradDelay", "on")],
+        "spec.schedule.weightGradDelay",
+        "on",
+        "'on' is no longer accepted: write 1 (one delayed W per stage) or auto",
+    ),
+    (
+        "weight-grad-delay-unquoted-off",
+        [("spec.schedule.weightGradDelay", False)],
+        "spec.schedule.weightGradDelay",
+        False,
+        "false is what YAML makes of unquoted off/no: write 0",
+    ),
+    (
+        "weight-grad-delay-unquoted-on",
+        [("spec.schedule.weightGradDelay", True)],
+        "spec.schedule.weightGradDelay",
+        True,
+        "true is what YAML makes of unquoted on/yes: write 1",
+    ),
+    (
+        "weight-grad-delay-negative",
+        [("spec.schedule.weightGradDelay", -1)],
+        "spec.schedule.weightGradDelay",
+        -1,
+        "auto or an integer in 0..4095",
+    ),
+    (
+        "weight-grad-delay-word",
+        [("spec.schedule.weightGradDelay", "always")],
+        "spec.schedule.weightGradDelay",
+        "always",
+        "auto or an integer in 0..4095",
+    ),
+    (
+        "clean-pod-policy",
+        [("spec.runPolicy.cleanPodPolicy", "Always")],
+        "spec.runPolicy.cleanPodPolicy",
+        "Always",
+        "one of All, Running, None",
+    ),
+    (
+        "backoff-negative",
+        [("spec.runPolicy.backoffLimit", -1)],
+        "spec.runPolicy.backoffLimit",
+        -1,
+        "an integer in 0..2147483647",
+    ),
     ("suspend-not-bool", [("spec.runPolicy.suspend", "yes")], "spec.runPolicy.suspend", "yes", "true or false"),
     ("port-range", [("spec.metrics.port", 70000)], "spec.metrics.port", 70000, "an integer in 1..65535"),
-    ("scheduling-gang-not-bool", [("spec.scheduling", {"gang": "yes"})], "spec.scheduling.gang", "yes",
-     "true or false"),
+    (
+        "scheduling-gang-not-bool",
+        [("spec.scheduling", {"gang": "yes"})],
+        "spec.scheduling.gang",
+        "yes",
+        "true or false",
+    ),
     ("scheduling-typo", [("spec.scheduling", {"queu": "q"})], "spec.scheduling.queu", "q", "did you mean 'queue'"),
     ("resources-not-mapping", [("spec.resources", "4 cpus")], "spec.resources", "4 cpus", "a mapping"),
-    ("edge-backwards", [("spec.edges", [{"from": 1, "to": 1}])], "spec.edges[0].to", 1,
-     "a stage after from (1)"),
-    ("edge-missing-stage", [("spec.edges", [{"from": 0, "to": 5}])], "spec.edges[0].to", 5,
-     "a stage index in 0..1"),
-    ("edge-not-in-model", [("spec.edges", [{"from": 0, "to": 1, "tensor": "skip0"}])], "spec.edges[0]",
-     {"from": 0, "to": 1, "tensor": "skip0"}, "an edge of the model: 0->1 activation"),
-    ("edge-listed-twice", [("spec.edges", [{"from": 0, "to": 1}, {"from": 0, "to": 1}])], "spec.edges[1]",
-     {"from": 0, "to": 1, "tensor": "activation"}, "each edge listed once"),
-    ("edge-tensor-name", [("spec.edges", [{"from": 0, "to": 1, "tensor": "act"}])], "spec.edges[0].tensor",
-     "act", "matching ^(activation|skip[0-9]+)$"),
+    ("edge-backwards", [("spec.edges", [{"from": 1, "to": 1}])], "spec.edges[0].to", 1, "a stage after from (1)"),
+    ("edge-missing-stage", [("spec.edges", [{"from": 0, "to": 5}])], "spec.edges[0].to", 5, "a stage index in 0..1"),
+    (
+        "edge-not-in-model",
+        [("spec.edges", [{"from": 0, "to": 1, "tensor": "skip0"}])],
+        "spec.edges[0]",
+        {"from": 0, "to": 1, "tensor": "skip0"},
+        "an edge of the model: 0->1 activation",
+    ),
+    (
+        "edge-listed-twice",
+        [("spec.edges", [{"from": 0, "to": 1}, {"from": 0, "to": 1}])],
+        "spec.edges[1]",
+        {"from": 0, "to": 1, "tensor": "activation"},
+        "each edge listed once",
+    ),
+    (
+        "edge-tensor-name",
+        [("spec.edges", [{"from": 0, "to": 1, "tensor": "act"}])],
+        "spec.edges[0].tensor",
+        "act",
+        "matching ^(activation|skip[0-9]+)$",
+    ),
     ("edge-typo", [("spec.edges", [{"from": 0, "too": 1}])], "spec.edges[0].too", 1, "did you mean 'to'"),
-    ("send-syntax", [("spec.edges", [{"from": 0, "to": 1, "send": "S0X"}])], "spec.edges[0].send", "S0X",
-     "R (replicated) or S<mesh dims>"),
-    ("send-token-count", [("spec.edges", [{"from": 0, "to": 1, "send": "S0R"}])], "spec.edges[0].send",
-     "S0R", "3 tokens"),
-    ("send-mesh-dim-reused", [("spec.edges", [{"from": 0, "to": 1, "send": "S1S1R"}])],
-     "spec.edges[0].send", "S1S1R", "each mesh dim at most once"),
-    ("send-mesh-dim-missing", [("spec.edges", [{"from": 0, "to": 1, "send": "S2RR"}])],
-     "spec.edges[0].send", "S2RR", "mesh dims 0..1"),
-    ("send-not-divisible", [("spec.model.seqLen", 127), ("spec.edges", [{"from": 0, "to": 1, "send": "RS1R"}])],
-     "spec.edges[0].send", "RS1R", "divisible"),
-    ("recv-less-sharded-than-natural", [("spec.edges", [{"from": 0, "to": 1, "recv": "RRR"}])],
-     "spec.edges[0].recv", "RRR", "at least as sharded as the destination stage 1's natural layout S0RR"),
-    ("send-other-sharding-than-natural", [("spec.stages[0].mesh", [2, 1]), ("spec.stages[0].tensorParallelDim",
-     DELETE), ("spec.edges", [{"from": 0, "to": 1, "send": "RS0R"}])], "spec.edges[0].send", "RS0R",
-     "at least as sharded as the source stage 0's natural layout S0RR"),
+    (
+        "send-syntax",
+        [("spec.edges", [{"from": 0, "to": 1, "send": "S0X"}])],
+        "spec.edges[0].send",
+        "S0X",
+        "R (replicated) or S<mesh dims>",
+    ),
+    (
+        "send-token-count",
+        [("spec.edges", [{"from": 0, "to": 1, "send": "S0R"}])],
+        "spec.edges[0].send",
+        "S0R",
+        "3 tokens",
+    ),
+    (
+        "send-mesh-dim-reused",
+        [("spec.edges", [{"from": 0, "to": 1, "send": "S1S1R"}])],
+        "spec.edges[0].send",
+        "S1S1R",
+        "each mesh dim at most once",
+    ),
+    (
+        "send-mesh-dim-missing",
+        [("spec.edges", [{"from": 0, "to": 1, "send": "S2RR"}])],
+        "spec.edges[0].send",
+        "S2RR",
+        "mesh dims 0..1",
+    ),
+    (
+        "send-not-divisible",
+        [("spec.model.seqLen", 127), ("spec.edges", [{"from": 0, "to": 1, "send": "RS1R"}])],
+        "spec.edges[0].send",
+        "RS1R",
+        "divisible",
+    ),
+    (
+        "recv-less-sharded-than-natural",
+        [("spec.edges", [{"from": 0, "to": 1, "recv": "RRR"}])],
+        "spec.edges[0].recv",
+        "RRR",
+        "at least as sharded as the destination stage 1's natural layout S0RR",
+    ),
+    (
+        "send-other-sharding-than-natural",
+        [
+            ("spec.stages[0].mesh", [2, 1]),
+            ("spec.stages[0].tensorParallelDim", DELETE),
+            ("spec.edges", [{"from": 0, "to": 1, "send": "RS0R"}]),
+        ],
+        "spec.edges[0].send",
+        "RS0R",
+        "at least as sharded as the source stage 0's natural layout S0RR",
+    ),
 ]
 
 
@@ -311,8 +507,7 @@ def test_all_errors_are_reported_at_once():
     doc = mutate(doc, "spec.metrics.port", 0)
     doc = mutate(doc, "spec.resharding.chunks", "many")
     paths = {e.path for e in errors_of(doc)}
-    assert paths == {"kind", "spec.model.heads", "spec.stages[1].mesh", "spec.metrics.port",
-                     "spec.resharding.chunks"}
+    assert paths == {"kind", "spec.model.heads", "spec.stages[1].mesh", "spec.metrics.port", "spec.resharding.chunks"}
 
 
 def test_a_field_that_failed_its_type_check_raises_no_follow_up_errors():
@@ -334,6 +529,7 @@ def test_document_that_is_not_a_mapping_is_a_spec_error():
 
 
 # --- YAML files ------------------------------------------------------------------------------
+
 
 def test_load_job_reads_a_file(tmp_path):
     path = tmp_path / "job.yaml"
@@ -371,9 +567,17 @@ def test_weight_grad_delay_is_auto_or_a_number_of_microbatches():
         assert job.schedule.weight_grad_delay == expected
 
 
-@pytest.mark.parametrize("written, hint", [("on", "write 1 (one delayed W per stage) or auto"),
-                                           ("off", "write 0 (no delay"), ("'on'", "write 1"),
-                                           ("'off'", "write 0"), ("yes", "write 1"), ("no", "write 0")])
+@pytest.mark.parametrize(
+    "written, hint",
+    [
+        ("on", "write 1 (one delayed W per stage) or auto"),
+        ("off", "write 0 (no delay"),
+        ("'on'", "write 1"),
+        ("'off'", "write 0"),
+        ("yes", "write 1"),
+        ("no", "write 0"),
+    ],
+)
 def test_old_weight_grad_delay_spellings_are_refused_saying_what_to_write(written, hint):
     with pytest.raises(SpecError) as info:
         parse_yaml(DESIGN_EXAMPLE.replace("weightGradDelay: auto", f"weightGradDelay: {written}"))

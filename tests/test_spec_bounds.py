@@ -1,5 +1,6 @@
 """Every count of a TrainingJob has an upper bound: in the CRD (maximum, maxItems, maxLength) and in
 parse_job, so that no input, however large its numbers, costs more than bounded time and memory."""
+
 from __future__ import annotations
 
 import copy
@@ -9,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from meshjob import spec
-from meshjob.crd import open_api_schema
 from meshjob.errors import SpecError
-from meshjob.safeyaml import load_documents
-from meshjob.spec import bounded_fields, parse_job
+from meshjob.spec import manifest as spec
+from meshjob.spec.crd import open_api_schema
+from meshjob.spec.manifest import bounded_fields, parse_job
+from meshjob.spec.safeyaml import load_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_DEMO = load_documents((ROOT / "examples" / "gpt-demo.yaml").read_text())[0]
@@ -62,8 +63,14 @@ def error_paths(doc: dict[str, Any]) -> dict[str, str]:
 def test_every_count_of_the_model_has_a_maximum():
     integers = [p for p, f in BOUNDED.items() if f.type in ("integer", "int-or-string")]
     assert len(integers) >= 20
-    assert {"spec.model.layers", "spec.model.seqLen", "spec.training.microbatches", "spec.stages[0].mesh[0]",
-            "spec.resharding.chunks", "spec.runPolicy.activeDeadlineSeconds"} <= set(integers)
+    assert {
+        "spec.model.layers",
+        "spec.model.seqLen",
+        "spec.training.microbatches",
+        "spec.stages[0].mesh[0]",
+        "spec.resharding.chunks",
+        "spec.runPolicy.activeDeadlineSeconds",
+    } <= set(integers)
 
 
 @pytest.mark.parametrize("path", sorted(BOUNDED))
@@ -82,15 +89,22 @@ def test_one_past_the_maximum_is_refused_naming_the_field(path):
 @pytest.mark.parametrize("path", sorted(p for p, f in BOUNDED.items() if f.max_length is not None))
 def test_one_character_past_the_maximum_length_is_refused_naming_the_field(path):
     allowed = error_paths(with_value(GPT_DEMO, path, "x" * (BOUNDED[path].max_length + 1)))[path]
-    assert f"at most {BOUNDED[path].max_length} characters" in allowed or \
-        f"to {BOUNDED[path].max_length} characters" in allowed
+    assert (
+        f"at most {BOUNDED[path].max_length} characters" in allowed
+        or f"to {BOUNDED[path].max_length} characters" in allowed
+    )
 
 
-@pytest.mark.parametrize("path, value", [("spec.model.seqLen", 2**63),
-                                         ("spec.runPolicy.activeDeadlineSeconds", 10**39),
-                                         ("spec.runPolicy.activeDeadlineSeconds", 1e39),
-                                         ("spec.runPolicy.backoffLimit", 2**31),
-                                         ("spec.training.seed", 2**64)])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("spec.model.seqLen", 2**63),
+        ("spec.runPolicy.activeDeadlineSeconds", 10**39),
+        ("spec.runPolicy.activeDeadlineSeconds", 1e39),
+        ("spec.runPolicy.backoffLimit", 2**31),
+        ("spec.training.seed", 2**64),
+    ],
+)
 def test_values_kubernetes_cannot_store_are_refused(path, value):
     assert path in error_paths(with_value(GPT_DEMO, path, value))
 
@@ -113,13 +127,20 @@ def utransformer(layers: int) -> dict[str, Any]:
     return with_value(doc, "spec.stages[3].layers", [6, layers])
 
 
-@pytest.mark.parametrize("doc, path", [
-    (utransformer(10**9), "spec.model.layers"),  # took 75 s when only skip edges bounded it
-    (with_value(with_value(GPT_DEMO, "spec.training.microbatches", 10**6), "spec.training.globalBatch", 10**6),
-     "spec.training.microbatches"),  # 150 s and 2.2 GB of schedules
-    (with_value(with_value(GPT_DEMO, "spec.training.microbatches", 10**7), "spec.training.globalBatch", 10**7),
-     "spec.training.microbatches"),  # a MemoryError
-])
+@pytest.mark.parametrize(
+    "doc, path",
+    [
+        (utransformer(10**9), "spec.model.layers"),  # took 75 s when only skip edges bounded it
+        (
+            with_value(with_value(GPT_DEMO, "spec.training.microbatches", 10**6), "spec.training.globalBatch", 10**6),
+            "spec.training.microbatches",
+        ),  # 150 s and 2.2 GB of schedules
+        (
+            with_value(with_value(GPT_DEMO, "spec.training.microbatches", 10**7), "spec.training.globalBatch", 10**7),
+            "spec.training.microbatches",
+        ),  # a MemoryError
+    ],
+)
 def test_huge_but_well_formed_jobs_are_refused_fast_by_a_bound(doc, path):
     started = time.process_time()
     assert path in error_paths(doc)
@@ -127,8 +148,9 @@ def test_huge_but_well_formed_jobs_are_refused_fast_by_a_bound(doc, path):
 
 
 def stages(count: int, mesh: list[int], layers_each: int = 1) -> list[dict[str, Any]]:
-    return [{"layers": [i * layers_each, (i + 1) * layers_each], "mesh": mesh, "dataParallelDim": 0}
-            for i in range(count)]
+    return [
+        {"layers": [i * layers_each, (i + 1) * layers_each], "mesh": mesh, "dataParallelDim": 0} for i in range(count)
+    ]
 
 
 def job_with(stage_list: list[dict[str, Any]], microbatches: int = 4, per_host: int = 2) -> dict[str, Any]:
@@ -172,8 +194,9 @@ def test_the_largest_edge_list_validates_within_the_cpu_budget():
     walks the mesh, so they are remembered per (layout, stage)."""
     doc = job_with(stages(2, [512, 8], layers_each=512), per_host=8)
     doc["spec"]["model"]["kind"] = "utransformer"
-    doc["spec"]["edges"] = [{"from": 0, "to": 1, "tensor": f"skip{i}", "send": "S0RR", "recv": "S01RR"}
-                            for i in range(512)]
+    doc["spec"]["edges"] = [
+        {"from": 0, "to": 1, "tensor": f"skip{i}", "send": "S0RR", "recv": "S01RR"} for i in range(512)
+    ]
     started = time.process_time()
     job = parse_job(doc)
     assert time.process_time() - started < CPU_SECONDS

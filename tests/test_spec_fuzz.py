@@ -1,5 +1,6 @@
 """Fuzz: random mutations of valid manifests and random YAML text never make the parser raise
 anything but SpecError; whatever it accepts round-trips and passes the CRD schema too."""
+
 from __future__ import annotations
 
 import copy
@@ -10,10 +11,10 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshjob.crd import open_api_schema
 from meshjob.errors import SpecError
-from meshjob.safeyaml import load_documents
-from meshjob.spec import TrainingJob, job_to_dict, parse_job, parse_yaml
+from meshjob.spec.crd import open_api_schema
+from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job, parse_yaml
+from meshjob.spec.safeyaml import load_documents
 from meshjob_bench.fuzz import locations
 
 EXAMPLE_TEXTS = [p.read_text() for p in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))]
@@ -38,20 +39,50 @@ def kubernetes_integer(checker: Any, value: Any) -> bool:
 
 KubernetesValidator = jsonschema.validators.extend(
     jsonschema.Draft4Validator,
-    type_checker=jsonschema.Draft4Validator.TYPE_CHECKER.redefine("integer", kubernetes_integer))
+    type_checker=jsonschema.Draft4Validator.TYPE_CHECKER.redefine("integer", kubernetes_integer),
+)
 SCHEMA = KubernetesValidator(with_nulls(open_api_schema()))
 
 # values that sit near the rules (small ints, layouts, enum words) as well as arbitrary ones
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 12), st.integers(), st.floats(allow_nan=True),
-    st.sampled_from(["S0RR", "RRR", "S1RR", "S01RR", "RS0R", "S0,R,R", "gpt", "utransformer", "off",
-                     "skip0", "activation", "broadcast", "", "x"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 12),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.sampled_from(
+        [
+            "S0RR",
+            "RRR",
+            "S1RR",
+            "S01RR",
+            "RS0R",
+            "S0,R,R",
+            "gpt",
+            "utransformer",
+            "off",
+            "skip0",
+            "activation",
+            "broadcast",
+            "",
+            "x",
+        ]
+    ),
     st.text(max_size=6),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8) | st.sampled_from(
-        ["from", "to", "send", "recv", "layers", "mesh", "dataParallelDim", "tensor"]), inner, max_size=3)),
-    max_leaves=8)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(
+            st.text(max_size=8)
+            | st.sampled_from(["from", "to", "send", "recv", "layers", "mesh", "dataParallelDim", "tensor"]),
+            inner,
+            max_size=3,
+        ),
+    ),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -92,7 +123,7 @@ def test_mutated_manifest_is_accepted_consistently_or_rejected_with_spec_error(d
 @given(st.sampled_from(EXAMPLE_TEXTS), st.integers(0, 2000), st.integers(0, 20), st.text(max_size=12))
 def test_edited_yaml_text_is_accepted_or_rejected_with_spec_error(text, at, cut, insert):
     at = at % (len(text) + 1)
-    edited = text[:at] + insert + text[at + cut:]
+    edited = text[:at] + insert + text[at + cut :]
     try:
         job = parse_yaml(edited)
     except SpecError as err:

@@ -1,11 +1,12 @@
 """The manifest's model families, data and training numerics: defaults, and every rule that ties
 them to the rest of the job (each problem named by its field, with what is allowed)."""
+
 from __future__ import annotations
 
 import pytest
-
-from meshjob.spec import job_to_dict, parse_job
 from test_spec import base, errors_of, mutate
+
+from meshjob.spec.manifest import job_to_dict, parse_job
 
 
 def fields(doc) -> dict[str, str]:
@@ -13,8 +14,11 @@ def fields(doc) -> dict[str, str]:
 
 
 def llama(doc=None, **model):
-    doc = mutate(doc or base(), "spec.model", {"kind": "llama", "layers": 8, "hidden": 256, "heads": 8,
-                                               "vocab": 1024, "seqLen": 128, **model})
+    doc = mutate(
+        doc or base(),
+        "spec.model",
+        {"kind": "llama", "layers": 8, "hidden": 256, "heads": 8, "vocab": 1024, "seqLen": 128, **model},
+    )
     return doc
 
 
@@ -62,8 +66,9 @@ def test_rotary_embeddings_need_an_even_head_size():
 
 def test_tensor_parallel_degree_must_divide_llama_kv_heads_and_vocab():
     # stage 0 runs tensor parallel 2 (mesh [1, 2], tensorParallelDim 1)
-    assert fields(llama(kvHeads=1)) == {"spec.stages[0].mesh[1]": "a tensor-parallel degree dividing "
-                                                                  "spec.model.kvHeads (1)"}
+    assert fields(llama(kvHeads=1)) == {
+        "spec.stages[0].mesh[1]": "a tensor-parallel degree dividing spec.model.kvHeads (1)"
+    }
     assert "spec.model.vocab (1023)" in fields(llama(vocab=1023))["spec.stages[0].mesh[1]"]
 
 
@@ -88,35 +93,43 @@ def test_entrypoint_and_config_belong_to_custom_models_only():
     doc = mutate(base(), "spec.model.entrypoint", "pkg.model:build")
     assert fields(mutate(doc, "spec.model.config", {"depth": 2})) == {
         "spec.model.entrypoint": "only with spec.model.kind custom",
-        "spec.model.config": "only with spec.model.kind custom"}
+        "spec.model.config": "only with spec.model.kind custom",
+    }
 
 
 def test_token_data_needs_a_path_and_evaluation_needs_a_validation_file():
     doc = mutate(base(), "spec.data", {"kind": "tokens"})
     doc = mutate(doc, "spec.training.evalEvery", 5)
-    assert fields(doc) == {"spec.data.path": "a token file when spec.data.kind is tokens",
-                           "spec.data.valPath": "a validation token file when spec.training.evalEvery > 0"}
+    assert fields(doc) == {
+        "spec.data.path": "a token file when spec.data.kind is tokens",
+        "spec.data.valPath": "a validation token file when spec.training.evalEvery > 0",
+    }
 
 
 def test_synthetic_data_takes_no_files():
     assert "only with spec.data.kind tokens" in fields(mutate(base(), "spec.data", {"path": "x.bin"}))["spec.data.path"]
 
 
-@pytest.mark.parametrize("path,value,allowed", [
-    ("spec.data", {"kind": "tokens", "path": "t.bin", "dtype": "int8"}, "one of uint16, uint32"),
-    ("spec.training.precision", "fp16", "one of fp32, bf16"),
-    ("spec.training.recompute", "selective", "one of none, full"),
-    ("spec.stages[0].recompute", "some", "one of none, full"),
-    ("spec.training.gradClip", 0, "a number > 0"),
-    ("spec.training.optimizer", {"zeroStage": 2}, "an integer in 0..1"),
-    ("spec.training.optimizer", {"kind": "sgd"}, "one of adamw"),
-    ("spec.training.evalBatches", 0, "an integer in 1..1024"),
-])
+@pytest.mark.parametrize(
+    "path,value,allowed",
+    [
+        ("spec.data", {"kind": "tokens", "path": "t.bin", "dtype": "int8"}, "one of uint16, uint32"),
+        ("spec.training.precision", "fp16", "one of fp32, bf16"),
+        ("spec.training.recompute", "selective", "one of none, full"),
+        ("spec.stages[0].recompute", "some", "one of none, full"),
+        ("spec.training.gradClip", 0, "a number > 0"),
+        ("spec.training.optimizer", {"zeroStage": 2}, "an integer in 0..1"),
+        ("spec.training.optimizer", {"kind": "sgd"}, "one of adamw"),
+        ("spec.training.evalBatches", 0, "an integer in 1..1024"),
+    ],
+)
 def test_enums_and_bounds_of_the_training_fields(path, value, allowed):
     assert list(fields(mutate(base(), path, value)).values()) == [allowed]
 
 
 def test_warm_up_fits_in_the_run_and_the_floor_is_below_the_learning_rate():
     doc = mutate(base(), "spec.training.lrSchedule", {"warmupSteps": 21, "minLr": 1.0})
-    assert fields(doc) == {"spec.training.lrSchedule.warmupSteps": "at most spec.training.steps (20)",
-                           "spec.training.lrSchedule.minLr": "at most spec.training.learningRate (0.0003)"}
+    assert fields(doc) == {
+        "spec.training.lrSchedule.warmupSteps": "at most spec.training.steps (20)",
+        "spec.training.lrSchedule.minLr": "at most spec.training.learningRate (0.0003)",
+    }

@@ -1,28 +1,37 @@
-"""meshjob.stage_model: the search's stage costs are meshjob.device_costs' (what emulated compute waits), its
+"""meshjob.search.stage_model: the search's stage costs are meshjob.costs.device_costs' (what emulated compute
+waits), its
 objective includes the optimizer step, and a data-parallel stage's gradient ring moves the gradients the
 emulated trainer all-reduces."""
+
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
 
-from meshjob.device_costs import range_work, work_cost
-from meshjob.devices import DeviceProfile
-from meshjob.network import NetworkModel
-from meshjob.search import Candidate, Problem, default_space
-from meshjob.stage_model import StageChoice, stage_figures
-from meshjob.tune_cluster import Cluster, TuneDevice
-from meshjob.tune_input import base_job, read_fixed
+from meshjob.costs.device_costs import range_work, work_cost
+from meshjob.costs.devices import DeviceProfile
+from meshjob.network.model import NetworkModel
+from meshjob.search.algorithm import Candidate, Problem, default_space
+from meshjob.search.cluster import Cluster, TuneDevice
+from meshjob.search.inputs import base_job, read_fixed
+from meshjob.search.stage_model import StageChoice, stage_figures
 
 # a device whose roofline is bound by memory bandwidth for these shapes: a FLOPs-only model would miss it
 SLOW_MEMORY = DeviceProfile("slow-memory", tflops=100.0, memory_gbytes_per_s=50.0)
 
 
 def doc(**spec) -> dict:
-    return {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "t"},
-            "spec": {"model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seqLen": 64},
-                     "training": {"globalBatch": 8}, **spec}}
+    return {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seqLen": 64},
+            "training": {"globalBatch": 8},
+            **spec,
+        },
+    }
 
 
 def cluster(hosts: int = 2, per_host: int = 2, profile: DeviceProfile = SLOW_MEMORY) -> Cluster:
@@ -69,8 +78,12 @@ def test_a_gradient_ring_inside_a_host_runs_at_the_networks_intra_host_rate_a_te
     slow_loopback = replace(cluster(), network=NetworkModel(intra_host_bytes_per_s=1e9))
     fast = cluster()
     dp = StageChoice((1, 2), 1, None)
-    assert stage_figures(job.model, job.training, slow_loopback, 0, 4, dp).allreduce_s > \
-        10 * stage_figures(job.model, job.training, fast, 0, 4, dp).allreduce_s
+    assert (
+        stage_figures(job.model, job.training, slow_loopback, 0, 4, dp).allreduce_s
+        > 10 * stage_figures(job.model, job.training, fast, 0, 4, dp).allreduce_s
+    )
     tp = StageChoice((1, 2), None, 1)
-    assert stage_figures(job.model, job.training, slow_loopback, 0, 4, tp).cost == \
-        stage_figures(job.model, job.training, fast, 0, 4, tp).cost
+    assert (
+        stage_figures(job.model, job.training, slow_loopback, 0, 4, tp).cost
+        == stage_figures(job.model, job.training, fast, 0, 4, tp).cost
+    )

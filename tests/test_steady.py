@@ -1,13 +1,14 @@
 """The steady-state period: a step's action lists run over and over, each stage starting its next step
 once its own last action and tail (the optimizer step) are done."""
+
 from __future__ import annotations
 
 import pytest
-
-from meshjob.schedule import generate
-from meshjob.simulate import simulate_pipeline
-from meshjob.steady import repeated, steady_period_s
 from test_simulate import chain_edges, free_transfers
+
+from meshjob.schedule.actions import generate
+from meshjob.simulate.simulator import simulate_pipeline
+from meshjob.simulate.steady import repeated, steady_period_s
 
 
 def costs(stages: int, f: float = 1.0) -> dict:

@@ -1,4 +1,5 @@
 """The step bound: no schedule of a plan's transfers and compute finishes a step sooner."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,36 +8,50 @@ from typing import Any
 
 import pytest
 
-from meshjob.costs import CostModel
-from meshjob.device_costs import emulated_costs
-from meshjob.devices import parse_device
-from meshjob.network import NetworkModel
-from meshjob.plan import build_plan
-from meshjob.simulate import simulate_plan
-from meshjob.spec import parse_job
-from meshjob.step_bound import single_link_bound, step_bound
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_costs
+from meshjob.costs.devices import parse_device
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan
+from meshjob.simulate.simulator import simulate_plan
+from meshjob.simulate.step_bound import single_link_bound, step_bound
+from meshjob.spec.manifest import parse_job
 
 KINDS = [("1f1b", 0), ("eager-1f1b", 0), ("eager-1f1b", "auto")]
 
 
 def subsets_bound(jobs: list[tuple[float, float, float]]) -> float:
     """Carlier: the preemptive one-machine optimum is the largest min head + total time + min tail of a subset."""
-    return max(min(j[0] for j in s) + sum(j[1] for j in s) + min(j[2] for j in s)
-               for n in range(1, len(jobs) + 1) for s in itertools.combinations(jobs, n))
+    return max(
+        min(j[0] for j in s) + sum(j[1] for j in s) + min(j[2] for j in s)
+        for n in range(1, len(jobs) + 1)
+        for s in itertools.combinations(jobs, n)
+    )
 
 
 def pipeline_job(model: str, stages: int, kind: str, delay: Any) -> Any:
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": f"bound-{model}"},
-        "spec": {"model": {"kind": model, "layers": 2 * stages, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
-                 "training": {"globalBatch": 8, "microbatches": 8}, "topology": {"devicesPerHost": 1},
-                 "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(stages)],
-                 "schedule": {"kind": kind, "weightGradDelay": delay}}})
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": f"bound-{model}"},
+            "spec": {
+                "model": {"kind": model, "layers": 2 * stages, "hidden": 256, "heads": 8, "vocab": 256, "seqLen": 64},
+                "training": {"globalBatch": 8, "microbatches": 8},
+                "topology": {"devicesPerHost": 1},
+                "stages": [{"layers": [2 * i, 2 * i + 2], "mesh": [1, 1]} for i in range(stages)],
+                "schedule": {"kind": kind, "weightGradDelay": delay},
+            },
+        }
+    )
 
 
 def cost_at(job: Any, nic_bytes_per_s: float) -> CostModel:
-    return CostModel(network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s), stages=emulated_costs(job, parse_device("1")),
-                     measured=True)
+    return CostModel(
+        network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s),
+        stages=emulated_costs(job, parse_device("1")),
+        measured=True,
+    )
 
 
 def test_one_link_bound_is_the_best_subset_of_heads_bytes_and_tails() -> None:
@@ -61,8 +76,9 @@ def test_no_simulated_schedule_beats_the_bound(model: str, kind: str, delay: Any
 def test_heavy_communication_bounds_the_step_above_the_communication_free_one() -> None:
     job = pipeline_job("utransformer", 4, "eager-1f1b", "auto")
     cost = cost_at(job, 2e6)
-    free = simulate_plan(build_plan(job, cost=cost_at(job, 1e15), network=cost_at(job, 1e15).network),
-                         cost_at(job, 1e15)).step_s
+    free = simulate_plan(
+        build_plan(job, cost=cost_at(job, 1e15), network=cost_at(job, 1e15).network), cost_at(job, 1e15)
+    ).step_s
     bound = step_bound(build_plan(job, cost=cost, network=cost.network), cost)
     assert bound is not None and bound.step_s > 1.2 * free
 

@@ -1,5 +1,6 @@
 """CPU messages between hosts over one TCP connection per directed pair (meshjob_trainer.tcp_wire):
 real processes, real sockets, the job's real store."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,13 @@ class LocalStore(dict):
         return self[key]
 
 
-def run_messages(env, sends: list[tuple[int, int, int, torch.Tensor]], posted: list[int] | None = None,
-                 pairs: set[tuple[int, int]] | None = None, ungranted: bool = False):
+def run_messages(
+    env,
+    sends: list[tuple[int, int, int, torch.Tensor]],
+    posted: list[int] | None = None,
+    pairs: set[tuple[int, int]] | None = None,
+    ungranted: bool = False,
+):
     """Each (src, dst, tag, tensor) in `sends`: src sends tensor to dst with tag; dst posts its receives
     in `posted` order of tags (default: the send order); `ungranted`: no pair waits for grants. Returns
     {tag: received tensor} on each rank."""
@@ -65,7 +71,7 @@ PAYLOADS = [
 def test_messages_of_every_dtype_and_size_arrive_exactly_in_both_directions(gang, ungranted):
     got0, got1 = gang(2, lambda env: run_messages(env, PAYLOADS, ungranted=ungranted))
     assert sorted(got1) == [0, 1, 3, 4] and sorted(got0) == [2]
-    for s, d, tag, tensor in PAYLOADS:
+    for _src, d, tag, tensor in PAYLOADS:
         got = (got0 if d == 0 else got1)[tag]
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
 
@@ -114,7 +120,8 @@ def test_a_payload_the_receiver_did_not_expect_is_an_order_error(monkeypatch):
     thread.start()
     thread.join(10)
     assert errors and "the next message from rank 0 has tag 8 and 8 bytes; the receive posted for m7 has tag 7" in str(
-        errors[0].value)
+        errors[0].value
+    )
     sender.close()
     receiver.close()
 
@@ -169,11 +176,13 @@ def test_ranks_of_this_host_that_the_outer_wire_copies_to_get_no_connection():
 
 def cross_host_pairs(case) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
     """A broadcast boundary of `case`: (its pairs between hosts, those route.one_feeder_pairs frees of grants)."""
-    from meshjob_trainer.route import make_routes, one_feeder_pairs
     from test_trainer_reshard import make_boundary  # tests dir is on sys.path
 
-    routes = make_routes([make_boundary(case, "broadcast")], {0: case.src, 1: case.dst},
-                         {0: case.src_natural, 1: case.dst_natural})
+    from meshjob_trainer.route import make_routes, one_feeder_pairs
+
+    routes = make_routes(
+        [make_boundary(case, "broadcast")], {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural}
+    )
     cross = {(a, b) for r in routes for a, b in r.pairs() if r.host_of(a) != r.host_of(b)}
     return cross, one_feeder_pairs(routes)
 
@@ -181,8 +190,9 @@ def cross_host_pairs(case) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
 def test_a_host_fed_by_one_other_host_needs_no_grants_and_one_fed_by_two_hosts_does():
     from test_trainer_reshard import Case, mesh
 
-    chain = Case("1x1 RRR -> 2x2 RRR", (4, 4, 6), mesh((1, 1), 0), "RRR", "RRR", mesh((2, 2), 1, first_host=1),
-                 "RRR", "RRR")
+    chain = Case(
+        "1x1 RRR -> 2x2 RRR", (4, 4, 6), mesh((1, 1), 0), "RRR", "RRR", mesh((2, 2), 1, first_host=1), "RRR", "RRR"
+    )
     cross, ungranted = cross_host_pairs(chain)  # host 1 takes from host 0, host 2 from host 1
     assert cross and ungranted == cross
     many = Case("2x2 S0R -> 2x2 RR", (8, 6), mesh((2, 2), 0), "S0R", "S0R", mesh((2, 2), 4, first_host=2), "RR", "RR")
@@ -210,7 +220,7 @@ def test_without_an_interface_the_address_is_the_route_to_the_store(monkeypatch)
 def train_over(job, cpu_wire: str):
     """Train `job` on real ranks with the given CPU wire in the plan's transfer order; each rank returns
     (its stage, its losses, its final parameters, the TCP connections its wire made or accepted)."""
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
     from meshjob_trainer.dist import WorkerContext, init_distributed, shutdown_distributed
     from meshjob_trainer.launch import launch
     from meshjob_trainer.reshard import ReshardExecutor
@@ -222,8 +232,11 @@ def train_over(job, cpu_wire: str):
         init_distributed(ctx.env, timeout_s=30)
         try:
             reshard = ReshardExecutor(plan, ctx.env.rank, cpu_wire=cpu_wire)
-            result = train(WorkerContext(env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank),
-                                         reshard=reshard))
+            result = train(
+                WorkerContext(
+                    env=ctx.env, job=job, plan=plan, stage=plan.placement.stage_of(ctx.env.rank), reshard=reshard
+                )
+            )
             torch.distributed.barrier()
             tcp = getattr(reshard.wire, "inner", reshard.wire)  # inside a host the memory copy wraps it
             connections = tcp.connections if isinstance(tcp, TcpWire) else 0

@@ -1,6 +1,7 @@
-"""Token files (meshjob.tokens): the byte-level tokenizer, `meshjob data prepare`, the shipped
+"""Token files (meshjob.spec.tokens): the byte-level tokenizer, `meshjob data prepare`, the shipped
 Shakespeare files, and the checks that turn a bad spec.data into exit 2 naming the field, from
 `meshjob plan` and `meshjob run` before any rank starts."""
+
 from __future__ import annotations
 
 import array
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshjob import tokens
-from meshjob.spec import load_job
+from meshjob.spec import tokens
+from meshjob.spec.manifest import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
@@ -20,8 +21,9 @@ TINY = ROOT / "examples" / "tiny.yaml"
 
 
 def meshjob(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshjob.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "meshjob.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
 
 
 def write(path: Path, values: list[int], typecode: str) -> Path:
@@ -40,6 +42,7 @@ def tokens_job(tmp_path: Path, path: str, dtype: str = "uint16", vocab: int = 25
 
 
 # --- the tokenizer and the file format ------------------------------------------------------
+
 
 def test_byte_tokens_are_the_utf8_bytes_and_decode_exactly():
     text = "Ça va? — 5 €".encode()
@@ -72,8 +75,9 @@ def test_the_shipped_token_files_are_the_shipped_text_prepared(tmp_path):
 def test_data_prepare_command_writes_both_files_and_says_how_to_use_them(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be\n" * 10)
-    result = meshjob("data", "prepare", str(text), "--out", str(tmp_path / "a.bin"), "--val-out",
-                     str(tmp_path / "b.bin"))
+    result = meshjob(
+        "data", "prepare", str(text), "--out", str(tmp_path / "a.bin"), "--val-out", str(tmp_path / "b.bin")
+    )
     assert result.returncode == 0, result.stderr
     assert "kind: tokens" in result.stdout and "vocab >= 256" in result.stdout
     assert (tmp_path / "a.bin").stat().st_size + (tmp_path / "b.bin").stat().st_size == 2 * 190
@@ -82,14 +86,16 @@ def test_data_prepare_command_writes_both_files_and_says_how_to_use_them(tmp_pat
 def test_data_prepare_names_a_missing_text_and_bad_options(tmp_path):
     result = meshjob("data", "prepare", str(tmp_path / "none.txt"), "--out", str(tmp_path / "a.bin"))
     assert result.returncode == 2 and "TEXT" in result.stderr and "No such file" in result.stderr
-    result = meshjob("data", "prepare", str(TINY), "--out", str(tmp_path / "a.bin"), "--dtype", "int8",
-                     "--val-fraction", "1.5")
+    result = meshjob(
+        "data", "prepare", str(TINY), "--out", str(tmp_path / "a.bin"), "--dtype", "int8", "--val-fraction", "1.5"
+    )
     assert result.returncode == 2
     assert "--dtype: 'int8' is invalid: one of uint16, uint32" in result.stderr
     assert "--val-fraction: 1.5 is invalid" in result.stderr
 
 
 # --- the checks ---------------------------------------------------------------------------
+
 
 def check(path: Path, dtype: str = "uint16", vocab: int = 256, min_tokens: int = 17):
     return [(e.path, e.allowed) for e in tokens.check_token_file("spec.data.path", str(path), dtype, vocab, min_tokens)]
@@ -133,9 +139,11 @@ def test_ids_beyond_the_vocabulary_name_the_vocab(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "dtype", "short"])
 def test_plan_and_run_exit_2_naming_the_field_before_any_rank_starts(tmp_path, case):
-    path, field = {"missing": (tmp_path / "none.bin", "spec.data.path: "),
-                   "dtype": (write(tmp_path / "u16.bin", [65 + i % 26 for i in range(400)], "H"), "spec.data.dtype: "),
-                   "short": (write(tmp_path / "s.bin", [65] * 10, "H"), "spec.data.path: ")}[case]
+    path, field = {
+        "missing": (tmp_path / "none.bin", "spec.data.path: "),
+        "dtype": (write(tmp_path / "u16.bin", [65 + i % 26 for i in range(400)], "H"), "spec.data.dtype: "),
+        "short": (write(tmp_path / "s.bin", [65] * 10, "H"), "spec.data.path: "),
+    }[case]
     job = tokens_job(tmp_path, str(path), dtype="uint32" if case == "dtype" else "uint16")
     for command in (["plan", str(job)], ["run", str(job), "--no-netns", "--quiet"]):
         result = meshjob(*command)

@@ -1,4 +1,5 @@
 """Worker environment and settings, process-group formation and the gang launcher, with real processes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,15 +9,34 @@ import time
 
 import pytest
 
-from meshjob_trainer.dist import (DistError, NodeEnv, WorkerEnv, WorkerSettings, backend_for_device, check_world_size,
-                                  describe_transport, device_for_backend, init_distributed, nccl_host_id,
-                                  shutdown_distributed, uses_cuda)
+from meshjob_trainer.dist import (
+    DistError,
+    NodeEnv,
+    WorkerEnv,
+    WorkerSettings,
+    backend_for_device,
+    check_world_size,
+    describe_transport,
+    device_for_backend,
+    init_distributed,
+    nccl_host_id,
+    shutdown_distributed,
+    uses_cuda,
+)
 from meshjob_trainer.launch import RankContext, launch
 
 
 def test_worker_env_reads_torchrun_variables():
-    env = WorkerEnv.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "NODE_RANK": "1",
-                              "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    env = WorkerEnv.from_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "NODE_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (3, 8, 1, 1)
     assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
 
@@ -77,10 +97,22 @@ def test_a_hosts_log_says_what_carries_its_tensors():
 
 
 def test_worker_env_reads_kubeflow_pet_variables():
-    env = WorkerEnv.from_env({"PET_RANK": "1", "PET_WORLD_SIZE": "2", "PET_MASTER_ADDR": "job-master-0",
-                              "PET_MASTER_PORT": "23456", "PET_NODE_RANK": "1"})
-    assert (env.rank, env.world_size, env.node_rank, env.master_addr, env.master_port) == \
-        (1, 2, 1, "job-master-0", 23456)
+    env = WorkerEnv.from_env(
+        {
+            "PET_RANK": "1",
+            "PET_WORLD_SIZE": "2",
+            "PET_MASTER_ADDR": "job-master-0",
+            "PET_MASTER_PORT": "23456",
+            "PET_NODE_RANK": "1",
+        }
+    )
+    assert (env.rank, env.world_size, env.node_rank, env.master_addr, env.master_port) == (
+        1,
+        2,
+        1,
+        "job-master-0",
+        23456,
+    )
 
 
 def test_a_hosts_launcher_reads_its_node_and_the_rendezvous_without_a_rank():
@@ -90,11 +122,19 @@ def test_a_hosts_launcher_reads_its_node_and_the_rendezvous_without_a_rank():
 
 
 def test_worker_settings_are_the_operators_meshjob_variables():
-    settings = WorkerSettings.from_env({
-        "MESHJOB_JOB": "/etc/meshjob/job.yaml", "MESHJOB_PLAN": "/etc/meshjob/plan.json", "MESHJOB_METRICS_PORT": "9400",
-        "MESHJOB_POD_NAME": "demo-host-0", "MESHJOB_NAMESPACE": "team-a", "UNRELATED": "x"})
-    assert settings == WorkerSettings(job_path="/etc/meshjob/job.yaml", plan_path="/etc/meshjob/plan.json",
-                                      metrics_port=9400, step_log=True)
+    settings = WorkerSettings.from_env(
+        {
+            "MESHJOB_JOB": "/etc/meshjob/job.yaml",
+            "MESHJOB_PLAN": "/etc/meshjob/plan.json",
+            "MESHJOB_METRICS_PORT": "9400",
+            "MESHJOB_POD_NAME": "demo-host-0",
+            "MESHJOB_NAMESPACE": "team-a",
+            "UNRELATED": "x",
+        }
+    )
+    assert settings == WorkerSettings(
+        job_path="/etc/meshjob/job.yaml", plan_path="/etc/meshjob/plan.json", metrics_port=9400, step_log=True
+    )
 
 
 @pytest.mark.parametrize("port", ["http", "0", "70000"])
@@ -145,6 +185,7 @@ def test_with_cuda_the_backend_is_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors
 
 # -- the engine's wire: gloo (or TCP) on the CPU, NCCL device to device on CUDA ----------------------
 
+
 def test_cpu_ranks_get_the_gloo_wire_and_tcp_on_request():
     from meshjob_trainer.tcp_wire import TcpWire
     from meshjob_trainer.wire import GlooWire, wire_for
@@ -170,8 +211,9 @@ def test_a_communicator_per_directed_pair_is_created_in_one_sorted_order():
     from meshjob_trainer.wire import directed_groups
 
     made = []
-    groups = directed_groups([(3, 1), (1, 3), (0, 1), (3, 1)],
-                             new_group=lambda ranks, backend: made.append((ranks, backend)) or len(made))
+    groups = directed_groups(
+        [(3, 1), (1, 3), (0, 1), (3, 1)], new_group=lambda ranks, backend: made.append((ranks, backend)) or len(made)
+    )
     assert made == [([0, 1], "nccl"), ([1, 3], "nccl"), ([1, 3], "nccl")]
     assert groups == {(0, 1): 1, (1, 3): 2, (3, 1): 3}  # (1, 3) and (3, 1): one direction each
 
@@ -225,8 +267,9 @@ def test_the_backend_chooser_asks_torch_when_not_told(monkeypatch):
     assert backend_for_device() == "cpu:gloo,cuda:nccl"
 
 
-@pytest.mark.parametrize("backend,cuda", [("gloo", False), ("cpu:gloo", False), ("nccl", True),
-                                          ("cpu:gloo,cuda:nccl", True)])
+@pytest.mark.parametrize(
+    "backend,cuda", [("gloo", False), ("cpu:gloo", False), ("nccl", True), ("cpu:gloo,cuda:nccl", True)]
+)
 def test_a_backend_carries_cuda_tensors_only_with_nccl(backend, cuda):
     assert uses_cuda(backend) is cuda
 
@@ -365,11 +408,21 @@ def test_a_rank_that_fails_reports_its_traceback_without_stacks():
 
 # -- meshjob worker ----------------------------------------------------------------------------
 
+
 def worker_cli(monkeypatch, *argv: str, **env: str) -> int:
     from meshjob.cli import main
 
-    for name in ("RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "MESHJOB_JOB", "MESHJOB_HOSTS",
-                 "MESHJOB_CHECKPOINT_DIR", "MESHJOB_PLAN", "MESHJOB_METRICS_PORT"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_PORT",
+        "MESHJOB_JOB",
+        "MESHJOB_HOSTS",
+        "MESHJOB_CHECKPOINT_DIR",
+        "MESHJOB_PLAN",
+        "MESHJOB_METRICS_PORT",
+    ):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv(name, "")  # restored after the test, whatever the worker sets
     for name, value in env.items():
@@ -392,8 +445,9 @@ def test_worker_refuses_a_node_rank_beyond_the_jobs_hosts(monkeypatch, capsys, o
     assert "--node-rank 1 is invalid: the job uses 1 host(s), node ranks 0..0" in capsys.readouterr().err
 
 
-def test_worker_reports_checkpoints_no_rank_can_resume_from_as_a_message_not_a_traceback(monkeypatch, capsys,
-                                                                                          one_host_job):
+def test_worker_reports_checkpoints_no_rank_can_resume_from_as_a_message_not_a_traceback(
+    monkeypatch, capsys, one_host_job
+):
     from meshjob_trainer import worker
     from meshjob_trainer.checkpoint import CheckpointCorrupt
 
@@ -417,15 +471,19 @@ def test_worker_refuses_to_run_without_the_rendered_plan_it_was_told_of(monkeypa
     assert f"the rendered plan {missing} cannot be read" in capsys.readouterr().err
 
 
-def test_worker_refuses_a_plan_other_than_the_rendered_one_naming_both_digests(monkeypatch, capsys, one_host_job,
-                                                                               tmp_path):
-    from meshjob import rendered
-    from meshjob.spec import load_job
+def test_worker_refuses_a_plan_other_than_the_rendered_one_naming_both_digests(
+    monkeypatch, capsys, one_host_job, tmp_path
+):
+    from meshjob.plan import rendered
+    from meshjob.spec.manifest import load_job
 
     job = one_host_job()
     inputs = rendered.PlanInputs.of(load_job(job), nic_bytes_per_s=1e9 / 8)
-    theirs = json.loads(rendered.render(dataclasses.replace(inputs, hosts=inputs.build().placement.hosts),
-                                        inputs.build())[rendered.PLAN_FILE])
+    theirs = json.loads(
+        rendered.render(dataclasses.replace(inputs, hosts=inputs.build().placement.hosts), inputs.build())[
+            rendered.PLAN_FILE
+        ]
+    )
     theirs["nic_bytes_per_s"] = 1e8 / 8  # the operator planned for another NIC than the one recorded
     (tmp_path / "plan.json").write_text(json.dumps(theirs))
     assert worker_cli(monkeypatch, "--job", job, "--nproc", "4", MESHJOB_PLAN=str(tmp_path / "plan.json")) == 1
@@ -437,16 +495,22 @@ def test_worker_refuses_a_plan_other_than_the_rendered_one_naming_both_digests(m
 @pytest.mark.slow
 def test_worker_with_nproc_trains_the_hosts_ranks_and_checkpoints(monkeypatch, capfd, one_host_job, tmp_path):
     job = one_host_job(steps=2, checkpoint={"every": 2, "path": str(tmp_path / "unused")})
-    assert worker_cli(monkeypatch, "--job", job, "--nproc", "4", "--checkpoint-dir", str(tmp_path / "ck"),
-                      "--timeout", "30") == 0
-    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == \
-        [f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("done", "pt")]
+    assert (
+        worker_cli(
+            monkeypatch, "--job", job, "--nproc", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--timeout", "30"
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
+        f"rank-{r:05d}.{ext}" for r in range(4) for ext in ("done", "pt")
+    ]
     # the pod's log: one line per step from the first rank of each of the 2 stages
     logged = sorted(line.split(":")[0] for line in capfd.readouterr().out.splitlines() if line.startswith("step "))
     assert logged == ["step 1/2 stage 0", "step 1/2 stage 1", "step 2/2 stage 0", "step 2/2 stage 1"]
 
 
 # -- the pod's log: a line per step ------------------------------------------------------------
+
 
 def test_the_step_log_has_step_of_total_loss_throughput_and_step_time():
     from meshjob_trainer.events import CheckpointWritten, Fanout, StepFinished
@@ -459,10 +523,14 @@ def test_the_step_log_has_step_of_total_loss_throughput_and_step_time():
     events.emit(StepFinished(stage=1, step=12, seconds=0.25, tokens=2048, loss=2.34567))
     events.emit(CheckpointWritten(stage=1, step=12, seconds=0.1))  # no line
     events.emit(StepFinished(stage=0, step=13, seconds=0.5, tokens=2048, loss=float("nan")))
-    assert lines == ["step 12/150 stage 1: loss 2.3457, 8192 tokens/s, 0.250 s/step",
-                     "step 13/150 stage 0: loss -, 4096 tokens/s, 0.500 s/step"]
-    assert metrics.registry.get_sample_value("meshjob_step", {"trainingjob": "j", "namespace": "default",
-                                                              "stage": "1"}) == 12
+    assert lines == [
+        "step 12/150 stage 1: loss 2.3457, 8192 tokens/s, 0.250 s/step",
+        "step 13/150 stage 0: loss -, 4096 tokens/s, 0.500 s/step",
+    ]
+    assert (
+        metrics.registry.get_sample_value("meshjob_step", {"trainingjob": "j", "namespace": "default", "stage": "1"})
+        == 12
+    )
 
 
 def test_the_step_log_has_a_line_per_evaluation_from_the_stage_that_holds_the_loss():

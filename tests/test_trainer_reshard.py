@@ -5,6 +5,7 @@ meshes, so these tests need no whole job. Every rank makes the same random
 global tensor from a seed; sources pass their natural tile, destinations compare what arrives
 with the tile they should hold.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from meshjob.boundary import BoundaryKey
-from meshjob.mesh import Mesh
-from meshjob.plan import Boundary, plan_boundary
-from meshjob.resharding import STRATEGIES, Step
-from meshjob.sharding import ShardingSpec, slice_shape, tile, to_index
-from meshjob.spec import ReshardingSpec
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec, slice_shape, tile, to_index
+from meshjob.plan.build import Boundary, plan_boundary
+from meshjob.resharding.strategies import STRATEGIES
+from meshjob.resharding.tasks import Step
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.spec.manifest import ReshardingSpec
 from meshjob_trainer.dist import init_distributed, shutdown_distributed
 from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.route import ReshardError, make_routes
@@ -43,8 +45,7 @@ class Case:
         return self.src.size + self.dst.size
 
 
-def mesh(shape: tuple[int, ...], first_rank: int, hosts: tuple[int, ...] | None = None,
-         first_host: int = 0) -> Mesh:
+def mesh(shape: tuple[int, ...], first_rank: int, hosts: tuple[int, ...] | None = None, first_host: int = 0) -> Mesh:
     m = Mesh.grid(shape, first_rank, first_host)
     return m if hosts is None else Mesh(m.shape, m.ranks, hosts)
 
@@ -52,16 +53,56 @@ def mesh(shape: tuple[int, ...], first_rank: int, hosts: tuple[int, ...] | None 
 CASES = [
     Case("2x2 S01R -> 2x2 S0R", (8, 6), mesh((2, 2), 0), "S01R", "S01R", mesh((2, 2), 4, first_host=2), "S0R", "S0R"),
     Case("1x1 RRR -> 2x2 RRR", (4, 4, 6), mesh((1, 1), 0), "RRR", "RRR", mesh((2, 2), 1, first_host=1), "RRR", "RRR"),
-    Case("2x2 RS1 -> 1x4 S1R (2 hosts -> 1)", (8, 8), mesh((2, 2), 0), "RS1", "RS1",
-         mesh((1, 4), 4, first_host=2), "S1R", "S1R"),
-    Case("1x2 S1RR -> 2x1 S0RR (1 host -> 2)", (4, 6, 4), mesh((1, 2), 0), "S1RR", "S1RR",
-         mesh((2, 1), 2, first_host=1), "S0RR", "S0RR"),
-    Case("2x1 RRR -> 3x2 RRR (chain over 3 hosts)", (2, 4, 6), mesh((2, 1), 0), "RRR", "RRR",
-         mesh((3, 2), 2, first_host=2), "RRR", "RRR"),
-    Case("send slices natural, recv gathered: 1x2 RRR/RS1R -> 2x2 S01RR/S0RR", (4, 4, 6), mesh((1, 2), 0),
-         "RRR", "RS1R", mesh((2, 2), 2, first_host=1), "S01RR", "S0RR"),
-    Case("stages share a host: 1x2 RS1 -> 2x2 S0R", (4, 8), mesh((1, 2), 0), "RS1", "RS1",
-         mesh((2, 2), 2, hosts=(0, 0, 1, 1)), "S0R", "S0R"),
+    Case(
+        "2x2 RS1 -> 1x4 S1R (2 hosts -> 1)",
+        (8, 8),
+        mesh((2, 2), 0),
+        "RS1",
+        "RS1",
+        mesh((1, 4), 4, first_host=2),
+        "S1R",
+        "S1R",
+    ),
+    Case(
+        "1x2 S1RR -> 2x1 S0RR (1 host -> 2)",
+        (4, 6, 4),
+        mesh((1, 2), 0),
+        "S1RR",
+        "S1RR",
+        mesh((2, 1), 2, first_host=1),
+        "S0RR",
+        "S0RR",
+    ),
+    Case(
+        "2x1 RRR -> 3x2 RRR (chain over 3 hosts)",
+        (2, 4, 6),
+        mesh((2, 1), 0),
+        "RRR",
+        "RRR",
+        mesh((3, 2), 2, first_host=2),
+        "RRR",
+        "RRR",
+    ),
+    Case(
+        "send slices natural, recv gathered: 1x2 RRR/RS1R -> 2x2 S01RR/S0RR",
+        (4, 4, 6),
+        mesh((1, 2), 0),
+        "RRR",
+        "RS1R",
+        mesh((2, 2), 2, first_host=1),
+        "S01RR",
+        "S0RR",
+    ),
+    Case(
+        "stages share a host: 1x2 RS1 -> 2x2 S0R",
+        (4, 8),
+        mesh((1, 2), 0),
+        "RS1",
+        "RS1",
+        mesh((2, 2), 2, hosts=(0, 0, 1, 1)),
+        "S0R",
+        "S0R",
+    ),
 ]
 
 
@@ -71,12 +112,20 @@ def host_of(case: Case):
 
 def make_boundary(case: Case, strategy: str, chunks: int = 3, tensor: str = "activation") -> Boundary:
     send, recv = ShardingSpec.parse(case.send), ShardingSpec.parse(case.recv)
-    return plan_boundary(BoundaryKey(0, 1, tensor), case.shape, (case.src, send), (case.dst, recv),
-                         ReshardingSpec(strategy, chunks, "load_balance"), host_of(case), NIC_BYTES_PER_S)
+    return plan_boundary(
+        BoundaryKey(0, 1, tensor),
+        case.shape,
+        (case.src, send),
+        (case.dst, recv),
+        ReshardingSpec(strategy, chunks, "load_balance"),
+        host_of(case),
+        NIC_BYTES_PER_S,
+    )
 
 
-def executor(case: Case, boundaries: list[Boundary], rank: int, metrics=None,
-             cpu_wire: str = "gloo") -> ReshardExecutor:
+def executor(
+    case: Case, boundaries: list[Boundary], rank: int, metrics=None, cpu_wire: str = "gloo"
+) -> ReshardExecutor:
     routes = make_routes(boundaries, {0: case.src, 1: case.dst}, {0: case.src_natural, 1: case.dst_natural})
     return ReshardExecutor(None, rank, metrics, routes=routes, cpu_wire=cpu_wire)
 
@@ -109,8 +158,15 @@ def reshard_once(case: Case, strategy: str, seed: int = 7, cpu_wire: str = "gloo
             ex.close()
             if env.rank in case.src.ranks:
                 return env.rank, "sender", got is None
-            return env.rank, "receiver", (got.shape == mine.shape, handle.delivered and torch.equal(got, mine),
-                                          sum(handle.stats.bytes_received.values()))
+            return (
+                env.rank,
+                "receiver",
+                (
+                    got.shape == mine.shape,
+                    handle.delivered and torch.equal(got, mine),
+                    sum(handle.stats.bytes_received.values()),
+                ),
+            )
         finally:
             shutdown_distributed()
 
@@ -216,10 +272,20 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
             ex = executor(case, [boundary], env.rank, metrics)
             local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
             ex.start(boundary.key, 0, local).wait(timeout_s=30)
-            return {scope: metrics.registry.get_sample_value(
-                "meshjob_resharding_bytes_total",
-                {"trainingjob": "t", "namespace": "default", "strategy": "send_recv", "scope": scope, "boundary": "0->1:activation"}) or 0.0
-                for scope in ("intra_host", "cross_host")}
+            return {
+                scope: metrics.registry.get_sample_value(
+                    "meshjob_resharding_bytes_total",
+                    {
+                        "trainingjob": "t",
+                        "namespace": "default",
+                        "strategy": "send_recv",
+                        "scope": scope,
+                        "boundary": "0->1:activation",
+                    },
+                )
+                or 0.0
+                for scope in ("intra_host", "cross_host")
+            }
         finally:
             shutdown_distributed()
 
@@ -231,7 +297,7 @@ def test_receiver_records_bytes_per_scope_in_trainer_metrics(gang):
 
 @pytest.mark.slow
 def test_bytes_sent_per_host_pair_add_up_to_the_plans_nic_bytes(gang):
-    from meshjob.resharding import nic_bytes
+    from meshjob.resharding.tasks import nic_bytes
 
     case = CASES[4]  # 2 source hosts, a chain over 3 destination hosts
     boundary = make_boundary(case, "broadcast", chunks=4)
@@ -260,8 +326,9 @@ def test_a_forward_before_its_data_arrived_is_rejected():
     case = CASES[4]
     good = make_boundary(case, "broadcast", chunks=1)
     forwards = [s for s in good.steps if s.src in case.dst.ranks]
-    broken = tuple(s if s is not forwards[0] else Step(s.id, s.task, s.src, s.dst, s.region, (), s.scope)
-                   for s in good.steps)
+    broken = tuple(
+        s if s is not forwards[0] else Step(s.id, s.task, s.src, s.dst, s.region, (), s.scope) for s in good.steps
+    )
     with pytest.raises(ReshardError, match=rf"step {forwards[0].id} has rank {forwards[0].src} forward region"):
         executor(case, [dataclasses.replace(good, steps=broken)], 0)
 
@@ -293,8 +360,9 @@ def test_tag_ranges_of_boundaries_and_microbatches_do_not_overlap():
     case = CASES[1]
     a, b = make_boundary(case, "broadcast"), make_boundary(case, "send_recv", tensor="skip0")
     ex = executor(case, [a, b], 0)
-    spans = [(ex.tag_base(x.key, mb), ex.tag_base(x.key, mb) + ex.route(x.key).tag_span)
-             for x in (a, b) for mb in range(4)]
+    spans = [
+        (ex.tag_base(x.key, mb), ex.tag_base(x.key, mb) + ex.route(x.key).tag_span) for x in (a, b) for mb in range(4)
+    ]
     spans.sort()
     assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
 
@@ -306,8 +374,8 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
     import dataclasses
     from pathlib import Path
 
-    from meshjob.plan import build_plan
-    from meshjob.spec import load_job, natural_layout
+    from meshjob.plan.build import build_plan
+    from meshjob.spec.manifest import load_job, natural_layout
 
     job = load_job(str(Path(__file__).resolve().parents[1] / "examples" / "utransformer-demo.yaml"))
     job = dataclasses.replace(job, resharding=dataclasses.replace(job.resharding, strategy=strategy, chunks=3))
@@ -339,6 +407,7 @@ def test_every_boundary_of_a_planned_utransformer_is_resharded_exactly(gang, str
 
 
 # --- device-native: payloads never leave the context's device ---------------------------------
+
 
 class FakeWire:
     """Stands in for a wire in one process (a test double of meshjob_trainer.wire.Wire): every message
@@ -413,8 +482,10 @@ def test_every_payload_stays_on_the_context_device(case: Case, strategy: str):
         local = None
         if rank in case.src.ranks:
             m = case.src
-            local = torch.empty(slice_shape(tile(ShardingSpec.parse(case.src_natural), m.shape, case.shape,
-                                                 m.index_of(rank))), device="meta")
+            local = torch.empty(
+                slice_shape(tile(ShardingSpec.parse(case.src_natural), m.shape, case.shape, m.index_of(rank))),
+                device="meta",
+            )
         got = run_alone(case, boundary, rank, wire, local, device="meta")
         if rank in case.dst.ranks:
             want = natural_tile(case, global_tensor(case, 0), rank)
@@ -439,8 +510,8 @@ def test_a_source_sends_views_of_its_tile_not_copies():
 
 
 def boundary_program(case: Case, boundary: Boundary, rank: int):
-    from meshjob.network import NetworkModel
-    from meshjob.program import rank_programs
+    from meshjob.network.model import NetworkModel
+    from meshjob.plan.program import rank_programs
 
     return rank_programs(boundary.steps, host_of(case), NetworkModel())[rank].sends
 
@@ -472,6 +543,7 @@ def test_the_compute_stream_uses_a_result_only_after_the_engine_assembled_it():
 
 # --- what the executor records for the dashboard --------------------------------------------
 
+
 def recorded_metrics(gang, case: Case, boundary: Boundary):
     """Runs `boundary` once; each rank returns (rank, host name, its metrics' samples)."""
 
@@ -486,9 +558,20 @@ def recorded_metrics(gang, case: Case, boundary: Boundary):
             local = natural_tile(case, global_tensor(case, 1), env.rank) if env.rank in case.src.ranks else None
             ex.start(boundary.key, 0, local).wait(timeout_s=30)
             get = metrics.registry.get_sample_value
-            return (env.rank, host, get("meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "t", "namespace": "default", "host": host}),
-                    get("meshjob_resharding_lower_bound_ratio", {"trainingjob": "t", "namespace": "default", "boundary": "0->1:activation"}),
-                    get("meshjob_unit_tasks_total", {"trainingjob": "t", "namespace": "default", "balancer": "load_balance"}))
+            return (
+                env.rank,
+                host,
+                get(
+                    "meshjob_nic_bandwidth_bytes_per_second", {"trainingjob": "t", "namespace": "default", "host": host}
+                ),
+                get(
+                    "meshjob_resharding_lower_bound_ratio",
+                    {"trainingjob": "t", "namespace": "default", "boundary": "0->1:activation"},
+                ),
+                get(
+                    "meshjob_unit_tasks_total", {"trainingjob": "t", "namespace": "default", "balancer": "load_balance"}
+                ),
+            )
         finally:
             shutdown_distributed()
 

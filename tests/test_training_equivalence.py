@@ -8,6 +8,7 @@ tensor parallel 2 x data parallel 2 across two hosts, stage 2 data parallel 2 in
 every boundary reshards between differently shaped meshes, the tied vocab-parallel embedding joins
 two tensor-parallel stages, and ZeRO-1 shards over data-parallel ranks that also split tensors.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pipeline_equivalence import pipeline_losses, run_job
 
-from meshjob.plan import build_plan
-from meshjob.spec import TrainingJob, parse_job
+from meshjob.plan.build import build_plan
+from meshjob.spec.manifest import TrainingJob, parse_job
 from meshjob_trainer.events import StepFinished
 from meshjob_trainer.launch import launch_with_restarts
 from meshjob_trainer.model import full_parameters
 from meshjob_trainer.reference import ReferenceResult, reference_for_job
 from meshjob_trainer.train import TrainResult, train_rank
-from test_pipeline_equivalence import pipeline_losses, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
@@ -36,25 +37,42 @@ STAGES = [
     {"layers": [4, 6], "mesh": [1, 2], "dataParallelDim": 1},
 ]
 LLAMA = {"kind": "llama", "layers": 6, "hidden": 16, "heads": 4, "kvHeads": 2, "vocab": 256, "seqLen": 8}
-WEIGHT_ATOL = LR / 50  # Adam moves an element with a rounding-noise gradient by up to ~lr: see test_pipeline_equivalence
+WEIGHT_ATOL = (
+    LR / 50
+)  # Adam moves an element with a rounding-noise gradient by up to ~lr: see test_pipeline_equivalence
 
 
-def make_job(schedule: str = "1f1b", delay: int | str = 0, model: dict | None = None, stages=STAGES,
-             **training) -> TrainingJob:
-    return parse_job({
-        "apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "training"},
-        "spec": {
-            "model": model or LLAMA,
-            "data": {"kind": "tokens", "path": str(DATA / "shakespeare-train.bin"),
-                     "valPath": str(DATA / "shakespeare-val.bin"), "dtype": "uint16"},
-            "training": {"steps": STEPS, "globalBatch": 8, "microbatches": 4, "learningRate": LR, "seed": 0,
-                         **training},
-            "topology": {"devicesPerHost": 2},
-            "stages": stages,
-            "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
-            "schedule": {"kind": schedule, "weightGradDelay": delay},
-        },
-    })
+def make_job(
+    schedule: str = "1f1b", delay: int | str = 0, model: dict | None = None, stages=STAGES, **training
+) -> TrainingJob:
+    return parse_job(
+        {
+            "apiVersion": "meshjob.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "training"},
+            "spec": {
+                "model": model or LLAMA,
+                "data": {
+                    "kind": "tokens",
+                    "path": str(DATA / "shakespeare-train.bin"),
+                    "valPath": str(DATA / "shakespeare-val.bin"),
+                    "dtype": "uint16",
+                },
+                "training": {
+                    "steps": STEPS,
+                    "globalBatch": 8,
+                    "microbatches": 4,
+                    "learningRate": LR,
+                    "seed": 0,
+                    **training,
+                },
+                "topology": {"devicesPerHost": 2},
+                "stages": stages,
+                "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
+                "schedule": {"kind": schedule, "weightGradDelay": delay},
+            },
+        }
+    )
 
 
 _REFERENCES: dict[str, ReferenceResult] = {}
@@ -68,8 +86,9 @@ def reference(**training) -> ReferenceResult:
     return _REFERENCES[key]
 
 
-def assert_matches(results: list[TrainResult], ref: ReferenceResult, loss_tol: float = 1e-5,
-                   weight_atol: float | None = WEIGHT_ATOL) -> None:
+def assert_matches(
+    results: list[TrainResult], ref: ReferenceResult, loss_tol: float = 1e-5, weight_atol: float | None = WEIGHT_ATOL
+) -> None:
     losses = pipeline_losses(results)
     assert len(losses) == 2  # the last stage's two data-parallel ranks both report
     for reported in losses:
@@ -161,8 +180,9 @@ def run_with_kill(job: TrainingJob, checkpoints: Path, kill_rank: int, kill_step
 def test_a_killed_run_with_zero_1_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
     """Rank 3 (stage 1) dies at step 5; the checkpoint of step 3 holds each rank's ZeRO-1 shard of the
     optimizer state; the data of every step depends only on (seed, step)."""
-    job = make_job("eager-1f1b", 1, steps=8, optimizer={"zeroStage": 1},
-                   checkpoint={"every": 3, "path": str(tmp_path / "unused")})
+    job = make_job(
+        "eager-1f1b", 1, steps=8, optimizer={"zeroStage": 1}, checkpoint={"every": 3, "path": str(tmp_path / "unused")}
+    )
     whole = run_job(job)
     resumed = run_with_kill(job, tmp_path / "ckpt", kill_rank=3, kill_step=5)
     assert {r.start_step for r in resumed} == {3}  # every rank had written step 3 before rank 3 finished 5
@@ -172,11 +192,20 @@ def test_a_killed_run_with_zero_1_resumes_bit_identical_to_an_uninterrupted_one(
         assert torch.equal(after[name], weight), name
 
 
-CUSTOM_MODEL = {"kind": "custom", "entrypoint": "conv_lm:build", "config": {"kernel": 3, "tieEmbeddings": True},
-                "layers": 4, "hidden": 16, "vocab": 256, "seqLen": 8}
-CUSTOM_STAGES = [{"layers": [0, 1], "mesh": [1, 2], "dataParallelDim": 1},
-                 {"layers": [1, 3], "mesh": [1, 1]},
-                 {"layers": [3, 4], "mesh": [2, 1], "dataParallelDim": 0}]
+CUSTOM_MODEL = {
+    "kind": "custom",
+    "entrypoint": "conv_lm:build",
+    "config": {"kernel": 3, "tieEmbeddings": True},
+    "layers": 4,
+    "hidden": 16,
+    "vocab": 256,
+    "seqLen": 8,
+}
+CUSTOM_STAGES = [
+    {"layers": [0, 1], "mesh": [1, 2], "dataParallelDim": 1},
+    {"layers": [1, 3], "mesh": [1, 1]},
+    {"layers": [3, 4], "mesh": [2, 1], "dataParallelDim": 0},
+]
 
 
 @pytest.fixture
@@ -188,8 +217,14 @@ def conv_lm(monkeypatch):
 def test_a_custom_model_from_its_package_trains_like_its_reference_and_resumes(conv_lm, tmp_path):
     """examples/custom_model's causal-convolution model: its blocks cut into 3 stages, data parallel on
     two, the embedding and the head sharing their weight across the first and the last stage."""
-    job = make_job("eager-1f1b", 1, model=CUSTOM_MODEL, stages=CUSTOM_STAGES, steps=4,
-                   checkpoint={"every": 2, "path": str(tmp_path / "unused")})
+    job = make_job(
+        "eager-1f1b",
+        1,
+        model=CUSTOM_MODEL,
+        stages=CUSTOM_STAGES,
+        steps=4,
+        checkpoint={"every": 2, "path": str(tmp_path / "unused")},
+    )
     ref = reference_for_job(job)
     whole = run_job(job)
     losses = pipeline_losses(whole)

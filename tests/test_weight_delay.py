@@ -1,4 +1,5 @@
 """The calibrated weight-gradient delay: least that covers the gradient transfers, within the stash bound."""
+
 from __future__ import annotations
 
 import math
@@ -7,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from meshjob.costs import CostModel, StageCost
-from meshjob.plan import build_plan
-from meshjob.schedule import generate, peak_stashed, stash_bound
-from meshjob.spec import job_to_dict, load_job, parse_job
+from meshjob.costs.compute import CostModel, StageCost
+from meshjob.plan.build import build_plan
+from meshjob.schedule.actions import generate, peak_stashed, stash_bound
+from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 # From "almost free" to "far slower than any transfer" weight gradients

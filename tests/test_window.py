@@ -1,13 +1,15 @@
 """Step-level balancing: the boundaries that share a time window are balanced as one problem."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from meshjob.plan import build_plan
-from meshjob.spec import job_to_dict, load_job, parse_job
-from meshjob.window import BACKWARD, FORWARD, STEP, window_groups
+from meshjob.plan.build import build_plan
+from meshjob.resharding.window import BACKWARD, FORWARD, STEP, window_groups
+from meshjob.schedule.actions import SCHEDULE_KINDS
+from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 from meshjob_bench.planner import per_boundary, u_pair_job
 
 
@@ -19,15 +21,21 @@ def pair_job(**resharding: Any):
 
 def test_windows_follow_the_schedule_kind():
     backward = [False, True, False, True]
-    assert window_groups("eager-1f1b", backward) == [(STEP, (0, 1, 2, 3))]
-    assert window_groups("1f1b", backward) == [(STEP, (0, 1, 2, 3))]
-    assert window_groups("gpipe", backward) == [(FORWARD, (0, 2)), (BACKWARD, (1, 3))]
+    for kind in ("eager-1f1b", "1f1b"):
+        assert window_groups(SCHEDULE_KINDS[kind].forwards_first, backward) == [(STEP, (0, 1, 2, 3))]
+    assert window_groups(SCHEDULE_KINDS["gpipe"].forwards_first, backward) == [(FORWARD, (0, 2)), (BACKWARD, (1, 3))]
 
 
 def test_every_boundary_of_a_step_is_balanced_in_one_window():
     plan = build_plan(pair_job())
-    assert [str(b.key) for b in plan.boundaries] == ["0->1:activation", "1->0:grad:activation", "0->1:skip0",
-                                                     "1->0:grad:skip0", "0->1:skip1", "1->0:grad:skip1"]
+    assert [str(b.key) for b in plan.boundaries] == [
+        "0->1:activation",
+        "1->0:grad:activation",
+        "0->1:skip0",
+        "1->0:grad:skip0",
+        "0->1:skip1",
+        "1->0:grad:skip1",
+    ]
     assert len(plan.windows) == 1 and plan.windows[0].boundaries == tuple(range(6))
     assert {b.window for b in plan.boundaries} == {0}
 
@@ -49,7 +57,7 @@ def test_joint_shares_keep_the_joint_sender_choice_and_are_timed_alone():
     joint = plan.windows[0]
     for b, first in zip(plan.boundaries, joint.offsets):
         n = len(b.tasks)
-        assert b.schedule.sender_host == joint.schedule.sender_host[first:first + n]
+        assert b.schedule.sender_host == joint.schedule.sender_host[first : first + n]
         assert b.makespan_s <= joint.makespan_s + 1e-12
 
 
@@ -85,8 +93,8 @@ def test_quick_planner_bench_reports_both_network_models_and_joint_vs_per_bounda
 
 
 def test_every_task_of_a_window_counts_the_window_on_the_shared_cores():
-    from meshjob.task_costs import HostTask
-    from meshjob.window import with_shares
+    from meshjob.network.host_task import HostTask
+    from meshjob.resharding.window import with_shares
 
     tasks = with_shares([HostTask((0,), (2,), 10), HostTask((0,), (2,), 10), HostTask((1,), (3,), 10)])
     assert [t.share for t in tasks] == [2, 2, 1]  # two queue on host 2's in-link

@@ -7,11 +7,15 @@ runs them (cli.py).
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
-def parsed_arguments(argv: Sequence[str] | argparse.Namespace | None, prog: str, doc: str | None,
-                     add_arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
+def parsed_arguments(
+    argv: Sequence[str] | argparse.Namespace | None,
+    prog: str,
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+) -> argparse.Namespace:
     """The namespace `meshjob bench` already parsed, or argv parsed by the module's own arguments
     (a benchmark run as `python -m meshjob_bench.NAME` or called from a test with a list)."""
     if isinstance(argv, argparse.Namespace):

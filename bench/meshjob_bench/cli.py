@@ -4,6 +4,7 @@ compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ import importlib
 import sys
 from types import ModuleType
 
-HELP = ("benchmarks: resharding strategies (and their re-simulation and comparison), pipeline schedules, planner, "
-        "operator, input fuzzing, memory, end to end, tune")
+HELP = (
+    "benchmarks: resharding strategies (and their re-simulation and comparison), pipeline schedules, planner, "
+    "operator, input fuzzing, memory, end to end, tune"
+)
 BENCHMARKS: dict[str, str] = {
     "resharding": "cross-mesh resharding strategies and balancers on the emulated cluster",
     "resimulate": "a recorded resharding run's plans simulated again, on its network model or a changed one",

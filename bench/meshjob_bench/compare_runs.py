@@ -7,6 +7,7 @@ column per run, one row per measure, so such a sweep is read off the recorded ru
 
 Run: `meshjob bench compare-runs bench/results/runs/resharding-250mbit-*.json bench/results/resharding.json`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ import json
 import os
 import statistics
 import textwrap
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from meshjob_bench.resharding_cases import MAIN_BALANCER, Variant
 from meshjob_bench.resimulate import TOLERANCE, read_run
@@ -26,8 +28,11 @@ AUTO_GREEDY = Variant("broadcast", "auto", MAIN_BALANCER).label  # the summary's
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="resharding.json files written by `meshjob bench resharding`")
     parser.add_argument("--json", default=None, help="also write the comparison to this file")
-    parser.add_argument("--png", default=None, help="also plot it to this file: time / L per section, and the share "
-                                                    "of each target's rows met")
+    parser.add_argument(
+        "--png",
+        default=None,
+        help="also plot it to this file: time / L per section, and the share of each target's rows met",
+    )
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,18 @@ class RunSummary:
 
     def merged(self, other: RunSummary) -> RunSummary:
         """This run and another of the same NIC rate over other sections, as one."""
-        return RunSummary(self.paths + other.paths, self.nic_rate, self.sections | other.sections,
-                          {**self.auto_over_limit, **other.auto_over_limit},
-                          {n: self.targets.get(n, TargetCount(0, 0, 0)) + other.targets.get(n, TargetCount(0, 0, 0))
-                           for n in target_names((self, other))},
-                          self.simulator_errors + other.simulator_errors, self.disturbed_probe or other.disturbed_probe)
+        return RunSummary(
+            self.paths + other.paths,
+            self.nic_rate,
+            self.sections | other.sections,
+            {**self.auto_over_limit, **other.auto_over_limit},
+            {
+                n: self.targets.get(n, TargetCount(0, 0, 0)) + other.targets.get(n, TargetCount(0, 0, 0))
+                for n in target_names((self, other))
+            },
+            self.simulator_errors + other.simulator_errors,
+            self.disturbed_probe or other.disturbed_probe,
+        )
 
     def simulator_text(self) -> str:
         errors = self.simulator_errors
@@ -79,25 +91,40 @@ class RunSummary:
 
     def to_json(self) -> dict[str, Any]:
         errors = self.simulator_errors
-        return {"paths": list(self.paths), "nic_rate": self.nic_rate, "auto_over_limit": self.auto_over_limit,
-                "targets": {n: asdict(t) for n, t in self.targets.items()},
-                "simulator_within": self.simulator_within, "simulator_rows": len(errors),
-                "simulator_median_error": statistics.median(errors) if errors else None,
-                "disturbed_probe": self.disturbed_probe}
+        return {
+            "paths": list(self.paths),
+            "nic_rate": self.nic_rate,
+            "auto_over_limit": self.auto_over_limit,
+            "targets": {n: asdict(t) for n, t in self.targets.items()},
+            "simulator_within": self.simulator_within,
+            "simulator_rows": len(errors),
+            "simulator_median_error": statistics.median(errors) if errors else None,
+            "disturbed_probe": self.disturbed_probe,
+        }
 
 
 def summarize(path: str, run: dict[str, Any]) -> RunSummary:
     """One resharding run's summary (resimulate.read_run); KeyError where it lacks a field."""
     sections = sorted(run["summary"])
     return RunSummary(
-        paths=(path,), nic_rate=run["nic_rate"], sections=frozenset(sections),
-        auto_over_limit={s: run["summary"][s][AUTO_GREEDY]["over_limit"] for s in sections
-                         if AUTO_GREEDY in run["summary"][s]},
-        targets={t["name"]: TargetCount(t["checked"], len(t["failures"]), len(t["bounded"]))
-                 for t in run["targets"] if t.get("checked")},
-        simulator_errors=tuple(abs(r["simulator_error"]) for r in run["rows"]
-                               if r["strategy"] != "signal" and r.get("simulator_error") is not None),
-        disturbed_probe=bool((run.get("message_costs") or {}).get("disturbed")))
+        paths=(path,),
+        nic_rate=run["nic_rate"],
+        sections=frozenset(sections),
+        auto_over_limit={
+            s: run["summary"][s][AUTO_GREEDY]["over_limit"] for s in sections if AUTO_GREEDY in run["summary"][s]
+        },
+        targets={
+            t["name"]: TargetCount(t["checked"], len(t["failures"]), len(t["bounded"]))
+            for t in run["targets"]
+            if t.get("checked")
+        },
+        simulator_errors=tuple(
+            abs(r["simulator_error"])
+            for r in run["rows"]
+            if r["strategy"] != "signal" and r.get("simulator_error") is not None
+        ),
+        disturbed_probe=bool((run.get("message_costs") or {}).get("disturbed")),
+    )
 
 
 def target_names(cols: Sequence[RunSummary]) -> list[str]:
@@ -126,14 +153,18 @@ def print_comparison(cols: Sequence[RunSummary]) -> None:
     from rich.table import Table
 
     console = Console(width=None if Console().is_terminal else 160)
-    table = Table(title="recorded resharding runs side by side (time / L: broadcast K=auto greedy, geometric mean "
-                        "over a section's cases; each column's files below the table)", title_justify="left")
+    table = Table(
+        title="recorded resharding runs side by side (time / L: broadcast K=auto greedy, geometric mean "
+        "over a section's cases; each column's files below the table)",
+        title_justify="left",
+    )
     table.add_column("measure")
     for i, c in enumerate(cols):
         table.add_column(f"[{i + 1}] {c.nic_rate}" + (" (a probe disturbed)" if c.disturbed_probe else ""))
     for sec in all_sections(cols):
-        table.add_row(f"{sec}: time / L", *[f"{c.auto_over_limit[sec]:.3f}" if sec in c.auto_over_limit else ""
-                                           for c in cols])
+        table.add_row(
+            f"{sec}: time / L", *[f"{c.auto_over_limit[sec]:.3f}" if sec in c.auto_over_limit else "" for c in cols]
+        )
     for name in target_names(cols):
         table.add_row(name, *[c.targets[name].text() if name in c.targets else "" for c in cols])
     table.add_row(f"simulator within {TOLERANCE:.0%} (median |error|)", *[c.simulator_text() for c in cols])
@@ -153,8 +184,12 @@ def plot(cols: Sequence[RunSummary], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [2, 3]})
     sections = all_sections(cols)
     for j, (label, c) in enumerate(zip(labels, cols)):
-        left.bar([i + j * width for i in range(len(sections))],
-                 [c.auto_over_limit.get(sec, float("nan")) for sec in sections], width, label=label)
+        left.bar(
+            [i + j * width for i in range(len(sections))],
+            [c.auto_over_limit.get(sec, float("nan")) for sec in sections],
+            width,
+            label=label,
+        )
     left.axhline(1.15, color="black", lw=0.8, ls="--")
     left.set_xticks([i + 0.4 - width / 2 for i in range(len(sections))], sections)
     left.set_ylim(1.0, None)
@@ -165,8 +200,9 @@ def plot(cols: Sequence[RunSummary], path: str) -> None:
     for j, (label, c) in enumerate(zip(labels, cols)):
         shares = [1 - c.targets[n].missed / c.targets[n].checked if n in c.targets else float("nan") for n in names]
         right.bar([i + j * width for i in range(len(names))], shares, width, label=label)
-    right.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], [textwrap.fill(n, 20) for n in names],
-                     fontsize=6.5)
+    right.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(names))], [textwrap.fill(n, 20) for n in names], fontsize=6.5
+    )
     right.set_ylim(0, 1.05)
     right.set_ylabel("share of the target's rows (pairs) met")
     right.set_title("the issues' targets (no bar: none met)", fontsize=9)
@@ -184,8 +220,13 @@ def main(args: argparse.Namespace) -> int:
         try:
             summaries.append(summarize(path, read_run(path)))
         except (OSError, ValueError, KeyError, TypeError) as err:
-            problems.append(FieldError("runs", path, f"a resharding.json written by `meshjob bench resharding` "
-                                                     f"({type(err).__name__}: {err})"))
+            problems.append(
+                FieldError(
+                    "runs",
+                    path,
+                    f"a resharding.json written by `meshjob bench resharding` ({type(err).__name__}: {err})",
+                )
+            )
     if problems:
         raise SpecError(problems)
     cols = columns(summaries)

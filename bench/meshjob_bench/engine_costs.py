@@ -1,6 +1,6 @@
 """What a message costs through the communication engine on the emulated cluster: link time and CPU.
 
-The network model's per-message costs (meshjob.network: `message_s`, `intra_message_s`) default to
+The network model's per-message costs (meshjob.network.model: `message_s`, `intra_message_s`) default to
 raw gloo between two idle ranks, and every emulated host runs on this machine's few cores, so a chain
 cut into many chunks runs out of CPU before it runs out of NIC (`shared_cpu_cores`). `chunks: auto`
 is only as good as these figures. The benchmark that plans with them measures them first, in a gang
@@ -29,24 +29,25 @@ the rounds interleave the probes, so a burst of load moves one round, not the fi
 
 The probe guards itself against other processes on the shared cores: meshjob_bench.probe_guard.
 """
+
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
+from meshjob.layout.sharding import ShardingSpec
+from meshjob.network.model import NetworkModel, on_shared_cores
+from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST
 from meshjob_bench.resharding_cases import Case, Layout, Variant, variant_boundary
-from meshjob.network import NetworkModel, on_shared_cores
-from meshjob.resharding import CROSS_HOST, INTRA_HOST
-from meshjob.sharding import ShardingSpec
 
 PROBE_CHUNKS = (1, 128)
 PROBE_MIB = (2, 8)
 PROBE_REPEATS = 3  # timed transfers per round, link, size and K (their median)
 PROBE_ROUNDS = 5  # rounds fitted alone; each cost is the median over them
-TERMS = ("message_s", "intra_message_s", "message_cpu_s", "intra_message_cpu_s", "net_byte_cpu_s",
-         "local_byte_cpu_s")
+TERMS = ("message_s", "intra_message_s", "message_cpu_s", "intra_message_cpu_s", "net_byte_cpu_s", "local_byte_cpu_s")
 LINKS = (CROSS_HOST, INTRA_HOST)
 
 
@@ -64,18 +65,32 @@ class EngineCosts:
     rounds: int = 1
 
     def apply(self, network: NetworkModel, cores: int) -> NetworkModel:
-        """`network` with these costs, its hosts sharing `cores` cores (meshjob.network.on_shared_cores:
+        """`network` with these costs, its hosts sharing `cores` cores (meshjob.network.model.on_shared_cores:
         a NIC message above the executor's overlap threshold runs alone and pays one message's CPU on
         the shared cores more of its link)."""
-        return on_shared_cores(network, cores, self.message_s, self.intra_message_s, self.message_cpu_s,
-                               self.intra_message_cpu_s, self.net_byte_cpu_s, self.local_byte_cpu_s)
+        return on_shared_cores(
+            network,
+            cores,
+            self.message_s,
+            self.intra_message_s,
+            self.message_cpu_s,
+            self.intra_message_cpu_s,
+            self.net_byte_cpu_s,
+            self.local_byte_cpu_s,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"message_s": self.message_s, "intra_message_s": self.intra_message_s,
-                "message_cpu_s": self.message_cpu_s, "intra_message_cpu_s": self.intra_message_cpu_s,
-                "net_byte_cpu_s": self.net_byte_cpu_s,
-                "local_byte_cpu_s": self.local_byte_cpu_s, "rounds": self.rounds,
-                "spread": {term: list(lo_hi) for term, lo_hi in self.spread.items()}, "samples": list(self.samples)}
+        return {
+            "message_s": self.message_s,
+            "intra_message_s": self.intra_message_s,
+            "message_cpu_s": self.message_cpu_s,
+            "intra_message_cpu_s": self.intra_message_cpu_s,
+            "net_byte_cpu_s": self.net_byte_cpu_s,
+            "local_byte_cpu_s": self.local_byte_cpu_s,
+            "rounds": self.rounds,
+            "spread": {term: list(lo_hi) for term, lo_hi in self.spread.items()},
+            "samples": list(self.samples),
+        }
 
     def spread_ratio(self, term: str) -> float:
         """Most over least of `term` across the rounds (1.0: they agree; inf: one round fitted 0)."""
@@ -83,13 +98,16 @@ class EngineCosts:
         return 1.0 if hi == lo else (hi / lo if lo > 0 else math.inf)
 
     def describe(self, cores: int) -> str:
-        return (f"measured through the engine: {self.message_s * 1e6:.0f} µs per message between hosts, "
-                f"{self.intra_message_s * 1e6:.0f} µs inside a host; CPU {self.message_cpu_s * 1e6:.0f} µs per "
-                f"message between hosts, {self.intra_message_cpu_s * 1e6:.0f} µs inside a host, "
-                f"{self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
-                f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores (median of "
-                f"{self.rounds} rounds; per message between hosts {self.range_text('message_s', 1e6)} µs, CPU "
-                f"{self.range_text('message_cpu_s', 1e6)} µs, inside a host {self.range_text('intra_message_cpu_s', 1e6)} µs)")
+        return (
+            f"measured through the engine: {self.message_s * 1e6:.0f} µs per message between hosts, "
+            f"{self.intra_message_s * 1e6:.0f} µs inside a host; CPU {self.message_cpu_s * 1e6:.0f} µs per "
+            f"message between hosts, {self.intra_message_cpu_s * 1e6:.0f} µs inside a host, "
+            f"{self.net_byte_cpu_s * 1e9:.2f} ns per byte between hosts, "
+            f"{self.local_byte_cpu_s * 1e9:.2f} ns inside a host, on {cores} shared cores (median of "
+            f"{self.rounds} rounds; per message between hosts {self.range_text('message_s', 1e6)} µs, CPU "
+            f"{self.range_text('message_cpu_s', 1e6)} µs, "
+            f"inside a host {self.range_text('intra_message_cpu_s', 1e6)} µs)"
+        )
 
     def range_text(self, term: str, scale: float) -> str:
         """`term`'s lowest-highest over the rounds, times `scale` (1e6: in µs), as "lo-hi"."""
@@ -107,11 +125,12 @@ def unpacked(network: NetworkModel) -> NetworkModel:
     return replace(network, small_in_flight_per_link=network.in_flight_per_link)
 
 
-def probe_cases(layout: Layout, nic_bytes_per_s: float, network: NetworkModel,
-                rounds: int = PROBE_ROUNDS) -> list[Case]:
+def probe_cases(
+    layout: Layout, nic_bytes_per_s: float, network: NetworkModel, rounds: int = PROBE_ROUNDS
+) -> list[Case]:
     """Per round, one case per link and size, each with a broadcast variant per K, named
     "<link> <MiB> MiB round <r>"."""
-    from meshjob.mesh import Mesh
+    from meshjob.layout.mesh import Mesh
 
     sender = layout.grid((1, 1), 0)
     neighbour = layout.rank(0, 1)
@@ -121,12 +140,20 @@ def probe_cases(layout: Layout, nic_bytes_per_s: float, network: NetworkModel,
         for link in LINKS:
             for mib in PROBE_MIB:
                 shape = (mib * 2**20 // 4 // 1024, 1024)
-                case = Case("engine_probe", f"{link} {mib} MiB round {r}", shape, sender, targets[link],
-                                 ShardingSpec.parse("RR"), ShardingSpec.parse("RR"))
+                case = Case(
+                    "engine_probe",
+                    f"{link} {mib} MiB round {r}",
+                    shape,
+                    sender,
+                    targets[link],
+                    ShardingSpec.parse("RR"),
+                    ShardingSpec.parse("RR"),
+                )
                 case.limit_s = mib * 2**20 / nic_bytes_per_s
                 case.variants = [Variant("broadcast", k, "greedy") for k in PROBE_CHUNKS]
-                case.boundaries = [variant_boundary(case, v, i, layout.host_of, network)
-                                   for i, v in enumerate(case.variants)]
+                case.boundaries = [
+                    variant_boundary(case, v, i, layout.host_of, network) for i, v in enumerate(case.variants)
+                ]
                 case.simulated_s = [math.nan] * len(case.variants)
                 case.planned_s = [math.nan] * len(case.variants)
                 case.messages = [{link: len(b.steps)} for b in case.boundaries]
@@ -138,10 +165,18 @@ def fit(rows: Sequence[Any]) -> EngineCosts:
     """The costs from the probe's rows (the bench's Row: seconds, cpu_seconds, messages; case
     "<link> <MiB> MiB [round <r>]"): each round fitted alone (`fit_round`), each cost the median over
     the rounds, its spread the least and most of them."""
-    samples = [{"link": r.case.split()[0], "bytes": int(r.case.split()[1]) * 2**20, "chunks": r.chunks,
-                "messages": sum(r.messages.values()), "seconds": r.seconds, "cpu_seconds": r.cpu_seconds,
-                "round": int(r.case.split()[4]) if len(r.case.split()) > 4 else 0}
-               for r in rows]
+    samples = [
+        {
+            "link": r.case.split()[0],
+            "bytes": int(r.case.split()[1]) * 2**20,
+            "chunks": r.chunks,
+            "messages": sum(r.messages.values()),
+            "seconds": r.seconds,
+            "cpu_seconds": r.cpu_seconds,
+            "round": int(r.case.split()[4]) if len(r.case.split()) > 4 else 0,
+        }
+        for r in rows
+    ]
     rounds = sorted({s["round"] for s in samples})
     fits = [fit_round([s for s in samples if s["round"] == r]) for r in rounds]
     costs = {term: statistics.median(f[term] for f in fits) for term in TERMS}
@@ -166,20 +201,36 @@ def fit_round(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
     for link in LINKS:
         fewest = min(s["messages"] for s in samples if s["link"] == link)
         ones = [s for s in samples if s["link"] == link and s["messages"] == fewest]
-        per_byte[link] = max(0.0, _least_squares([[1.0, s["bytes"]] for s in ones],
-                                                 [s["cpu_seconds"] for s in ones])[1]) if len(ones) > 1 else 0.0
+        per_byte[link] = (
+            max(0.0, _least_squares([[1.0, s["bytes"]] for s in ones], [s["cpu_seconds"] for s in ones])[1])
+            if len(ones) > 1
+            else 0.0
+        )
     per_message_cpu = {}
     for link in LINKS:
         extra = []
         for nbytes in sorted({s["bytes"] for s in samples if s["link"] == link}):
-            same = sorted((s for s in samples if s["link"] == link and s["bytes"] == nbytes),
-                          key=lambda s: s["messages"])
+            same = sorted(
+                (s for s in samples if s["link"] == link and s["bytes"] == nbytes), key=lambda s: s["messages"]
+            )
             if len(same) > 1 and same[-1]["messages"] > same[0]["messages"]:
-                extra.append((same[-1]["cpu_seconds"] - same[0]["cpu_seconds"])
-                             / (same[-1]["messages"] - same[0]["messages"]))
+                extra.append(
+                    (same[-1]["cpu_seconds"] - same[0]["cpu_seconds"]) / (same[-1]["messages"] - same[0]["messages"])
+                )
         per_message_cpu[link] = max(0.0, sum(extra) / len(extra)) if extra else 0.0
-    return dict(zip(TERMS, (per_message[CROSS_HOST], per_message[INTRA_HOST], per_message_cpu[CROSS_HOST],
-                            per_message_cpu[INTRA_HOST], per_byte[CROSS_HOST], per_byte[INTRA_HOST])))
+    return dict(
+        zip(
+            TERMS,
+            (
+                per_message[CROSS_HOST],
+                per_message[INTRA_HOST],
+                per_message_cpu[CROSS_HOST],
+                per_message_cpu[INTRA_HOST],
+                per_byte[CROSS_HOST],
+                per_byte[INTRA_HOST],
+            ),
+        )
+    )
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

@@ -25,6 +25,7 @@ Target: 0 tracebacks, 0 overruns, p99 under 1 s.
 
 Run: `meshjob bench fuzz --cases 10000` or `python -m meshjob_bench.fuzz`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,28 +41,102 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import yaml
 
-from meshjob_bench import parsed_arguments
 from meshjob.errors import SpecError
-from meshjob.safeyaml import load_documents
-from meshjob.spec import bounded_fields
+from meshjob.spec.manifest import bounded_fields
+from meshjob.spec.safeyaml import load_documents
+from meshjob_bench import parsed_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
-MUTATIONS = ("valid", "set", "delete", "add", "bound", "words", "nesting", "alias-bomb", "duplicate",
-             "unicode", "bytes", "edit")
+MUTATIONS = (
+    "valid",
+    "set",
+    "delete",
+    "add",
+    "bound",
+    "words",
+    "nesting",
+    "alias-bomb",
+    "duplicate",
+    "unicode",
+    "bytes",
+    "edit",
+)
 HOLE = "__meshjob_fuzz_hole__"  # placeholder for raw YAML text that a dump could not write
 OUTCOMES = ("ok", "error", "traceback", "overrun")
 PATHS = ("meshjob plan", "operator validate")
-WORDS = ("on", "off", "yes", "no", "y", "n", "On", "NO", "true", "1e-3", "1E3", ".5", "0x10", "0o17", "0777",
-         "08", "1_000", "~", "null", "", ".inf", ".nan", "-.inf", "2001-12-14", "1:30", "auto", "'0'",
-         "9223372036854775808", "1e400", "-0", "+12", "!!str 12", "!!binary aGk=", "!!python/none ''")
-ODD_CHARS = ("\x00", "\x07", "\x1b", "\u0085", "\u200b", "\u202e", "\u2028", "\ufeff", "\U0001f600", "é",
-             "\u0301", "\t", "\r", "\\", "\"", "'", ":", "#", "&", "*", "!", "|", ">", "{", "[", "-", "%", "@")
+WORDS = (
+    "on",
+    "off",
+    "yes",
+    "no",
+    "y",
+    "n",
+    "On",
+    "NO",
+    "true",
+    "1e-3",
+    "1E3",
+    ".5",
+    "0x10",
+    "0o17",
+    "0777",
+    "08",
+    "1_000",
+    "~",
+    "null",
+    "",
+    ".inf",
+    ".nan",
+    "-.inf",
+    "2001-12-14",
+    "1:30",
+    "auto",
+    "'0'",
+    "9223372036854775808",
+    "1e400",
+    "-0",
+    "+12",
+    "!!str 12",
+    "!!binary aGk=",
+    "!!python/none ''",
+)
+ODD_CHARS = (
+    "\x00",
+    "\x07",
+    "\x1b",
+    "\u0085",
+    "\u200b",
+    "\u202e",
+    "\u2028",
+    "\ufeff",
+    "\U0001f600",
+    "é",
+    "\u0301",
+    "\t",
+    "\r",
+    "\\",
+    '"',
+    "'",
+    ":",
+    "#",
+    "&",
+    "*",
+    "!",
+    "|",
+    ">",
+    "{",
+    "[",
+    "-",
+    "%",
+    "@",
+)
 
 
 @dataclass(frozen=True)
@@ -115,14 +190,30 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 2:
         return rng.randint(-3, 12)
     if kind == 3:
-        return rng.choice([2**31, 2**63, 2**64, -2**63 - 1, 10**39, 10 ** rng.randint(10, 400), 10**9, 10**7])
+        return rng.choice([2**31, 2**63, 2**64, -(2**63) - 1, 10**39, 10 ** rng.randint(10, 400), 10**9, 10**7])
     if kind == 4:
         return rng.choice([1e-3, 1e39, float("nan"), float("inf"), -0.0, 1e308, 0.5, 2.0, -1.5])
     if kind == 5:
         return random_text(rng, rng.randint(0, 12))
     if kind == 6:
-        return rng.choice(["S0RR", "RRR", "S01RR", "RS0R", "gpt", "utransformer", "auto", "off", "on", "skip0",
-                           "broadcast", "greedy", "", "x" * rng.choice([100, 10_000, 1_000_000])])
+        return rng.choice(
+            [
+                "S0RR",
+                "RRR",
+                "S01RR",
+                "RS0R",
+                "gpt",
+                "utransformer",
+                "auto",
+                "off",
+                "on",
+                "skip0",
+                "broadcast",
+                "greedy",
+                "",
+                "x" * rng.choice([100, 10_000, 1_000_000]),
+            ]
+        )
     if kind == 7:
         return "".join(rng.choice(ODD_CHARS) for _ in range(rng.randint(1, 8)))
     if kind == 8:
@@ -194,8 +285,10 @@ def valid_tweak(rng: random.Random, doc: dict[str, Any]) -> None:
     resharding["balancer"] = rng.choice(["naive", "load_balance", "dfs", "greedy"])
     resharding["strategy"] = rng.choice(["send_recv", "local_allgather", "global_allgather", "broadcast", "signal"])
     resharding["budgetSeconds"] = 0.05  # dfs may use its whole budget: keep a valid case short
-    spec["schedule"] = {"kind": rng.choice(["gpipe", "1f1b", "eager-1f1b"]),
-                        "weightGradDelay": rng.choice([0, 1, 2, "auto"])}
+    spec["schedule"] = {
+        "kind": rng.choice(["gpipe", "1f1b", "eager-1f1b"]),
+        "weightGradDelay": rng.choice([0, 1, 2, "auto"]),
+    }
 
 
 def nested(depth: int) -> list[Any]:
@@ -221,7 +314,7 @@ def edit_text(rng: random.Random, text: str, mutation: str) -> str:
         lines = text.splitlines(keepends=True)
         keyed = [i for i, line in enumerate(lines) if ":" in line and not line.lstrip().startswith("#")]
         i = rng.choice(keyed)
-        return "".join(lines[:i + 1] + [lines[i]] + lines[i + 1:])
+        return "".join(lines[: i + 1] + [lines[i]] + lines[i + 1 :])
     if mutation == "unicode":
         for _ in range(rng.randint(1, 6)):
             at = rng.randint(0, len(text))
@@ -229,8 +322,8 @@ def edit_text(rng: random.Random, text: str, mutation: str) -> str:
         return text
     for _ in range(rng.randint(1, 3)):  # edit
         at, cut = rng.randint(0, len(text)), rng.randint(0, 40)
-        insert = rng.choice(["", text[at:at + cut] * rng.randint(1, 3), random_text(rng, rng.randint(1, 20))])
-        text = text[:at] + insert + text[at + cut:]
+        insert = rng.choice(["", text[at : at + cut] * rng.randint(1, 3), random_text(rng, rng.randint(1, 20))])
+        text = text[:at] + insert + text[at + cut :]
     return text
 
 
@@ -258,8 +351,12 @@ def server_side(body: dict[str, Any]) -> dict[str, Any]:
     """`body` with the metadata the API server always sets: a mapping with a string name."""
     meta = body.get("metadata")
     name = meta.get("name") if isinstance(meta, dict) else None
-    body["metadata"] = {"name": name if isinstance(name, str) else "fuzz", "namespace": "default",
-                        "uid": "00000000-0000-0000-0000-000000000000", "generation": 1}
+    body["metadata"] = {
+        "name": name if isinstance(name, str) else "fuzz",
+        "namespace": "default",
+        "uid": "00000000-0000-0000-0000-000000000000",
+        "generation": 1,
+    }
     return body
 
 
@@ -269,7 +366,7 @@ def make_case(rng: random.Random, index: int, sources: Sequence[tuple[str, dict[
     doc = copy.deepcopy(original)
     if mutation == "bytes":
         noise = rng.randbytes(rng.randint(1, 2000))
-        data = noise if rng.random() < 0.5 else text.encode()[:rng.randint(0, len(text))] + noise
+        data = noise if rng.random() < 0.5 else text.encode()[: rng.randint(0, len(text))] + noise
         return Case(index, mutation, data)
     body = None
     if mutation == "valid":
@@ -328,11 +425,14 @@ WALL_FACTOR = 10  # wall-time backstop, in budgets: catches a case that waits in
 @contextlib.contextmanager
 def deadline(cpu_seconds: float) -> Iterator[None]:
     """Overrun after `cpu_seconds` of CPU time (user + system), or WALL_FACTOR times that in wall time."""
+
     def expire(signum: int, frame: Any) -> None:
         raise Overrun()
 
-    timers = ((signal.SIGPROF, signal.ITIMER_PROF, cpu_seconds),
-              (signal.SIGALRM, signal.ITIMER_REAL, cpu_seconds * WALL_FACTOR))
+    timers = (
+        (signal.SIGPROF, signal.ITIMER_PROF, cpu_seconds),
+        (signal.SIGALRM, signal.ITIMER_REAL, cpu_seconds * WALL_FACTOR),
+    )
     previous = [signal.signal(signum, expire) for signum, _, _ in timers]
     for _, timer, seconds in timers:
         signal.setitimer(timer, seconds)
@@ -426,9 +526,17 @@ def summarize(results: Sequence[Result], key: Callable[[Result], str]) -> list[d
     for name, group in groups.items():
         times = [r.seconds for r in group]
         counts = {o: sum(1 for r in group if r.outcome == o) for o in OUTCOMES}
-        rows.append({"group": name, "cases": len(group), **counts,
-                     "p50_ms": percentile(times, 0.50) * 1e3, "p99_ms": percentile(times, 0.99) * 1e3,
-                     "max_ms": max(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3})
+        rows.append(
+            {
+                "group": name,
+                "cases": len(group),
+                **counts,
+                "p50_ms": percentile(times, 0.50) * 1e3,
+                "p99_ms": percentile(times, 0.99) * 1e3,
+                "max_ms": max(times) * 1e3,
+                "mean_ms": statistics.fmean(times) * 1e3,
+            }
+        )
     return rows
 
 
@@ -440,8 +548,17 @@ def print_table(rows: Sequence[dict[str, Any]], title: str, first: str) -> None:
     for col in (first, "cases", "ok", "clear errors", "tracebacks", "overruns", "p50 ms", "p99 ms", "max ms"):
         table.add_column(col, justify="left" if col == first else "right")
     for r in rows:
-        table.add_row(r["group"], str(r["cases"]), str(r["ok"]), str(r["error"]), str(r["traceback"]),
-                      str(r["overrun"]), f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}")
+        table.add_row(
+            r["group"],
+            str(r["cases"]),
+            str(r["ok"]),
+            str(r["error"]),
+            str(r["traceback"]),
+            str(r["overrun"]),
+            f"{r['p50_ms']:.1f}",
+            f"{r['p99_ms']:.1f}",
+            f"{r['max_ms']:.1f}",
+        )
     Console(width=120).print(table)
 
 
@@ -473,10 +590,15 @@ def plot(results: Sequence[Result], path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=int, default=1000, help="manifests to generate (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    parser.add_argument("--budget", type=float, default=10.0,
-                        help="CPU seconds a case may take before it counts as an overrun (default 10)")
-    parser.add_argument("--out", default=os.path.join("bench", "results"),
-                        help="folder for fuzz.json and fuzz_times.png")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        help="CPU seconds a case may take before it counts as an overrun (default 10)",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join("bench", "results"), help="folder for fuzz.json and fuzz_times.png"
+    )
 
 
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
@@ -499,11 +621,18 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     failures = [asdict(r) for r in results if r.outcome in ("traceback", "overrun")]
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = os.path.join(args.out, "fuzz.json"), os.path.join(args.out, "fuzz_times.png")
-    config = {"cases": args.cases, "seed": args.seed, "budget_s": args.budget, "elapsed_s": elapsed,
-              "mutations": list(MUTATIONS), "python": sys.version.split()[0]}
+    config = {
+        "cases": args.cases,
+        "seed": args.seed,
+        "budget_s": args.budget,
+        "elapsed_s": elapsed,
+        "mutations": list(MUTATIONS),
+        "python": sys.version.split()[0],
+    }
     with open(json_path, "w") as fh:
-        json.dump({"config": config, "by_path": by_path, "by_mutation": by_mutation,
-                   "failures": failures[:100]}, fh, indent=1)
+        json.dump(
+            {"config": config, "by_path": by_path, "by_mutation": by_mutation, "failures": failures[:100]}, fh, indent=1
+        )
     plot(results, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0

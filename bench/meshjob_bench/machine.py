@@ -4,6 +4,7 @@ The trainer puts every rank on CUDA over NCCL wherever torch sees a GPU (meshjob
 that runs ranks records which transport that was. The GPU's name is asked only after the ranks ran (`named`):
 CUDA initialised in the launcher would break the ranks it forks; counting GPUs asks NVML, which does not.
 """
+
 from __future__ import annotations
 
 import os

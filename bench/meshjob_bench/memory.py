@@ -24,6 +24,7 @@ beside them: what recompute holds beyond its stash, less what the same step hold
 without recompute, in blocks (the recomputed block; its backward's temporaries come at the
 recompute peak, not at the end of the forwards where the peak without recompute is).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,12 +40,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from meshjob.api import API_VERSION, KIND
-from meshjob.spec import ModelSpec, TrainingJob, parse_job
+from meshjob.spec.api import API_VERSION, KIND
+from meshjob.spec.manifest import ModelSpec, TrainingJob, parse_job
 
 FLOAT32 = 4
-VARIANTS = [(precision, recompute, zero) for precision in ("fp32", "bf16") for recompute in ("none", "full")
-            for zero in (0, 1)]
+VARIANTS = [
+    (precision, recompute, zero) for precision in ("fp32", "bf16") for recompute in ("none", "full") for zero in (0, 1)
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,18 +109,37 @@ def llama_parameters(m: ModelSpec) -> int:
 
 def bench_job(precision: str, recompute: str, zero: int, dp: int, quick: bool) -> TrainingJob:
     hidden, seq, layers = (32, 16, 2) if quick else (128, 64, 4)
-    return parse_job({
-        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "bench-memory"},
-        "spec": {
-            "model": {"kind": "llama", "layers": layers, "hidden": hidden, "heads": 4, "kvHeads": 2, "vocab": 256,
-                      "seqLen": seq},
-            "training": {"steps": 2, "globalBatch": 4 * dp, "microbatches": 4, "learningRate": 1e-3, "seed": 0,
-                         "precision": precision, "recompute": recompute, "optimizer": {"zeroStage": zero}},
-            "topology": {"devicesPerHost": dp},
-            "stages": [{"layers": [0, layers], "mesh": [1, dp], "dataParallelDim": 1}],
-            "schedule": {"kind": "gpipe", "weightGradDelay": 0},
-        },
-    })
+    return parse_job(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": "bench-memory"},
+            "spec": {
+                "model": {
+                    "kind": "llama",
+                    "layers": layers,
+                    "hidden": hidden,
+                    "heads": 4,
+                    "kvHeads": 2,
+                    "vocab": 256,
+                    "seqLen": seq,
+                },
+                "training": {
+                    "steps": 2,
+                    "globalBatch": 4 * dp,
+                    "microbatches": 4,
+                    "learningRate": 1e-3,
+                    "seed": 0,
+                    "precision": precision,
+                    "recompute": recompute,
+                    "optimizer": {"zeroStage": zero},
+                },
+                "topology": {"devicesPerHost": dp},
+                "stages": [{"layers": [0, layers], "mesh": [1, dp], "dataParallelDim": 1}],
+                "schedule": {"kind": "gpipe", "weightGradDelay": 0},
+            },
+        }
+    )
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -127,7 +148,7 @@ def _tensor_bytes(tensors: Any) -> int:
 
 def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
     """One rank: a warm-up step (AdamW creates its state), then the measured step."""
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
     from meshjob_trainer.dist import WorkerContext, init_distributed, shutdown_distributed
     from meshjob_trainer.parallel import tie_gradients
     from meshjob_trainer.reshard import ReshardExecutor
@@ -149,10 +170,16 @@ def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
         rt.optimizer.reduce_gradients()
         rt.optimizer.step()
         optimizer_state = [t for state in rt.optimizer.optimizer.state.values() for t in state.values()]
-        return {"rank": env.rank, "parameters": _tensor_bytes(params), "optimizer": _tensor_bytes(optimizer_state),
-                "optimizer_elements": sum(p.numel() for group in rt.optimizer.optimizer.param_groups
-                                          for p in group["params"]),
-                "activations": live.peak, "stashed": stats.peak_stashed}
+        return {
+            "rank": env.rank,
+            "parameters": _tensor_bytes(params),
+            "optimizer": _tensor_bytes(optimizer_state),
+            "optimizer_elements": sum(
+                p.numel() for group in rt.optimizer.optimizer.param_groups for p in group["params"]
+            ),
+            "activations": live.peak,
+            "stashed": stats.peak_stashed,
+        }
     finally:
         shutdown_distributed()
 
@@ -193,8 +220,12 @@ def expected_figures(job: TrainingJob, parts: dict[str, int], stashed: int) -> d
     tensors = 1 if zero else _parameter_tensors(m)  # AdamW keeps one step counter per tensor it updates
     per_mb = m.layers * (parts["block_input"] if job.recompute(0) == "full" else parts["block"]) + parts["rest"]
     recomputed = parts["block"] if job.recompute(0) == "full" else 0
-    return {"parameters": n * FLOAT32, "optimizer": 2 * elements * FLOAT32 + tensors * FLOAT32,
-            "activations_stashed": stashed * per_mb, "activations_recomputed": recomputed}
+    return {
+        "parameters": n * FLOAT32,
+        "optimizer": 2 * elements * FLOAT32 + tensors * FLOAT32,
+        "activations_stashed": stashed * per_mb,
+        "activations_recomputed": recomputed,
+    }
 
 
 def _parameter_tensors(m: ModelSpec) -> int:
@@ -234,12 +265,16 @@ def targets(rows: list[Row], dp: int) -> dict[str, float]:
             zero_ratios.append(row.measured["optimizer"] / (by[(precision, recompute, 0)].measured["optimizer"] / dp))
         if recompute == "full" and (precision, "none", zero) in by:
             recompute_blocks.append(beyond_stash(row) - beyond_stash(by[(precision, "none", zero)]))
-    return {"zero1_optimizer_over_zero0_per_dp": max(zero_ratios, key=lambda x: abs(x - 1)),
-            "recompute_blocks_per_stashed_microbatch": max(
-                blocks_per_stashed_microbatch(r) for r in rows if r.recompute == "full"),
-            "no_recompute_blocks_per_stashed_microbatch": min(
-                blocks_per_stashed_microbatch(r) for r in rows if r.recompute == "none"),
-            "recompute_live_blocks_beyond_stash": max(recompute_blocks)}
+    return {
+        "zero1_optimizer_over_zero0_per_dp": max(zero_ratios, key=lambda x: abs(x - 1)),
+        "recompute_blocks_per_stashed_microbatch": max(
+            blocks_per_stashed_microbatch(r) for r in rows if r.recompute == "full"
+        ),
+        "no_recompute_blocks_per_stashed_microbatch": min(
+            blocks_per_stashed_microbatch(r) for r in rows if r.recompute == "none"
+        ),
+        "recompute_live_blocks_beyond_stash": max(recompute_blocks),
+    }
 
 
 def print_table(rows: list[Row], goals: dict[str, float], dp: int) -> None:
@@ -247,24 +282,42 @@ def print_table(rows: list[Row], goals: dict[str, float], dp: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"Memory per rank (Llama, one stage, DP {dp}, GPipe, MiB; measured / expected)")
-    for col in ("precision", "recompute", "ZeRO", "parameters", "optimizer", "activations", "stashed",
-                "stash expected", "blocks / stashed mb", "beyond stash (blocks)"):
+    for col in (
+        "precision",
+        "recompute",
+        "ZeRO",
+        "parameters",
+        "optimizer",
+        "activations",
+        "stashed",
+        "stash expected",
+        "blocks / stashed mb",
+        "beyond stash (blocks)",
+    ):
         table.add_column(col, justify="left" if col in ("precision", "recompute") else "right")
-    mib = 2 ** 20
+    mib = 2**20
     for r in rows:
         m, e = r.measured, r.expected
-        table.add_row(r.precision, r.recompute, str(r.zero),
-                      f"{m['parameters'] / mib:.2f} / {e['parameters'] / mib:.2f}",
-                      f"{m['optimizer'] / mib:.3f} / {e['optimizer'] / mib:.3f}",
-                      f"{m['activations'] / mib:.2f}", str(int(m["stashed"])),
-                      f"{e['activations_stashed'] / mib:.2f}", f"{blocks_per_stashed_microbatch(r):.2f}",
-                      f"{beyond_stash(r):.2f}")
+        table.add_row(
+            r.precision,
+            r.recompute,
+            str(r.zero),
+            f"{m['parameters'] / mib:.2f} / {e['parameters'] / mib:.2f}",
+            f"{m['optimizer'] / mib:.3f} / {e['optimizer'] / mib:.3f}",
+            f"{m['activations'] / mib:.2f}",
+            str(int(m["stashed"])),
+            f"{e['activations_stashed'] / mib:.2f}",
+            f"{blocks_per_stashed_microbatch(r):.2f}",
+            f"{beyond_stash(r):.2f}",
+        )
     Console(width=160).print(table)
-    print(f"ZeRO-1 optimizer bytes / (ZeRO-0's / DP): {goals['zero1_optimizer_over_zero0_per_dp']:.3f} "
-          f"(target 1 +- 0.05); peak activations per stashed microbatch with recompute: "
-          f"{goals['recompute_blocks_per_stashed_microbatch']:.2f} blocks (target <= 1; without: "
-          f"{goals['no_recompute_blocks_per_stashed_microbatch']:.2f}); recompute's live activations beyond its "
-          f"stash and the step's temporaries: {goals['recompute_live_blocks_beyond_stash']:.2f} blocks")
+    print(
+        f"ZeRO-1 optimizer bytes / (ZeRO-0's / DP): {goals['zero1_optimizer_over_zero0_per_dp']:.3f} "
+        f"(target 1 +- 0.05); peak activations per stashed microbatch with recompute: "
+        f"{goals['recompute_blocks_per_stashed_microbatch']:.2f} blocks (target <= 1; without: "
+        f"{goals['no_recompute_blocks_per_stashed_microbatch']:.2f}); recompute's live activations beyond its "
+        f"stash and the step's temporaries: {goals['recompute_live_blocks_beyond_stash']:.2f} blocks"
+    )
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -274,7 +327,7 @@ def plot(rows: list[Row], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r.precision}\n{r.recompute}\nZeRO {r.zero}" for r in rows]
-    mib = 2 ** 20
+    mib = 2**20
     bottoms = [0.0] * len(rows)
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for key, color in (("parameters", "#4c72b0"), ("optimizer", "#dd8452"), ("activations", "#55a868")):
@@ -294,9 +347,14 @@ def main(args: argparse.Namespace) -> int:
     goals = targets(rows, args.dp)
     print_table(rows, goals, args.dp)
     os.makedirs(args.out, exist_ok=True)
-    doc = {"dp": args.dp, "quick": args.quick, "schedule": "gpipe", "model": vars(bench_job("fp32", "none", 0, args.dp,
-                                                                                         args.quick).model),
-           "targets": goals, "rows": [vars(r) for r in rows]}
+    doc = {
+        "dp": args.dp,
+        "quick": args.quick,
+        "schedule": "gpipe",
+        "model": vars(bench_job("fp32", "none", 0, args.dp, args.quick).model),
+        "targets": goals,
+        "rows": [vars(r) for r in rows],
+    }
     doc["model"] = {k: v for k, v in doc["model"].items() if k != "config"}
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(doc, f, indent=2)

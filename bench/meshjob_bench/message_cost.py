@@ -3,15 +3,16 @@
 One payload crosses one link cut into K messages, for K from 1 to 1024: rank 0 (host 0) sends to
 rank 1 (host 1: across a tc-tbf NIC) and to rank 2 (also host 0: the intra-host link, loopback).
 The receiver posts every receive up front; the sender keeps at most `--in-flight` messages
-outstanding, as the planned executor does (meshjob.network.NetworkModel.in_flight_per_link). A
+outstanding, as the planned executor does (meshjob.network.model.NetworkModel.in_flight_per_link). A
 transfer then takes T(K) = T0 + K * message_s: the slope of a least-squares line through the fastest
 of the repeats (the one least disturbed by other processes on a shared machine) is the per-message
 cost, the intercept over bytes / NIC rate the link's efficiency (tbf counts headers). The whole
 measurement runs `--rounds` times; the median slope is the result, the spread is reported.
-meshjob.network.DEFAULT_MESSAGE_S and DEFAULT_INTRA_MESSAGE_S are this benchmark's medians.
+meshjob.network.model.DEFAULT_MESSAGE_S and DEFAULT_INTRA_MESSAGE_S are this benchmark's medians.
 
 Run: `meshjob bench message-cost` (root for network namespaces; loopback otherwise, and it says so).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from meshjob.units import parse_rate, parse_size
 from meshjob_bench.machine import machine
@@ -32,9 +34,12 @@ RANK_HOSTS = [0, 1, 0]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nic-rate", default="1gbit", help="emulated NIC of both hosts (default 1gbit)")
     parser.add_argument("--size", default="4MiB", help="payload of one transfer (default 4MiB)")
-    parser.add_argument("--chunks", default="1,4,16,64,256",
-                        help="K values, comma separated (default 1,4,16,64,256: chunks of 16 KiB and more, where a "
-                             "message costs its bytes plus a fixed overhead; smaller ones run out of CPU first)")
+    parser.add_argument(
+        "--chunks",
+        default="1,4,16,64,256",
+        help="K values, comma separated (default 1,4,16,64,256: chunks of 16 KiB and more, where a "
+        "message costs its bytes plus a fixed overhead; smaller ones run out of CPU first)",
+    )
     parser.add_argument("--repeats", type=int, default=15, help="timed transfers per K and link (default 15)")
     parser.add_argument("--rounds", type=int, default=5, help="whole measurements, median slope (default 5)")
     parser.add_argument("--in-flight", type=int, default=2, help="messages outstanding per sender (default 2)")
@@ -104,8 +109,10 @@ def collect(events: list[dict], chunks: list[int], rnd: int) -> dict[str, dict[i
         if e.get("round") == rnd:
             lo, hi = spans.get((e["link"], e["chunks"], e["rep"]), [float("inf"), float("-inf")])
             spans[(e["link"], e["chunks"], e["rep"])] = [min(lo, e["start"]), max(hi, e["end"])]
-    return {link: {k: min(hi - lo for (l2, k2, _), (lo, hi) in spans.items() if l2 == link and k2 == k)
-                   for k in chunks} for link in LINKS}
+    return {
+        link: {k: min(hi - lo for (l2, k2, _), (lo, hi) in spans.items() if l2 == link and k2 == k) for k in chunks}
+        for link in LINKS
+    }
 
 
 def _median_round(round_fits: list[dict[str, tuple[float, float]]]) -> int:
@@ -155,8 +162,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError:
         errors.append(FieldError("--chunks", chunk_text, "at least two positive K values, each at most size / 4"))
     if repeats < 1 or rounds < 1 or args.in_flight < 1:
-        errors.append(FieldError("--repeats/--rounds/--in-flight", (repeats, rounds, args.in_flight),
-                                 "integers >= 1"))
+        errors.append(FieldError("--repeats/--rounds/--in-flight", (repeats, rounds, args.in_flight), "integers >= 1"))
     if errors:
         raise SpecError(errors)
     import torch  # noqa: F401 - once in the parent: forked ranks start without importing it
@@ -166,8 +172,11 @@ def main(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         with EmulatedCluster(2, args.nic_rate, use_netns=not args.no_netns) as cluster:
             described, emulated = cluster.describe(), cluster.emulated
-            result = launch(len(RANK_HOSTS), lambda ctx: _rank_main(nbytes, chunks, repeats, rounds, args.in_flight,
-                                                                    ctx), **cluster.gang(RANK_HOSTS).launch_args())
+            result = launch(
+                len(RANK_HOSTS),
+                lambda ctx: _rank_main(nbytes, chunks, repeats, rounds, args.in_flight, ctx),
+                **cluster.gang(RANK_HOSTS).launch_args(),
+            )
     if not result.ok:
         print(f"meshjob bench message-cost: failed: {result.first_failure.describe() if result.first_failure else ''}")
         return 1
@@ -177,23 +186,51 @@ def main(args: argparse.Namespace) -> int:
     middle = _median_round(round_fits)  # the round whose network slope is the median one: table and plot
     medians, fits = per_round[middle], round_fits[middle]
     t_nic = nbytes / nic
-    rows = [{"round": r, "link": link, "chunks": k, "seconds": m[link][k],
-             "fit_s": round_fits[r][link][0] + round_fits[r][link][1] * k}
-            for r, m in enumerate(per_round) for link in LINKS for k in chunks]
-    summary = {link: {"message_s": statistics.median(f[link][1] for f in round_fits),
-                      "message_s_rounds": [f[link][1] for f in round_fits],
-                      "intercept_over_bytes_at_nic_rate": statistics.median(f[link][0] / t_nic for f in round_fits)}
-               for link in LINKS}
-    title = (f"per-message cost: {size_text} in K messages, {args.in_flight} in flight, NIC {args.nic_rate}"
-             + ("" if emulated else " NOT applied: loopback") + f"; {described}")
+    rows = [
+        {
+            "round": r,
+            "link": link,
+            "chunks": k,
+            "seconds": m[link][k],
+            "fit_s": round_fits[r][link][0] + round_fits[r][link][1] * k,
+        }
+        for r, m in enumerate(per_round)
+        for link in LINKS
+        for k in chunks
+    ]
+    summary = {
+        link: {
+            "message_s": statistics.median(f[link][1] for f in round_fits),
+            "message_s_rounds": [f[link][1] for f in round_fits],
+            "intercept_over_bytes_at_nic_rate": statistics.median(f[link][0] / t_nic for f in round_fits),
+        }
+        for link in LINKS
+    }
+    title = (
+        f"per-message cost: {size_text} in K messages, {args.in_flight} in flight, NIC {args.nic_rate}"
+        + ("" if emulated else " NOT applied: loopback")
+        + f"; {described}"
+    )
     _print([r for r in rows if r["round"] == middle], summary, title)
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "message_cost.png")
     plot(medians, fits, png, title)
-    doc = {"benchmark": "message-cost", "nic_rate": args.nic_rate, "emulated": emulated, "network": described,
-           "bytes": nbytes, "repeats": repeats, "rounds": rounds, "in_flight": args.in_flight,
-           "quick": bool(args.quick), "transport": "gloo", "machine": machine(),  # CPU tensors, whatever the machine
-           "summary": summary, "rows": rows, "plots": [png]}
+    doc = {
+        "benchmark": "message-cost",
+        "nic_rate": args.nic_rate,
+        "emulated": emulated,
+        "network": described,
+        "bytes": nbytes,
+        "repeats": repeats,
+        "rounds": rounds,
+        "in_flight": args.in_flight,
+        "quick": bool(args.quick),
+        "transport": "gloo",
+        "machine": machine(),  # CPU tensors, whatever the machine
+        "summary": summary,
+        "rows": rows,
+        "plots": [png],
+    }
     path = os.path.join(args.out, "message_cost.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -213,5 +250,7 @@ def _print(rows: list[dict], summary: dict[str, dict[str, float]], title: str) -
     Console(width=120).print(table)
     for link, s in summary.items():
         spread = ", ".join(f"{x * 1e6:.1f}" for x in sorted(s["message_s_rounds"]))
-        print(f"{link}: {s['message_s'] * 1e6:.1f} µs per message (median of rounds: {spread}); one message of the "
-              f"whole payload takes {s['intercept_over_bytes_at_nic_rate']:.3f} x bytes / NIC rate")
+        print(
+            f"{link}: {s['message_s'] * 1e6:.1f} µs per message (median of rounds: {spread}); one message of the "
+            f"whole payload takes {s['intercept_over_bytes_at_nic_rate']:.3f} x bytes / NIC rate"
+        )

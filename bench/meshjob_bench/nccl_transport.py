@@ -7,6 +7,7 @@ and CPU tensors over gloo. With one GPU every rank is an NCCL host of its own
 (meshjob_trainer.dist.nccl_host_id), so NCCL's messages take its socket transport over loopback: no NIC is
 emulated, and the times compare the strategies and the transports on this machine only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,13 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshjob.boundary import BoundaryKey
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec, tile, to_index
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import plan_boundary
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.spec.manifest import ReshardingSpec
 from meshjob_bench.machine import machine
-from meshjob.mesh import Mesh
-from meshjob.network import NetworkModel
-from meshjob.plan import plan_boundary
-from meshjob.sharding import ShardingSpec, tile, to_index
-from meshjob.spec import ReshardingSpec
 
 SRC, DST = Mesh.grid((2, 4), 0, 0), Mesh.grid((2, 4), 8, 2)
 CASES = {"S0R -> RR": ("S0R", "RR"), "RS1 -> S1R": ("RS1", "S1R"), "S01R -> RS01": ("S01R", "RS01")}  # (send, recv)
@@ -41,9 +42,21 @@ def boundaries(shape: tuple[int, int], chunks: int) -> list[Any]:
     for i, (name, (send, recv)) in enumerate(CASES.items()):
         for strategy in STRATEGY_NAMES:
             key = BoundaryKey(0, 1, f"{i}:{strategy}")
-            out.append((name, strategy, plan_boundary(
-                key, shape, (SRC, ShardingSpec.parse(send)), (DST, ShardingSpec.parse(recv)),
-                ReshardingSpec(strategy, chunks, "load_balance"), host_of, NIC_BYTES_PER_S)))
+            out.append(
+                (
+                    name,
+                    strategy,
+                    plan_boundary(
+                        key,
+                        shape,
+                        (SRC, ShardingSpec.parse(send)),
+                        (DST, ShardingSpec.parse(recv)),
+                        ReshardingSpec(strategy, chunks, "load_balance"),
+                        host_of,
+                        NIC_BYTES_PER_S,
+                    ),
+                )
+            )
     return out
 
 
@@ -68,10 +81,21 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
         for transport in transports:
             device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
             sync = device_sync(device)
-            routes = [r for name, (send, recv) in CASES.items() for r in make_routes(
-                [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK)]
-            ex = ReshardExecutor(None, env.rank, routes=routes, device=device, order=None,
-                                 cpu_wire="gloo" if transport == "nccl" else transport)
+            routes = [
+                r
+                for name, (send, recv) in CASES.items()
+                for r in make_routes(
+                    [b for n, _s, b in planned if n == name], {0: SRC, 1: DST}, {0: send, 1: recv}, NETWORK
+                )
+            ]
+            ex = ReshardExecutor(
+                None,
+                env.rank,
+                routes=routes,
+                device=device,
+                order=None,
+                cpu_wire="gloo" if transport == "nccl" else transport,
+            )
             for name, strategy, b in planned:
                 mine = None
                 if env.rank in SRC.ranks:
@@ -103,16 +127,30 @@ def summarise(per_rank: list[dict[str, Any]], shape: tuple[int, int], chunks: in
     for key in keys:
         name, strategy, transport = key.split("|")
         runs = [max(r["times"][key][i] for r in per_rank) for i in range(repeats)]
-        rows.append({"case": name, "strategy": strategy, "transport": transport,
-                     "median_s": statistics.median(runs), "runs_s": runs})
+        rows.append(
+            {
+                "case": name,
+                "strategy": strategy,
+                "transport": transport,
+                "median_s": statistics.median(runs),
+                "runs_s": runs,
+            }
+        )
     by = {(r["case"], r["strategy"], r["transport"]): r["median_s"] for r in rows}
     for r in rows:
         r["over_broadcast"] = r["median_s"] / by[(r["case"], "broadcast", r["transport"])]
         pair = [by.get((r["case"], r["strategy"], t)) for t in ("nccl", "gloo")]
         r["nccl_over_gloo"] = pair[0] / pair[1] if None not in pair else None
-    return {"shape": list(shape), "bytes": shape[0] * shape[1] * 4, "chunks": chunks, "repeats": repeats,
-            "src_mesh": list(SRC.shape), "dst_mesh": list(DST.shape), "exact": all(r["exact"] for r in per_rank),
-            "rows": rows}
+    return {
+        "shape": list(shape),
+        "bytes": shape[0] * shape[1] * 4,
+        "chunks": chunks,
+        "repeats": repeats,
+        "src_mesh": list(SRC.shape),
+        "dst_mesh": list(DST.shape),
+        "exact": all(r["exact"] for r in per_rank),
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="tensor size in MiB (float32, square-ish 2-D)")
     parser.add_argument("--chunks", type=int, default=8, help="broadcast chunks per unit task")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transports", default="nccl,gloo",
-                        help="comma-separated: nccl (needs a GPU), gloo or tcp (CPU tensors over that wire)")
+    parser.add_argument(
+        "--transports",
+        default="nccl,gloo",
+        help="comma-separated: nccl (needs a GPU), gloo or tcp (CPU tensors over that wire)",
+    )
     args = parser.parse_args(argv)
     from meshjob_trainer.launch import launch
 
@@ -142,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<14} {'strategy':<17} {'transport':<9} {'ms':>8} {'/ broadcast':>11} {'nccl / gloo':>11}")
     for r in summary["rows"]:
         ratio = "" if r["nccl_over_gloo"] is None else f"{r['nccl_over_gloo']:.2f}"
-        print(f"{r['case']:<14} {r['strategy']:<17} {r['transport']:<9} {r['median_s'] * 1e3:8.1f} "
-              f"{r['over_broadcast']:11.2f} {ratio:>11}")
+        print(
+            f"{r['case']:<14} {r['strategy']:<17} {r['transport']:<9} {r['median_s'] * 1e3:8.1f} "
+            f"{r['over_broadcast']:11.2f} {ratio:>11}"
+        )
     return 0 if summary["exact"] else 1
 
 

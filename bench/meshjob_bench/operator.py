@@ -10,6 +10,7 @@ Absolute times on a shared 2-core machine are noise: compare the ratios.
 
 Run: `python -m meshjob_bench.operator` or `meshjob bench operator`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from meshjob_operator import testing as h  # the kmock/envtest clusters and the in-process operator
 
@@ -30,12 +32,17 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                        help="host counts of the latency jobs (comma-separated)")
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="host counts of the latency jobs (comma-separated)"
+    )
     parser.add_argument("--jobs", type=int, default=100, help="concurrent jobs of the throughput run")
     parser.add_argument("--repeats", type=int, default=3, help="latency runs per size (the median is kept)")
-    parser.add_argument("--server", choices=("auto", "envtest", "kmock"), default="auto",
-                        help="API server: the real one when available (auto), or force one")
+    parser.add_argument(
+        "--server",
+        choices=("auto", "envtest", "kmock"),
+        default="auto",
+        help="API server: the real one when available (auto), or force one",
+    )
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
 
 
@@ -130,11 +137,22 @@ async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str) -> d
     base = latency[min(sizes)]
     return {
         "server": kind,
-        "latency": [{"hosts": n, "seconds": round(t, 4), "ratio_to_smallest": round(t / base, 3),
-                     "ms_per_pod": round(1000 * t / n, 2)} for n, t in latency.items()],
-        "throughput": {"jobs": jobs, "hosts_per_job": 2, "seconds": round(batch, 3),
-                       "jobs_per_second": round(jobs / batch, 2),
-                       "ratio_to_sequential": round(batch / (jobs * single_2), 3)},
+        "latency": [
+            {
+                "hosts": n,
+                "seconds": round(t, 4),
+                "ratio_to_smallest": round(t / base, 3),
+                "ms_per_pod": round(1000 * t / n, 2),
+            }
+            for n, t in latency.items()
+        ],
+        "throughput": {
+            "jobs": jobs,
+            "hosts_per_job": 2,
+            "seconds": round(batch, 3),
+            "jobs_per_second": round(jobs / batch, 2),
+            "ratio_to_sequential": round(batch / (jobs * single_2), 3),
+        },
         "note": "median of repeats; ratios are the result, absolute times are noise on a shared 2-core machine",
     }
 
@@ -145,8 +163,11 @@ def print_table(result: dict[str, Any]) -> None:
     for row in result["latency"]:
         print(f"{row['hosts']:>6} {row['seconds']:>21.3f} {row['ratio_to_smallest']:>11.2f} {row['ms_per_pod']:>8.1f}")
     t = result["throughput"]
-    print(f"{t['jobs']} concurrent {t['hosts_per_job']}-host jobs: {t['seconds']:.2f} s, {t['jobs_per_second']:.1f} jobs/s, "
-          f"{t['ratio_to_sequential']:.2f} x the time of one job after another")
+    print(
+        f"{t['jobs']} concurrent {t['hosts_per_job']}-host jobs: {t['seconds']:.2f} s, "
+        f"{t['jobs_per_second']:.1f} jobs/s, "
+        f"{t['ratio_to_sequential']:.2f} x the time of one job after another"
+    )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -164,7 +185,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("hosts (pods) in the job")
     ax.set_ylabel("seconds")
     t = result["throughput"]
-    ax.set_title(f"operator on {result['server']}\n{t['jobs']} concurrent jobs: {t['jobs_per_second']} jobs/s", fontsize=9)
+    ax.set_title(
+        f"operator on {result['server']}\n{t['jobs']} concurrent jobs: {t['jobs_per_second']} jobs/s", fontsize=9
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

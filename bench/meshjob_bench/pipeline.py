@@ -4,7 +4,7 @@ The paper: "On Optimizing the Communication of Model Parallelism" (Zhuang et al.
 
 A GPT and a U-Transformer (skip edges that cross stages) at paper-like shapes (hidden 2048, 4 layers
 per stage, 1 MiB activations), 4 and 8 stages of one device on one emulated host each, under
-emulated device compute (meshjob.devices: every F, I, W and optimizer step waits the device's
+emulated device compute (meshjob.costs.devices: every F, I, W and optimizer step waits the device's
 modelled time, no math; the real tensors cross the real NICs). Each configuration runs as a real
 training job under
   1f1b                 the synchronous baseline (no I/W split)
@@ -19,13 +19,14 @@ over a sweep of NIC rates, each chosen so that communication is a given fraction
 busiest NIC direction's bytes per microbatch over the rate, divided by a stage's F + I + W of one
 microbatch (`--comm-fractions`, default 0.1, 0.3 and 1.0). Reported per run: throughput over 1f1b and over
 signal, bubble and communication-overlap fractions, peak stashed microbatches against 1f1b, the
-simulator's prediction of the same plan (predicted / measured step period: meshjob.steady), and the step bound
-(meshjob.step_bound: from the NIC links' bytes and the compute chains before and after each transfer,
+simulator's prediction of the same plan (predicted / measured step period: meshjob.simulate.steady), and the step bound
+(meshjob.simulate.step_bound: from the NIC links' bytes and the compute chains before and after each transfer,
 no schedule of the plan's transfers finishes a step sooner; max_vs_signal = signal's predicted step
 over it, the most of signal any schedule can reach); the issue's targets,
 checked on the measured rows; a table, JSON, a timeline PNG per model like figure 4 and a bar chart
 like figure 9 (the targets, the table and the figures: meshjob_bench.pipeline_report).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,19 +35,20 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from meshjob.costs.devices import ComputeMode, parse_compute
+from meshjob.errors import FieldError, SpecError
+from meshjob.spec.api import API_VERSION, KIND
+from meshjob.spec.manifest import TrainingJob, parse_job
 from meshjob_bench import parsed_arguments
 from meshjob_bench.machine import machine, transport_here
 from meshjob_bench.pipeline_report import check_targets, plot_bars, plot_timelines, print_table, print_targets
+from meshjob_bench.pipeline_rows import Config, Measured
 from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
-from meshjob.api import API_VERSION, KIND
-from meshjob.devices import ComputeMode, parse_compute
-from meshjob.errors import FieldError, SpecError
-from meshjob.spec import TrainingJob, parse_job
 
 VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-grad delay, strategy
     "1f1b": {"kind": "1f1b", "delay": 0, "strategy": "broadcast"},
@@ -56,8 +58,10 @@ VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-g
 }
 MODELS = ("gpt", "utransformer")
 LAYERS_PER_STAGE = 4
-SHAPES = {"full": {"hidden": 2048, "heads": 16, "seqLen": 128, "vocab": 1024},  # 1 MiB fp32 activations
-          "quick": {"hidden": 512, "heads": 8, "seqLen": 128, "vocab": 256}}
+SHAPES = {
+    "full": {"hidden": 2048, "heads": 16, "seqLen": 128, "vocab": 1024},  # 1 MiB fp32 activations
+    "quick": {"hidden": 512, "heads": 8, "seqLen": 128, "vocab": 256},
+}
 GLOBAL_BATCH, MICROBATCHES = 8, 8
 DEFAULT_DEVICE = "3"  # TFLOP/s: see add_arguments
 TBF_BURST_BYTES = 128 * 1024  # EmulatedCluster's default tbf burst "128kb" (tc counts k as 1024)
@@ -68,39 +72,35 @@ TCP_PAYLOAD_PER_FRAME_BYTE = 1448 / 1514
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: hidden 512, the GPT, 4 stages, comm fractions 0.3 and 1.0, 2 steps")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 3); "
-                        "the first is warm-up and not timed")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma separated, 1f1b and signal always included (default {','.join(VARIANTS)})")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: hidden 512, the GPT, 4 stages, comm fractions 0.3 and 1.0, 2 steps",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps per run (default 3); the first is warm-up and not timed"
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma separated, 1f1b and signal always included (default {','.join(VARIANTS)})",
+    )
     parser.add_argument("--models", default=None, help="comma separated (default gpt,utransformer; quick gpt)")
     parser.add_argument("--stages", default=None, help="comma separated from 2, 4, 8 (default 4,8; quick 4)")
-    parser.add_argument("--comm-fractions", default=None,
-                        help="communication / compute per microbatch to set each NIC rate for "
-                             "(default 0.1,0.3,1.0; quick 0.3,1.0)")
+    parser.add_argument(
+        "--comm-fractions",
+        default=None,
+        help="communication / compute per microbatch to set each NIC rate for (default 0.1,0.3,1.0; quick 0.3,1.0)",
+    )
     parser.add_argument("--out", default="bench/results", help="folder for pipeline.json and PNGs")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
     add_compute_arguments(parser, default="emulated")
     parser.set_defaults(device=None)
-    parser.epilog = (f"With --compute emulated the device defaults to {DEFAULT_DEVICE} TFLOP/s (A100's bytes per "
-                     "FLOP): the emulated NICs reach about 2 gbit on these 2 cores, so the device is slowed as "
-                     "far as the NICs are (an A100 at 1/100 with 100x slower NICs keeps the same ratios).")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One point of the sweep."""
-
-    model: str
-    stages: int
-    comm_fraction: float  # asked for: sets the NIC rate
-    nic_bytes_per_s: float
-
-    @property
-    def nic_rate(self) -> str:
-        """A tc rate string (kbit resolution)."""
-        return f"{max(1, round(self.nic_bytes_per_s * 8 / 1e3))}kbit"
+    parser.epilog = (
+        f"With --compute emulated the device defaults to {DEFAULT_DEVICE} TFLOP/s (A100's bytes per "
+        "FLOP): the emulated NICs reach about 2 gbit on these 2 cores, so the device is slowed as "
+        "far as the NICs are (an A100 at 1/100 with 100x slower NICs keeps the same ratios)."
+    )
 
 
 def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4) -> TrainingJob:
@@ -108,15 +108,22 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     v = VARIANTS[variant]
     layers = LAYERS_PER_STAGE * stages
     doc = {
-        "apiVersion": API_VERSION, "kind": KIND,
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "metadata": {"name": f"bench-{model}-{stages}-{variant.replace('+', '-')}"},
         "spec": {
             "model": {"kind": model, "layers": layers, **SHAPES["quick" if quick else "full"]},
-            "training": {"steps": steps, "globalBatch": GLOBAL_BATCH, "microbatches": MICROBATCHES,
-                         "learningRate": 1e-3, "seed": 0},
+            "training": {
+                "steps": steps,
+                "globalBatch": GLOBAL_BATCH,
+                "microbatches": MICROBATCHES,
+                "learningRate": 1e-3,
+                "seed": 0,
+            },
             "topology": {"devicesPerHost": 1},
-            "stages": [{"layers": [LAYERS_PER_STAGE * i, LAYERS_PER_STAGE * (i + 1)], "mesh": [1, 1]}
-                       for i in range(stages)],
+            "stages": [
+                {"layers": [LAYERS_PER_STAGE * i, LAYERS_PER_STAGE * (i + 1)], "mesh": [1, 1]} for i in range(stages)
+            ],
             "resharding": {"strategy": v["strategy"], "chunks": 4, "balancer": "greedy"},
             "schedule": {"kind": v["kind"], "weightGradDelay": v["delay"]},
         },
@@ -127,26 +134,31 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
 def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: bool = True):
     """The plan's and the simulator's costs: the device's modelled compute, the emulated NICs (tc rate
     `nic_bytes_per_s`, of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE, and tbf's bucket), and
-    what a message that runs alone on its link costs there (meshjob.network.with_alone: the turn-around
+    what a message that runs alone on its link costs there (meshjob.network.model.with_alone: the turn-around
     after a held send, one message's CPU on the machine's shared cores, is on the link's path each time,
     and tbf's bucket does not shorten it. Measured: U-Transformer, 4 stages, comm fraction 1.0, 1 MiB in
     4 messages of 256 KiB: a held send's next one was issued 0.28-0.33 ms (median) after its bytes could
     have left)."""
-    from meshjob.costs import CostModel
-    from meshjob.device_costs import emulated_costs
-    from meshjob.network import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
+    from meshjob.costs.compute import CostModel
+    from meshjob.costs.device_costs import emulated_costs
+    from meshjob.network.model import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
 
-    network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
-                           burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0)
-    return CostModel(network=with_alone(network, EMULATED_MESSAGE_CPU_S, os.cpu_count() or 1),
-                     stages=emulated_costs(job, device), measured=True)
+    network = NetworkModel(
+        nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
+        burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0,
+    )
+    return CostModel(
+        network=with_alone(network, EMULATED_MESSAGE_CPU_S, os.cpu_count() or 1),
+        stages=emulated_costs(job, device),
+        measured=True,
+    )
 
 
 def busiest_link_bytes(job: TrainingJob) -> float:
     """Bytes through the busiest NIC direction in one microbatch (every boundary, forward and backward)."""
-    from meshjob.network import NetworkModel
-    from meshjob.plan import build_plan
-    from meshjob.step_bound import nic_bytes
+    from meshjob.network.model import NetworkModel
+    from meshjob.plan.build import build_plan
+    from meshjob.simulate.step_bound import nic_bytes
 
     plan = build_plan(job)
     per_link: dict = {}
@@ -159,7 +171,7 @@ def busiest_link_bytes(job: TrainingJob) -> float:
 def nic_rate_for(job: TrainingJob, device, comm_fraction: float) -> float:
     """Bytes/s at which the busiest link's bytes of a microbatch take `comm_fraction` of a stage's
     compute of one microbatch (F + I + W, the slowest stage)."""
-    from meshjob.device_costs import emulated_costs
+    from meshjob.costs.device_costs import emulated_costs
 
     compute = max(c.forward_s + c.backward_s for c in emulated_costs(job, device))
     return busiest_link_bytes(job) / (comm_fraction * compute)
@@ -169,33 +181,33 @@ def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -
     from meshjob_trainer.train import train_rank
 
     result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute, plan=plan)
-    return {"rank": result.rank, "stage": result.stage, "step_seconds": result.step_seconds,
-            "compute_s": result.stats.compute_s, "wait_s": result.stats.wait_s, "comm_s": result.comm_s,
-            "steps": result.stats.steps, "peak_stashed": result.stats.peak_stashed,
-            "timeline": result.stats.timeline, "origin": result.stats.timeline_origin, "losses": result.losses}
+    return {
+        "rank": result.rank,
+        "stage": result.stage,
+        "step_seconds": result.step_seconds,
+        "compute_s": result.stats.compute_s,
+        "wait_s": result.stats.wait_s,
+        "comm_s": result.comm_s,
+        "steps": result.stats.steps,
+        "peak_stashed": result.stats.peak_stashed,
+        "timeline": result.stats.timeline,
+        "origin": result.stats.timeline_origin,
+        "losses": result.losses,
+    }
 
 
-@dataclass
-class Measured:
-    config: Config
-    variant: str
-    step_s: float  # the steady-state period: over ranks, the median of each one's mean timed step
-    tokens_per_s: float
-    stages: dict[int, dict[str, float]]
-    timelines: dict[int, tuple[float, list]]  # stage -> (origin, last step's timeline)
-    final_loss: float
-
-
-def run_variant(job: TrainingJob, plan, config: Config, use_netns: bool, compute: ComputeMode
-                ) -> tuple[Measured, str]:
+def run_variant(job: TrainingJob, plan, config: Config, use_netns: bool, compute: ComputeMode) -> tuple[Measured, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with EmulatedCluster(len(job.stages), config.nic_rate, use_netns=use_netns) as cluster:
             network = cluster.describe()
             ranks = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
             used = sorted(set(ranks))
-            result = launch(len(ranks), lambda ctx: _rank_main(job, plan, ctx, compute),
-                            **cluster.gang([used.index(h) for h in ranks]).launch_args())
+            result = launch(
+                len(ranks),
+                lambda ctx: _rank_main(job, plan, ctx, compute),
+                **cluster.gang([used.index(h) for h in ranks]).launch_args(),
+            )
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
     return measure(job, result.values), network
@@ -220,21 +232,33 @@ def measure(job: TrainingJob, records: list[dict]) -> Measured:
         timelines[r["stage"]] = (r["origin"], r["timeline"])
     origin = min(o for o, _ in timelines.values())
     for stage, (o, timeline) in timelines.items():  # compute actions from the earliest rank's step start
-        stages[stage]["timeline"] = [[name, round(o - origin + a, 6), round(o - origin + b, 6)]
-                                     for name, a, b in timeline if name != "wait"]
+        stages[stage]["timeline"] = [
+            [name, round(o - origin + a, 6), round(o - origin + b, 6)] for name, a, b in timeline if name != "wait"
+        ]
     losses = [x for r in records for x in r["losses"]]
     tokens = job.training.global_batch * job.model.seq_len
-    return Measured(None, "", step_s, tokens / step_s, stages, timelines,  # type: ignore[arg-type]
-                    losses[-1] if losses else float("nan"))
+    return Measured(
+        None,
+        "",
+        step_s,
+        tokens / step_s,
+        stages,
+        timelines,  # type: ignore[arg-type]
+        losses[-1] if losses else float("nan"),
+    )
 
 
 def calibrated_cost(job: TrainingJob, m: Measured, nic_bytes_per_s: float, emulated_nics: bool):
     """Real compute: the formula's costs with its one constant taken from this run's measured compute."""
-    from meshjob.costs import CostModel
-    from meshjob.network import NetworkModel
+    from meshjob.costs.compute import CostModel
+    from meshjob.network.model import NetworkModel
 
-    base = CostModel(network=NetworkModel(nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
-                                          burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0))
+    base = CostModel(
+        network=NetworkModel(
+            nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
+            burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0,
+        )
+    )
     per_layer = []
     for i, st in enumerate(job.stages):
         work = (st.layers[1] - st.layers[0]) * job.training.microbatch_size
@@ -247,13 +271,13 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     """The simulator on the plan that ran. Emulated compute: the device's modelled costs (the same the
     ranks waited), plus each stage's optimizer step after its last action. Real compute: the costs
     calibrated from this run's measured compute (the formula's shape, one constant). The prediction is
-    the steady-state period (meshjob.steady: steps run over and over, as measured); one isolated step
-    beside it, and the step bound (meshjob.step_bound) on the same costs: no schedule of this plan's
+    the steady-state period (meshjob.simulate.steady: steps run over and over, as measured); one isolated step
+    beside it, and the step bound (meshjob.simulate.step_bound) on the same costs: no schedule of this plan's
     transfers runs one step faster."""
-    from meshjob.device_costs import emulated_cost
-    from meshjob.simulate import simulate_plan
-    from meshjob.steady import plan_period_s
-    from meshjob.step_bound import step_bound
+    from meshjob.costs.device_costs import emulated_cost
+    from meshjob.simulate.simulator import simulate_plan
+    from meshjob.simulate.steady import plan_period_s
+    from meshjob.simulate.step_bound import step_bound
 
     if compute.emulated:
         cost = cost_model(job, compute.device, config.nic_bytes_per_s, emulated_nics)
@@ -264,15 +288,20 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     one_step = one_step_s(result, optimizer)
     step = plan_period_s(plan, cost, dict(enumerate(optimizer)))
     bound = step_bound(plan, cost, optimizer)
-    return {"predicted_step_s": step, "predicted_over_measured": step / m.step_s,
-            "predicted_one_step_s": one_step,
-            "step_bound": bound and bound.to_json(),
-            "predicted_stages": {str(i): {"bubble": s.bubble_fraction(result.step_s),
-                                          "overlap": s.overlap_fraction()} for i, s in result.stages.items()}}
+    return {
+        "predicted_step_s": step,
+        "predicted_over_measured": step / m.step_s,
+        "predicted_one_step_s": one_step,
+        "step_bound": bound and bound.to_json(),
+        "predicted_stages": {
+            str(i): {"bubble": s.bubble_fraction(result.step_s), "overlap": s.overlap_fraction()}
+            for i, s in result.stages.items()
+        },
+    }
 
 
 def one_step_s(result: Any, optimizer: Sequence[float] | Mapping[int, float]) -> float:
-    """One isolated step of a simulated plan (meshjob.simulate.simulate_plan's result): every stage's last
+    """One isolated step of a simulated plan (meshjob.simulate.simulator.simulate_plan's result): every stage's last
     action, then its optimizer step (`optimizer`, per stage), the unit of the step bound."""
     return max(s.busy_until_s + optimizer[i] for i, s in result.stages.items())
 
@@ -292,20 +321,34 @@ def _list(text: str | None, default: str, kind, flag: str, allowed: str, ok) -> 
 
 def parse_sweep(args: argparse.Namespace) -> tuple[list[str], list[int], list[float], list[str]]:
     quick = args.quick
-    models = _list(args.models, "gpt" if quick else ",".join(MODELS), str, "--models",
-                   f"one of {', '.join(MODELS)}", lambda m: m in MODELS)
+    models = _list(
+        args.models,
+        "gpt" if quick else ",".join(MODELS),
+        str,
+        "--models",
+        f"one of {', '.join(MODELS)}",
+        lambda m: m in MODELS,
+    )
     stages = _list(args.stages, "4" if quick else "4,8", int, "--stages", "one of 2, 4, 8", lambda s: s in (2, 4, 8))
-    fractions = _list(args.comm_fractions, "0.3,1.0" if quick else "0.1,0.3,1.0", float, "--comm-fractions",
-                      "a number in (0, 10]", lambda f: 0 < f <= 10)
-    variants = _list(args.variants, ",".join(VARIANTS), str, "--variants", f"one of {', '.join(VARIANTS)}",
-                     lambda v: v in VARIANTS)
+    fractions = _list(
+        args.comm_fractions,
+        "0.3,1.0" if quick else "0.1,0.3,1.0",
+        float,
+        "--comm-fractions",
+        "a number in (0, 10]",
+        lambda f: 0 < f <= 10,
+    )
+    variants = _list(
+        args.variants, ",".join(VARIANTS), str, "--variants", f"one of {', '.join(VARIANTS)}", lambda v: v in VARIANTS
+    )
     return models, stages, fractions, [v for v in VARIANTS if v in {"1f1b", "signal", *variants}]
 
 
-def run_config(model: str, stages: int, fractions: list[float], variants: list[str], args, compute: ComputeMode,
-               steps: int) -> tuple[list[Measured], list[dict], str]:
+def run_config(
+    model: str, stages: int, fractions: list[float], variants: list[str], args, compute: ComputeMode, steps: int
+) -> tuple[list[Measured], list[dict], str]:
     """Every variant at every fraction of one model and stage count (signal once: it sends 1 byte)."""
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
 
     device = compute.device or parse_compute("emulated", None).device
     measured, rows, network = [], [], ""
@@ -315,8 +358,12 @@ def run_config(model: str, stages: int, fractions: list[float], variants: list[s
             if variant == "signal" and signal is not None:
                 continue
             job = bench_job(model, variant, steps, args.quick, stages)
-            config = Config(model, stages, fraction, nic_rate_for(bench_job(model, "1f1b", steps, args.quick, stages),
-                                                                 device, fraction))
+            config = Config(
+                model,
+                stages,
+                fraction,
+                nic_rate_for(bench_job(model, "1f1b", steps, args.quick, stages), device, fraction),
+            )
             cost = cost_model(job, device, config.nic_bytes_per_s)
             # planned for the NICs it runs on: transfer order, receives posted ahead, W delay
             plan = build_plan(job, cost=cost, network=cost.network)
@@ -333,26 +380,35 @@ def run_config(model: str, stages: int, fractions: list[float], variants: list[s
         bound = (r["step_bound"] or {}).get("step_s")
         # the most of signal any schedule of this plan reaches: both sides one step on the simulator's costs
         r["max_vs_signal"] = signal["predicted_one_step_s"] / bound if bound else None
-        r["peak_stashed_vs_1f1b"] = [r["stages"][i]["peak_stashed"] / base["stages"][i]["peak_stashed"]
-                                     for i in sorted(r["stages"])]
+        r["peak_stashed_vs_1f1b"] = [
+            r["stages"][i]["peak_stashed"] / base["stages"][i]["peak_stashed"] for i in sorted(r["stages"])
+        ]
     return measured, rows, network
 
 
 def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: dict) -> dict:
     """One JSON row: the exact configuration, the measurement and the simulator's prediction."""
-    from meshjob.spec import job_to_dict
+    from meshjob.spec.manifest import job_to_dict
 
     st = m.stages
-    out = {"model": m.config.model, "stages_count": m.config.stages, "variant": m.variant,
-           "comm_fraction": m.config.comm_fraction, "nic_rate": m.config.nic_rate,
-           "nic_bytes_per_s": m.config.nic_bytes_per_s, **compute.to_json(),
-           "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
-           "delay_choice": plan.delay_choice and plan.delay_choice.to_json(),  # auto: the candidates simulated
-           "job": job_to_dict(job)["spec"],
-           "step_s": m.step_s, "tokens_per_s": m.tokens_per_s,
-           "bubble": statistics.mean(s["bubble"] for s in st.values()),
-           "overlap": statistics.mean(s["overlap"] for s in st.values()),
-           "stages": st, **prediction}
+    out = {
+        "model": m.config.model,
+        "stages_count": m.config.stages,
+        "variant": m.variant,
+        "comm_fraction": m.config.comm_fraction,
+        "nic_rate": m.config.nic_rate,
+        "nic_bytes_per_s": m.config.nic_bytes_per_s,
+        **compute.to_json(),
+        "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
+        "delay_choice": plan.delay_choice and plan.delay_choice.to_json(),  # auto: the candidates simulated
+        "job": job_to_dict(job)["spec"],
+        "step_s": m.step_s,
+        "tokens_per_s": m.tokens_per_s,
+        "bubble": statistics.mean(s["bubble"] for s in st.values()),
+        "overlap": statistics.mean(s["overlap"] for s in st.values()),
+        "stages": st,
+        **prediction,
+    }
     if not compute.emulated:
         out["final_loss"] = m.final_loss
     return out
@@ -363,8 +419,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     steps = args.steps or (2 if args.quick else 3)
     if steps < 2:
         raise SpecError([FieldError("--steps", steps, "at least 2 (the first step is not timed)")])
-    compute = parse_compute(args.compute, args.device if args.device is not None or args.compute == "real"
-                            else DEFAULT_DEVICE)
+    compute = parse_compute(
+        args.compute, args.device if args.device is not None or args.compute == "real" else DEFAULT_DEVICE
+    )
     models, stage_counts, fractions, variants = parse_sweep(args)
     os.makedirs(args.out, exist_ok=True)
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
@@ -380,31 +437,45 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             measured += ms
             rows += rs
     emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
-    subtitle = (f"compute {compute.describe()}, NICs {emulated}, M={MICROBATCHES}, {LAYERS_PER_STAGE} layers/stage, "
-                f"hidden {SHAPES['quick' if args.quick else 'full']['hidden']}")
+    subtitle = (
+        f"compute {compute.describe()}, NICs {emulated}, M={MICROBATCHES}, {LAYERS_PER_STAGE} layers/stage, "
+        f"hidden {SHAPES['quick' if args.quick else 'full']['hidden']}"
+    )
     targets = check_targets(rows)
     print_table(rows, f"meshjob bench pipeline — {subtitle}")
     print_targets(targets)
     pngs = plot_timelines(measured, args.out, subtitle) + [plot_bars(rows, args.out, subtitle)]
     errors = [abs(r["predicted_over_measured"] - 1) for r in rows]
-    out = {"compute": compute.to_json(), "network": network, "emulated": emulated, "transport": transport_here(),
-           "machine": machine(), "steps": steps,
-           "timed_steps": steps - 1, "quick": bool(args.quick), "wall_seconds": time.monotonic() - t0,
-           "rows": rows, "targets": targets, "plots": pngs,
-           "simulator": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
-           "note": "throughput = global-batch tokens / the steady-state step period (over ranks, the median of "
-                   "each rank's mean timed step); vs_signal = fraction "
-                   "of the 1-byte-transfer bound; comm_fraction = the busiest NIC direction's bytes of one "
-                   "microbatch at nic_rate over a stage's F+I+W of one microbatch; predicted = meshjob.steady's "
-                   "period (the step run three times, as measured) of the plan that ran with the device's modelled "
-                   "costs (no constants fitted to the run); predicted_one_step_s: one isolated step, which "
-                   "step_bound bounds"
-                   + ("" if compute.emulated else "; real compute: the costs calibrated from the measured compute")}
+    out = {
+        "compute": compute.to_json(),
+        "network": network,
+        "emulated": emulated,
+        "transport": transport_here(),
+        "machine": machine(),
+        "steps": steps,
+        "timed_steps": steps - 1,
+        "quick": bool(args.quick),
+        "wall_seconds": time.monotonic() - t0,
+        "rows": rows,
+        "targets": targets,
+        "plots": pngs,
+        "simulator": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
+        "note": "throughput = global-batch tokens / the steady-state step period (over ranks, the median of "
+        "each rank's mean timed step); vs_signal = fraction "
+        "of the 1-byte-transfer bound; comm_fraction = the busiest NIC direction's bytes of one "
+        "microbatch at nic_rate over a stage's F+I+W of one microbatch; predicted = meshjob.simulate.steady's "
+        "period (the step run three times, as measured) of the plan that ran with the device's modelled "
+        "costs (no constants fitted to the run); predicted_one_step_s: one isolated step, which "
+        "step_bound bounds"
+        + ("" if compute.emulated else "; real compute: the costs calibrated from the measured compute"),
+    }
     path = os.path.join(args.out, "pipeline.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"wrote {path} and {', '.join(pngs)}; simulator |predicted/measured - 1|: max {max(errors):.1%}, "
-          f"median {statistics.median(errors):.1%}")
+    print(
+        f"wrote {path} and {', '.join(pngs)}; simulator |predicted/measured - 1|: max {max(errors):.1%}, "
+        f"median {statistics.median(errors):.1%}"
+    )
     return 0
 
 

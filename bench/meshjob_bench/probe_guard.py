@@ -30,15 +30,17 @@ the first undisturbed attempt is used, else the least severe one, said loudly on
 (message_costs: `attempts`, each with its costs, machine, verdict and reasons, `used_attempt`, `disturbed`).
 A probe that fails (its gang did not finish) is not retried: that is an error, not a disturbance.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from meshjob.network import EMULATED_MESSAGE_S
+from meshjob.network.model import EMULATED_MESSAGE_S
 from meshjob_bench.engine_costs import EngineCosts
 
 # Limits and retries (module docstring)
@@ -82,8 +84,10 @@ def cpu_snapshot() -> CpuSnapshot:
 
     with open("/proc/stat") as f:
         busy = machine_busy_s(f.read(), os.sysconf("SC_CLK_TCK"))
-    own = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    own = sum(
+        u.ru_utime + u.ru_stime
+        for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
     return CpuSnapshot(time.monotonic(), busy, own)
 
 
@@ -107,14 +111,25 @@ class Machine:
         return self.foreign_cpu_s / (self.wall_s * self.cores) if self.wall_s > 0 and self.cores > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"wall_s": self.wall_s, "machine_cpu_s": self.machine_cpu_s, "own_cpu_s": self.own_cpu_s,
-                "foreign_cpu_s": self.foreign_cpu_s, "foreign_fraction": self.foreign_fraction,
-                "cores": self.cores, "load_1m_at_start": self.load_1m_at_start}
+        return {
+            "wall_s": self.wall_s,
+            "machine_cpu_s": self.machine_cpu_s,
+            "own_cpu_s": self.own_cpu_s,
+            "foreign_cpu_s": self.foreign_cpu_s,
+            "foreign_fraction": self.foreign_fraction,
+            "cores": self.cores,
+            "load_1m_at_start": self.load_1m_at_start,
+        }
 
 
 def between(start: CpuSnapshot, end: CpuSnapshot, cores: int, load_1m_at_start: float = math.nan) -> Machine:
-    return Machine(end.at_s - start.at_s, end.machine_busy_s - start.machine_busy_s, end.own_s - start.own_s,
-                   cores, load_1m_at_start)
+    return Machine(
+        end.at_s - start.at_s,
+        end.machine_busy_s - start.machine_busy_s,
+        end.own_s - start.own_s,
+        cores,
+        load_1m_at_start,
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +140,12 @@ class Verdict:
     reasons: tuple[str, ...]  # one line per check above its limit
 
     def to_json(self) -> dict[str, Any]:
-        return {"disturbed": self.disturbed, "severity": self.severity, "checks": dict(self.checks),
-                "reasons": list(self.reasons)}
+        return {
+            "disturbed": self.disturbed,
+            "severity": self.severity,
+            "checks": dict(self.checks),
+            "reasons": list(self.reasons),
+        }
 
 
 def judge(costs: EngineCosts, machine: Machine, nominal_message_s: float | None = EMULATED_MESSAGE_S) -> Verdict:
@@ -138,21 +157,27 @@ def judge(costs: EngineCosts, machine: Machine, nominal_message_s: float | None 
     reasons = []
     checks["foreign_cpu"] = machine.foreign_fraction / FOREIGN_CPU_MAX
     if checks["foreign_cpu"] > 1:
-        reasons.append(f"foreign CPU {machine.foreign_cpu_s:.1f} s in {machine.wall_s:.0f} s = "
-                       f"{machine.foreign_fraction:.2f} of the {machine.cores} cores (limit {FOREIGN_CPU_MAX:g})")
+        reasons.append(
+            f"foreign CPU {machine.foreign_cpu_s:.1f} s in {machine.wall_s:.0f} s = "
+            f"{machine.foreign_fraction:.2f} of the {machine.cores} cores (limit {FOREIGN_CPU_MAX:g})"
+        )
     m = costs.message_s
     if nominal_message_s is not None:
         off = max(m / nominal_message_s, nominal_message_s / m) if m > 0 else math.inf
         checks["message_s"] = off / MESSAGE_S_FACTOR
         if checks["message_s"] > 1:
-            reasons.append(f"per-message link time {m * 1e6:.0f} µs is {m / nominal_message_s:.2g}x the nominal "
-                           f"EMULATED_MESSAGE_S {nominal_message_s * 1e6:.0f} µs (sane: 1/{MESSAGE_S_FACTOR:g} to "
-                           f"{MESSAGE_S_FACTOR:g}x)")
+            reasons.append(
+                f"per-message link time {m * 1e6:.0f} µs is {m / nominal_message_s:.2g}x the nominal "
+                f"EMULATED_MESSAGE_S {nominal_message_s * 1e6:.0f} µs (sane: 1/{MESSAGE_S_FACTOR:g} to "
+                f"{MESSAGE_S_FACTOR:g}x)"
+            )
     for term in SPREAD_TERMS if nominal_message_s is not None else ("message_cpu_s",):
         checks[f"spread_{term}"] = costs.spread_ratio(term) / SPREAD_MAX
         if checks[f"spread_{term}"] > 1:
-            reasons.append(f"rounds disagree: {term} {costs.range_text(term, 1e6)} µs over the {costs.rounds} rounds, "
-                           f"{costs.spread_ratio(term):.3g}x (limit {SPREAD_MAX:g}x)")
+            reasons.append(
+                f"rounds disagree: {term} {costs.range_text(term, 1e6)} µs over the {costs.rounds} rounds, "
+                f"{costs.spread_ratio(term):.3g}x (limit {SPREAD_MAX:g}x)"
+            )
     severity = max(checks.values())
     return Verdict(severity > 1, severity, checks, tuple(reasons))
 
@@ -166,8 +191,13 @@ class Attempt:
     quiet_fraction: float = math.nan  # foreign CPU of the last window waited (fraction of the cores)
 
     def to_json(self) -> dict[str, Any]:
-        return {"costs": self.costs.to_json(), "machine": self.machine.to_json(), "verdict": self.verdict.to_json(),
-                "waited_s": self.waited_s, "quiet_fraction": self.quiet_fraction}
+        return {
+            "costs": self.costs.to_json(),
+            "machine": self.machine.to_json(),
+            "verdict": self.verdict.to_json(),
+            "waited_s": self.waited_s,
+            "quiet_fraction": self.quiet_fraction,
+        }
 
 
 def choose(attempts: Sequence[Attempt]) -> int:
@@ -196,11 +226,19 @@ class GuardedCosts:
 
     def to_json(self) -> dict[str, Any]:
         """The used attempt's costs (EngineCosts.to_json) with every attempt and the guard's limits."""
-        return {**self.costs.to_json(), "used_attempt": self.used, "disturbed": self.disturbed,
-                "attempts": [a.to_json() for a in self.attempts],
-                "guard": {"foreign_cpu_max": FOREIGN_CPU_MAX, "message_s_factor": MESSAGE_S_FACTOR,
-                          "nominal_message_s": self.nominal_message_s, "spread_max": SPREAD_MAX,
-                          "spread_terms": list(SPREAD_TERMS)}}
+        return {
+            **self.costs.to_json(),
+            "used_attempt": self.used,
+            "disturbed": self.disturbed,
+            "attempts": [a.to_json() for a in self.attempts],
+            "guard": {
+                "foreign_cpu_max": FOREIGN_CPU_MAX,
+                "message_s_factor": MESSAGE_S_FACTOR,
+                "nominal_message_s": self.nominal_message_s,
+                "spread_max": SPREAD_MAX,
+                "spread_terms": list(SPREAD_TERMS),
+            },
+        }
 
     def describe(self) -> str:
         """One line for stdout: which attempt is used and why; loud when it was disturbed."""
@@ -208,19 +246,33 @@ class GuardedCosts:
         of = f"attempt {self.used + 1} of {len(self.attempts)}"
         if not self.disturbed:
             m = used.machine
-            return (f"engine probe: {of} used, undisturbed (foreign CPU {m.foreign_fraction:.2f} of "
-                    f"{m.cores} cores, load {m.load_1m_at_start:.2f} at its start"
-                    + (f"; {self.used} disturbed before it: "
-                       + "; ".join(f"{i + 1}: {', '.join(a.verdict.reasons)}"
-                                   for i, a in enumerate(self.attempts[:self.used])) if self.used else "") + ")")
-        return (f"WARNING: engine probe DISTURBED on all {len(self.attempts)} attempt(s); planning with the least "
-                f"disturbed, {of}: {'; '.join(used.verdict.reasons)}. The figures below and every plan of this "
-                f"run follow a disturbed probe (message_costs.disturbed in the JSON)")
+            return (
+                f"engine probe: {of} used, undisturbed (foreign CPU {m.foreign_fraction:.2f} of "
+                f"{m.cores} cores, load {m.load_1m_at_start:.2f} at its start"
+                + (
+                    f"; {self.used} disturbed before it: "
+                    + "; ".join(
+                        f"{i + 1}: {', '.join(a.verdict.reasons)}" for i, a in enumerate(self.attempts[: self.used])
+                    )
+                    if self.used
+                    else ""
+                )
+                + ")"
+            )
+        return (
+            f"WARNING: engine probe DISTURBED on all {len(self.attempts)} attempt(s); planning with the least "
+            f"disturbed, {of}: {'; '.join(used.verdict.reasons)}. The figures below and every plan of this "
+            f"run follow a disturbed probe (message_costs.disturbed in the JSON)"
+        )
 
 
-def wait_for_quiet(max_s: float, cores: int, snapshot: Callable[[], CpuSnapshot] = cpu_snapshot,
-                   sleep: Callable[[float], None] = time.sleep,
-                   window_s: float = QUIET_WINDOW_S) -> tuple[float, float]:
+def wait_for_quiet(
+    max_s: float,
+    cores: int,
+    snapshot: Callable[[], CpuSnapshot] = cpu_snapshot,
+    sleep: Callable[[float], None] = time.sleep,
+    window_s: float = QUIET_WINDOW_S,
+) -> tuple[float, float]:
     """Wait, window by window, until the foreign CPU of a window is at most FOREIGN_CPU_MAX of the cores, or
     `max_s` has passed; (seconds waited, the last window's foreign fraction)."""
     first = last = snapshot()
@@ -235,11 +287,15 @@ def wait_for_quiet(max_s: float, cores: int, snapshot: Callable[[], CpuSnapshot]
     return last.at_s - first.at_s, fraction
 
 
-def guarded_probe(probe: Callable[[], EngineCosts | None], attempts: int = PROBE_ATTEMPTS,
-                  cores: int | None = None, snapshot: Callable[[], CpuSnapshot] = cpu_snapshot,
-                  load: Callable[[], float] = lambda: os.getloadavg()[0],
-                  sleep: Callable[[float], None] = time.sleep,
-                  nominal_message_s: float | None = EMULATED_MESSAGE_S) -> GuardedCosts | None:
+def guarded_probe(
+    probe: Callable[[], EngineCosts | None],
+    attempts: int = PROBE_ATTEMPTS,
+    cores: int | None = None,
+    snapshot: Callable[[], CpuSnapshot] = cpu_snapshot,
+    load: Callable[[], float] = lambda: os.getloadavg()[0],
+    sleep: Callable[[float], None] = time.sleep,
+    nominal_message_s: float | None = EMULATED_MESSAGE_S,
+) -> GuardedCosts | None:
     """Run `probe` (None: it failed) until an attempt is undisturbed or `attempts` ran, waiting for quiet
     before each retry; None if a probe failed. `nominal_message_s`: see judge."""
     if attempts < 1:

@@ -11,7 +11,7 @@ send/recv into the destination layout rewritten to be sharded inside each host, 
 inside the host, which the executor does), and for (b) broadcast under each balancer (figure 8).
 Time is reported over the physical limit L = bytes the busiest receiving host must take / NIC rate,
 as speed-ups over global_allgather and send_recv, and against the plan: each variant's planned
-makespan on the network model (meshjob.network, which the JSON records), measured / planned.
+makespan on the network model (meshjob.network.model, which the JSON records), measured / planned.
 The issue's targets are checked at the end (`targets` in the JSON). The cases, the ranks' layout and
 each variant's plan: meshjob_bench.resharding_cases; the targets: meshjob_bench.resharding_targets.
 
@@ -20,6 +20,7 @@ the others only join the barriers. Plans are made in the parent before the fork,
 runs the same steps; each receiver checks its tile against the expected values on the first
 repetition, so a wrong plan or executor fails the benchmark instead of timing it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +30,32 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
 
-from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob.network.model import NetworkModel
+from meshjob.units import parse_rate
 from meshjob_bench import engine_costs, probe_guard
 from meshjob_bench.cpu_pricing import cpu_pricing, print_cpu_pricing
 from meshjob_bench.machine import gpu_visible, machine
-from meshjob_bench.resharding_cases import (BALANCERS, DEVICES_PER_HOST, MAIN_BALANCER, SECTIONS, Case, Layout,
-                                            balancer_chunks, bench_network, build_cases, case_order,
-                                            plan_cases)
+from meshjob_bench.resharding_cases import (
+    BALANCERS,
+    DEVICES_PER_HOST,
+    MAIN_BALANCER,
+    SECTIONS,
+    Case,
+    Layout,
+    Row,
+    balancer_chunks,
+    bench_network,
+    build_cases,
+    case_order,
+    plan_cases,
+)
 from meshjob_bench.resharding_targets import check_paper_targets, check_targets, planned, print_targets
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
-from meshjob.network import NetworkModel
-from meshjob.units import parse_rate
 
 TRANSPORTS = ("gloo", "tcp", "nccl")
 QUICK_PROBE_ROUNDS = 2  # --quick: enough for a spread between rounds; a full run takes PROBE_ROUNDS (5)
@@ -54,37 +67,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench/results", help="folder for resharding.json and PNGs")
     parser.add_argument("--size-mib", type=float, default=None, help="tensor size (default 16, quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3, quick 1)")
-    parser.add_argument("--chunks", default=None,
-                        help="broadcast K values, comma separated, auto = per task from the network model "
-                             "(default 4,16,64,auto)")
+    parser.add_argument(
+        "--chunks",
+        default=None,
+        help="broadcast K values, comma separated, auto = per task from the network model (default 4,16,64,auto)",
+    )
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
-    parser.add_argument("--message-costs", choices=("measured", "default"), default="measured",
-                        help="plan with per-message link time and CPU on the shared cores measured first through "
-                             "the engine (default), or with the network model's defaults (raw gloo, CPU not "
-                             "modelled)")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="gloo",
-                        help="gloo: CPU tensors over gloo's isend/irecv between hosts (default, the trainer's); tcp: "
-                             "CPU tensors, a TCP connection per directed pair between hosts (meshjob_trainer."
-                             "tcp_wire); nccl: CUDA tensors device to device (needs a GPU; ranks that share one each "
-                             "become an NCCL host of their own)")
-    parser.add_argument("--section", action="append", choices=SECTIONS,
-                        help="run only this section (repeatable; default all)")
-    parser.add_argument("--case", action="append", default=None,
-                        help="run only the cases whose name contains this text, e.g. 'x1' or 'S0R -> RR' "
-                             "(repeatable; default all)")
+    parser.add_argument(
+        "--message-costs",
+        choices=("measured", "default"),
+        default="measured",
+        help="plan with per-message link time and CPU on the shared cores measured first through "
+        "the engine (default), or with the network model's defaults (raw gloo, CPU not "
+        "modelled)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="gloo",
+        help="gloo: CPU tensors over gloo's isend/irecv between hosts (default, the trainer's); tcp: "
+        "CPU tensors, a TCP connection per directed pair between hosts (meshjob_trainer."
+        "tcp_wire); nccl: CUDA tensors device to device (needs a GPU; ranks that share one each "
+        "become an NCCL host of their own)",
+    )
+    parser.add_argument(
+        "--section", action="append", choices=SECTIONS, help="run only this section (repeatable; default all)"
+    )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=None,
+        help="run only the cases whose name contains this text, e.g. 'x1' or 'S0R -> RR' (repeatable; default all)",
+    )
 
 
-def measure_engine(cluster: EmulatedCluster, nic_bytes_per_s: float, rounds: int = engine_costs.PROBE_ROUNDS,
-                   transport: str = "gloo") -> engine_costs.EngineCosts | None:
+def measure_engine(
+    cluster: EmulatedCluster, nic_bytes_per_s: float, rounds: int = engine_costs.PROBE_ROUNDS, transport: str = "gloo"
+) -> engine_costs.EngineCosts | None:
     """Per-message link time and CPU, measured in a gang on `cluster` (meshjob_bench.engine_costs) in
     `rounds` rounds; None if the probe failed. One attempt: `main` runs it under
     probe_guard.guarded_probe (retried when disturbed)."""
     layout = Layout()
     cases = engine_costs.probe_cases(layout, nic_bytes_per_s, bench_network(nic_bytes_per_s), rounds)
     network = engine_costs.unpacked(bench_network(nic_bytes_per_s))
-    result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network,
-                                                              transport),
-                    **cluster.gang(layout.hosts).launch_args())
+    result = launch(
+        len(layout.hosts),
+        lambda ctx: _rank_main(cases, 1, engine_costs.PROBE_REPEATS, ctx, network, transport),
+        **cluster.gang(layout.hosts).launch_args(),
+    )
     if not result.ok:
         return None
     return engine_costs.fit(collect(cases, [timing for timings in result.values for timing in timings]))
@@ -128,8 +158,14 @@ def _case_routes(case: Case, network: NetworkModel | None) -> list[Any]:
     return make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv}, network)
 
 
-def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
-               network: NetworkModel | None = None, transport: str = "gloo") -> list[dict]:
+def _rank_main(
+    cases: list[Case],
+    warmup: int,
+    repeats: int,
+    ctx: RankContext,
+    network: NetworkModel | None = None,
+    transport: str = "gloo",
+) -> list[dict]:
     """One rank of the gang: for every case and variant, a common start, reshard; returns the times.
     `network`: the model the cases were planned on (each rank's program and its NIC window follow it).
     `transport` tcp or gloo: CPU tiles, the wire between hosts (meshjob_trainer.wire.wire_for); nccl: the tiles
@@ -137,7 +173,7 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     import torch
     import torch.distributed as dist
 
-    from meshjob.sharding import tile, to_index
+    from meshjob.layout.sharding import tile, to_index
     from meshjob_trainer.dist import device_sync, init_distributed, shutdown_distributed
     from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
@@ -153,18 +189,33 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
         cpu_group = None if on_cpu else dist.new_group(backend="gloo")
         # NCCL: one wire, every pair of every case connected once (a wire per case would leave a communicator
         # per pair and case, each with its own proxy thread and buffers)
-        shared_wire = None if on_cpu else wire_for(device, rank, set().union(*(
-            r.pairs() for case in cases for r in _case_routes(case, network))))
+        shared_wire = (
+            None
+            if on_cpu
+            else wire_for(
+                device, rank, set().union(*(r.pairs() for case in cases for r in _case_routes(case, network)))
+            )
+        )
         for ci, case in enumerate(cases):
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
             full = _expected(case.shape) if inside else None
             local = None
             if rank in case.src_mesh.ranks:
-                local = full[to_index(tile(case.send, case.src_mesh.shape, case.shape,
-                                           case.src_mesh.index_of(rank)))].contiguous().to(device)
+                local = (
+                    full[to_index(tile(case.send, case.src_mesh.shape, case.shape, case.src_mesh.index_of(rank)))]
+                    .contiguous()
+                    .to(device)
+                )
             routes = _case_routes(case, network)
-            executor = ReshardExecutor(None, rank, routes=routes, order=case_order(case, warmup + repeats),
-                                       device=device, wire=shared_wire, cpu_wire=transport if on_cpu else "gloo")
+            executor = ReshardExecutor(
+                None,
+                rank,
+                routes=routes,
+                order=case_order(case, warmup + repeats),
+                device=device,
+                wire=shared_wire,
+                cpu_wire=transport if on_cpu else "gloo",
+            )
             for rep in range(warmup + repeats):  # the case's order (case_order)
                 for vi, (variant, boundary) in enumerate(zip(case.variants, case.boundaries)):
                     t0 = _common_start(wait=inside, group=cpu_group)
@@ -177,12 +228,23 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
                     t1, c1, f1 = time.monotonic(), time.process_time(), _minor_faults()
                     ok = True
                     if rep == 0 and out is not None and variant.strategy != "signal":
-                        want = full[to_index(tile(case.recv, case.dst_mesh.shape, case.shape,
-                                                  case.dst_mesh.index_of(rank)))]
+                        want = full[
+                            to_index(tile(case.recv, case.dst_mesh.shape, case.shape, case.dst_mesh.index_of(rank)))
+                        ]
                         ok = bool(torch.equal(out.cpu(), want))
                     if rep >= warmup or not ok:
-                        timed.append(dict(case=ci, variant=vi, rep=rep - warmup, start=t0, end=t1, cpu=c1 - c0,
-                                           faults=f1 - f0, correct=ok))
+                        timed.append(
+                            dict(
+                                case=ci,
+                                variant=vi,
+                                rep=rep - warmup,
+                                start=t0,
+                                end=t1,
+                                cpu=c1 - c0,
+                                faults=f1 - f0,
+                                correct=ok,
+                            )
+                        )
             executor.close()
             del routes, executor, local, full
             release_freed_memory()  # the next case's buffers have other shapes (meshjob_trainer.heap)
@@ -190,33 +252,6 @@ def _rank_main(cases: list[Case], warmup: int, repeats: int, ctx: RankContext,
     finally:
         shutdown_distributed()
     return timed
-
-
-@dataclass
-class Row:
-    section: str
-    case: str
-    strategy: str
-    chunks: int | str
-    balancer: str
-    label: str
-    seconds: float  # median over repetitions of (last end - first start) over participating ranks
-    repeats: list[float]
-    limit_s: float
-    over_limit: float
-    speedup_vs_global_allgather: float
-    speedup_vs_send_recv: float
-    planned_makespan_s: float
-    planned_lower_bound_s: float
-    correct: bool
-    simulated_s: float = math.nan  # the simulator's prediction for the same steps
-    simulator_error: float = math.nan  # simulated / measured - 1
-    measured_over_planned: float = math.nan  # seconds / planned_makespan_s
-    cpu_seconds: float = math.nan  # median over repetitions of the CPU time all ranks spent in the transfer
-    minor_faults: float = math.nan  # median over repetitions of the pages all ranks faulted in during it
-    messages: dict[str, int] = field(default_factory=dict)  # scope (cross_host, intra_host) -> messages sent
-    # the CPU seconds the simulator's model prices the same steps at, all ranks together (NaN: not modelled)
-    simulated_cpu_seconds: float = math.nan
 
 
 def collect(cases: list[Case], events: list[dict]) -> list[Row]:
@@ -241,29 +276,51 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
 
     rows: list[Row] = []
     for ci, case in enumerate(cases):
-        times = {vi: [hi - lo for (c, v, _), (lo, hi) in sorted(spans.items()) if c == ci and v == vi]
-                 for vi in range(len(case.variants))}
+        times = {
+            vi: [hi - lo for (c, v, _), (lo, hi) in sorted(spans.items()) if c == ci and v == vi]
+            for vi in range(len(case.variants))
+        }
         med = {vi: statistics.median(t) if t else math.nan for vi, t in times.items()}
-        base = {case.variants[vi].strategy: med[vi] for vi in med
-                if case.variants[vi].balancer == MAIN_BALANCER and not case.variants[vi].host_sharded}
+        base = {
+            case.variants[vi].strategy: med[vi]
+            for vi in med
+            if case.variants[vi].balancer == MAIN_BALANCER and not case.variants[vi].host_sharded
+        }
         for vi, v in enumerate(case.variants):
             b, simulated, planned = case.boundaries[vi], case.simulated_s[vi], case.planned_s[vi]
-            rows.append(Row(case.section, case.name, v.strategy, v.chunks, v.balancer, v.label, med[vi],
-                            times[vi], case.limit_s, med[vi] / case.limit_s if case.limit_s else math.nan,
-                            base.get("global_allgather", math.nan) / med[vi],
-                            base.get("send_recv", math.nan) / med[vi],
-                            planned, b.lower_bound_s, (ci, vi) not in wrong, simulated,
-                            simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
-                            med[vi] / planned if planned > 0 else math.nan,
-                            median_over_reps(ci, vi, 0), median_over_reps(ci, vi, 1),
-                            case.messages[vi] if case.messages else {},
-                            case.simulated_cpu_s[vi] if case.simulated_cpu_s else math.nan))
+            rows.append(
+                Row(
+                    case.section,
+                    case.name,
+                    v.strategy,
+                    v.chunks,
+                    v.balancer,
+                    v.label,
+                    med[vi],
+                    times[vi],
+                    case.limit_s,
+                    med[vi] / case.limit_s if case.limit_s else math.nan,
+                    base.get("global_allgather", math.nan) / med[vi],
+                    base.get("send_recv", math.nan) / med[vi],
+                    planned,
+                    b.lower_bound_s,
+                    (ci, vi) not in wrong,
+                    simulated,
+                    simulated / med[vi] - 1.0 if med[vi] > 0 else math.nan,
+                    med[vi] / planned if planned > 0 else math.nan,
+                    median_over_reps(ci, vi, 0),
+                    median_over_reps(ci, vi, 1),
+                    case.messages[vi] if case.messages else {},
+                    case.simulated_cpu_s[vi] if case.simulated_cpu_s else math.nan,
+                )
+            )
     return rows
 
 
 def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
     """Per section and strategy (main balancer, broadcast at each K): geometric means over the
     cases of time / L and of the speed-ups, the one-line answer to "how much faster"."""
+
     def gmean(xs: list[float]) -> float:
         xs = [x for x in xs if x > 0 and math.isfinite(x)]
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
@@ -276,7 +333,8 @@ def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
             out.setdefault(section, {})[label] = {
                 "over_limit": gmean([r.over_limit for r in rs]),
                 "speedup_vs_global_allgather": gmean([r.speedup_vs_global_allgather for r in rs]),
-                "speedup_vs_send_recv": gmean([r.speedup_vs_send_recv for r in rs])}
+                "speedup_vs_send_recv": gmean([r.speedup_vs_send_recv for r in rs]),
+            }
     return out
 
 
@@ -290,8 +348,13 @@ def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -
         table.add_column(col, justify="left" if col in ("section", "variant") else "right")
     for section, by_label in summary.items():
         for i, (label, m) in enumerate(by_label.items()):
-            table.add_row(section if i == 0 else "", label, f"{m['over_limit']:.2f}",
-                          f"{m['speedup_vs_global_allgather']:.2f}", f"{m['speedup_vs_send_recv']:.2f}")
+            table.add_row(
+                section if i == 0 else "",
+                label,
+                f"{m['over_limit']:.2f}",
+                f"{m['speedup_vs_global_allgather']:.2f}",
+                f"{m['speedup_vs_send_recv']:.2f}",
+            )
     console.print(table)
 
 
@@ -302,27 +365,48 @@ def print_table(rows: list[Row], title: str) -> None:
     console = Console(width=None if Console().is_terminal else 150)
     for section in SECTIONS:
         table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
-        for col in ("case", "variant", "time s", "time / L", "x vs global_allgather", "x vs send_recv",
-                    "planned s", "measured / planned", "planned / LB", "sim error", "ok"):
+        for col in (
+            "case",
+            "variant",
+            "time s",
+            "time / L",
+            "x vs global_allgather",
+            "x vs send_recv",
+            "planned s",
+            "measured / planned",
+            "planned / LB",
+            "sim error",
+            "ok",
+        ):
             table.add_column(col, justify="left" if col in ("case", "variant") else "right")
         last = None
         for r in rows:
             if r.section != section:
                 continue
-            table.add_row("" if r.case == last else r.case, r.label, f"{r.seconds:.3f}", f"{r.over_limit:.2f}",
-                          f"{r.speedup_vs_global_allgather:.2f}", f"{r.speedup_vs_send_recv:.2f}",
-                          f"{r.planned_makespan_s:.3f}", f"{r.measured_over_planned:.2f}" if planned(r) else "-",
-                          f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
-                          if r.planned_lower_bound_s and r.strategy != "signal" else "-",
-                          f"{r.simulator_error:+.0%}" if math.isfinite(r.simulator_error) else "-",
-                          "yes" if r.correct else "[red]WRONG[/]", end_section=False)
+            table.add_row(
+                "" if r.case == last else r.case,
+                r.label,
+                f"{r.seconds:.3f}",
+                f"{r.over_limit:.2f}",
+                f"{r.speedup_vs_global_allgather:.2f}",
+                f"{r.speedup_vs_send_recv:.2f}",
+                f"{r.planned_makespan_s:.3f}",
+                f"{r.measured_over_planned:.2f}" if planned(r) else "-",
+                f"{r.planned_makespan_s / r.planned_lower_bound_s:.2f}"
+                if r.planned_lower_bound_s and r.strategy != "signal"
+                else "-",
+                f"{r.simulator_error:+.0%}" if math.isfinite(r.simulator_error) else "-",
+                "yes" if r.correct else "[red]WRONG[/]",
+                end_section=False,
+            )
             last = r.case
         if table.row_count:
             console.print(table)
 
 
-def _bars(rows: list[Row], series: Callable[[Row], str], names: Sequence[str], title: str, path: str,
-          legend: dict[str, Any]) -> str:
+def _bars(
+    rows: list[Row], series: Callable[[Row], str], names: Sequence[str], title: str, path: str, legend: dict[str, Any]
+) -> str:
     """One grouped bar chart of time / L: a group per case, a bar per series name."""
     import matplotlib
 
@@ -350,21 +434,34 @@ def plot(rows: list[Row], out_dir: str, subtitle: str) -> list[str]:
     """PNG figures like the paper's figures 5 (one-to-many), 6 (many-to-many) and 8 (balancers)."""
     paths = []
     main = [r for r in rows if r.balancer == MAIN_BALANCER]
-    for section, fig_name, number in (("one_to_many", "fig5_one_to_many.png", 5),
-                                      ("many_to_many", "fig6_many_to_many.png", 6),
-                                      ("paper_scale", "fig6_paper_scale.png", 6)):
+    for section, fig_name, number in (
+        ("one_to_many", "fig5_one_to_many.png", 5),
+        ("many_to_many", "fig6_many_to_many.png", 6),
+        ("paper_scale", "fig6_paper_scale.png", 6),
+    ):
         sec = [r for r in main if r.section == section]
         if sec:
             labels = list(dict.fromkeys(r.label for r in sec))
             title = f"Fig. {number}-style: {section.replace('_', '-')} resharding ({subtitle})"
-            paths.append(_bars(sec, lambda r: r.label, labels, title, os.path.join(out_dir, fig_name),
-                               {"fontsize": 7, "ncol": 2}))
+            paths.append(
+                _bars(
+                    sec, lambda r: r.label, labels, title, os.path.join(out_dir, fig_name), {"fontsize": 7, "ncol": 2}
+                )
+            )
     bal = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"]
     kmax = balancer_chunks([r.chunks for r in bal]) if bal else 0
     bal = [r for r in bal if r.chunks == kmax]
     if bal:
-        paths.append(_bars(bal, lambda r: r.balancer, BALANCERS, f"Fig. 8-style: balancers, broadcast K={kmax} "
-                           f"({subtitle})", os.path.join(out_dir, "fig8_balancers.png"), {"fontsize": 8}))
+        paths.append(
+            _bars(
+                bal,
+                lambda r: r.balancer,
+                BALANCERS,
+                f"Fig. 8-style: balancers, broadcast K={kmax} ({subtitle})",
+                os.path.join(out_dir, "fig8_balancers.png"),
+                {"fontsize": 8},
+            )
+        )
     return paths
 
 
@@ -396,16 +493,18 @@ def main(args: argparse.Namespace) -> int:
         if any(k != "auto" and k < 1 for k in chunks):
             raise ValueError
     except ValueError:
-        errors.append(FieldError("--chunks", chunk_text,
-                                 "comma-separated positive integers or auto, e.g. 4,16,64,auto"))
+        errors.append(
+            FieldError("--chunks", chunk_text, "comma-separated positive integers or auto, e.g. 4,16,64,auto")
+        )
     if size_mib <= 0:
         errors.append(FieldError("--size-mib", size_mib, "a positive number of MiB"))
     if repeats < 1:
         errors.append(FieldError("--repeats", repeats, "an integer >= 1"))
     transport = getattr(args, "transport", "gloo")
     if transport == "nccl" and not gpu_visible():
-        errors.append(FieldError("--transport", transport, "gloo or tcp here: nccl needs a CUDA GPU, and torch sees "
-                                 "none"))
+        errors.append(
+            FieldError("--transport", transport, "gloo or tcp here: nccl needs a CUDA GPU, and torch sees none")
+        )
     if errors:
         raise SpecError(errors)
 
@@ -429,27 +528,38 @@ def main(args: argparse.Namespace) -> int:
             if args.message_costs == "measured":
                 rounds = QUICK_PROBE_ROUNDS if quick else engine_costs.PROBE_ROUNDS
                 nominal = probe_guard.nominal_message_s_for(transport, nic_bytes_per_s)
-                probe = probe_guard.guarded_probe(lambda: measure_engine(cluster, nic_bytes_per_s, rounds, transport),
-                                                  attempts=1 if quick else probe_guard.PROBE_ATTEMPTS,
-                                                  nominal_message_s=nominal)
+                probe = probe_guard.guarded_probe(
+                    lambda: measure_engine(cluster, nic_bytes_per_s, rounds, transport),
+                    attempts=1 if quick else probe_guard.PROBE_ATTEMPTS,
+                    nominal_message_s=nominal,
+                )
                 if probe is None:
                     print("meshjob bench resharding: failed: the message-cost probe did not finish")
                     return 1
                 print(probe.describe())
                 costs = probe.costs
                 planning = costs.apply(planning, os.cpu_count() or 1)
-                print(f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
-                      f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
-                      f"{planning.alone_message_s * 1e6:.0f} µs more each")
+                print(
+                    f"planning model: {costs.describe(planning.shared_cpu_cores)}; NIC messages above "
+                    f"{planning.alone_bytes / 1024:.0f} KiB run alone, "
+                    f"{planning.alone_message_s * 1e6:.0f} µs more each"
+                )
             plan_cases(cases, layout, planning)
-            result = launch(len(layout.hosts), lambda ctx: _rank_main(cases, 1, repeats, ctx, planning, transport),
-                            **cluster.gang(layout.hosts).launch_args())
+            result = launch(
+                len(layout.hosts),
+                lambda ctx: _rank_main(cases, 1, repeats, ctx, planning, transport),
+                **cluster.gang(layout.hosts).launch_args(),
+            )
     if not result.ok:
         print(f"meshjob bench resharding: failed: {result.first_failure.describe() if result.first_failure else ''}")
         return 1
     rows = collect(cases, [timing for timings in result.values for timing in timings])
-    subtitle = (f"NIC {args.nic_rate}" + ("" if emulated else " NOT applied: loopback") + f", {size_mib:g} MiB"
-                + (", NCCL on CUDA" if transport == "nccl" else f", CPU wire {transport}"))
+    subtitle = (
+        f"NIC {args.nic_rate}"
+        + ("" if emulated else " NOT applied: loopback")
+        + f", {size_mib:g} MiB"
+        + (", NCCL on CUDA" if transport == "nccl" else f", CPU wire {transport}")
+    )
     title = f"Cross-mesh resharding, {subtitle}, K in {{{chunk_text}}}, {network}"
     print_table(rows, title)
     summary = summarize(rows)
@@ -461,13 +571,28 @@ def main(args: argparse.Namespace) -> int:
     model = planning.to_json()  # what the plans, planned_* and simulated_s assume
     targets = check_targets(rows) + check_paper_targets(rows, cases)
     print_targets(targets)
-    doc = {"benchmark": "resharding", "nic_rate": args.nic_rate, "emulated": emulated, "network": network,
-           "network_model": model, "message_costs": probe.to_json() if probe else None, "tensor_mib": size_mib,
-           "chunks": chunks, "repeats": repeats, "quick": quick, "transport": transport, "machine": machine(),
-           "devices_per_host": DEVICES_PER_HOST, "wall_seconds": time.monotonic() - t_start,
-           "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
-           "summary": summary, "cpu_pricing": pricing, "rows": [asdict(r) for r in rows], "plots": pngs,
-           "targets": [t.to_json() for t in targets]}
+    doc = {
+        "benchmark": "resharding",
+        "nic_rate": args.nic_rate,
+        "emulated": emulated,
+        "network": network,
+        "network_model": model,
+        "message_costs": probe.to_json() if probe else None,
+        "tensor_mib": size_mib,
+        "chunks": chunks,
+        "repeats": repeats,
+        "quick": quick,
+        "transport": transport,
+        "machine": machine(),
+        "devices_per_host": DEVICES_PER_HOST,
+        "wall_seconds": time.monotonic() - t_start,
+        "load_average_1m_at_end": os.getloadavg()[0],  # what else ran on the shared cores
+        "summary": summary,
+        "cpu_pricing": pricing,
+        "rows": [asdict(r) for r in rows],
+        "plots": pngs,
+        "targets": [t.to_json() for t in targets],
+    }
     path = os.path.join(args.out, "resharding.json")
     with open(path, "w") as f:
         json.dump(_finite(doc), f, indent=2)

@@ -6,37 +6,56 @@ case lists, the ranks' layout on the hosts, the physical limit L, and each varia
 makespan and simulated time on the network model the run plans with (meshjob_bench.resharding runs and
 reports them; meshjob_bench.resharding_targets checks the issues' targets on the measured rows).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import ShardingSpec
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import Boundary, plan_boundary
+from meshjob.resharding.balance import BALANCERS as BALANCER_REGISTRY
+from meshjob.resharding.tasks import UnitTask, decompose
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import simulate_transfer
+from meshjob.spec.manifest import ReshardingSpec
 from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
-from meshjob.boundary import BoundaryKey
-from meshjob.mesh import Mesh
-from meshjob.network import NetworkModel
-from meshjob.plan import Boundary, plan_boundary
-from meshjob.resharding import UnitTask, decompose
-from meshjob.sharding import ShardingSpec
-from meshjob.simulate import simulate_transfer
-from meshjob.spec import ReshardingSpec
 
 DEVICES_PER_HOST = 4
 ITEMSIZE = 4  # float32
 STRATEGY_ORDER = ("send_recv", "local_allgather", "global_allgather", "broadcast", "signal")
-BALANCERS = ("naive", "load_balance", "dfs", "greedy")
+BALANCERS = tuple(BALANCER_REGISTRY)
 MAIN_BALANCER = "greedy"
 # Zhuang et al., 2022, Table 2 style: (send spec, recv spec) of a 2-D tensor between two (2, 2) meshes
-MANY_TO_MANY = (("RR", "S0R"), ("S0R", "RR"), ("S0R", "S1R"), ("RS0", "S0R"), ("S01R", "RS01"),
-                ("S0S1", "S1S0"), ("S1R", "RR"), ("RR", "RR"))
+MANY_TO_MANY = (
+    ("RR", "S0R"),
+    ("S0R", "RR"),
+    ("S0R", "S1R"),
+    ("RS0", "S0R"),
+    ("S01R", "RS01"),
+    ("S0S1", "S1S0"),
+    ("S1R", "RR"),
+    ("RR", "RR"),
+)
 # The paper's scale (issue 10, figure 6): between two (2, 4) meshes (2 hosts of 4 devices each side) and
 # two (4, 2) meshes (4 hosts of 2), 2-D and 3-D tensors; most destinations replicate the tensor across
 # their hosts, where broadcast's chains beat sending it to every host from the sources.
 PAPER_SCALE_MESHES = ((2, 4), (4, 2))
-PAPER_SCALE = (("RR", "RR"), ("S1R", "RR"), ("S0R", "RR"), ("RS1", "S1R"), ("S0S1", "RS1"),
-               ("RRR", "RRR"), ("RS1R", "RRS1"), ("S0RR", "RRR"))
+PAPER_SCALE = (
+    ("RR", "RR"),
+    ("S1R", "RR"),
+    ("S0R", "RR"),
+    ("RS1", "S1R"),
+    ("S0S1", "RS1"),
+    ("RRR", "RRR"),
+    ("RS1R", "RRS1"),
+    ("S0RR", "RRR"),
+)
 SECTIONS = ("one_to_many", "many_to_many", "paper_scale")
 ALPA_DEFAULT = "alpa default"
 
@@ -69,7 +88,7 @@ class Case:
     limit_s: float = 0.0  # physical limit L
     variants: list[Variant] = field(default_factory=list)
     boundaries: list[Boundary] = field(default_factory=list)  # one per variant, tensor "v<variant>"
-    simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate's prediction of each, same NICs
+    simulated_s: list[float] = field(default_factory=list)  # meshjob.simulate.simulator's prediction of each, same NICs
     simulated_cpu_s: list[float] = field(default_factory=list)  # the CPU seconds it prices each at (all ranks)
     planned_s: list[float] = field(default_factory=list)  # the plan's makespan of each (see planned_makespan)
     messages: list[dict[str, int]] = field(default_factory=list)  # of each: scope -> messages the executor sends
@@ -118,18 +137,26 @@ def host_sharded(spec: ShardingSpec, mesh: Mesh, shape: tuple[int, ...]) -> Shar
     for d, dims in enumerate(spec.dims):
         pieces = math.prod(mesh.shape[m] for m in dims) * mesh.shape[1]
         if shape[d] % pieces == 0:
-            return ShardingSpec(spec.dims[:d] + (dims + (1,),) + spec.dims[d + 1:])
+            return ShardingSpec(spec.dims[:d] + (dims + (1,),) + spec.dims[d + 1 :])
     return spec
 
 
-def variant_boundary(case: Case, variant: Variant, index: int, host_of: Callable[[int], int],
-                     network: NetworkModel) -> Boundary:
+def variant_boundary(
+    case: Case, variant: Variant, index: int, host_of: Callable[[int], int], network: NetworkModel
+) -> Boundary:
     """The plan layer's boundary for one variant: senders, order and chunks from its balancer on the
     network model, lowered steps."""
     resharding = ReshardingSpec(variant.strategy, variant.chunks, variant.balancer, budget_seconds=0.5)
     recv = host_sharded(case.recv, case.dst_mesh, case.shape) if variant.host_sharded else case.recv
-    return plan_boundary(BoundaryKey(0, 1, f"v{index}"), case.shape, (case.src_mesh, case.send),
-                         (case.dst_mesh, recv), resharding, host_of, network=network)
+    return plan_boundary(
+        BoundaryKey(0, 1, f"v{index}"),
+        case.shape,
+        (case.src_mesh, case.send),
+        (case.dst_mesh, recv),
+        resharding,
+        host_of,
+        network=network,
+    )
 
 
 def executed_steps(case: Case, boundary: Boundary) -> list[Any]:
@@ -139,8 +166,7 @@ def executed_steps(case: Case, boundary: Boundary) -> list[Any]:
     from meshjob_trainer.route import make_routes
 
     (route,) = make_routes([boundary], {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
-    gather = [dataclasses.replace(g, after=tuple(s.id for s in boundary.steps if s.dst == g.src))
-              for g in route.gather]
+    gather = [dataclasses.replace(g, after=tuple(s.id for s in boundary.steps if s.dst == g.src)) for g in route.gather]
     return list(boundary.steps) + gather
 
 
@@ -158,8 +184,14 @@ def balancer_chunks(chunks: Sequence[int | str]) -> int | str:
     return "auto" if "auto" in chunks else max(int(k) for k in chunks)
 
 
-def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_bytes_per_s: float,
-                layout: Layout, sections: Sequence[str] = SECTIONS) -> list[Case]:
+def build_cases(
+    quick: bool,
+    size_bytes: int,
+    chunks: Sequence[int | str],
+    nic_bytes_per_s: float,
+    layout: Layout,
+    sections: Sequence[str] = SECTIONS,
+) -> list[Case]:
     numel = size_bytes // ITEMSIZE
     cols = 1024 if not quick else 256
     rows = max(16, numel // cols // 16 * 16)  # divisible by every mesh size used
@@ -168,21 +200,46 @@ def build_cases(quick: bool, size_bytes: int, chunks: Sequence[int | str], nic_b
     sizes = [(1, 1), (1, 2), (2, 1), (2, 2)] if quick else [(a, b) for a in range(1, 5) for b in range(1, 5)]
     sizes = sizes if "one_to_many" in sections else []
     for a, b in sizes:
-        cases.append(Case("one_to_many", f"1 -> {a}x{b}", shape, layout.grid((1, 1), 0),
-                          layout.grid((a, b), first_host=1),
-                          ShardingSpec.parse("RR"), ShardingSpec.parse("RR")))
+        cases.append(
+            Case(
+                "one_to_many",
+                f"1 -> {a}x{b}",
+                shape,
+                layout.grid((1, 1), 0),
+                layout.grid((a, b), first_host=1),
+                ShardingSpec.parse("RR"),
+                ShardingSpec.parse("RR"),
+            )
+        )
     pairs = (MANY_TO_MANY[:3] if quick else MANY_TO_MANY) if "many_to_many" in sections else ()
     for send, recv in pairs:
-        cases.append(Case("many_to_many", f"{send} -> {recv}", shape, layout.grid((2, 2), 0),
-                          layout.grid((2, 2), 2),
-                          ShardingSpec.parse(send, 2), ShardingSpec.parse(recv, 2)))
+        cases.append(
+            Case(
+                "many_to_many",
+                f"{send} -> {recv}",
+                shape,
+                layout.grid((2, 2), 0),
+                layout.grid((2, 2), 2),
+                ShardingSpec.parse(send, 2),
+                ShardingSpec.parse(recv, 2),
+            )
+        )
     pairs = (PAPER_SCALE[:1] if quick else PAPER_SCALE) if "paper_scale" in sections else ()
     for mesh in PAPER_SCALE_MESHES if pairs else ():
         for send, recv in pairs:
             spec_in, spec_out = ShardingSpec.parse(send), ShardingSpec.parse(recv)
             case_shape = shape if spec_in.ndim == 2 else (16, rows // 16, cols)
-            cases.append(Case("paper_scale", f"{mesh[0]}x{mesh[1]} {send} -> {recv}", case_shape,
-                              layout.grid(mesh, 0), layout.grid(mesh, mesh[0]), spec_in, spec_out))
+            cases.append(
+                Case(
+                    "paper_scale",
+                    f"{mesh[0]}x{mesh[1]} {send} -> {recv}",
+                    case_shape,
+                    layout.grid(mesh, 0),
+                    layout.grid(mesh, mesh[0]),
+                    spec_in,
+                    spec_out,
+                )
+            )
     for c in cases:
         tasks = decompose(c.shape, c.src_mesh, c.send, c.dst_mesh, c.recv, itemsize=ITEMSIZE)
         c.limit_s = physical_limit(tasks, layout.host_of, nic_bytes_per_s)
@@ -222,7 +279,7 @@ def case_order(case: Case, reps: int) -> Any:
     repetition of the variants that happened to run then; the comparisons between variants are what
     the benchmark reports. Planned, so the ranks of a host take their turns on its NIC links as the
     plan orders them (meshjob_trainer.board)."""
-    from meshjob.comm_order import TransferOrder
+    from meshjob.plan.comm_order import TransferOrder
 
     return TransferOrder(tuple((b.key, rep) for rep in range(reps) for b in case.boundaries))
 
@@ -233,3 +290,30 @@ def message_counts(case: Case, boundary: Boundary) -> dict[str, int]:
     for step in executed_steps(case, boundary):
         counts[step.scope] = counts.get(step.scope, 0) + 1
     return counts
+
+
+@dataclass
+class Row:
+    section: str
+    case: str
+    strategy: str
+    chunks: int | str
+    balancer: str
+    label: str
+    seconds: float  # median over repetitions of (last end - first start) over participating ranks
+    repeats: list[float]
+    limit_s: float
+    over_limit: float
+    speedup_vs_global_allgather: float
+    speedup_vs_send_recv: float
+    planned_makespan_s: float
+    planned_lower_bound_s: float
+    correct: bool
+    simulated_s: float = math.nan  # the simulator's prediction for the same steps
+    simulator_error: float = math.nan  # simulated / measured - 1
+    measured_over_planned: float = math.nan  # seconds / planned_makespan_s
+    cpu_seconds: float = math.nan  # median over repetitions of the CPU time all ranks spent in the transfer
+    minor_faults: float = math.nan  # median over repetitions of the pages all ranks faulted in during it
+    messages: dict[str, int] = field(default_factory=dict)  # scope (cross_host, intra_host) -> messages sent
+    # the CPU seconds the simulator's model prices the same steps at, all ranks together (NaN: not modelled)
+    simulated_cpu_seconds: float = math.nan

@@ -6,17 +6,16 @@ paper's scale): every broadcast within 1.15 L, and its speed-up over Alpa's defa
 where no run could meet it on this machine (its own plan beyond the limit, or a speed-up that would need
 broadcast below one TCP stream's time); the JSON and the README say which.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any
 
 from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
-from meshjob_bench.resharding_cases import ALPA_DEFAULT, MAIN_BALANCER, Case, balancer_chunks
-
-if TYPE_CHECKING:
-    from meshjob_bench.resharding import Row
+from meshjob_bench.resharding_cases import ALPA_DEFAULT, MAIN_BALANCER, Case, Row, balancer_chunks
 
 
 def planned(row: Row) -> bool:
@@ -60,12 +59,26 @@ class Target:
 def check_targets(rows: list[Row]) -> list[Target]:
     """Issue 9's resharding targets, evaluated on the measured rows."""
     out = []
-    m2m = [r for r in rows if r.section == "many_to_many" and r.strategy == "broadcast"
-           and r.chunks == balancer_chunks([x.chunks for x in rows if x.strategy == "broadcast"])]
-    out.append(Target("many-to-many measured / planned, every balancer", f"<= {M2M_OVER_PLANNED}",
-                      max((r.measured_over_planned for r in m2m), default=math.nan),
-                      [f"{r.case} {r.label}: {r.measured_over_planned:.2f}" for r in m2m
-                       if not r.measured_over_planned <= M2M_OVER_PLANNED], len(m2m)))
+    m2m = [
+        r
+        for r in rows
+        if r.section == "many_to_many"
+        and r.strategy == "broadcast"
+        and r.chunks == balancer_chunks([x.chunks for x in rows if x.strategy == "broadcast"])
+    ]
+    out.append(
+        Target(
+            "many-to-many measured / planned, every balancer",
+            f"<= {M2M_OVER_PLANNED}",
+            max((r.measured_over_planned for r in m2m), default=math.nan),
+            [
+                f"{r.case} {r.label}: {r.measured_over_planned:.2f}"
+                for r in m2m
+                if not r.measured_over_planned <= M2M_OVER_PLANNED
+            ],
+            len(m2m),
+        )
+    )
     misordered, worst, pairs = [], 0.0, 0
     for case in dict.fromkeys(r.case for r in rows):
         plans = [r for r in rows if r.case == case and planned(r)]
@@ -76,15 +89,24 @@ def check_targets(rows: list[Row]) -> list[Target]:
                     worst = max(worst, a.seconds / b.seconds)
                     if not a.seconds < b.seconds:
                         ratio = b.planned_makespan_s / a.planned_makespan_s
-                        misordered.append(f"{case}: {a.label} planned {ratio:.2f}x "
-                                          f"better than {b.label}, measured {a.seconds / b.seconds:.2f}x its time")
-    out.append(Target(f"a plan >= {BETTER_PLAN}x better measures better", "measured a / b < 1", worst, misordered,
-                      pairs))
+                        misordered.append(
+                            f"{case}: {a.label} planned {ratio:.2f}x "
+                            f"better than {b.label}, measured {a.seconds / b.seconds:.2f}x its time"
+                        )
+    out.append(
+        Target(f"a plan >= {BETTER_PLAN}x better measures better", "measured a / b < 1", worst, misordered, pairs)
+    )
     auto = [r for r in rows if r.section == "one_to_many" and r.strategy == "broadcast" and r.chunks == "auto"]
     for limit, one_device in zip(ONE_TO_MANY_OVER_L, (False, True)):
         chosen = [r for r in auto if not one_device or r.case.endswith("x1")]
-        out.append(within_limit("one-to-many broadcast, chunks auto" + (", one device per host" if one_device else ""),
-                                chosen, limit, lambda r: r.case))
+        out.append(
+            within_limit(
+                "one-to-many broadcast, chunks auto" + (", one device per host" if one_device else ""),
+                chosen,
+                limit,
+                lambda r: r.case,
+            )
+        )
     return out
 
 
@@ -97,10 +119,18 @@ def within_limit(name: str, rows: Sequence[Row], limit: float, label: Callable[[
     """Every row within `limit` x L; a miss whose own plan is already beyond the limit is bounded: `chunks:
     auto` took the K the model rates fastest at this run's measured message costs, and it rates none within."""
     misses = [r for r in rows if not r.over_limit <= limit]
-    return Target(name, f"time / L <= {limit}", max((r.over_limit for r in rows), default=math.nan),
-                  [f"{label(r)}: {r.over_limit:.2f}" for r in misses], len(rows),
-                  [f"{label(r)}: {r.over_limit:.2f} (plan {planned_over_limit(r):.2f})" for r in misses
-                   if planned_over_limit(r) > limit])
+    return Target(
+        name,
+        f"time / L <= {limit}",
+        max((r.over_limit for r in rows), default=math.nan),
+        [f"{label(r)}: {r.over_limit:.2f}" for r in misses],
+        len(rows),
+        [
+            f"{label(r)}: {r.over_limit:.2f} (plan {planned_over_limit(r):.2f})"
+            for r in misses
+            if planned_over_limit(r) > limit
+        ],
+    )
 
 
 PAPER_OVER_L = 1.15  # issue 10: every broadcast case at the paper's scale
@@ -130,11 +160,21 @@ def check_paper_targets(rows: list[Row], cases: Sequence[Case]) -> list[Target]:
                 # the most any broadcast could gain here: down to one TCP stream's time for the bytes (tbf
                 # counts the frames' headers), TCP_FLOOR x L
                 speedups.append((case, alpa.seconds / mine.seconds, alpa.seconds / (mine.limit_s * TCP_FLOOR)))
-        out.append(Target(f"paper scale: broadcast over Alpa's default, destination on {hosts} hosts",
-                          f">= {limit}x", min((x for _, x, _ in speedups), default=math.nan),
-                          [f"{c}: {x:.2f}x" for c, x, _ in speedups if not x >= limit], len(speedups),
-                          [f"{c}: {x:.2f}x (at most {most:.2f}x: Alpa's default {most * TCP_FLOOR:.2f} L, the TCP floor "
-                           f"{TCP_FLOOR:.3f} L)" for c, x, most in speedups if not x >= limit and most < limit]))
+        out.append(
+            Target(
+                f"paper scale: broadcast over Alpa's default, destination on {hosts} hosts",
+                f">= {limit}x",
+                min((x for _, x, _ in speedups), default=math.nan),
+                [f"{c}: {x:.2f}x" for c, x, _ in speedups if not x >= limit],
+                len(speedups),
+                [
+                    f"{c}: {x:.2f}x (at most {most:.2f}x: Alpa's default {most * TCP_FLOOR:.2f} L, the TCP floor "
+                    f"{TCP_FLOOR:.3f} L)"
+                    for c, x, most in speedups
+                    if not x >= limit and most < limit
+                ],
+            )
+        )
     return out
 
 
@@ -148,7 +188,13 @@ def print_targets(targets: list[Target]) -> None:
         table.add_column(col, justify="right" if col == "worst" else "left")
     yes_no = {None: "n/a", True: "yes", False: "[red]no[/]"}
     for t in targets:
-        table.add_row(t.name, t.limit, f"{t.worst:.2f}", yes_no[t.met],
-                      "; ".join(t.failures[:4]) + (f" (+{len(t.failures) - 4})" if len(t.failures) > 4 else ""),
-                      f"{len(t.bounded)} of {len(t.failures)}" if t.failures else "-", yes_no[t.met_where_allowed])
+        table.add_row(
+            t.name,
+            t.limit,
+            f"{t.worst:.2f}",
+            yes_no[t.met],
+            "; ".join(t.failures[:4]) + (f" (+{len(t.failures) - 4})" if len(t.failures) > 4 else ""),
+            f"{len(t.bounded)} of {len(t.failures)}" if t.failures else "-",
+            yes_no[t.met_where_allowed],
+        )
     console.print(table)

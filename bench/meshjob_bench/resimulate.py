@@ -1,7 +1,7 @@
 """A recorded `bench resharding` run's plans simulated again, on its network model or a changed one.
 
 Issue 10 asks the simulator to agree with every emulated run within 10%, and where it misses, for the model to
-be fixed, not fitted case by case. A candidate change to the model (a term of meshjob.network.NetworkModel: a
+be fixed, not fitted case by case. A candidate change to the model (a term of meshjob.network.model.NetworkModel: a
 message's CPU, a byte's, the contention exponent...) is judged here against runs already measured, in seconds
 instead of an 8-minute run: the run's cases are rebuilt from its JSON (sections, tensor size, K values, NIC rate),
 each variant is planned on the run's own model (its `network_model`: the costs its probe measured), so it is the
@@ -12,6 +12,7 @@ plan layer than today's; they are counted, and the comparison is today's plans a
 Run: `meshjob bench resimulate bench/results/resharding.json --scale message_cpu_s=0.75 --set cpu_contention_p=6`
 (each --scale / --set is one more model; several terms in one, comma separated).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,11 @@ import dataclasses
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from meshjob.network import NetworkModel
+from meshjob.network.model import NetworkModel
 
 TOLERANCE = 0.10  # issue 10: |simulated / measured - 1| <= 10% on every case
 TERMS = tuple(f.name for f in dataclasses.fields(NetworkModel) if f.type in ("float", float))
@@ -30,10 +32,20 @@ TERMS = tuple(f.name for f in dataclasses.fields(NetworkModel) if f.type in ("fl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a resharding.json written by `meshjob bench resharding`")
-    parser.add_argument("--scale", action="append", default=[], metavar="TERM=FACTOR[,TERM=FACTOR]",
-                        help="a model with these terms of the run's model multiplied (repeatable: one model each)")
-    parser.add_argument("--set", action="append", default=[], metavar="TERM=VALUE[,TERM=VALUE]",
-                        help="a model with these terms of the run's model replaced (repeatable: one model each)")
+    parser.add_argument(
+        "--scale",
+        action="append",
+        default=[],
+        metavar="TERM=FACTOR[,TERM=FACTOR]",
+        help="a model with these terms of the run's model multiplied (repeatable: one model each)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TERM=VALUE[,TERM=VALUE]",
+        help="a model with these terms of the run's model replaced (repeatable: one model each)",
+    )
     parser.add_argument("--json", default=None, help="also write the comparison to this file")
 
 
@@ -63,8 +75,16 @@ def parse_change(text: str, scale: bool, option: str) -> Change:
         except ValueError:
             value = math.nan
         if term not in TERMS or not math.isfinite(value) or value < 0:
-            raise SpecError([FieldError(option, text, f"TERM=NUMBER pairs, comma separated, a number >= 0 and a "
-                                                      f"term of the network model: {', '.join(TERMS)}")])
+            raise SpecError(
+                [
+                    FieldError(
+                        option,
+                        text,
+                        f"TERM=NUMBER pairs, comma separated, a number >= 0 and a "
+                        f"term of the network model: {', '.join(TERMS)}",
+                    )
+                ]
+            )
         values[term] = value
     return Change(f"{'x' if scale else '='} {text}", values if scale else {}, {} if scale else values)
 
@@ -92,15 +112,16 @@ def rebuild(run: dict[str, Any]) -> tuple[list[Any], Any, NetworkModel]:
     layout = Layout()
     chunks = [k if k == "auto" else int(k) for k in run["chunks"]]
     sections = sorted({r["section"] for r in run["rows"]})
-    cases = build_cases(bool(run["quick"]), int(run["tensor_mib"] * 2**20), chunks, parse_rate(run["nic_rate"]),
-                        layout, sections)
+    cases = build_cases(
+        bool(run["quick"]), int(run["tensor_mib"] * 2**20), chunks, parse_rate(run["nic_rate"]), layout, sections
+    )
     return cases, layout, NetworkModel(**run["network_model"])
 
 
 def resimulate(run: dict[str, Any], changes: Sequence[Change]) -> tuple[list[Agreement], int]:
     """Per model (the run's, then each change): its agreement with the run's measured rows (signal left out).
     Also how many rows' plans no longer simulate to what the run recorded."""
-    from meshjob.simulate import simulate_transfer
+    from meshjob.simulate.simulator import simulate_transfer
     from meshjob_bench.resharding_cases import executed_steps, variant_boundary
 
     cases, layout, model = rebuild(run)
@@ -122,11 +143,16 @@ def resimulate(run: dict[str, Any], changes: Sequence[Change]) -> tuple[list[Agr
     out = []
     for name, errs in errors.items():
         sizes = [abs(e) for _, e in errs]
-        out.append(Agreement(name, sum(s <= TOLERANCE for s in sizes), len(errs),
-                             statistics.median(sizes) if sizes else math.nan,
-                             max((e for _, e in errs), key=abs, default=math.nan),
-                             [{"section": k[0], "case": k[1], "variant": k[2], "error": e}
-                              for k, e in errs if abs(e) > TOLERANCE]))
+        out.append(
+            Agreement(
+                name,
+                sum(s <= TOLERANCE for s in sizes),
+                len(errs),
+                statistics.median(sizes) if sizes else math.nan,
+                max((e for _, e in errs), key=abs, default=math.nan),
+                [{"section": k[0], "case": k[1], "variant": k[2], "error": e} for k, e in errs if abs(e) > TOLERANCE],
+            )
+        )
     return out, replanned
 
 
@@ -135,19 +161,28 @@ def print_agreements(agreements: Sequence[Agreement], replanned: int, path: str)
     from rich.table import Table
 
     console = Console(width=None if Console().is_terminal else 150)
-    table = Table(title=f"{path}: its plans simulated again against its measurements (|error| <= "
-                        f"{TOLERANCE:.0%} is within)", title_justify="left")
+    table = Table(
+        title=f"{path}: its plans simulated again against its measurements (|error| <= {TOLERANCE:.0%} is within)",
+        title_justify="left",
+    )
     for col in ("model", "within", "median |error|", "worst", "misses"):
         table.add_column(col, justify="left" if col in ("model", "misses") else "right")
     for a in agreements:
         misses = ", ".join(f"{m['case']} {m['variant']} {m['error']:+.0%}" for m in a.misses[:4])
         more = len(a.misses) - 4
-        table.add_row(a.name, f"{a.within} of {a.rows}", f"{a.median_error:.1%}", f"{a.worst_error:+.0%}",
-                      misses + (f" (+{more})" if more > 0 else ""))
+        table.add_row(
+            a.name,
+            f"{a.within} of {a.rows}",
+            f"{a.median_error:.1%}",
+            f"{a.worst_error:+.0%}",
+            misses + (f" (+{more})" if more > 0 else ""),
+        )
     console.print(table)
     if replanned:
-        console.print(f"{replanned} rows' plans simulate differently from what the run recorded: the plan layer "
-                      f"changed since; these are today's plans against that run's measurements")
+        console.print(
+            f"{replanned} rows' plans simulate differently from what the run recorded: the plan layer "
+            f"changed since; these are today's plans against that run's measurements"
+        )
 
 
 def read_run(path: str) -> dict[str, Any]:
@@ -169,12 +204,21 @@ def main(args: argparse.Namespace) -> int:
         if not run.get("network_model"):
             raise ValueError
     except (OSError, ValueError) as err:
-        raise SpecError([FieldError("run", args.run, "a resharding.json written by `meshjob bench resharding`"
-                                    + (f" ({err})" if isinstance(err, OSError) else ""))]) from None
+        raise SpecError(
+            [
+                FieldError(
+                    "run",
+                    args.run,
+                    "a resharding.json written by `meshjob bench resharding`"
+                    + (f" ({err})" if isinstance(err, OSError) else ""),
+                )
+            ]
+        ) from None
     agreements, replanned = resimulate(run, changes)
     print_agreements(agreements, replanned, args.run)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"run": args.run, "replanned_rows": replanned,
-                       "models": [a.to_json() for a in agreements]}, f, indent=2)
+            json.dump(
+                {"run": args.run, "replanned_rows": replanned, "models": [a.to_json() for a in agreements]}, f, indent=2
+            )
     return 0

@@ -4,18 +4,19 @@ bench pipeline misses two targets on the U-Transformer at 8 stages (eager-1F1B +
 where communication equals compute; >= 90% of signal at 30%), and the simulator, within 1-4% of those runs,
 predicts the same misses. Is that the plan's choice (weightGradDelay: auto's few candidates, two tie rules for
 the transfer order) or the schedule family? This searches around the plan's schedule on the simulator the plan
-trusts, each candidate in its fastest transfer order (meshjob.comm_order) and rated by its steady period
-with every stage's optimizer step (meshjob.steady), as bench pipeline predicts:
+trusts, each candidate in its fastest transfer order (meshjob.plan.comm_order) and rated by its steady period
+with every stage's optimizer step (meshjob.simulate.steady), as bench pipeline predicts:
 1. per stage, its warm-up forwards (1 .. M: 1F1B's S - s, eager-1F1B's 2(S - s) - 1, GPipe's M, anything
    between) and its delayed W's (0 .. M - 1), one stage at a time until no move helps (coordinate descent);
 2. two such moves at once (+-1 or +-2 on two coordinates), drawn with a fixed seed, until the budget;
 3. on the best schedule, its transfer order: one transfer moved up to 3 places earlier on one of its links,
    until no move helps.
-Every candidate keeps eager-1F1B's stash bound (meshjob.schedule.stash_bound) and must validate. The budget
+Every candidate keeps eager-1F1B's stash bound (meshjob.schedule.actions.stash_bound) and must validate. The budget
 counts simulated steps, a third to each part, not seconds: the same budget finds the same schedule anywhere.
-No measured run: a table of the plan's, the best found and the step bound's (meshjob.step_bound) ratios over
+No measured run: a table of the plan's, the best found and the step bound's (meshjob.simulate.step_bound) ratios over
 1F1B and over signal, a JSON and a plot of the best period found against candidates rated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,13 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
+from meshjob.errors import FieldError, SpecError
 from meshjob_bench import parsed_arguments
 from meshjob_bench.pipeline import MODELS, bench_job, cost_model, nic_rate_for, one_step_s
-from meshjob.errors import FieldError, SpecError
 
 Point = tuple[tuple[int, ...], tuple[int, ...]]  # (warm-up forwards per stage, W's delayed per stage)
 SEED = 0
@@ -111,14 +113,15 @@ def _earlier_on_a_link(order: list, links_of: Mapping) -> Iterator[list]:
             on_link.setdefault(link, []).append(i)
     for positions in on_link.values():
         for a in range(len(positions)):
-            for later in positions[a + 1:a + 1 + ORDER_REACH]:
+            for later in positions[a + 1 : a + 1 + ORDER_REACH]:
                 candidate = list(order)
                 candidate.insert(positions[a], candidate.pop(later))
                 yield candidate
 
 
-def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], float], budget: int
-                ) -> tuple[list, float, int]:
+def order_moves(
+    order: Sequence, links_of: Mapping, rate: Callable[[Sequence], float], budget: int
+) -> tuple[list, float, int]:
     """(the best order found, its period, orders rated): the first move of _earlier_on_a_link that is
     faster, again from there, until none is. `rate`: inf for an order that cannot run. At most `budget`
     orders rated."""
@@ -138,14 +141,14 @@ def order_moves(order: Sequence, links_of: Mapping, rate: Callable[[Sequence], f
 
 def search_case(model: str, stages: int, fraction: float, device, budget: int) -> dict:
     """One (model, stages, communication fraction) of bench pipeline: the plans' periods and the best found."""
-    from meshjob.comm_order import fastest_order
-    from meshjob.device_costs import emulated_cost
-    from meshjob.plan import build_plan
-    from meshjob.schedule import ScheduleError, generate, peak_stashed, stash_bound, validate, warmup_forwards
-    from meshjob.simulate import compute_costs, plan_cost, simulate_plan, transfer_costs
-    from meshjob.spec import job_to_dict
-    from meshjob.steady import plan_period_s, steady_period_s
-    from meshjob.step_bound import step_bound
+    from meshjob.costs.device_costs import emulated_cost
+    from meshjob.plan.build import build_plan
+    from meshjob.plan.comm_order import fastest_order
+    from meshjob.schedule.actions import ScheduleError, generate, peak_stashed, stash_bound, validate, warmup_forwards
+    from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_plan, transfer_costs
+    from meshjob.simulate.steady import plan_period_s, steady_period_s
+    from meshjob.simulate.step_bound import step_bound
+    from meshjob.spec.manifest import job_to_dict
 
     rate_bytes = nic_rate_for(bench_job(model, "1f1b", 3, False, stages), device, fraction)
     plans = {}
@@ -181,8 +184,10 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
             return float("inf")
         return steady_period_s(ran[0], compute, transfers, cost, microbatches, ran[1].transfers, optimizer)
 
-    start = (tuple(warmup_forwards("eager-1f1b", s, stages, microbatches) for s in range(stages)),
-             tuple(plan.weight_delay.get(s, 0) for s in range(stages)))
+    start = (
+        tuple(warmup_forwards("eager-1f1b", s, stages, microbatches) for s in range(stages)),
+        tuple(plan.weight_delay.get(s, 0) for s in range(stages)),
+    )
     t0 = time.monotonic()
     search = Search(rate, start)
     coordinate_descent(search, microbatches, budget // 3)
@@ -197,37 +202,57 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
         except ValueError:  # a link would wait on a transfer sent only after it: not an order to run
             return float("inf")
 
-    _, order_s, orders_rated = order_moves(order.transfers, {k: list(t[1]) for k, t in transfers.items()},
-                                           rate_order, budget // 3)
+    _, order_s, orders_rated = order_moves(
+        order.transfers, {k: list(t[1]) for k, t in transfers.items()}, rate_order, budget // 3
+    )
     stepped = step_bound(plan, cost, [optimizer[s] for s in range(stages)])
     # bench pipeline's "most / signal": both sides one step (the bound is one step's)
     signal_one_step = one_step_s(simulate_plan(plans["signal"], cost), optimizer)
     best_s = min(order_s, search.best_s)
-    return {"model": model, "stages": stages, "comm_fraction": fraction, "nic_bytes_per_s": rate_bytes,
-            "job": job_to_dict(job), "compute": {"mode": "emulated", "device": device.to_json()},
-            "seconds": time.monotonic() - t0, "candidates_rated": len(search.rated), "orders_rated": orders_rated,
-            "period_s": periods, "plan_weight_delay": list(start[1]), "plan_warmups": list(start[0]),
-            "best": {"warmups": list(search.best[0]), "weight_delay": list(search.best[1]), "period_s": best_s},
-            "best_after": {"one_move": single_s, "two_moves": pair_s, "order_moves": order_s},
-            "plan_vs_1f1b": periods["1f1b"] / periods["eager-1f1b+wdelay"],
-            "best_vs_1f1b": periods["1f1b"] / best_s,
-            "plan_vs_signal": periods["signal"] / periods["eager-1f1b+wdelay"],
-            "best_vs_signal": periods["signal"] / best_s,
-            "step_bound_s": stepped and stepped.step_s, "signal_one_step_s": signal_one_step,
-            "step_bound_vs_signal": stepped and signal_one_step / stepped.step_s,
-            "progress": search.progress}
+    return {
+        "model": model,
+        "stages": stages,
+        "comm_fraction": fraction,
+        "nic_bytes_per_s": rate_bytes,
+        "job": job_to_dict(job),
+        "compute": {"mode": "emulated", "device": device.to_json()},
+        "seconds": time.monotonic() - t0,
+        "candidates_rated": len(search.rated),
+        "orders_rated": orders_rated,
+        "period_s": periods,
+        "plan_weight_delay": list(start[1]),
+        "plan_warmups": list(start[0]),
+        "best": {"warmups": list(search.best[0]), "weight_delay": list(search.best[1]), "period_s": best_s},
+        "best_after": {"one_move": single_s, "two_moves": pair_s, "order_moves": order_s},
+        "plan_vs_1f1b": periods["1f1b"] / periods["eager-1f1b+wdelay"],
+        "best_vs_1f1b": periods["1f1b"] / best_s,
+        "plan_vs_signal": periods["signal"] / periods["eager-1f1b+wdelay"],
+        "best_vs_signal": periods["signal"] / best_s,
+        "step_bound_s": stepped and stepped.step_s,
+        "signal_one_step_s": signal_one_step,
+        "step_bound_vs_signal": stepped and signal_one_step / stepped.step_s,
+        "progress": search.progress,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: the GPT, 4 stages, comm 1.0, budget {QUICK_BUDGET}")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke run: the GPT, 4 stages, comm 1.0, budget {QUICK_BUDGET}"
+    )
     parser.add_argument("--models", default=None, help="comma separated (default utransformer; quick gpt)")
     parser.add_argument("--stages", type=int, default=None, help="pipeline stages, 2, 4 or 8 (default 8; quick 4)")
-    parser.add_argument("--comm-fractions", default=None,
-                        help="communication / compute per microbatch, comma separated (default 0.3,1.0)")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="simulated steps per case, a third each to single moves, pairs and the order (default "
-                             f"{BUDGET}, about 2 minutes here; quick {QUICK_BUDGET}); the same budget, the same result")
+    parser.add_argument(
+        "--comm-fractions",
+        default=None,
+        help="communication / compute per microbatch, comma separated (default 0.3,1.0)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="simulated steps per case, a third each to single moves, pairs and the order (default "
+        f"{BUDGET}, about 2 minutes here; quick {QUICK_BUDGET}); the same budget, the same result",
+    )
     parser.add_argument("--device", default="3", help="emulated device TFLOP/s or profile (default bench pipeline's 3)")
     parser.add_argument("--out", default="bench/results", help="folder for schedule_search.json and its PNG")
 
@@ -258,15 +283,34 @@ def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table("model", "S", "comm", "plan / 1f1b", "best / 1f1b", "plan / signal", "best / signal",
-              "step bound / signal", "best warm-ups", "best W delays", "rated",
-              title="meshjob bench schedule-search — simulated steady periods (no run), ratios over 1f1b and signal")
+    t = Table(
+        "model",
+        "S",
+        "comm",
+        "plan / 1f1b",
+        "best / 1f1b",
+        "plan / signal",
+        "best / signal",
+        "step bound / signal",
+        "best warm-ups",
+        "best W delays",
+        "rated",
+        title="meshjob bench schedule-search — simulated steady periods (no run), ratios over 1f1b and signal",
+    )
     for r in rows:
-        t.add_row(r["model"], str(r["stages"]), f"{r['comm_fraction']:.0%}", f"{r['plan_vs_1f1b']:.3f}",
-                  f"{r['best_vs_1f1b']:.3f}", f"{r['plan_vs_signal']:.3f}", f"{r['best_vs_signal']:.3f}",
-                  "-" if not r["step_bound_vs_signal"] else f"{r['step_bound_vs_signal']:.3f}",
-                  "/".join(map(str, r["best"]["warmups"])), "/".join(map(str, r["best"]["weight_delay"])),
-                  f"{r['candidates_rated']} + {r['orders_rated']} orders")
+        t.add_row(
+            r["model"],
+            str(r["stages"]),
+            f"{r['comm_fraction']:.0%}",
+            f"{r['plan_vs_1f1b']:.3f}",
+            f"{r['best_vs_1f1b']:.3f}",
+            f"{r['plan_vs_signal']:.3f}",
+            f"{r['best_vs_signal']:.3f}",
+            "-" if not r["step_bound_vs_signal"] else f"{r['step_bound_vs_signal']:.3f}",
+            "/".join(map(str, r["best"]["warmups"])),
+            "/".join(map(str, r["best"]["weight_delay"])),
+            f"{r['candidates_rated']} + {r['orders_rated']} orders",
+        )
     Console(width=180).print(t)
 
 
@@ -279,12 +323,15 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (ax, base, target, title) in ((axes[0], "1f1b", 1.3, "over 1F1B"), (axes[1], "signal", 0.9, "over signal")):
+    for ax, base, target, title in ((axes[0], "1f1b", 1.3, "over 1F1B"), (axes[1], "signal", 0.9, "over signal")):
         for r in rows:
             xs = [1] + [n for n, _ in r["progress"]] + [r["candidates_rated"]]
-            ys = ([r["period_s"][base] / r["period_s"]["eager-1f1b+wdelay"]]
-                  + [r["period_s"][base] / s for _, s in r["progress"]] + [r["period_s"][base] / r["best"]["period_s"]])
-            line, = ax.step(xs, ys, where="post", label=f"{r['model']} S={r['stages']} comm {r['comm_fraction']:.0%}")
+            ys = (
+                [r["period_s"][base] / r["period_s"]["eager-1f1b+wdelay"]]
+                + [r["period_s"][base] / s for _, s in r["progress"]]
+                + [r["period_s"][base] / r["best"]["period_s"]]
+            )
+            (line,) = ax.step(xs, ys, where="post", label=f"{r['model']} S={r['stages']} comm {r['comm_fraction']:.0%}")
             if base == "signal" and r["step_bound_vs_signal"]:
                 ax.axhline(r["step_bound_vs_signal"], color=line.get_color(), linestyle="--", linewidth=0.8)
         ax.axhline(target, color="grey", linestyle=":", label=f"target {target}")
@@ -298,7 +345,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
-    from meshjob.devices import parse_compute
+    from meshjob.costs.devices import parse_compute
 
     args = parsed_arguments(args, "meshjob bench schedule-search", __doc__, add_arguments)
     models, stages, fractions, budget = _checked(args)
@@ -309,7 +356,16 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     png = os.path.join(args.out, "schedule_search.png")
     plot(rows, png)
     with open(os.path.join(args.out, "schedule_search.json"), "w") as f:
-        json.dump({"benchmark": "schedule-search", "device": device.to_json(), "budget_per_case": budget,
-                   "rows": rows, "plots": [png]}, f, indent=1)
+        json.dump(
+            {
+                "benchmark": "schedule-search",
+                "device": device.to_json(),
+                "budget_per_case": budget,
+                "rows": rows,
+                "plots": [png],
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {os.path.join(args.out, 'schedule_search.json')} and {png}")
     return 0

@@ -3,8 +3,8 @@ on a large cluster.
 
 Part 1: `--cases` random small models and clusters (seeded; <= 8 devices, <= 6 layers; microbatches 2 or 4,
 two schedules, one strategy and balancer, at most 3 stages: a space exhaustive enumeration can simulate
-whole). Each is searched (meshjob.search.search, no evaluation budget) and enumerated
-(meshjob.search.exhaustive); the target is the same predicted step time on every case. Reported: both step
+whole). Each is searched (meshjob.search.algorithm.search, no evaluation budget) and enumerated
+(meshjob.search.algorithm.exhaustive); the target is the same predicted step time on every case. Reported: both step
 times, the candidates each simulated and their times.
 Part 2: the search on `--hosts` x `--devices-per-host` devices (default 64 x 8) and a `--layers`-layer GPT
 (default 96; hidden 1024, 16 heads, global batch 1024) with the default space and budget, as `meshjob tune`
@@ -19,6 +19,7 @@ Times are wall-clock on a shared 2-core machine: compare, don't quote.
 
 Run: `python -m meshjob_bench.tune` or `meshjob bench tune`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,16 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
-from meshjob_bench import parsed_arguments, tune_measure
-from meshjob.tune_cluster import DEVICES, Cluster
-from meshjob.network import NetworkModel
 from meshjob.errors import UsageError
-from meshjob.search import Problem, default_space, exhaustive, search
-from meshjob.tune_input import base_job, read_fixed
+from meshjob.network.model import NetworkModel
+from meshjob.search.algorithm import Problem, default_space, exhaustive, search
+from meshjob.search.cluster import DEVICES, Cluster
+from meshjob.search.inputs import base_job, read_fixed
+from meshjob_bench import parsed_arguments, tune_measure
 
 PARTS = ("search", "large", "measure")
 SHAPES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
@@ -47,23 +49,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices-per-host", type=int, default=8, help="devices per host, large case (default 8)")
     parser.add_argument("--layers", type=int, default=96, help="layers of the large case's model (default 96)")
     parser.add_argument("--nic-rate-gbit", type=float, default=100.0, help="NIC rate of the large case (default 100)")
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma separated, from search (small spaces "
-                        "against exhaustive), large (search time), measure (tuned vs hand-written on the emulated "
-                        "cluster); default all")
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma separated, from search (small spaces "
+        "against exhaustive), large (search time), measure (tuned vs hand-written on the emulated "
+        "cluster); default all",
+    )
     parser.add_argument("--quick", action="store_true", help="measure: a small GPT, 2 steps (a smoke run)")
     tune_measure.add_arguments(parser)
-    parser.add_argument("--out", default="bench/results", help="folder for tune.json, tune.png and "
-                        "tune_measured.png")
+    parser.add_argument("--out", default="bench/results", help="folder for tune.json, tune.png and tune_measured.png")
 
 
 def manifest(layers: int, hidden: int, heads: int, batch: int, seq: int, vocab: int = 256) -> dict[str, Any]:
-    return {"apiVersion": "meshjob.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "bench-tune"},
-            "spec": {"model": {"kind": "gpt", "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
-                               "seqLen": seq}, "training": {"globalBatch": batch}}}
+    return {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "bench-tune"},
+        "spec": {
+            "model": {"kind": "gpt", "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seqLen": seq},
+            "training": {"globalBatch": batch},
+        },
+    }
 
 
-def problem(doc: dict[str, Any], hosts: int, per_host: int, nic_bytes_per_s: float, memory: int | None = None,
-            **space: Any) -> Problem:
+def problem(
+    doc: dict[str, Any], hosts: int, per_host: int, nic_bytes_per_s: float, memory: int | None = None, **space: Any
+) -> Problem:
     device = DEVICES["h100"]
     network = NetworkModel(nic_bytes_per_s=nic_bytes_per_s, intra_host_bytes_per_s=device.link_bytes_per_s)
     cluster = Cluster(hosts, per_host, device, network, memory)
@@ -81,10 +93,28 @@ def small_case(seed: int) -> tuple[dict[str, Any], Problem]:
     nic_gbit = rng.choice([0.1, 1.0, 10.0, 100.0])
     schedules = tuple(rng.sample([("1f1b", 0), ("eager-1f1b", "auto"), ("gpipe", 0), ("1f1b", "auto")], 2))
     doc = manifest(layers, hidden, 4, batch, seq)
-    p = problem(doc, hosts, per_host, nic_gbit * 1e9 / 8, microbatches=(2, 4), schedules=schedules,
-                strategies=("broadcast",), balancers=("greedy",), max_stages=3)
-    info = {"seed": seed, "hosts": hosts, "devices_per_host": per_host, "layers": layers, "hidden": hidden,
-            "global_batch": batch, "seq_len": seq, "nic_gbit": nic_gbit, "schedules": [list(s) for s in schedules]}
+    p = problem(
+        doc,
+        hosts,
+        per_host,
+        nic_gbit * 1e9 / 8,
+        microbatches=(2, 4),
+        schedules=schedules,
+        strategies=("broadcast",),
+        balancers=("greedy",),
+        max_stages=3,
+    )
+    info = {
+        "seed": seed,
+        "hosts": hosts,
+        "devices_per_host": per_host,
+        "layers": layers,
+        "hidden": hidden,
+        "global_batch": batch,
+        "seq_len": seq,
+        "nic_gbit": nic_gbit,
+        "schedules": [list(s) for s in schedules],
+    }
     return info, p
 
 
@@ -111,9 +141,18 @@ def run_small(seed: int) -> dict[str, Any]:
     truth = exhaustive(p)
     t_all, n_all = time.perf_counter() - t0, counter.calls - n_search
     equal = abs(found.best.step_s - truth.step_s) <= 1e-9 * truth.step_s
-    return {**info, "search_step_s": found.best.step_s, "exhaustive_step_s": truth.step_s, "equal": equal,
-            "proven": found.proven, "search_simulations": n_search, "exhaustive_simulations": n_all,
-            "search_seconds": t_search, "exhaustive_seconds": t_all, "chosen": found.best.candidate.label()}
+    return {
+        **info,
+        "search_step_s": found.best.step_s,
+        "exhaustive_step_s": truth.step_s,
+        "equal": equal,
+        "proven": found.proven,
+        "search_simulations": n_search,
+        "exhaustive_simulations": n_all,
+        "search_seconds": t_search,
+        "exhaustive_seconds": t_all,
+        "chosen": found.best.candidate.label(),
+    }
 
 
 def run_large(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,11 +162,22 @@ def run_large(args: argparse.Namespace) -> dict[str, Any]:
     r = search(p)
     seconds = time.perf_counter() - t0
     best = r.best
-    return {"hosts": args.hosts, "devices_per_host": args.devices_per_host, "layers": args.layers,
-            "nic_gbit": args.nic_rate_gbit, "search_seconds": seconds, "simulated": r.evaluated, "listed": r.listed,
-            "proven": r.proven, "step_s": best.step_s, "least_lower_bound_s": r.best_bound_s,
-            "step_over_bound": best.step_s / r.best_bound_s, "tokens_per_s": best.tokens_per_s,
-            "max_memory_gib": max(best.memory) / 2**30, "chosen": best.candidate.label()}
+    return {
+        "hosts": args.hosts,
+        "devices_per_host": args.devices_per_host,
+        "layers": args.layers,
+        "nic_gbit": args.nic_rate_gbit,
+        "search_seconds": seconds,
+        "simulated": r.evaluated,
+        "listed": r.listed,
+        "proven": r.proven,
+        "step_s": best.step_s,
+        "least_lower_bound_s": r.best_bound_s,
+        "step_over_bound": best.step_s / r.best_bound_s,
+        "tokens_per_s": best.tokens_per_s,
+        "max_memory_gib": max(best.memory) / 2**30,
+        "chosen": best.candidate.label(),
+    }
 
 
 def print_table(rows: list[dict[str, Any]], large: dict[str, Any]) -> None:
@@ -136,22 +186,43 @@ def print_table(rows: list[dict[str, Any]], large: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = Console(width=160)
-    t = Table("seed", "cluster", "layers", "NIC", "search ms", "exhaustive ms", "equal", "sims search/all",
-              "time search/all", title="search vs exhaustive enumeration (small spaces, h100 profile)")
+    t = Table(
+        "seed",
+        "cluster",
+        "layers",
+        "NIC",
+        "search ms",
+        "exhaustive ms",
+        "equal",
+        "sims search/all",
+        "time search/all",
+        title="search vs exhaustive enumeration (small spaces, h100 profile)",
+    )
     for r in rows:
-        t.add_row(str(r["seed"]), f"{r['hosts']}x{r['devices_per_host']}", str(r["layers"]), f"{r['nic_gbit']:g}G",
-                  f"{r['search_step_s'] * 1e3:.4f}", f"{r['exhaustive_step_s'] * 1e3:.4f}", "yes" if r["equal"] else "NO",
-                  f"{r['search_simulations']}/{r['exhaustive_simulations']}",
-                  f"{r['search_seconds'] / r['exhaustive_seconds']:.2f}")
+        t.add_row(
+            str(r["seed"]),
+            f"{r['hosts']}x{r['devices_per_host']}",
+            str(r["layers"]),
+            f"{r['nic_gbit']:g}G",
+            f"{r['search_step_s'] * 1e3:.4f}",
+            f"{r['exhaustive_step_s'] * 1e3:.4f}",
+            "yes" if r["equal"] else "NO",
+            f"{r['search_simulations']}/{r['exhaustive_simulations']}",
+            f"{r['search_seconds'] / r['exhaustive_seconds']:.2f}",
+        )
     con.print(t)
     equal = sum(r["equal"] for r in rows)
-    con.print(f"target 1: same predicted step time as exhaustive enumeration on every case: {equal}/{len(rows)} "
-              f"-> {'met' if equal == len(rows) else 'MISSED'}")
-    con.print(f"target 2: {large['hosts']} hosts x {large['devices_per_host']} devices, {large['layers']} layers "
-              f"(NIC {large['nic_gbit']:g} Gbit/s): searched in {large['search_seconds']:.1f} s, "
-              f"{large['simulated']} plans simulated, {'proven best' if large['proven'] else 'not proven best'}, "
-              f"step / least lower bound {large['step_over_bound']:.2f} -> "
-              f"{'met' if large['search_seconds'] < 60 else 'MISSED'} (< 60 s)")
+    con.print(
+        f"target 1: same predicted step time as exhaustive enumeration on every case: {equal}/{len(rows)} "
+        f"-> {'met' if equal == len(rows) else 'MISSED'}"
+    )
+    con.print(
+        f"target 2: {large['hosts']} hosts x {large['devices_per_host']} devices, {large['layers']} layers "
+        f"(NIC {large['nic_gbit']:g} Gbit/s): searched in {large['search_seconds']:.1f} s, "
+        f"{large['simulated']} plans simulated, {'proven best' if large['proven'] else 'not proven best'}, "
+        f"step / least lower bound {large['step_over_bound']:.2f} -> "
+        f"{'met' if large['search_seconds'] < 60 else 'MISSED'} (< 60 s)"
+    )
     con.print(f"chosen: {large['chosen']}")
 
 
@@ -175,8 +246,10 @@ def plot(rows: list[dict[str, Any]], large: dict[str, Any], path: str) -> None:
     right.bar(seeds, [r["search_simulations"] / max(1, r["exhaustive_simulations"]) for r in rows])
     right.set_xlabel("case (seed)")
     right.set_ylabel("simulations: search / exhaustive")
-    right.set_title(f"large case {large['hosts']}x{large['devices_per_host']}, {large['layers']} layers: "
-                    f"{large['search_seconds']:.0f} s")
+    right.set_title(
+        f"large case {large['hosts']}x{large['devices_per_host']}, {large['layers']} layers: "
+        f"{large['search_seconds']:.0f} s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,7 +5,7 @@ For each model (a GPT and a U-Transformer; 8 layers, hidden 1024, sequence 512, 
 batch 16) on `--measure-hosts` x `--measure-devices-per-host` emulated hosts (default 4 x 2, NIC 1gbit,
 tbf burst 128kb) with emulated devices of `--measure-device` (default 1 TFLOP/s: one sample's activation
 crosses a 1gbit NIC in about 0.6 of a layer's forward on it):
-  tuned           meshjob.search on a cluster model of that emulated cluster (its hosts, devices per host,
+  tuned           meshjob.search.algorithm on a cluster model of that emulated cluster (its hosts, devices per host,
                   NIC rate and tbf bucket, the emulated device's profile), as `meshjob tune` runs it
   example         the repository's example for the model (examples/gpt-demo.yaml,
                   examples/utransformer-demo.yaml): its stage cuts, meshes, parallel dims, microbatches,
@@ -16,9 +16,9 @@ Each runs `--steps` steps (the first not timed) through bench e2e's gang launch 
 the real executors, tensors of the real sizes over tbf-shaped NICs, compute as waits); the measured step
 is the median over timed steps of the slowest rank's step. The prediction is the simulator's for the same
 plan (the emulated device's costs, the NICs' rate and tbf bucket, as bench e2e predicts) plus what the
-simulator's pipeline leaves out and an emulated step does: each stage's tail (meshjob.gradient_sync: its
+simulator's pipeline leaves out and an emulated step does: each stage's tail (meshjob.search.gradient_sync: its
 gradient all-reduce, sharing NICs with other stages' on the same hosts, then its optimizer step). Every row
-also records the search's own objective for its manifest (meshjob.search's predict on the search's cluster
+also records the search's own objective for its manifest (meshjob.search.algorithm's predict on the search's cluster
 model: what `meshjob tune` prints), measured against the same step.
 The search's cluster model is the prediction's (the same NICs, intra-host rate and device) with the device's
 own link NVLink-fast: emulated compute runs no tensor-parallel all-reduces (a stage's forward is one wait), so
@@ -27,22 +27,24 @@ resharding hops do run, at the intra-host rate.
 Targets: the tuned manifest's measured throughput >= the best hand-written one's, and every prediction
 (the bench's and the search's) within 10% of its measurement.
 """
+
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
-from meshjob.api import API_VERSION, KIND
+from meshjob.costs.devices import ComputeMode, DeviceProfile, parse_compute
 from meshjob.errors import UsageError
-from meshjob.devices import ComputeMode, DeviceProfile, parse_compute
-from meshjob.network import NetworkModel
-from meshjob.spec import TrainingJob, job_to_dict, parse_job
-from meshjob.tune_cluster import GiB, Cluster, TuneDevice
+from meshjob.network.model import NetworkModel
+from meshjob.search.cluster import Cluster, GiB, TuneDevice
+from meshjob.spec.api import API_VERSION, KIND
+from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob.units import parse_rate
 from meshjob_bench.pipeline import TBF_BURST_BYTES
 
@@ -63,7 +65,7 @@ class Setting:
     hosts: int = 4
     devices_per_host: int = 2
     nic_rate: str = "1gbit"
-    device: str = "1"  # a100, h100 or TFLOP/s (meshjob.devices.parse_device)
+    device: str = "1"  # a100, h100 or TFLOP/s (meshjob.costs.devices.parse_device)
     steps: int = 5
     quick: bool = False
 
@@ -75,23 +77,32 @@ class Setting:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Setting()
     parser.add_argument("--measure-hosts", type=int, default=d.hosts, help=f"emulated hosts (default {d.hosts})")
-    parser.add_argument("--measure-devices-per-host", type=int, default=d.devices_per_host,
-                        help=f"devices per emulated host (default {d.devices_per_host})")
+    parser.add_argument(
+        "--measure-devices-per-host",
+        type=int,
+        default=d.devices_per_host,
+        help=f"devices per emulated host (default {d.devices_per_host})",
+    )
     parser.add_argument("--measure-nic-rate", default=d.nic_rate, help=f"emulated NIC (default {d.nic_rate})")
-    parser.add_argument("--measure-device", default=d.device, help="emulated device: a100, h100 or TFLOP/s "
-                        f"(default {d.device})")
-    parser.add_argument("--measure-steps", type=int, default=None, help="steps per run, the first not timed "
-                                                                        "(default 5, quick 2)")
-    parser.add_argument("--measure-models", default=",".join(MODELS), help="comma separated (default "
-                        "gpt,utransformer; quick: gpt)")
+    parser.add_argument(
+        "--measure-device", default=d.device, help=f"emulated device: a100, h100 or TFLOP/s (default {d.device})"
+    )
+    parser.add_argument(
+        "--measure-steps", type=int, default=None, help="steps per run, the first not timed (default 5, quick 2)"
+    )
+    parser.add_argument(
+        "--measure-models", default=",".join(MODELS), help="comma separated (default gpt,utransformer; quick: gpt)"
+    )
 
 
 def setting_from_args(args: argparse.Namespace) -> Setting:
     steps = args.measure_steps or (2 if args.quick else 5)
     if steps < 2:
         raise UsageError(f"--measure-steps: {steps} is invalid: at least 2 (the first step is not timed)")
-    for flag, value in (("--measure-hosts", args.measure_hosts),
-                        ("--measure-devices-per-host", args.measure_devices_per_host)):
+    for flag, value in (
+        ("--measure-hosts", args.measure_hosts),
+        ("--measure-devices-per-host", args.measure_devices_per_host),
+    ):
         if value < 1:
             raise UsageError(f"{flag}: {value} is invalid: a positive integer")
     try:
@@ -99,15 +110,22 @@ def setting_from_args(args: argparse.Namespace) -> Setting:
     except ValueError as err:
         raise UsageError(str(err)) from None
     parse_compute("emulated", args.measure_device, "--measure-device")
-    return Setting(args.measure_hosts, args.measure_devices_per_host, args.measure_nic_rate, args.measure_device,
-                   steps, bool(args.quick))
+    return Setting(
+        args.measure_hosts,
+        args.measure_devices_per_host,
+        args.measure_nic_rate,
+        args.measure_device,
+        steps,
+        bool(args.quick),
+    )
 
 
 def models_from_args(args: argparse.Namespace) -> list[str]:
     models = [m for m in args.measure_models.split(",") if m]
     if not models or set(models) - set(MODELS):
-        raise UsageError(f"--measure-models: {args.measure_models!r} is invalid: comma separated, from "
-                         f"{', '.join(MODELS)}")
+        raise UsageError(
+            f"--measure-models: {args.measure_models!r} is invalid: comma separated, from {', '.join(MODELS)}"
+        )
     return models[:1] if args.quick else models
 
 
@@ -115,15 +133,26 @@ def models_from_args(args: argparse.Namespace) -> list[str]:
 def model_doc(model: str, setting: Setting) -> dict[str, Any]:
     """The manifest every configuration of `model` shares; no stages (the search's input)."""
     hidden, seq, vocab, heads = (128, 64, 256, 4) if setting.quick else (1024, 512, 8192, 16)
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": f"tune-{model}"},
-            "spec": {"model": {"kind": model, "layers": 8, "hidden": hidden, "heads": heads, "vocab": vocab,
-                               "seqLen": seq},
-                     "training": {"steps": setting.steps, "globalBatch": 16, "learningRate": 1e-4, "seed": 0},
-                     "topology": {"devicesPerHost": setting.devices_per_host}}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": f"tune-{model}"},
+        "spec": {
+            "model": {"kind": model, "layers": 8, "hidden": hidden, "heads": heads, "vocab": vocab, "seqLen": seq},
+            "training": {"steps": setting.steps, "globalBatch": 16, "learningRate": 1e-4, "seed": 0},
+            "topology": {"devicesPerHost": setting.devices_per_host},
+        },
+    }
 
 
-def _with(doc: Mapping[str, Any], name: str, stages: list[dict[str, Any]], microbatches: int,
-          schedule: Mapping[str, Any], resharding: Mapping[str, Any]) -> dict[str, Any]:
+def _with(
+    doc: Mapping[str, Any],
+    name: str,
+    stages: list[dict[str, Any]],
+    microbatches: int,
+    schedule: Mapping[str, Any],
+    resharding: Mapping[str, Any],
+) -> dict[str, Any]:
     out = copy.deepcopy(dict(doc))
     out["metadata"] = {"name": f"{doc['metadata']['name']}-{name}"}
     spec = out["spec"]
@@ -157,8 +186,9 @@ def example_doc(doc: Mapping[str, Any], example: Mapping[str, Any]) -> dict[str,
     return _with(doc, "example", stages, spec["training"]["microbatches"], spec.get("schedule") or {}, resharding)
 
 
-def hand_written(doc: Mapping[str, Any], model: str, setting: Setting,
-                 load: Callable[[str], Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+def hand_written(
+    doc: Mapping[str, Any], model: str, setting: Setting, load: Callable[[str], Mapping[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
     """The hand-written configurations of `doc` on the setting's hosts, by name (HAND_WRITTEN)."""
     load = load or _load_example
     layers = doc["spec"]["model"]["layers"]
@@ -169,8 +199,14 @@ def hand_written(doc: Mapping[str, Any], model: str, setting: Setting,
     per = layers // devices
     chain = [{"layers": [per * i, per * (i + 1)], "mesh": [1, 1]} for i in range(devices)]
     broadcast = {"strategy": "broadcast", "chunks": "auto", "balancer": "greedy"}
-    one_stage = [{"layers": [0, layers], "mesh": [setting.hosts, setting.devices_per_host],
-                  "dataParallelDim": 0, **({"tensorParallelDim": 1} if setting.devices_per_host > 1 else {})}]
+    one_stage = [
+        {
+            "layers": [0, layers],
+            "mesh": [setting.hosts, setting.devices_per_host],
+            "dataParallelDim": 0,
+            **({"tensorParallelDim": 1} if setting.devices_per_host > 1 else {}),
+        }
+    ]
     return {
         "example": example_doc(doc, load(EXAMPLES[model])),
         "pipeline-1f1b": _with(doc, "pipeline-1f1b", chain, batch, {"kind": "1f1b", "weightGradDelay": 0}, broadcast),
@@ -200,13 +236,16 @@ def prediction_network(setting: Setting) -> NetworkModel:
 def prediction_cluster(setting: Setting) -> Cluster:
     """The emulated cluster as the prediction sees it: the prediction network, the emulated device."""
     network = prediction_network(setting)
-    return Cluster(setting.hosts, setting.devices_per_host,
-                   TuneDevice(emulated_device(setting), EMULATED_MEMORY_BYTES, network.intra_host_bytes_per_s),
-                   network)
+    return Cluster(
+        setting.hosts,
+        setting.devices_per_host,
+        TuneDevice(emulated_device(setting), EMULATED_MEMORY_BYTES, network.intra_host_bytes_per_s),
+        network,
+    )
 
 
 def search_cluster(setting: Setting) -> Cluster:
-    """What meshjob.search plans on: the emulated hosts, NICs and device as the prediction sees them, the
+    """What meshjob.search.algorithm plans on: the emulated hosts, NICs and device as the prediction sees them, the
     device's own link NVLink-fast (see above)."""
     c = prediction_cluster(setting)
     return replace(c, device=replace(c.device, link_bytes_per_s=NVLINK_BYTES_PER_S))
@@ -214,8 +253,8 @@ def search_cluster(setting: Setting) -> Cluster:
 
 def tune(doc: Mapping[str, Any], setting: Setting) -> tuple[dict[str, Any], Any]:
     """The search's manifest for `doc` on the setting's cluster, and the search's result."""
-    from meshjob.search import Problem, default_space, search
-    from meshjob.tune_input import base_job, read_fixed
+    from meshjob.search.algorithm import Problem, default_space, search
+    from meshjob.search.inputs import base_job, read_fixed
 
     cluster = search_cluster(setting)
     fixed = read_fixed(doc)
@@ -230,9 +269,9 @@ def tune(doc: Mapping[str, Any], setting: Setting) -> tuple[dict[str, Any], Any]
 # ------------------------------------------------------------------------------ prediction
 def stage_tail_s(job: TrainingJob, stage: int, setting: Setting) -> float:
     """What an emulated step adds after a stage's last action when no other stage shares its NICs: its
-    gradient all-reduce (meshjob.gradient_sync's ring model on the prediction network) and its optimizer
+    gradient all-reduce (meshjob.search.gradient_sync's ring model on the prediction network) and its optimizer
     step (the emulated device's wait)."""
-    from meshjob.stage_model import job_figures
+    from meshjob.search.stage_model import job_figures
 
     return job_figures(job, prediction_cluster(setting))[stage].tail_s
 
@@ -240,9 +279,9 @@ def stage_tail_s(job: TrainingJob, stage: int, setting: Setting) -> float:
 def planned(job: TrainingJob, setting: Setting):
     """(plan, costs): the plan the ranks run and the simulator predicts, made with the emulated devices'
     costs on the emulated cluster (so its W delay and transfer order are those of the run)."""
-    from meshjob.device_costs import emulated_costs
-    from meshjob.plan import build_plan
-    from meshjob.simulate import CostModel
+    from meshjob.costs.device_costs import emulated_costs
+    from meshjob.plan.build import build_plan
+    from meshjob.simulate.simulator import CostModel
 
     network = prediction_network(setting)
     cost = CostModel(network=network, stages=emulated_costs(job, emulated_device(setting)), measured=True)
@@ -251,35 +290,40 @@ def planned(job: TrainingJob, setting: Setting):
 
 def predicted_step_s(job: TrainingJob, setting: Setting, plan_and_cost=None) -> float:
     """The simulator's step for the job's plan on the emulated cluster: every stage's last action, then its
-    tail (meshjob.gradient_sync: stages on the same hosts share their NICs); the last tail's end. The plan is
+    tail (meshjob.search.gradient_sync: stages on the same hosts share their NICs); the last tail's end. The plan is
     `planned(job, setting)` unless given."""
-    from meshjob.gradient_sync import stage_hosts, tail_ends
-    from meshjob.simulate import simulate_plan
-    from meshjob.stage_model import job_figures
+    from meshjob.search.gradient_sync import stage_hosts, tail_ends
+    from meshjob.search.stage_model import job_figures
+    from meshjob.simulate.simulator import simulate_plan
 
     plan, cost = plan_and_cost or planned(job, setting)
     result = simulate_plan(plan, cost)
     syncs = [f.sync for f in job_figures(job, prediction_cluster(setting))]
-    return max(tail_ends([result.stages[k].busy_until_s for k in range(len(syncs))], syncs,
-                         stage_hosts(plan.placement)))
+    return max(
+        tail_ends([result.stages[k].busy_until_s for k in range(len(syncs))], syncs, stage_hosts(plan.placement))
+    )
 
 
 def search_step_s(doc: Mapping[str, Any], setting: Setting) -> float:
     """The search's own objective (what `meshjob tune` prints as the predicted step) for a written manifest,
     on the cluster model the search plans on."""
-    from meshjob.search import Candidate, Problem, default_space
-    from meshjob.tune_input import base_job, read_fixed
+    from meshjob.search.algorithm import Candidate, Problem, default_space
+    from meshjob.search.inputs import base_job, read_fixed
 
     cluster = search_cluster(setting)
     fixed = read_fixed(doc)
     job = base_job(doc, cluster.devices_per_host)
     problem = Problem(doc, job, cluster, fixed, default_space(job, fixed, cluster))
     written = parse_job(doc)
-    candidate = Candidate(written.training.microbatches, written.schedule.kind,
-                          str(written.schedule.weight_grad_delay),
-                          tuple(b - a for a, b in (s.layers for s in written.stages)),
-                          tuple(f.choice for f in fixed.per_stage), written.resharding.strategy,
-                          written.resharding.balancer)
+    candidate = Candidate(
+        written.training.microbatches,
+        written.schedule.kind,
+        str(written.schedule.weight_grad_delay),
+        tuple(b - a for a, b in (s.layers for s in written.stages)),
+        tuple(f.choice for f in fixed.per_stage),
+        written.resharding.strategy,
+        written.resharding.balancer,
+    )
     prediction = problem.predict(candidate)
     if prediction is None:
         raise RuntimeError(f"{doc['metadata']['name']}: the search cannot place its stages on {cluster.hosts} hosts")
@@ -298,19 +342,24 @@ class Row:
     predicted_over_measured: float
     tokens_per_s: float
     over_best_hand_written: float = 0.0  # this config's throughput / the best hand-written one's
-    search_step_s: float = 0.0  # the search's own objective (meshjob.search's predict) for the same manifest
+    search_step_s: float = 0.0  # the search's own objective (meshjob.search.algorithm's predict) for the same manifest
     search_over_measured: float = 0.0
 
 
 def describe(job: TrainingJob) -> str:
-    stages = " | ".join(f"{a}-{b} {'x'.join(map(str, s.mesh))} dp{s.data_parallel} tp{s.tensor_parallel}"
-                        for s in job.stages for a, b in [s.layers])
-    return (f"{len(job.stages)} stages [{stages}], M={job.training.microbatches}, {job.schedule.kind} delay "
-            f"{job.schedule.weight_grad_delay}, {job.resharding.strategy}/{job.resharding.balancer}")
+    stages = " | ".join(
+        f"{a}-{b} {'x'.join(map(str, s.mesh))} dp{s.data_parallel} tp{s.tensor_parallel}"
+        for s in job.stages
+        for a, b in [s.layers]
+    )
+    return (
+        f"{len(job.stages)} stages [{stages}], M={job.training.microbatches}, {job.schedule.kind} delay "
+        f"{job.schedule.weight_grad_delay}, {job.resharding.strategy}/{job.resharding.balancer}"
+    )
 
 
 def hosts_used(job: TrainingJob) -> int:
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
 
     placement = build_plan(job).placement
     return len({placement.host_of(r) for r in range(placement.world_size)})
@@ -327,9 +376,11 @@ def rank_rows(rows: list[Row]) -> None:
 
 def _within(errors: Mapping[str, float]) -> dict[str, Any]:
     worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
-    return {"worst": {"run": worst, "error": errors[worst] if worst else None},
-            "count": f"{sum(abs(e) <= PREDICTION_TOLERANCE for e in errors.values())} of {len(errors)}",
-            "all": bool(errors) and all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values())}
+    return {
+        "worst": {"run": worst, "error": errors[worst] if worst else None},
+        "count": f"{sum(abs(e) <= PREDICTION_TOLERANCE for e in errors.values())} of {len(errors)}",
+        "all": bool(errors) and all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
+    }
 
 
 def targets(rows: list[Row]) -> dict[str, Any]:
@@ -360,10 +411,10 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
     """Run every configuration of every model; the JSON part `measured` of tune.json."""
     import time
 
+    import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
+
     from meshjob_bench.e2e import run
     from meshjob_trainer.emulate.netns import cleanup_stale
-
-    import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
     compute = ComputeMode("emulated", emulated_device(setting))
     cleanup_stale()
@@ -384,14 +435,33 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
             predicted = predicted_step_s(job, setting, plan_and_cost)
             searched = result.best.step_s if config == "tuned" else search_step_s(doc, setting)
             tokens = job.training.global_batch * job.model.seq_len
-            rows.append(Row(model, config, describe(job), used, predicted, step_s, predicted / step_s,
-                            tokens / step_s, search_step_s=searched, search_over_measured=searched / step_s))
+            rows.append(
+                Row(
+                    model,
+                    config,
+                    describe(job),
+                    used,
+                    predicted,
+                    step_s,
+                    predicted / step_s,
+                    tokens / step_s,
+                    search_step_s=searched,
+                    search_over_measured=searched / step_s,
+                )
+            )
             jobs[f"{model}/{config}"] = job_to_dict(job)
     rank_rows(rows)
-    return {"setting": asdict(setting), "network": network, **compute.to_json(),
-            "timed_steps": setting.steps - 1, "wall_seconds": time.monotonic() - t0,
-            "load_average_1m_at_end": os.getloadavg()[0], "rows": [asdict(r) for r in rows], "jobs": jobs,
-            "targets": targets(rows)}
+    return {
+        "setting": asdict(setting),
+        "network": network,
+        **compute.to_json(),
+        "timed_steps": setting.steps - 1,
+        "wall_seconds": time.monotonic() - t0,
+        "load_average_1m_at_end": os.getloadavg()[0],
+        "rows": [asdict(r) for r in rows],
+        "jobs": jobs,
+        "targets": targets(rows),
+    }
 
 
 def print_table(part: Mapping[str, Any]) -> None:
@@ -399,27 +469,50 @@ def print_table(part: Mapping[str, Any]) -> None:
     from rich.table import Table
 
     s = part["setting"]
-    t = Table("model", "config", "predicted ms", "measured ms", "predicted / measured", "search / measured",
-              "tokens/s", "over best hand-written", "plan",
-              title=f"tuned vs hand-written, measured: {s['hosts']} hosts x {s['devices_per_host']}, NIC "
-                    f"{s['nic_rate']} (tbf burst 128kb), emulated device {part['device']['name']}, "
-                    f"{part['timed_steps']} timed steps")
+    t = Table(
+        "model",
+        "config",
+        "predicted ms",
+        "measured ms",
+        "predicted / measured",
+        "search / measured",
+        "tokens/s",
+        "over best hand-written",
+        "plan",
+        title=f"tuned vs hand-written, measured: {s['hosts']} hosts x {s['devices_per_host']}, NIC "
+        f"{s['nic_rate']} (tbf burst 128kb), emulated device {part['device']['name']}, "
+        f"{part['timed_steps']} timed steps",
+    )
     for r in part["rows"]:
-        t.add_row(r["model"], r["config"], f"{r['predicted_step_s'] * 1e3:.0f}", f"{r['measured_step_s'] * 1e3:.0f}",
-                  f"{r['predicted_over_measured']:.2f}", f"{r['search_over_measured']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                  f"{r['over_best_hand_written']:.2f}", r["plan"])
+        t.add_row(
+            r["model"],
+            r["config"],
+            f"{r['predicted_step_s'] * 1e3:.0f}",
+            f"{r['measured_step_s'] * 1e3:.0f}",
+            f"{r['predicted_over_measured']:.2f}",
+            f"{r['search_over_measured']:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['over_best_hand_written']:.2f}",
+            r["plan"],
+        )
     con = Console(width=200)
     con.print(t)
     g = part["targets"]
     ratios = ", ".join(f"{m} {v:.2f}x" for m, v in g["tuned_over_best_hand_written"].items())
-    con.print(f"target 3a: tuned measured throughput >= best hand-written: {ratios} -> "
-              f"{'met' if g['tuned_at_least_best_hand_written'] else 'MISSED'}")
+    con.print(
+        f"target 3a: tuned measured throughput >= best hand-written: {ratios} -> "
+        f"{'met' if g['tuned_at_least_best_hand_written'] else 'MISSED'}"
+    )
     w = g["worst_prediction_error"]
-    con.print(f"target 3b: prediction within 10% of measurement: {g['predictions_within_10_percent']} "
-              f"(worst {w['run']}: {w['error']:+.1%}) -> {'met' if g['prediction_within_10_percent'] else 'MISSED'}")
+    con.print(
+        f"target 3b: prediction within 10% of measurement: {g['predictions_within_10_percent']} "
+        f"(worst {w['run']}: {w['error']:+.1%}) -> {'met' if g['prediction_within_10_percent'] else 'MISSED'}"
+    )
     w = g["worst_search_prediction_error"]
-    con.print(f"           the search's own objective: {g['search_predictions_within_10_percent']} "
-              f"(worst {w['run']}: {w['error']:+.1%}) -> {'met' if g['search_prediction_within_10_percent'] else 'MISSED'}")
+    con.print(
+        f"           the search's own objective: {g['search_predictions_within_10_percent']} "
+        f"(worst {w['run']}: {w['error']:+.1%}) -> {'met' if g['search_prediction_within_10_percent'] else 'MISSED'}"
+    )
 
 
 def plot(part: Mapping[str, Any], path: str) -> None:
@@ -432,13 +525,28 @@ def plot(part: Mapping[str, Any], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     markers = {m: k for m, k in zip(MODELS, "os")}
     for r in rows:  # colour: the configuration (as in the bars), marker: the model
-        left.scatter(r["measured_step_s"], r["predicted_step_s"], marker=markers.get(r["model"], "o"),
-                     color=f"C{CONFIGS.index(r['config'])}", label=f"{r['model']}/{r['config']}", alpha=0.8)
+        left.scatter(
+            r["measured_step_s"],
+            r["predicted_step_s"],
+            marker=markers.get(r["model"], "o"),
+            color=f"C{CONFIGS.index(r['config'])}",
+            label=f"{r['model']}/{r['config']}",
+            alpha=0.8,
+        )
         if r.get("search_step_s"):  # hollow: the search's own objective for the same manifest
-            left.scatter(r["measured_step_s"], r["search_step_s"], marker=markers.get(r["model"], "o"),
-                         facecolors="none", edgecolors=f"C{CONFIGS.index(r['config'])}", s=70)
-    values = [v for r in rows for v in (r["measured_step_s"], r["predicted_step_s"], r.get("search_step_s") or
-                                        r["predicted_step_s"])]
+            left.scatter(
+                r["measured_step_s"],
+                r["search_step_s"],
+                marker=markers.get(r["model"], "o"),
+                facecolors="none",
+                edgecolors=f"C{CONFIGS.index(r['config'])}",
+                s=70,
+            )
+    values = [
+        v
+        for r in rows
+        for v in (r["measured_step_s"], r["predicted_step_s"], r.get("search_step_s") or r["predicted_step_s"])
+    ]
     lo, hi = min(values) / 1.2, max(values) * 1.2
     left.plot([lo, hi], [lo, hi], "k--", linewidth=0.8, label="equal")
     left.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.2, label="±10%")
@@ -451,16 +559,19 @@ def plot(part: Mapping[str, Any], path: str) -> None:
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
     width = 0.8 / len(CONFIGS)
     for j, config in enumerate(CONFIGS):
-        vals = [next((r["over_best_hand_written"] for r in rows if r["model"] == m and r["config"] == config), 0.0)
-                for m in models]
+        vals = [
+            next((r["over_best_hand_written"] for r in rows if r["model"] == m and r["config"] == config), 0.0)
+            for m in models
+        ]
         bars = right.bar([i + j * width for i in range(len(models))], vals, width, label=config, color=f"C{j}")
         right.bar_label(bars, fmt="%.2f", fontsize=7)
     right.set_xticks([i + width * (len(CONFIGS) - 1) / 2 for i in range(len(models))], models)
     right.set_ylabel("measured throughput / best hand-written")
     right.legend(fontsize=8)
     s = part["setting"]
-    right.set_title(f"{s['hosts']}x{s['devices_per_host']} hosts, NIC {s['nic_rate']}, device "
-                    f"{part['device']['name']}", fontsize=9)
+    right.set_title(
+        f"{s['hosts']}x{s['devices_per_host']} hosts, NIC {s['nic_rate']}, device {part['device']['name']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

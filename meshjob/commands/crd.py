@@ -1,8 +1,9 @@
 """`meshjob crd [--check FILE...]`: print the TrainingJob CRD generated from the spec model.
 
 With --check, compare each FILE with the generated text instead and exit 1 (with a unified diff)
-when any differs, so CI notices a committed CRD that lags behind the field table (meshjob/spec_table.py).
+when any differs, so CI notices a committed CRD that lags behind the field table (meshjob/spec/table.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ HELP = "print the TrainingJob CustomResourceDefinition generated from the spec m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--check", nargs="+", metavar="FILE",
-                        help="exit 1 when FILE differs from the generated CRD (prints a diff)")
+    parser.add_argument(
+        "--check", nargs="+", metavar="FILE", help="exit 1 when FILE differs from the generated CRD (prints a diff)"
+    )
 
 
 def check(paths: list[str], generated: str) -> int:
@@ -29,18 +31,23 @@ def check(paths: list[str], generated: str) -> int:
             status = 1
             continue
         if committed != generated:
-            diff = difflib.unified_diff(committed.splitlines(keepends=True),
-                                        generated.splitlines(keepends=True),
-                                        fromfile=path, tofile="generated (meshjob crd)")
+            diff = difflib.unified_diff(
+                committed.splitlines(keepends=True),
+                generated.splitlines(keepends=True),
+                fromfile=path,
+                tofile="generated (meshjob crd)",
+            )
             sys.stdout.writelines(diff)
-            print(f"meshjob crd: {path} differs from the generated CRD; regenerate with "
-                  f"`meshjob crd > {path}`", file=sys.stderr)
+            print(
+                f"meshjob crd: {path} differs from the generated CRD; regenerate with `meshjob crd > {path}`",
+                file=sys.stderr,
+            )
             status = 1
     return status
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.crd import crd_yaml
+    from meshjob.spec.crd import crd_yaml
 
     generated = crd_yaml()
     if args.check:

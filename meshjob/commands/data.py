@@ -1,8 +1,9 @@
 """`meshjob data prepare TEXT --out train.bin [--val-out val.bin]`: a token file from a text file.
 
-The byte-level tokenizer (meshjob.tokens) needs no vocabulary and no download: 256 token ids, so a
+The byte-level tokenizer (meshjob.spec.tokens) needs no vocabulary and no download: 256 token ids, so a
 model of spec.model.vocab >= 256 trains on the result with `spec.data: {kind: tokens, path: ...}`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,11 @@ HELP = "prepare token files: meshjob data prepare TEXT --out train.bin [--val-ou
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = sub.add_parser("prepare", help="tokenize a text file byte by byte into nanoGPT's flat binary format",
-                       description="tokenize a text file byte by byte into nanoGPT's flat binary format")
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a text file byte by byte into nanoGPT's flat binary format",
+        description="tokenize a text file byte by byte into nanoGPT's flat binary format",
+    )
     p.add_argument("text", help="a text file (any bytes; UTF-8 text gives one token per byte)")
     p.add_argument("--out", required=True, help="the training token file to write")
     p.add_argument("--val-out", help="also write a validation token file: the text's last --val-fraction")
@@ -23,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     from meshjob.errors import FieldError, SpecError
-    from meshjob.tokens import TYPECODES
+    from meshjob.spec.tokens import TYPECODES
 
     errors = []
     if args.dtype not in TYPECODES:
@@ -36,7 +40,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshjob.errors import FieldError, SpecError
-    from meshjob.tokens import BYTE_VOCAB, prepare
+    from meshjob.spec.tokens import BYTE_VOCAB, prepare
 
     _check(args)
     try:
@@ -46,9 +50,13 @@ def run(args: argparse.Namespace) -> int:
         field = "TEXT" if where == args.text else ("--out" if where == args.out else "--val-out")
         wanted = "a readable text file" if field == "TEXT" else "a path where a file can be written"
         raise SpecError([FieldError(field, where, f"{wanted} ({err.strerror})")]) from None
-    print(f"{args.out}: {done.train_tokens:,} {args.dtype} tokens"
-          + (f"; {args.val_out}: {done.val_tokens:,} tokens" if args.val_out else ""))
+    print(
+        f"{args.out}: {done.train_tokens:,} {args.dtype} tokens"
+        + (f"; {args.val_out}: {done.val_tokens:,} tokens" if args.val_out else "")
+    )
     val = f", valPath: {args.val_out}" if args.val_out else ""
-    print(f"use: spec.data: {{kind: tokens, path: {args.out}{val}, dtype: {args.dtype}}} "
-          f"with spec.model.vocab >= {BYTE_VOCAB}")
+    print(
+        f"use: spec.data: {{kind: tokens, path: {args.out}{val}, dtype: {args.dtype}}} "
+        f"with spec.model.vocab >= {BYTE_VOCAB}"
+    )
     return 0

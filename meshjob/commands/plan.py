@@ -13,6 +13,7 @@ hosts files and rates exit 2 with the field (and the document) named. --emulated
 run` starts from on its emulated cluster (every host on this machine's cores, the engine's costs there; the
 run then sizes the weight-gradient delay on the costs its ranks measure) instead of the plan for real NICs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,30 +29,40 @@ MAX_TASK_ROWS = 64  # per boundary in the table; --json always has every task
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="TrainingJob manifest (YAML; - reads standard input; one job per document)")
-    p.add_argument("--hosts", metavar="HOSTS_YAML",
-                   help="cluster: a list of {name, devices, rack} (default: the smallest cluster of "
-                        "identical hosts with topology.devicesPerHost devices)")
-    p.add_argument("--cluster", action="store_true",
-                   help="place on the Nodes of the cluster the kubeconfig names (read-only), with the function "
-                        "the operator calls: the pods it would create and the nodes it would leave out (and, "
-                        "for spec.stages: auto, the operator's search and what it chose)")
-    p.add_argument("--kubeconfig", metavar="FILE", help="with --cluster: kubeconfig (default $KUBECONFIG, then "
-                                                       "~/.kube/config)")
+    p.add_argument(
+        "--hosts",
+        metavar="HOSTS_YAML",
+        help="cluster: a list of {name, devices, rack} (default: the smallest cluster of "
+        "identical hosts with topology.devicesPerHost devices)",
+    )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="place on the Nodes of the cluster the kubeconfig names (read-only), with the function "
+        "the operator calls: the pods it would create and the nodes it would leave out (and, "
+        "for spec.stages: auto, the operator's search and what it chose)",
+    )
+    p.add_argument(
+        "--kubeconfig", metavar="FILE", help="with --cluster: kubeconfig (default $KUBECONFIG, then ~/.kube/config)"
+    )
     p.add_argument("--context", help="with --cluster: a context of the kubeconfig")
     cost_options.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (the plan contract)")
-    p.add_argument("--skip-files", action="store_true",
-                   help="don't check spec.data's token files and spec.model.entrypoint's package on this "
-                        "machine (a plan for a cluster that holds them; implied by --cluster)")
+    p.add_argument(
+        "--skip-files",
+        action="store_true",
+        help="don't check spec.data's token files and spec.model.entrypoint's package on this "
+        "machine (a plan for a cluster that holds them; implied by --cluster)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshjob.cluster.auto_stages import read_for_cluster
     from meshjob.errors import UsageError
-    from meshjob.inputs import check_jobs_inputs
-    from meshjob.placement import load_hosts
-    from meshjob.plan import build_plan
-    from meshjob.auto_stages import read_for_cluster
-    from meshjob.spec import load_jobs
+    from meshjob.plan.build import build_plan
+    from meshjob.plan.placement import load_hosts
+    from meshjob.spec.inputs import check_jobs_inputs
+    from meshjob.spec.manifest import load_jobs
 
     if args.cluster and args.hosts:
         raise UsageError("--cluster and --hosts exclude each other: the cluster's Nodes are the hosts")
@@ -68,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_files:  # a cluster's pods read their files there, not here
             check_jobs_inputs(jobs, args.job)
         hosts = load_hosts(args.hosts) if args.hosts else None
-        docs = [build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
-                for job in jobs]
+        docs = [
+            build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
+            for job in jobs
+        ]
     if args.json:
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -83,22 +96,29 @@ def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
     """--cluster prints what the operator runs, and the operator plans with the default network model at
     its NIC rate: other cost options would print a plan it does not run."""
     from meshjob.errors import UsageError
-    from meshjob.network import NetworkModel
+    from meshjob.network.model import NetworkModel
 
     if args.calibrate or network != NetworkModel(nic_bytes_per_s=network.nic_bytes_per_s):
-        raise UsageError("--cluster shows the operator's plan, made with the default network model at a NIC rate: "
-                         "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated")
+        raise UsageError(
+            "--cluster shows the operator's plan, made with the default network model at a NIC rate: "
+            "it takes --nic-rate, not --calibrate, --duplex, --message-us or --emulated"
+        )
 
 
-def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], pods: list[dict[str, Any]],
-                    nic_bytes_per_s: float, search: dict[str, Any] | None = None) -> dict[str, Any]:
+def plan_on_cluster(
+    job: Any,
+    nodes: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+    nic_bytes_per_s: float,
+    search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The plan on these Nodes, less what the cluster's pods use there, as the operator makes it, plus
     "cluster": its pods and every node's verdict; with `search` (a `stages: auto` manifest, `job` its
     placeholder) the operator's search chooses the stages first and "tuned" says what it chose."""
     from kubernetes.utils.quantity import parse_quantity
 
-    from meshjob.auto_stages import tune_on_nodes
-    from meshjob.cluster import plan_on_nodes, pods_json
+    from meshjob.cluster.auto_stages import tune_on_nodes
+    from meshjob.cluster.nodes import plan_on_nodes, pods_json
 
     tuned = None
     if search is not None:
@@ -106,9 +126,10 @@ def plan_on_cluster(job: Any, nodes: list[dict[str, Any]], pods: list[dict[str, 
         job = tuned.job()
     _, plan, infos = plan_on_nodes(job, nodes, parse_quantity, nic_bytes_per_s, pods=pods)
     doc = plan.to_json()
-    doc["cluster"] = {"pods": pods_json(job, plan, infos),
-                      "nodes": [{"name": i.name, "host": i.host, "devices": i.devices, "problem": i.problem}
-                                for i in infos]}
+    doc["cluster"] = {
+        "pods": pods_json(job, plan, infos),
+        "nodes": [{"name": i.name, "host": i.host, "devices": i.devices, "problem": i.problem} for i in infos],
+    }
     if tuned is not None:
         doc["tuned"] = tuned.status()
     return doc
@@ -124,15 +145,15 @@ def read_cluster(kubeconfig: str | None, context: str | None) -> tuple[list[dict
     except ImportError:
         raise UsageError("--cluster needs the kubernetes package: pip install kubernetes") from None
     try:
-        client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context,
-                                                          persist_config=False)
+        client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context, persist_config=False)
     except (kubernetes.config.ConfigException, OSError, TypeError) as err:
         raise UsageError(f"--cluster: cannot load the kubeconfig ({kubeconfig or 'default'}): {err}") from None
     try:
         api = kubernetes.client.CoreV1Api(client)
         nodes = api.list_node(_preload_content=False, _request_timeout=30)
-        pods = api.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded,status.phase!=Failed",
-                                               _preload_content=False, _request_timeout=30)
+        pods = api.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False, _request_timeout=30
+        )
         return json.loads(nodes.data)["items"], json.loads(pods.data)["items"]
     except kubernetes.client.ApiException as err:
         raise UsageError(f"--cluster: listing Nodes and pods was refused: HTTP {err.status} {err.reason}") from None
@@ -165,8 +186,10 @@ def _shared_cores(model: dict[str, Any]) -> str:
     """How the header names the CPU a message takes where every host shares a machine's cores (--emulated)."""
     if not model.get("shared_cpu_cores"):
         return ""
-    return (f", {model['message_cpu_s'] * 1e6:g} µs of CPU per message on {model['shared_cpu_cores']} shared "
-            f"core{'s' if model['shared_cpu_cores'] > 1 else ''}")
+    return (
+        f", {model['message_cpu_s'] * 1e6:g} µs of CPU per message on {model['shared_cpu_cores']} shared "
+        f"core{'s' if model['shared_cpu_cores'] > 1 else ''}"
+    )
 
 
 def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
@@ -187,82 +210,119 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     for col in ("stage", "row", "host", "rack", "global ranks", "local devices"):
         placement.add_column(col)
     for row in doc["placement"]:
-        placement.add_row(str(row["stage"]), str(row["row"]), row["host"], row["rack"] or "-",
-                          ", ".join(map(str, row["devices"])), ", ".join(map(str, row["local_devices"])))
+        placement.add_row(
+            str(row["stage"]),
+            str(row["row"]),
+            row["host"],
+            row["rack"] or "-",
+            ", ".join(map(str, row["devices"])),
+            ", ".join(map(str, row["local_devices"])),
+        )
     console.print(placement)
     print_network(console, doc)
     if "cluster" in doc:
         print_cluster(console, doc["cluster"])
     if "tuned" in doc:
         t = doc["tuned"]
-        console.print(f"spec.stages: auto: the search chose {t['plan']} on {t['cluster']['hosts']} host(s) x "
-                      f"{t['cluster']['devicesPerHost']} device(s) ({t['cluster']['device']} profile), predicted "
-                      f"step {_ms(t['predictedStepSeconds'])}, "
-                      + ("proven best" if t["provenBest"] else f"best of the {t['evaluated']} simulated"))
+        console.print(
+            f"spec.stages: auto: the search chose {t['plan']} on {t['cluster']['hosts']} host(s) x "
+            f"{t['cluster']['devicesPerHost']} device(s) ({t['cluster']['device']} profile), predicted "
+            f"step {_ms(t['predictedStepSeconds'])}, "
+            + ("proven best" if t["provenBest"] else f"best of the {t['evaluated']} simulated")
+        )
 
     summary = Table(title="Boundaries (cross-mesh resharding)")
     for col in ("boundary", "send", "recv", "strategy", "balancer", "tasks", "makespan", "lower bound", "ratio"):
         summary.add_column(col, justify="right" if col in ("tasks", "makespan", "lower bound", "ratio") else "left")
     for b in doc["boundaries"]:
         ratio = b["makespan_s"] / b["lower_bound_s"] if b["lower_bound_s"] > 0 else float("nan")
-        summary.add_row(b["key"], b["send"], b["recv"], b["strategy"],
-                        b["balancer"], str(len(b["tasks"])), _ms(b["makespan_s"]), _ms(b["lower_bound_s"]),
-                        f"{ratio:.2f}")
+        summary.add_row(
+            b["key"],
+            b["send"],
+            b["recv"],
+            b["strategy"],
+            b["balancer"],
+            str(len(b["tasks"])),
+            _ms(b["makespan_s"]),
+            _ms(b["lower_bound_s"]),
+            f"{ratio:.2f}",
+        )
     console.print(summary)
 
     for b in doc["boundaries"]:
         tasks = sorted(enumerate(b["tasks"]), key=lambda it: (it[1]["start_s"], it[0]))
-        table = Table(title=f"{b['key']}: unit tasks by start "
-                            f"(makespan {_ms(b['makespan_s'])}, lower bound {_ms(b['lower_bound_s'])})")
+        table = Table(
+            title=f"{b['key']}: unit tasks by start "
+            f"(makespan {_ms(b['makespan_s'])}, lower bound {_ms(b['lower_bound_s'])})"
+        )
         for col in ("task", "slice", "sender", "holders", "receivers", "bytes", "chunks", "start", "seconds"):
-            table.add_column(col, justify="right" if col in ("task", "bytes", "chunks", "start", "seconds")
-                             else "left")
+            table.add_column(col, justify="right" if col in ("task", "bytes", "chunks", "start", "seconds") else "left")
         for index, task in tasks[:MAX_TASK_ROWS]:
-            table.add_row(str(index), _slice(task["slice"]), str(task["sender"]),
-                          ", ".join(map(str, task["senders"])), ", ".join(map(str, task["receivers"])),
-                          _bytes(task["bytes"]), str(task["chunks"]), _ms(task["start_s"]), _ms(task["seconds"]))
+            table.add_row(
+                str(index),
+                _slice(task["slice"]),
+                str(task["sender"]),
+                ", ".join(map(str, task["senders"])),
+                ", ".join(map(str, task["receivers"])),
+                _bytes(task["bytes"]),
+                str(task["chunks"]),
+                _ms(task["start_s"]),
+                _ms(task["seconds"]),
+            )
         if len(tasks) > MAX_TASK_ROWS:
             table.caption = f"{len(tasks) - MAX_TASK_ROWS} more tasks: see --json"
         console.print(table)
 
-    actions = Table(title=f"Schedules (per-stage action lists; stash bound min(M, 2S-1) = "
-                          f"{schedule['stash_bound']})")
+    actions = Table(title=f"Schedules (per-stage action lists; stash bound min(M, 2S-1) = {schedule['stash_bound']})")
     actions.add_column("stage")
     actions.add_column("W ms", justify="right")
     actions.add_column("W delay", justify="right")
     actions.add_column("peak stashed", justify="right")
     actions.add_column("actions")
     for stage, items in doc["schedules"].items():
-        actions.add_row(stage, f"{doc['costs']['stages'][stage]['W'] * 1e3:.3f}",
-                        str(schedule["weight_delay"].get(stage, 0)), str(schedule["peak_stashed"][stage]),
-                        " ".join(items))
+        actions.add_row(
+            stage,
+            f"{doc['costs']['stages'][stage]['W'] * 1e3:.3f}",
+            str(schedule["weight_delay"].get(stage, 0)),
+            str(schedule["peak_stashed"][stage]),
+            " ".join(items),
+        )
     console.print(actions)
     print_delay_choice(console, schedule.get("delay_choice"))
 
 
 def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
-    """weightGradDelay auto: each simulated candidate's step period (meshjob.steady), the ratio rule's and
+    """weightGradDelay auto: each simulated candidate's step period (meshjob.simulate.steady), the ratio rule's and
     the one taken."""
     from rich.table import Table
 
     if choice is None:
         return
     if not choice["simulated"]:
-        console.print("weightGradDelay auto: the ratio rule ceil(comm / W) per stage, not simulated (simulating "
-                      f"the candidates would pass the planner's work budget of {choice['work_budget']:,} "
-                      "actions x stages)")
+        console.print(
+            "weightGradDelay auto: the ratio rule ceil(comm / W) per stage, not simulated (simulating "
+            f"the candidates would pass the planner's work budget of {choice['work_budget']:,} "
+            "actions x stages)"
+        )
         return
-    table = Table(title="weightGradDelay auto: delay candidates simulated step after step on the plan's network "
-                        "and stage costs "
-                        f"(taken: the smallest within {choice['tolerance']:.0%} of the fastest, "
-                        "no slower than the rule)")
+    table = Table(
+        title="weightGradDelay auto: delay candidates simulated step after step on the plan's network "
+        "and stage costs "
+        f"(taken: the smallest within {choice['tolerance']:.0%} of the fastest, "
+        "no slower than the rule)"
+    )
     for col in ("candidate", "W delay per stage", "simulated period", "vs rule", "taken"):
         table.add_column(col, justify="right" if col in ("simulated period", "vs rule") else "left")
     rule = choice["rule_step_s"]
     for c in choice["candidates"]:
         delays = " ".join(f"{d}" for _, d in sorted(c["weight_delay"].items(), key=lambda kv: int(kv[0])))
-        table.add_row(c["name"] + (" (ceil(comm / W))" if c["name"] == "rule" else ""), delays, _ms(c["step_s"]),
-                      f"{c['step_s'] / rule:.3f}" if rule > 0 else "-", "yes" if c["name"] == choice["chosen"] else "")
+        table.add_row(
+            c["name"] + (" (ceil(comm / W))" if c["name"] == "rule" else ""),
+            delays,
+            _ms(c["step_s"]),
+            f"{c['step_s'] / rule:.3f}" if rule > 0 else "-",
+            "yes" if c["name"] == choice["chosen"] else "",
+        )
     console.print(table)
 
 
@@ -275,16 +335,27 @@ def print_network(console: Any, doc: dict[str, Any]) -> None:
     for col in ("host", "egress", "ingress", "egress time", "ingress time"):
         hosts.add_column(col, justify="left" if col == "host" else "right")
     for row in net["hosts"]:
-        hosts.add_row(row["host"], _bytes(row["egress_bytes"]), _bytes(row["ingress_bytes"]), _ms(row["egress_s"]),
-                      _ms(row["ingress_s"]))
+        hosts.add_row(
+            row["host"],
+            _bytes(row["egress_bytes"]),
+            _bytes(row["ingress_bytes"]),
+            _ms(row["egress_s"]),
+            _ms(row["ingress_s"]),
+        )
     console.print(hosts)
     windows = Table(title="Balancing windows (one microbatch of every boundary in the window, jointly)")
     for col in ("window", "boundaries", "tasks", "balancer", "joint makespan", "lower bound", "ratio"):
         windows.add_column(col, justify="left" if col in ("window", "balancer") else "right")
     for w in net["windows"]:
-        windows.add_row(w["name"], str(len(w["boundaries"])), str(w["tasks"]),
-                        w["balancer"] + ("" if w["finished"] else " (budget)"), _ms(w["makespan_s"]),
-                        _ms(w["lower_bound_s"]), f"{w['ratio']:.2f}" if w["ratio"] is not None else "-")
+        windows.add_row(
+            w["name"],
+            str(len(w["boundaries"])),
+            str(w["tasks"]),
+            w["balancer"] + ("" if w["finished"] else " (budget)"),
+            _ms(w["makespan_s"]),
+            _ms(w["lower_bound_s"]),
+            f"{w['ratio']:.2f}" if w["ratio"] is not None else "-",
+        )
     console.print(windows)
 
 

@@ -1,10 +1,11 @@
 """`meshjob tune job.yaml --hosts N`: choose stage cuts, meshes, parallel splits, microbatches, schedule and
-resharding settings for a cluster (meshjob.search), print the ranked candidates and write the winner.
+resharding settings for a cluster (meshjob.search.algorithm), print the ranked candidates and write the winner.
 
-Fields the manifest sets are kept (meshjob.tune_input says which are searched when absent or `auto`).
+Fields the manifest sets are kept (meshjob.search.inputs says which are searched when absent or `auto`).
 Bad flags and manifests exit 2 naming the flag or field, the value and what is allowed; a model that fits
 no plan's memory exits 2 with the smallest overflow found.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,24 +14,32 @@ import sys
 import time
 from typing import Any
 
-from meshjob.commands import costs as cost_options
-
 HELP = "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="TrainingJob manifest (YAML, one document; - reads standard input); spec.stages "
-                               "may be auto or left out")
+    p.add_argument(
+        "job",
+        help="TrainingJob manifest (YAML, one document; - reads standard input); spec.stages may be auto or left out",
+    )
     p.add_argument("--hosts", type=int, required=True, help="hosts in the cluster")
-    p.add_argument("--devices-per-host", type=int, default=None,
-                   help="devices per host (default: the manifest's spec.topology.devicesPerHost, else 8)")
+    p.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        help="devices per host (default: the manifest's spec.topology.devicesPerHost, else 8)",
+    )
     p.add_argument("--nic-rate", default="100gbit", help="NIC rate per host and direction, tc style (default 100gbit)")
     p.add_argument("--device", default="h100", help="device profile: h100 or a100 (default h100)")
     p.add_argument("--memory", default=None, help="memory per device, e.g. 80Gi or 40GiB (default: the profile's)")
     p.add_argument("--top", type=int, default=5, help="candidates to rank (default 5)")
     p.add_argument("--max-stages", type=int, default=None, help="most pipeline stages to consider (default 16)")
-    p.add_argument("--max-evaluations", type=int, default=None,
-                   help="most candidates to simulate (default 100); the search says when it stopped there")
+    p.add_argument(
+        "--max-evaluations",
+        type=int,
+        default=None,
+        help="most candidates to simulate (default 100); the search says when it stopped there",
+    )
     p.add_argument("--out", default=None, help="write the chosen manifest here (it passes meshjob plan)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -44,11 +53,11 @@ def _positive(args: argparse.Namespace, flag: str, value: int | None, most: int 
 
 
 def cluster_from_args(args: argparse.Namespace, devices_default: int) -> Any:
-    from meshjob.tune_cluster import DEVICES, Cluster
     from meshjob.errors import UsageError
-    from meshjob.network import NetworkModel
-    from meshjob.placement import MAX_CLUSTER_HOSTS
-    from meshjob.spec import MAX_DEVICES_PER_HOST
+    from meshjob.network.model import NetworkModel
+    from meshjob.plan.placement import MAX_CLUSTER_HOSTS
+    from meshjob.search.cluster import DEVICES, Cluster
+    from meshjob.spec.manifest import MAX_DEVICES_PER_HOST
     from meshjob.units import parse_rate
 
     _positive(args, "hosts", args.hosts, MAX_CLUSTER_HOSTS)
@@ -77,8 +86,11 @@ def _memory(text: str) -> int:
 
     quantity = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(Ki|Mi|Gi|Ti)\s*", text)
     try:
-        n = int(float(quantity.group(1)) * 2 ** (10 * ("KMGT".index(quantity.group(2)[0]) + 1))) if quantity \
+        n = (
+            int(float(quantity.group(1)) * 2 ** (10 * ("KMGT".index(quantity.group(2)[0]) + 1)))
+            if quantity
             else parse_size(text)
+        )
     except ValueError:
         n = 0
     if n <= 0:
@@ -87,11 +99,11 @@ def _memory(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.safeyaml import load_documents, read_text, source_name
     from meshjob.errors import UsageError
-    from meshjob.search import Problem, default_space, search
-    from meshjob.spec import parse_job
-    from meshjob.tune_input import base_job, read_fixed
+    from meshjob.search.algorithm import Problem, default_space, search
+    from meshjob.search.inputs import base_job, read_fixed
+    from meshjob.spec.manifest import parse_job
+    from meshjob.spec.safeyaml import load_documents, read_text, source_name
 
     docs = load_documents(read_text(args.job, "TrainingJob manifest"), source_name(args.job))
     if len(docs) != 1:
@@ -129,8 +141,14 @@ def _with_progress(args: argparse.Namespace, work: Any) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
         tasks: dict[str, Any] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
@@ -165,10 +183,17 @@ def summary(problem: Any, result: Any, seconds: float) -> dict[str, Any]:
         if rank > 1:
             row["why_lost"] = why_lost(best, p)
         rows.append(row)
-    return {"job": problem.job.name, "cluster": problem.cluster.to_json(), "search_seconds": seconds,
-            "evaluated": result.evaluated, "listed": result.listed, "proven_best": result.proven,
-            "lower_bound_s": result.best_bound_s,
-            "threshold_s": result.threshold_s if result.threshold_s < float("inf") else None, "ranked": rows}
+    return {
+        "job": problem.job.name,
+        "cluster": problem.cluster.to_json(),
+        "search_seconds": seconds,
+        "evaluated": result.evaluated,
+        "listed": result.listed,
+        "proven_best": result.proven,
+        "lower_bound_s": result.best_bound_s,
+        "threshold_s": result.threshold_s if result.threshold_s < float("inf") else None,
+        "ranked": rows,
+    }
 
 
 def print_tables(out: dict[str, Any], path: str | None) -> None:
@@ -178,18 +203,28 @@ def print_tables(out: dict[str, Any], path: str | None) -> None:
     con = Console(width=max(120, Console().width))
     c = out["cluster"]
     plans = f"{out['evaluated']} plan{'' if out['evaluated'] == 1 else 's'}"
-    con.print(f"[bold]{out['job']}[/]: {c['hosts']} hosts x {c['devices_per_host']} {c['device']['name']}, "
-              f"{c['memory_bytes'] / 2**30:.1f} GiB each, NIC {c['network']['nic_bytes_per_s'] * 8 / 1e9:g} Gbit/s; "
-              f"searched in {out['search_seconds']:.1f} s, {plans} simulated")
-    con.print("the best of the space: proven (every candidate that could beat it was simulated)"
-              if out["proven_best"] else
-              f"[yellow]not proven best[/]: the search stopped at its budget; every candidate not simulated "
-              f"predicts at least {out['threshold_s'] * 1e3:.3f} ms (its lower bound)")
+    con.print(
+        f"[bold]{out['job']}[/]: {c['hosts']} hosts x {c['devices_per_host']} {c['device']['name']}, "
+        f"{c['memory_bytes'] / 2**30:.1f} GiB each, NIC {c['network']['nic_bytes_per_s'] * 8 / 1e9:g} Gbit/s; "
+        f"searched in {out['search_seconds']:.1f} s, {plans} simulated"
+    )
+    con.print(
+        "the best of the space: proven (every candidate that could beat it was simulated)"
+        if out["proven_best"]
+        else f"[yellow]not proven best[/]: the search stopped at its budget; every candidate not simulated "
+        f"predicts at least {out['threshold_s'] * 1e3:.3f} ms (its lower bound)"
+    )
     t = Table("rank", "step ms", "tokens/s", "memory/device", "bubble", "resharding ms", "plan", title="candidates")
     for row in out["ranked"]:
-        t.add_row(str(row["rank"]), f"{row['step_s'] * 1e3:.3f}", f"{row['tokens_per_s']:,.0f}",
-                  f"{row['max_memory_bytes'] / 2**30:.2f} GiB", f"{row['bubble']:.1%}",
-                  f"{row['resharding_s'] * 1e3:.3f}", row["label"])
+        t.add_row(
+            str(row["rank"]),
+            f"{row['step_s'] * 1e3:.3f}",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['max_memory_bytes'] / 2**30:.2f} GiB",
+            f"{row['bubble']:.1%}",
+            f"{row['resharding_s'] * 1e3:.3f}",
+            row["label"],
+        )
     con.print(t)
     for row in out["ranked"][1:]:
         con.print(f"#{row['rank']} lost: {row['why_lost']}")

@@ -6,12 +6,14 @@ operator would exit at start-up with the webhook on (the default). Here the same
 the operator image has anyway (via kubernetes' dependencies); kopf then puts it in the
 ValidatingWebhookConfiguration's caBundle itself.
 """
+
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import logging
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 import kopf
 
@@ -55,21 +57,36 @@ def self_signed_certificate(hostnames: Collection[str], password: str | None = N
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])])
     now = datetime.datetime.now(datetime.timezone.utc)
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns] + [x509.IPAddress(ip) for ip in ips]
-    cert = (x509.CertificateBuilder()
-            .subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))  # tolerate clock skew
-            .not_valid_after(now + datetime.timedelta(days=VALIDITY_DAYS))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, content_commitment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(key, hashes.SHA256()))
-    encryption: Any = (serialization.BestAvailableEncryption(password.encode()) if password
-                       else serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # tolerate clock skew
+        .not_valid_after(now + datetime.timedelta(days=VALIDITY_DAYS))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    encryption: Any = (
+        serialization.BestAvailableEncryption(password.encode()) if password else serialization.NoEncryption()
+    )
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
@@ -85,8 +102,9 @@ def can_self_sign() -> str | None:
     return None
 
 
-def webhook_server(*, addr: str, port: int, host: str | None, cert: str | None, key: str | None,
-                   ca: str | None, logger: logging.Logger) -> kopf.WebhookServer | None:
+def webhook_server(
+    *, addr: str, port: int, host: str | None, cert: str | None, key: str | None, ca: str | None, logger: logging.Logger
+) -> kopf.WebhookServer | None:
     """The server kopf runs the admission webhook on; None when it cannot run (logged as a warning).
 
     Given files win (e.g. from cert-manager); otherwise a self-signed certificate made at start-up."""
@@ -94,9 +112,11 @@ def webhook_server(*, addr: str, port: int, host: str | None, cert: str | None, 
         return kopf.WebhookServer(addr=addr, port=port, host=host, certfile=cert, pkeyfile=key, cafile=ca)
     problem = can_self_sign()
     if problem is not None:
-        logger.warning(f"admission webhook off: no certificate given (--webhook-cert/--webhook-key) and none "
-                       f"can be made: {problem}. TrainingJobs are still validated by the operator "
-                       f"(condition Failed/InvalidSpec).")
+        logger.warning(
+            f"admission webhook off: no certificate given (--webhook-cert/--webhook-key) and none "
+            f"can be made: {problem}. TrainingJobs are still validated by the operator "
+            f"(condition Failed/InvalidSpec)."
+        )
         return None
     # the API server reaches the webhook at `host`; localhost and 127.0.0.1 help local tools (curl, tests)
     return SelfSignedWebhookServer(addr=addr, port=port, host=host, extra_sans=["localhost", "127.0.0.1"])

@@ -4,27 +4,29 @@ One daemon per TrainingJob runs its reconcile loop (so reconciles of one job nev
 pod, node and job events wake it. Validation runs on create/update/resume (a permanent error:
 condition, Warning Event, no retries) and, when enabled, in an admission webhook.
 """
+
 from __future__ import annotations
 
 import asyncio
 import datetime
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import kopf
 
-from meshjob.api import OPERATOR_METRICS_PORT
 from meshjob.errors import SpecError
-from meshjob.spec import job_to_dict
-
+from meshjob.spec.api import OPERATOR_METRICS_PORT
+from meshjob.spec.manifest import job_to_dict
 from meshjob_operator import names
 from meshjob_operator.certs import webhook_server
 from meshjob_operator.kube import ApiError, Connection, Kube, kopf_connection
 from meshjob_operator.lifecycle import immutable_changes
 from meshjob_operator.metrics import OperatorMetrics
-from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_S, Planner
+from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_S
+from meshjob_operator.planning import Planner
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
 from meshjob_operator.status import is_true
 from meshjob_operator.wakeups import Wakeups, wait_any
@@ -37,7 +39,10 @@ MAX_BACKOFF_S = 30.0
 @dataclass
 class OperatorConfig:
     """Set by `meshjob operator` before kopf starts; env variables for `kopf run -m meshjob_operator.handlers`."""
-    metrics_port: int | None = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_METRICS_PORT", OPERATOR_METRICS_PORT))
+
+    metrics_port: int | None = field(
+        default_factory=lambda: _env_int("MESHJOB_OPERATOR_METRICS_PORT", OPERATOR_METRICS_PORT)
+    )
     webhook: bool = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK", "1") != "0")
     webhook_addr: str = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_ADDR", "0.0.0.0"))
     webhook_port: int = field(default_factory=lambda: _env_int("MESHJOB_OPERATOR_WEBHOOK_PORT", 9443) or 9443)
@@ -86,23 +91,32 @@ async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: 
     settings.persistence.finalizer = "meshjob.io/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="meshjob.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="meshjob.io", key="last-handled-configuration")
+        prefix="meshjob.io", key="last-handled-configuration"
+    )
     settings.networking.error_backoffs = [1, 2, 5, 10, 20]
     settings.watching.server_timeout = 300
     if cfg.peering:
         settings.peering.mandatory = True
     server = None
     if cfg.webhook:  # no certificate to serve with: a warning and no webhook, never a crash loop
-        server = webhook_server(addr=cfg.webhook_addr, port=cfg.webhook_port, host=cfg.webhook_host,
-                                cert=cfg.webhook_cert, key=cfg.webhook_key, ca=cfg.webhook_ca, logger=logger)
+        server = webhook_server(
+            addr=cfg.webhook_addr,
+            port=cfg.webhook_port,
+            host=cfg.webhook_host,
+            cert=cfg.webhook_cert,
+            key=cfg.webhook_key,
+            ca=cfg.webhook_ca,
+            logger=logger,
+        )
     if server is not None:  # kopf registers a ValidatingWebhookConfiguration pointing at this server
         settings.admission.server = server
         settings.admission.managed = f"{names.PLURAL}.{names.GROUP}"
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
-    STATE.reconciler = Reconciler(kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes,
-                                  planner=Planner(cfg.plan_timeout_s))
+    STATE.reconciler = Reconciler(
+        kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes, planner=Planner(cfg.plan_timeout_s)
+    )
     await STATE.reconciler.planner.start()
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
         STATE.metrics.serve(cfg.metrics_port)
@@ -151,8 +165,9 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 # users expect; with that right Kubernetes lets anyone name any ServiceAccount of the namespace in a pod, and
 # so may they here. failurePolicy Fail, and persistent (kopf leaves it registered when the operator
 # stops): while the operator is down no job can be created (none would run anyway), so none gets past.
-@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE"], ignore_failures=False,
-                  persistent=True)
+@kopf.on.validate(
+    names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE"], ignore_failures=False, persistent=True
+)
 async def authorize(body: kopf.Body, userinfo: dict[str, Any], **_: Any) -> None:
     """The admission webhook's check that creating this job is no way around RBAC."""
     await _check_requester(body, userinfo)
@@ -171,7 +186,9 @@ async def _check_requester(body: kopf.Body, userinfo: dict[str, Any]) -> None:
         raise kopf.AdmissionError(
             f"{who} may not create pods in namespace {namespace}{f' ({reason})' if reason else ''}: a TrainingJob "
             "runs pods with its image, service account and podTemplate, so creating or editing one needs that "
-            "right too", code=403)
+            "right too",
+            code=403,
+        )
 
 
 # failurePolicy Ignore: an operator that is down (or uninstalled, its webhook configuration left
@@ -198,13 +215,17 @@ async def admit(body: kopf.Body, operation: str, old: kopf.Body | None, userinfo
     if is_true((old.get("status") or {}).get("conditions") or [], "Created"):
         changed = immutable_changes(job_to_dict(validate(old))["spec"], job_to_dict(job)["spec"])
         if changed:
-            raise kopf.AdmissionError(f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy "
-                                      "can): delete and re-create the job to change them", code=422)
+            raise kopf.AdmissionError(
+                f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy "
+                "can): delete and re-create the job to change them",
+                code=422,
+            )
 
 
 @kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)
-async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped,
-                  logger: logging.Logger, node_index: kopf.Index, **_: Any) -> None:
+async def run_job(
+    namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, node_index: kopf.Index, **_: Any
+) -> None:
     """The job's reconcile loop. It never stops on an API error: errors that pass by themselves are
     retried with backoff; the others also show as condition Blocked, an Event and a metric."""
     STATE.node_index = node_index
@@ -240,8 +261,9 @@ def backoff_s(failures: int) -> float:
     return min(MAX_BACKOFF_S, 2.0 ** (failures - 1))
 
 
-async def _report_blocked(reconciler: Reconciler, namespace: str, name: str, err: ApiError,
-                          logger: logging.Logger) -> None:
+async def _report_blocked(
+    reconciler: Reconciler, namespace: str, name: str, err: ApiError, logger: logging.Logger
+) -> None:
     try:
         await reconciler.blocked(namespace, name, err)
     except ApiError as again:  # even the status write is refused: the log is all that is left
@@ -267,13 +289,18 @@ def pod_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> No
 def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """A watch-fed cache of what placement reads from Nodes (kopf fills it before job handlers start)."""
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
-    return {NODES_KEY: {
-        "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
-        "spec": {"unschedulable": bool(spec.get("unschedulable")), "taints": list(spec.get("taints") or [])},
-        "status": {"allocatable": dict(status.get("allocatable") or {}),
-                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
-                                  for c in status.get("conditions") or []]},
-    }}
+    return {
+        NODES_KEY: {
+            "metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
+            "spec": {"unschedulable": bool(spec.get("unschedulable")), "taints": list(spec.get("taints") or [])},
+            "status": {
+                "allocatable": dict(status.get("allocatable") or {}),
+                "conditions": [
+                    {"type": c.get("type"), "status": c.get("status")} for c in status.get("conditions") or []
+                ],
+            },
+        }
+    }
 
 
 @kopf.on.event("", "v1", "nodes")

@@ -7,13 +7,15 @@ Credentials are the kubernetes package's (kubeconfig incl. exec plugins, or the 
 service account) and are asked for on every request, so a rotated in-cluster token is picked up.
 API errors say whether they pass by themselves (409/429/5xx) or need someone to act (the rest).
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import kopf
@@ -71,9 +73,15 @@ def kopf_connection(kubeconfig: str | None = None) -> kopf.ConnectionInfo:
     bearer = _bearer(config)
     if bearer:
         scheme, token = bearer.split(" ", 1)
-    return kopf.ConnectionInfo(server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
-                               scheme=scheme, token=token, certificate_path=config.cert_file,
-                               private_key_path=config.key_file)
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
 
 
 def _auth_headers(config: Any) -> dict[str, str]:
@@ -90,7 +98,7 @@ class Connection:
     headers: Callable[[], dict[str, str]]  # per request: tokens rotate
 
     @classmethod
-    def load(cls, kubeconfig: str | None = None) -> "Connection":
+    def load(cls, kubeconfig: str | None = None) -> Connection:
         config = load_configuration(kubeconfig)
         context: ssl.SSLContext | bool | None = None
         if config.host.startswith("https"):
@@ -129,22 +137,32 @@ class Kube:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(ssl=self._conn.ssl_context if self._conn.ssl_context is not None else None,
-                                             limit=64)
-            self._session = aiohttp.ClientSession(base_url=None, connector=connector,
-                                                  timeout=aiohttp.ClientTimeout(total=30))
+            connector = aiohttp.TCPConnector(
+                ssl=self._conn.ssl_context if self._conn.ssl_context is not None else None, limit=64
+            )
+            self._session = aiohttp.ClientSession(
+                base_url=None, connector=connector, timeout=aiohttp.ClientTimeout(total=30)
+            )
         return self._session
 
-    async def request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-                      params: Mapping[str, str] | None = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Any:
         data = None if body is None else json.dumps(body)
         headers = self._conn.headers()
         if body is not None:
             headers["Content-Type"] = content_type
         async with self._limit:
             try:
-                async with self._http().request(method, self._conn.server + path, data=data, headers=headers,
-                                                params=params) as resp:
+                async with self._http().request(
+                    method, self._conn.server + path, data=data, headers=headers, params=params
+                ) as resp:
                     text = await resp.text()
                     if resp.status >= 400:
                         raise _api_error(resp.status, method, path, text)
@@ -189,15 +207,23 @@ class Kube:
         found = await self.request("GET", path, params={"labelSelector": f"{names.JOB_LABEL}={job}"})
         items = (found or {}).get("items") or []
         # filter here too: some servers (kmock) ignore label selectors
-        return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(names.JOB_LABEL) == job
-                and p.get("metadata", {}).get("namespace", namespace) == namespace]
+        return [
+            p
+            for p in items
+            if (p.get("metadata", {}).get("labels") or {}).get(names.JOB_LABEL) == job
+            and p.get("metadata", {}).get("namespace", namespace) == namespace
+        ]
 
     async def list_running_pods(self) -> list[dict[str, Any]]:
         """Every pod of the cluster not terminated yet (what holds devices on nodes)."""
-        found = await self.request("GET", "/api/v1/pods",
-                                   params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"})
-        return [p for p in (found or {}).get("items") or []  # again here: kmock ignores field selectors
-                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        found = await self.request(
+            "GET", "/api/v1/pods", params={"fieldSelector": "status.phase!=Succeeded,status.phase!=Failed"}
+        )
+        return [
+            p
+            for p in (found or {}).get("items") or []  # again here: kmock ignores field selectors
+            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
 
     async def list_nodes(self) -> list[dict[str, Any]]:
         return ((await self.request("GET", "/api/v1/nodes")) or {}).get("items") or []
@@ -245,11 +271,17 @@ class Kube:
     async def may_create_pods(self, userinfo: Mapping[str, Any], namespace: str) -> tuple[bool, str]:
         """A SubjectAccessReview: may the requester of an admission request (its userInfo) create pods in
         the namespace? (allowed, the authorizer's reason)."""
-        spec = {"user": userinfo.get("username", ""), "groups": list(userinfo.get("groups") or []),
-                "uid": userinfo.get("uid", ""), "extra": dict(userinfo.get("extra") or {}),
-                "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"}}
-        review = await self.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                                    {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-                                     "spec": spec})
+        spec = {
+            "user": userinfo.get("username", ""),
+            "groups": list(userinfo.get("groups") or []),
+            "uid": userinfo.get("uid", ""),
+            "extra": dict(userinfo.get("extra") or {}),
+            "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"},
+        }
+        review = await self.request(
+            "POST",
+            "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+            {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec},
+        )
         status = (review or {}).get("status") or {}
         return bool(status.get("allowed")), str(status.get("reason") or "")

@@ -1,12 +1,13 @@
 """Pure lifecycle rules: what the run policy says about a set of pods at a moment in time."""
+
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from meshjob.api import PERMANENT_EXIT_CODES
-
+from meshjob.spec.api import PERMANENT_EXIT_CODES
 from meshjob_operator.status import PodView
 
 FINISHED_POD_PHASES = ("Succeeded", "Failed")
@@ -37,6 +38,7 @@ FAILURE, DISRUPTION, PERMANENT = "failure", "disruption", "permanent"
 class GangBreak:
     """Why the gang must stop: a pod failed (retried, counts toward runPolicy.backoffLimit), was evicted,
     preempted or deleted by someone else (retried, not counted), or exited with a code no restart cures."""
+
     kind: str  # FAILURE | DISRUPTION | PERMANENT
     message: str
 
@@ -50,8 +52,9 @@ def gang_break(pods: Iterable[PodView], vanished: list[str]) -> GangBreak | None
         if pod.disrupted:
             return GangBreak(DISRUPTION, message)
         if pod.exit_code in PERMANENT_EXIT_CODES:
-            return GangBreak(PERMANENT, f"{message} (exit code {pod.exit_code}: the job itself is invalid, "
-                                        "a restart cannot help)")
+            return GangBreak(
+                PERMANENT, f"{message} (exit code {pod.exit_code}: the job itself is invalid, a restart cannot help)"
+            )
         return GangBreak(FAILURE, message)
     if vanished:
         return GangBreak(DISRUPTION, f"pod {vanished[0]} disappeared (evicted, preempted or deleted)")
@@ -61,8 +64,11 @@ def gang_break(pods: Iterable[PodView], vanished: list[str]) -> GangBreak | None
 def immutable_changes(started: Mapping[str, Any], edited: Mapping[str, Any]) -> list[str]:
     """Fields of a started job's spec an edit changed: all but runPolicy are fixed once pods exist (the
     trainers run, and resume from checkpoints of, the spec they started with). Both specs normalized."""
-    return [f"spec.{key}" for key in sorted(set(started) | set(edited))
-            if key not in MUTABLE_WHILE_STARTED and started.get(key) != edited.get(key)]
+    return [
+        f"spec.{key}"
+        for key in sorted(set(started) | set(edited))
+        if key not in MUTABLE_WHILE_STARTED and started.get(key) != edited.get(key)
+    ]
 
 
 def all_succeeded(pods: Iterable[PodView], expected: int) -> bool:

@@ -1,4 +1,5 @@
 """Operator metrics (prometheus-client), served on --metrics-port."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,24 +18,35 @@ class OperatorMetrics:
     _phases: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.jobs = Gauge("meshjob_operator_jobs", "TrainingJobs known to the operator, by phase",
-                          ["phase"], registry=self.registry)
+        self.jobs = Gauge(
+            "meshjob_operator_jobs", "TrainingJobs known to the operator, by phase", ["phase"], registry=self.registry
+        )
         self.reconcile_duration = Histogram(
-            "meshjob_operator_reconcile_duration_seconds", "Time of one reconcile of one TrainingJob",
-            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.restarts = Counter("meshjob_operator_restarts_total",
-                                "Gang restarts of TrainingJobs, by reason: failure (counts toward backoffLimit) or "
-                                "disruption (an eviction, preemption or deletion by someone else)",
-                                ["namespace", "trainingjob", "reason"], registry=self.registry)
+            "meshjob_operator_reconcile_duration_seconds",
+            "Time of one reconcile of one TrainingJob",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.restarts = Counter(
+            "meshjob_operator_restarts_total",
+            "Gang restarts of TrainingJobs, by reason: failure (counts toward backoffLimit) or "
+            "disruption (an eviction, preemption or deletion by someone else)",
+            ["namespace", "trainingjob", "reason"],
+            registry=self.registry,
+        )
         self.pod_creation_latency = Histogram(
             "meshjob_operator_pod_creation_latency_seconds",
             "From the reconcile deciding a host pod is missing to the API server accepting it",
-            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
         self.api_errors = Counter(
             "meshjob_operator_api_errors_total",
             "API calls for a TrainingJob refused for a reason that does not pass by itself (quota, admission "
             "policy, RBAC, an invalid child): the job is Blocked until the next attempt succeeds",
-            ["namespace", "trainingjob", "code"], registry=self.registry)
+            ["namespace", "trainingjob", "code"],
+            registry=self.registry,
+        )
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
 

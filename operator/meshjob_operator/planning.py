@@ -6,21 +6,24 @@ lock with it, that would delay every other job's pods, the webhook and the liven
 process spends the CPU elsewhere and is killed when the time is up. The child returns only what the
 reconciler writes (the ConfigMap's plan files, the host pods, the placement), never the Plan itself.
 """
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import multiprocessing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from meshjob import auto_stages, rendered
-from meshjob.cluster import HostPod, host_pods, plan_on_nodes
+from meshjob.cluster import auto_stages
+from meshjob.cluster.nodes import HostPod, host_pods, plan_on_nodes
 from meshjob.errors import PlacementError, SpecError, UsageError
-from meshjob.placement import Host
-from meshjob.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
-from meshjob.spec import TrainingJob
+from meshjob.plan import rendered
+from meshjob.plan.placement import Host
+from meshjob.plan.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
+from meshjob.spec.manifest import TrainingJob
 
 DEFAULT_TIMEOUT_S = 60.0  # the largest job the spec allows plans in seconds; a minute is generous
 # forkserver: children forked from a small clean process that has these imported (the operator's own
@@ -47,12 +50,17 @@ class Planned:
     tuned_message: str = ""  # ... and the StagesChosen Event's message
 
 
-def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[Host, ...] | None,
-             pods: Sequence[Mapping[str, Any]] = (), search: Mapping[str, Any] | None = None) -> Planned:
+def plan_job(
+    job: TrainingJob,
+    nodes: Sequence[Mapping[str, Any]],
+    hosts: tuple[Host, ...] | None,
+    pods: Sequence[Mapping[str, Any]] = (),
+    search: Mapping[str, Any] | None = None,
+) -> Planned:
     """The job's plan on these Nodes less what the cluster's `pods` use there (hosts None: a fresh
     placement, as `meshjob plan --cluster` makes it), or on the hosts its running pods already hold.
     With `search` (a `stages: auto` manifest; `job` its placeholder) the stages are chosen first, on
-    those same hosts (meshjob.auto_stages)."""
+    those same hosts (meshjob.cluster.auto_stages)."""
     from kubernetes.utils.quantity import parse_quantity
 
     if search is not None:
@@ -68,16 +76,21 @@ def plan_job(job: TrainingJob, nodes: Sequence[Mapping[str, Any]], hosts: tuple[
     return Planned(rendered.render(inputs, plan), host_pods(plan.placement), plan.placement.to_json())
 
 
-def _child(sender: Connection, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-           hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]],
-           search: Mapping[str, Any] | None) -> None:
+def _child(
+    sender: Connection,
+    job: TrainingJob,
+    nodes: Sequence[Mapping[str, Any]],
+    hosts: tuple[Host, ...] | None,
+    pods: Sequence[Mapping[str, Any]],
+    search: Mapping[str, Any] | None,
+) -> None:
     try:
         answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts, pods, search))
     except PlacementError as err:
         answer = ("placement", str(err))
     except SpecError as err:
         answer = ("spec", err.errors)
-    except UsageError as err:  # the search: no plan fits (meshjob.search.Infeasible), or the fixed fields
+    except UsageError as err:  # the search: no plan fits (meshjob.search.algorithm.Infeasible), or the fixed fields
         answer = ("infeasible", str(err))
     sender.send(answer)
     sender.close()
@@ -100,14 +113,23 @@ class Planner:
 
         await asyncio.to_thread(forkserver.ensure_running)
 
-    async def plan(self, job: TrainingJob, nodes: Sequence[Mapping[str, Any]],
-                   hosts: tuple[Host, ...] | None, pods: Sequence[Mapping[str, Any]] = (),
-                   search: Mapping[str, Any] | None = None) -> Planned:
+    async def plan(
+        self,
+        job: TrainingJob,
+        nodes: Sequence[Mapping[str, Any]],
+        hosts: tuple[Host, ...] | None,
+        pods: Sequence[Mapping[str, Any]] = (),
+        search: Mapping[str, Any] | None = None,
+    ) -> Planned:
         """plan_job in a child process; raises PlacementError, SpecError or PlanningFailed (after timeout_s,
         when the child dies, or when the search finds no plan that fits: reason Infeasible)."""
         receiver, sender = _CONTEXT.Pipe(duplex=False)
-        child = _CONTEXT.Process(target=_child, args=(sender, job, list(nodes), hosts, list(pods), search), daemon=True,
-                                 name=f"plan-{job.namespace}-{job.name}")
+        child = _CONTEXT.Process(
+            target=_child,
+            args=(sender, job, list(nodes), hosts, list(pods), search),
+            daemon=True,
+            name=f"plan-{job.namespace}-{job.name}",
+        )
         try:
             await asyncio.to_thread(child.start)
             sender.close()
@@ -124,9 +146,13 @@ class Planner:
         if kind == "infeasible":
             raise PlanningFailed("Infeasible", value)
         if kind == "timeout":
-            raise PlanningFailed("PlanningTimeout", f"planning took longer than {self.timeout_s:g} s (the operator's "
-                                 "--plan-timeout): fewer stages, devices or microbatches plan faster")
+            raise PlanningFailed(
+                "PlanningTimeout",
+                f"planning took longer than {self.timeout_s:g} s (the operator's "
+                "--plan-timeout): fewer stages, devices or microbatches plan faster",
+            )
         if kind == "died":
-            raise PlanningFailed("PlanningFailed", f"the planning process died (exit code {child.exitcode}): "
-                                 "out of memory, perhaps")
+            raise PlanningFailed(
+                "PlanningFailed", f"the planning process died (exit code {child.exitcode}): out of memory, perhaps"
+            )
         return value

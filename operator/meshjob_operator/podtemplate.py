@@ -12,13 +12,15 @@ Refused (at admission and by the operator, naming the field): what would silentl
 the operator's own parts (a volume, mount path, env variable or resource it sets) and hostPath
 volumes (a user-chosen host path is a way out of the pod; a checkpoint belongs on a PVC).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from meshjob.errors import FieldError, SpecError
-from meshjob.spec import TrainingJob
+from meshjob.spec.manifest import TrainingJob
 
 TEMPLATE = "spec.podTemplate.spec"
 TRAINER = f"{TEMPLATE}.containers[trainer]"
@@ -31,8 +33,9 @@ def checkpoint_volume(job: TrainingJob) -> dict[str, Any]:
     return {"name": "checkpoint", **copy.deepcopy(dict(source))}
 
 
-def check(job: TrainingJob, owned_volumes: set[str], owned_mounts: set[str], owned_env: set[str],
-          owned_resources: set[str]) -> None:
+def check(
+    job: TrainingJob, owned_volumes: set[str], owned_mounts: set[str], owned_env: set[str], owned_resources: set[str]
+) -> None:
     """SpecError naming each field of the template (or checkpoint volume) the merge cannot take."""
     errors: list[FieldError] = []
     volume = job.training.checkpoint.volume
@@ -44,33 +47,55 @@ def check(job: TrainingJob, owned_volumes: set[str], owned_mounts: set[str], own
     for i, item in enumerate(template.volumes):
         path = f"{TEMPLATE}.volumes[{i}]"
         if item.get("name") in owned_volumes:
-            errors.append(FieldError(f"{path}.name", item.get("name"),
-                                     f"a name the operator does not use ({', '.join(sorted(owned_volumes))})"))
+            errors.append(
+                FieldError(
+                    f"{path}.name",
+                    item.get("name"),
+                    f"a name the operator does not use ({', '.join(sorted(owned_volumes))})",
+                )
+            )
         errors += _volume_source_errors(path, {k: v for k, v in item.items() if k != "name"})
     for container in template.containers:
-        errors += _owned(f"{TRAINER}.volumeMounts", [m.get("mountPath") for m in container.volume_mounts],
-                         owned_mounts, "a mount path the operator does not use")
-        errors += _owned(f"{TRAINER}.env", [e.get("name") for e in container.env], owned_env,
-                         "a variable the operator does not set")
+        errors += _owned(
+            f"{TRAINER}.volumeMounts",
+            [m.get("mountPath") for m in container.volume_mounts],
+            owned_mounts,
+            "a mount path the operator does not use",
+        )
+        errors += _owned(
+            f"{TRAINER}.env", [e.get("name") for e in container.env], owned_env, "a variable the operator does not set"
+        )
         for kind in ("requests", "limits"):
-            errors += _owned(f"{TRAINER}.resources.{kind}", list((container.resources.get(kind) or {})),
-                             owned_resources, "a resource neither spec.resources (per device) nor "
-                             "spec.topology.deviceResource sets")
+            errors += _owned(
+                f"{TRAINER}.resources.{kind}",
+                list(container.resources.get(kind) or {}),
+                owned_resources,
+                "a resource neither spec.resources (per device) nor spec.topology.deviceResource sets",
+            )
     for key, value in [*job.pod_template.metadata.labels.items(), *job.pod_template.metadata.annotations.items()]:
         if not isinstance(value, str):
-            errors.append(FieldError(f"spec.podTemplate.metadata[{key!r}]", value, "a string (label and "
-                                     "annotation values are strings: quote numbers and booleans)"))
+            errors.append(
+                FieldError(
+                    f"spec.podTemplate.metadata[{key!r}]",
+                    value,
+                    "a string (label and annotation values are strings: quote numbers and booleans)",
+                )
+            )
     if errors:
         raise SpecError(errors)
 
 
 def _volume_source_errors(path: str, source: Mapping[str, Any]) -> list[FieldError]:
     if len(source) != 1:
-        return [FieldError(path, dict(source), "exactly one volume source, e.g. {persistentVolumeClaim: "
-                                               "{claimName: ckpt}}")]
+        return [
+            FieldError(path, dict(source), "exactly one volume source, e.g. {persistentVolumeClaim: {claimName: ckpt}}")
+        ]
     if "hostPath" in source:
-        return [FieldError(f"{path}.hostPath", source["hostPath"], "no hostPath: a PersistentVolumeClaim or "
-                                                                   "another volume source")]
+        return [
+            FieldError(
+                f"{path}.hostPath", source["hostPath"], "no hostPath: a PersistentVolumeClaim or another volume source"
+            )
+        ]
     return []
 
 
@@ -112,6 +137,7 @@ def _affinity(user: Mapping[str, Any], pin: Mapping[str, Any]) -> dict[str, Any]
     node = affinity.setdefault("nodeAffinity", {})
     required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
-    required["nodeSelectorTerms"] = [{**term, "matchExpressions": [*(term.get("matchExpressions") or []), dict(pin)]}
-                                     for term in terms]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*(term.get("matchExpressions") or []), dict(pin)]} for term in terms
+    ]
     return affinity

@@ -4,6 +4,7 @@ Trainer pods have no API credentials (automountServiceAccountToken: false), so t
 anything through the API server; the operator reads the same Prometheus exposition Prometheus scrapes.
 Reading it is best effort: an endpoint that does not answer leaves the last progress in place.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -13,8 +14,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshjob.api import CHECKPOINT_STEP_METRIC, STEP_METRIC, STEP_SECONDS_METRIC
-
+from meshjob.spec.api import CHECKPOINT_STEP_METRIC, STEP_METRIC, STEP_SECONDS_METRIC
 from meshjob_operator.status import timestamp
 
 SCRAPE_TIMEOUT_S = 2.0
@@ -44,9 +44,13 @@ def parse(text: str) -> Reading:
         values = samples.get(name)
         return int(max(values)) if values else None
 
-    count, total = sum(samples.get(f"{STEP_SECONDS_METRIC}_count", [])), sum(samples.get(f"{STEP_SECONDS_METRIC}_sum", []))
-    return Reading(step=top(STEP_METRIC), checkpoint_step=top(CHECKPOINT_STEP_METRIC),
-                   mean_step_s=total / count if count else None)
+    count, total = (
+        sum(samples.get(f"{STEP_SECONDS_METRIC}_count", [])),
+        sum(samples.get(f"{STEP_SECONDS_METRIC}_sum", [])),
+    )
+    return Reading(
+        step=top(STEP_METRIC), checkpoint_step=top(CHECKPOINT_STEP_METRIC), mean_step_s=total / count if count else None
+    )
 
 
 def status(reading: Reading, total_steps: int, now: datetime.datetime) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ Safe to interrupt anywhere: child names are deterministic, creation is create-if
 gang restart is recorded in status (restartPending) before any pod is deleted, so an operator
 restarted in the middle neither duplicates pods nor counts a restart twice.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,29 +13,59 @@ import datetime
 import fnmatch
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from meshjob import auto_stages
-from meshjob.cluster import node_infos, still_fits
+from meshjob.cluster import auto_stages
+from meshjob.cluster.nodes import node_infos, still_fits
 from meshjob.errors import FieldError, PlacementError, SpecError
-from meshjob.placement import Host, parse_hosts
-from meshjob.safeyaml import load_one
-from meshjob.spec import TrainingJob, job_to_dict, parse_job
-
+from meshjob.plan.placement import Host, parse_hosts
+from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
+from meshjob.spec.safeyaml import load_one
 from meshjob_operator import lifecycle, names, progress, render
 from meshjob_operator.kube import ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
-from meshjob_operator.planning import Planned, PlanningFailed, Planner
-from meshjob_operator.status import (FAILED, PENDING, CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
-                                     TERMINAL_PHASES, PodView, clear_condition, get_condition, is_true,
-                                     parse_time, set_condition, status_placement, timestamp)
+from meshjob_operator.planning import Planned, Planner, PlanningFailed
+from meshjob_operator.status import (
+    CREATED,
+    FAILED,
+    PENDING,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    SUSPENDED,
+    TERMINAL_PHASES,
+    PodView,
+    clear_condition,
+    get_condition,
+    is_true,
+    parse_time,
+    set_condition,
+    status_placement,
+    timestamp,
+)
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
-MANAGED = ("phase", "conditions", "hosts", "restarts", "disruptions", "restartPending", "step", "checkpointStep",
-           "progress", "startTime", "completionTime", "placement", "pods", "observedGeneration", "tuned")
+MANAGED = (
+    "phase",
+    "conditions",
+    "hosts",
+    "restarts",
+    "disruptions",
+    "restartPending",
+    "step",
+    "checkpointStep",
+    "progress",
+    "startTime",
+    "completionTime",
+    "placement",
+    "pods",
+    "observedGeneration",
+    "tuned",
+)
 RESTART_RECHECK_S = 1.0
 POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
 SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
@@ -51,9 +82,12 @@ def utcnow() -> datetime.datetime:
 def manifest(body: Mapping[str, Any]) -> dict[str, Any]:
     """The user's document without server-side metadata and status (for parse_job)."""
     meta = body.get("metadata", {})
-    return {"apiVersion": body.get("apiVersion", names.API_VERSION), "kind": body.get("kind", names.KIND),
-            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace") or "default"},
-            "spec": body.get("spec")}
+    return {
+        "apiVersion": body.get("apiVersion", names.API_VERSION),
+        "kind": body.get("kind", names.KIND),
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace") or "default"},
+        "spec": body.get("spec"),
+    }
 
 
 TRAINER_IMAGE_ENV = "MESHJOB_TRAINER_IMAGE"  # the chart's trainer image, for jobs that name none
@@ -63,7 +97,8 @@ ALLOWED_IMAGES_ENV = "MESHJOB_ALLOWED_IMAGES"  # comma-separated glob patterns; 
 def validate(body: Mapping[str, Any]) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
     SpecError naming every bad field. A `stages: auto` job comes back with one placeholder stage: the
-    search replaces it when the job is planned (meshjob.auto_stages). A job without spec.image runs the operator's trainer image;
+    search replaces it when the job is planned (meshjob.cluster.auto_stages). A job without spec.image runs the
+    operator's trainer image;
     with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused."""
     doc = manifest(body)
     job = auto_stages.read_for_cluster(doc).job
@@ -83,8 +118,15 @@ def allowed_images() -> tuple[str, ...]:
 def check_image(image: str, allowed: tuple[str, ...]) -> None:
     """SpecError naming spec.image unless it matches one allowed pattern (fnmatch; `*` crosses `/`)."""
     if allowed and not any(fnmatch.fnmatchcase(image, pattern) for pattern in allowed):
-        raise SpecError([FieldError("spec.image", image, f"an image this operator may run: one matching "
-                                    f"{', '.join(allowed)} (its --allowed-image list)")])
+        raise SpecError(
+            [
+                FieldError(
+                    "spec.image",
+                    image,
+                    f"an image this operator may run: one matching {', '.join(allowed)} (its --allowed-image list)",
+                )
+            ]
+        )
 
 
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
@@ -95,6 +137,7 @@ def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.date
 @dataclass
 class Draft:
     """The status being built in one reconcile; `changes()` is the merge patch to send."""
+
     old: Mapping[str, Any]
     new: dict[str, Any] = field(default_factory=dict)
 
@@ -172,7 +215,10 @@ class Reconciler:
         search = manifest(body) if auto_stages.wants_search(manifest(body)) else None
         job, started = await self._refuse_edits(meta, body, draft, job, now, search)
         search = None if started else search
-        if draft["phase"] == FAILED and (get_condition(draft.conditions, "Failed") or {}).get("reason") == "InvalidSpec":
+        if (
+            draft["phase"] == FAILED
+            and (get_condition(draft.conditions, "Failed") or {}).get("reason") == "InvalidSpec"
+        ):
             draft.condition("Failed", False, "SpecValid", "the spec is valid now", now)
             draft["phase"] = PENDING
         draft["observedGeneration"] = body.get("metadata", {}).get("generation")
@@ -250,8 +296,9 @@ class Reconciler:
         return min((t for t in (deadline, next_reading) if t is not None), default=None)
 
     # --- steps ---------------------------------------------------------------------------
-    def _report_scheduling(self, body: Mapping[str, Any], draft: Draft, pods: list[PodView],
-                           now: datetime.datetime) -> None:
+    def _report_scheduling(
+        self, body: Mapping[str, Any], draft: Draft, pods: list[PodView], now: datetime.datetime
+    ) -> None:
         """Pods the scheduler places nowhere: condition Unschedulable with its message and a Warning Event
         (the phase alone would say Created while they wait); cleared once every pod is placed."""
         waiting = [p for p in pods if p.unschedulable and not p.deleting]
@@ -264,8 +311,9 @@ class Reconciler:
         elif (get_condition(draft.conditions, "Unschedulable") or {}).get("reason") == POD_UNSCHEDULABLE:
             draft.clear("Unschedulable", "Scheduled", "the scheduler placed every pod", now)
 
-    async def _read_progress(self, job: TrainingJob, pods: list[PodView], draft: Draft,
-                             now: datetime.datetime) -> float | None:
+    async def _read_progress(
+        self, job: TrainingJob, pods: list[PodView], draft: Draft, now: datetime.datetime
+    ) -> float | None:
         """While the gang runs: step, checkpointStep and progress from global rank 0's metrics endpoint
         (local rank 0 of host pod 0), at most every progress.INTERVAL_S; returns when to read again."""
         first = pods[0] if pods else None
@@ -302,8 +350,16 @@ class Reconciler:
     async def _delete(self, meta: render.JobMeta, pods: list[PodView]) -> None:
         await asyncio.gather(*(self.kube.delete_pod(meta.namespace, p.name) for p in pods))
 
-    async def _restart_or_fail(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                               pods: list[PodView], broken: lifecycle.GangBreak, now: datetime.datetime) -> float | None:
+    async def _restart_or_fail(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        pods: list[PodView],
+        broken: lifecycle.GangBreak,
+        now: datetime.datetime,
+    ) -> float | None:
         """A gang restart from the last checkpoint; evictions and preemptions do not count toward
         runPolicy.backoffLimit, failures do, and a permanent exit code fails the job at once."""
         limit = job.run_policy.backoff_limit
@@ -318,8 +374,11 @@ class Reconciler:
         draft["restarts"], draft["restartPending"], draft["phase"] = restarts + 1, True, RESTARTING
         if disrupted:
             draft["disruptions"] = disruptions + 1
-        budget = "not counted toward runPolicy.backoffLimit" if disrupted else \
-            f"failure {counted + 1} of at most {limit} (runPolicy.backoffLimit)"
+        budget = (
+            "not counted toward runPolicy.backoffLimit"
+            if disrupted
+            else f"failure {counted + 1} of at most {limit} (runPolicy.backoffLimit)"
+        )
         reason = "PodDisrupted" if disrupted else "PodFailed"
         draft.condition("Restarting", True, reason, f"{broken.message}: restarting all pods ({budget})", now)
         draft.clear("Running", "Restarting", broken.message, now)
@@ -329,11 +388,21 @@ class Reconciler:
         await self._delete(meta, [p for p in pods if not p.deleting])
         return RESTART_RECHECK_S
 
-    async def _fail(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                    pods: list[PodView], reason: str, message: str, now: datetime.datetime) -> float | None:
+    async def _fail(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        pods: list[PodView],
+        reason: str,
+        message: str,
+        now: datetime.datetime,
+    ) -> float | None:
         if job.scheduling.queue:  # Kueue: a group with a pod marked so is finished, its quota released
-            await asyncio.gather(*(self.kube.patch(meta.namespace, "pods", p.name, NOT_RETRIABLE)
-                                   for p in pods if not p.deleting))
+            await asyncio.gather(
+                *(self.kube.patch(meta.namespace, "pods", p.name, NOT_RETRIABLE) for p in pods if not p.deleting)
+            )
         draft["phase"] = FAILED
         draft["completionTime"] = timestamp(now)
         draft["restartPending"] = None
@@ -343,21 +412,36 @@ class Reconciler:
         self.emit(body, "Warning", reason, message)
         return await self._finished(meta, body, draft, job, pods, now)
 
-    async def _finished(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                        pods: list[PodView], now: datetime.datetime) -> float | None:
+    async def _finished(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        pods: list[PodView],
+        now: datetime.datetime,
+    ) -> float | None:
         """cleanPodPolicy, then ttlSecondsAfterFinished."""
         await self._delete(meta, lifecycle.cleanup_targets(pods, job.run_policy.clean_pod_policy))
         await self._write(meta, body, draft)
-        left = lifecycle.seconds_left(parse_time(draft["completionTime"]), job.run_policy.ttl_seconds_after_finished, now)
+        left = lifecycle.seconds_left(
+            parse_time(draft["completionTime"]), job.run_policy.ttl_seconds_after_finished, now
+        )
         if left is not None and left <= 0:
             await self.kube.delete_job(meta.namespace, meta.name)
             self.metrics.job_phase(meta.namespace, meta.name, None)
             return None
         return left
 
-    async def _refuse_edits(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                            now: datetime.datetime, search: Mapping[str, Any] | None = None
-                            ) -> tuple[TrainingJob, bool]:
+    async def _refuse_edits(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        now: datetime.datetime,
+        search: Mapping[str, Any] | None = None,
+    ) -> tuple[TrainingJob, bool]:
         """Once its pods exist a job runs, and resumes from checkpoints of, the spec it started with (kept
         in its ConfigMap): an edit beside spec.runPolicy is refused (condition EditRefused, a Warning Event)
         and the job runs on as it was, with the edited runPolicy. A `stages: auto` job (`search`, its
@@ -372,8 +456,10 @@ class Reconciler:
         if not changed:
             draft.clear("EditRefused", "Unchanged", "the spec is the one the job started with", now)
             return (job if search is None else dataclasses.replace(started, run_policy=job.run_policy)), True
-        message = (f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy can): it runs on "
-                   "with the spec it started with; delete and re-create it to change them")
+        message = (
+            f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy can): it runs on "
+            "with the spec it started with; delete and re-create it to change them"
+        )
         old = (get_condition(draft.conditions, "EditRefused") or {}).get("message")
         draft.condition("EditRefused", True, "ImmutableWhileStarted", message, now)
         if old != message:
@@ -399,9 +485,16 @@ class Reconciler:
             return None
         return parse_hosts(load_one(text, "hosts.yaml", "hosts"))
 
-    async def _create_children(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                               pods: list[PodView], now: datetime.datetime,
-                               search: Mapping[str, Any] | None = None) -> bool:
+    async def _create_children(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        pods: list[PodView],
+        now: datetime.datetime,
+        search: Mapping[str, Any] | None = None,
+    ) -> bool:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
         # surviving pods keep their placement; a fresh (re)start places on the nodes there are now,
         # with the function `meshjob plan --cluster` calls
@@ -420,8 +513,10 @@ class Reconciler:
                     now_running = await self.kube.list_running_pods()
                     if still_fits(planned.pods, node_infos(nodes, planned.chosen or job, parse_quantity, now_running)):
                         return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
-            raise PlacementError(f"the devices it was planned on were taken by other jobs while it was planned "
-                                 f"({PLACEMENT_ATTEMPTS} times)")
+            raise PlacementError(
+                f"the devices it was planned on were taken by other jobs while it was planned "
+                f"({PLACEMENT_ATTEMPTS} times)"
+            )
         except PlanningFailed as err:
             await self._fail(meta, body, draft, job, pods, err.reason, str(err), now)
             return False
@@ -438,9 +533,18 @@ class Reconciler:
             self.emit(body, "Warning", "InvalidSpec", str(err))
             return False
 
-    async def _create_planned(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, job: TrainingJob,
-                              pods: list[PodView], planned: Planned, nodes: list[Mapping[str, Any]], fresh: bool,
-                              now: datetime.datetime) -> bool:
+    async def _create_planned(
+        self,
+        meta: render.JobMeta,
+        body: Mapping[str, Any],
+        draft: Draft,
+        job: TrainingJob,
+        pods: list[PodView],
+        planned: Planned,
+        nodes: list[Mapping[str, Any]],
+        fresh: bool,
+        now: datetime.datetime,
+    ) -> bool:
         """The plan's ConfigMap, Service, PodGroup and missing pods (of the job the search chose, for a
         `stages: auto` job: status.tuned and a StagesChosen Event say what it chose)."""
         if planned.chosen is not None:
@@ -460,20 +564,30 @@ class Reconciler:
         if job.scheduling.gang:
             pg = render.podgroup(meta, wanted)
             await self.kube.create_if_absent(
-                pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups")
+                pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups"
+            )
 
         have = {p.index for p in pods}
-        await asyncio.gather(*(self._create_pod(render.pod(meta, job, hp, wanted))
-                               for hp in wanted if hp.index not in have))
+        await asyncio.gather(
+            *(self._create_pod(render.pod(meta, job, hp, wanted)) for hp in wanted if hp.index not in have)
+        )
         draft["hosts"] = len(wanted)
         draft["placement"] = status_placement(planned.placement, node_of_host)
         draft["pods"] = {**{names.pod_name(meta.name, hp.index): "Pending" for hp in wanted}, **(draft["pods"] or {})}
         if not draft["startTime"]:
             draft["startTime"] = timestamp(now)
-        if draft.condition("Created", True, "PodsCreated", f"{len(wanted)} host pod(s) created", now) \
-                and job.training.checkpoint.every and job.training.checkpoint.volume is None:
-            self.emit(body, "Warning", "EphemeralCheckpoints", "checkpoints go to an emptyDir that a gang restart "
-                      "loses: set spec.training.checkpoint.volume (e.g. a PersistentVolumeClaim)")
+        if (
+            draft.condition("Created", True, "PodsCreated", f"{len(wanted)} host pod(s) created", now)
+            and job.training.checkpoint.every
+            and job.training.checkpoint.volume is None
+        ):
+            self.emit(
+                body,
+                "Warning",
+                "EphemeralCheckpoints",
+                "checkpoints go to an emptyDir that a gang restart "
+                "loses: set spec.training.checkpoint.volume (e.g. a PersistentVolumeClaim)",
+            )
         return True
 
     async def _create_pod(self, body: dict[str, Any]) -> None:
@@ -499,8 +613,9 @@ class Reconciler:
         if old.get("status") != "True" or old.get("message") != message:
             self.emit(body, "Warning", "Blocked", message)
 
-    async def _write(self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft,
-                     override: Mapping[str, Any] | None = None) -> None:
+    async def _write(
+        self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, override: Mapping[str, Any] | None = None
+    ) -> None:
         if override:
             for key, value in override.items():
                 draft[key] = value

@@ -3,20 +3,21 @@
 Every function maps (spec, plan, job metadata) to a dict ready for the API server; nothing here
 talks to a cluster, so the bodies are unit-tested as data.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Mapping
+from typing import Any
 
 from kubernetes.utils.quantity import format_quantity, parse_quantity
 
-from meshjob import rendered
-from meshjob.cluster import HostPod, world_size
+from meshjob.cluster.nodes import HostPod, world_size
 from meshjob.errors import FieldError, SpecError
-from meshjob.safeyaml import dump_yaml
-from meshjob.spec import TrainingJob
-
+from meshjob.plan import rendered
+from meshjob.spec.manifest import TrainingJob
+from meshjob.spec.safeyaml import dump_yaml
 from meshjob_operator import names, podtemplate
 
 RUN_AS_USER = 1000
@@ -30,14 +31,17 @@ class JobMeta:
     uid: str
 
     @classmethod
-    def of(cls, body: Mapping[str, Any]) -> "JobMeta":
+    def of(cls, body: Mapping[str, Any]) -> JobMeta:
         meta = body.get("metadata", {})
         return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
 
 
 def labels(meta: JobMeta, index: int | None = None) -> dict[str, str]:
-    out = {names.JOB_LABEL: meta.name, "app.kubernetes.io/name": "meshjob",
-           "app.kubernetes.io/managed-by": "meshjob-operator"}
+    out = {
+        names.JOB_LABEL: meta.name,
+        "app.kubernetes.io/name": "meshjob",
+        "app.kubernetes.io/managed-by": "meshjob-operator",
+    }
     if index is not None:
         out[names.HOST_INDEX_LABEL] = str(index)
         out["app.kubernetes.io/component"] = "trainer"
@@ -45,23 +49,38 @@ def labels(meta: JobMeta, index: int | None = None) -> dict[str, str]:
 
 
 def owner_reference(meta: JobMeta) -> dict[str, Any]:
-    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta.name, "uid": meta.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "name": meta.name,
+        "uid": meta.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def _metadata(meta: JobMeta, name: str, index: int | None = None) -> dict[str, Any]:
-    return {"name": name, "namespace": meta.namespace, "labels": labels(meta, index),
-            "ownerReferences": [owner_reference(meta)]}
+    return {
+        "name": name,
+        "namespace": meta.namespace,
+        "labels": labels(meta, index),
+        "ownerReferences": [owner_reference(meta)],
+    }
 
 
 def configmap(meta: JobMeta, spec: Mapping[str, Any], files: Mapping[str, str]) -> dict[str, Any]:
     """What the pods' workers rebuild the plan from, mounted at /etc/meshjob: the job manifest, the
     hosts the plan was placed on, the NIC rate and cost model, and the plan's digest to verify it by
-    (meshjob.rendered says why the plan itself does not travel)."""
-    manifest = {"apiVersion": names.API_VERSION, "kind": names.KIND,
-                "metadata": {"name": meta.name, "namespace": meta.namespace}, "spec": dict(spec)}
+    (meshjob.plan.rendered says why the plan itself does not travel)."""
+    manifest = {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": meta.name, "namespace": meta.namespace},
+        "spec": dict(spec),
+    }
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": _metadata(meta, names.configmap_name(meta.name)),
         "data": {rendered.JOB_FILE: dump_yaml(manifest, sort_keys=True), **files},
     }
@@ -70,14 +89,17 @@ def configmap(meta: JobMeta, spec: Mapping[str, Any], files: Mapping[str, str]) 
 def service(meta: JobMeta, job: TrainingJob) -> dict[str, Any]:
     """Headless Service: gives each host pod a DNS name for the rendezvous, ready or not."""
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": _metadata(meta, names.service_name(meta.name)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": {names.JOB_LABEL: meta.name},
-            "ports": [{"name": "rendezvous", "port": names.MASTER_PORT, "targetPort": names.MASTER_PORT},
-                      {"name": "metrics", "port": job.metrics.port, "targetPort": job.metrics.port}],
+            "ports": [
+                {"name": "rendezvous", "port": names.MASTER_PORT, "targetPort": names.MASTER_PORT},
+                {"name": "metrics", "port": job.metrics.port, "targetPort": job.metrics.port},
+            ],
         },
     }
 
@@ -85,7 +107,8 @@ def service(meta: JobMeta, job: TrainingJob) -> dict[str, Any]:
 def podgroup(meta: JobMeta, pods: tuple[HostPod, ...]) -> dict[str, Any]:
     """scheduler-plugins coscheduling PodGroup: all host pods or none."""
     return {
-        "apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
         "metadata": _metadata(meta, names.podgroup_name(meta.name)),
         "spec": {"minMember": len(pods)},
     }
@@ -98,12 +121,19 @@ def master_addr(meta: JobMeta) -> str:
 def environment(meta: JobMeta, job: TrainingJob, pod: HostPod, pods: tuple[HostPod, ...]) -> list[dict[str, Any]]:
     """torchrun's variables, Kubeflow's PET_* spellings, and meshjob's own."""
     plain = {
-        "MASTER_ADDR": master_addr(meta), "MASTER_PORT": str(names.MASTER_PORT),
-        "WORLD_SIZE": str(world_size(pods)), "NODE_RANK": str(pod.index),
-        "PET_NNODES": str(len(pods)), "PET_NPROC_PER_NODE": str(pod.devices), "PET_NODE_RANK": str(pod.index),
-        "PET_MASTER_ADDR": master_addr(meta), "PET_MASTER_PORT": str(names.MASTER_PORT),
-        "MESHJOB_JOB": f"{names.CONFIG_DIR}/job.yaml", "MESHJOB_HOSTS": f"{names.CONFIG_DIR}/hosts.yaml",
-        "MESHJOB_PLAN": f"{names.CONFIG_DIR}/plan.json", "MESHJOB_METRICS_PORT": str(job.metrics.port),
+        "MASTER_ADDR": master_addr(meta),
+        "MASTER_PORT": str(names.MASTER_PORT),
+        "WORLD_SIZE": str(world_size(pods)),
+        "NODE_RANK": str(pod.index),
+        "PET_NNODES": str(len(pods)),
+        "PET_NPROC_PER_NODE": str(pod.devices),
+        "PET_NODE_RANK": str(pod.index),
+        "PET_MASTER_ADDR": master_addr(meta),
+        "PET_MASTER_PORT": str(names.MASTER_PORT),
+        "MESHJOB_JOB": f"{names.CONFIG_DIR}/job.yaml",
+        "MESHJOB_HOSTS": f"{names.CONFIG_DIR}/hosts.yaml",
+        "MESHJOB_PLAN": f"{names.CONFIG_DIR}/plan.json",
+        "MESHJOB_METRICS_PORT": str(job.metrics.port),
     }
     if job.training.checkpoint.path:
         plain["MESHJOB_CHECKPOINT_DIR"] = job.training.checkpoint.path
@@ -125,7 +155,7 @@ def scale_quantity(value: str | int | float, factor: int, path: str = "quantity"
         raise SpecError([FieldError(path, value, "a Kubernetes quantity such as 2, 500m, 4Gi")]) from None
     suffix = text.lstrip("+-.0123456789")
     try:
-        in_unit = format_quantity(scaled, suffix)[:-len(suffix)] if suffix else str(scaled)
+        in_unit = format_quantity(scaled, suffix)[: -len(suffix)] if suffix else str(scaled)
     except ValueError:  # an exponent form such as 1e3 has no unit to keep
         in_unit, suffix = str(scaled), ""
     return format(Decimal(in_unit).normalize(), "f") + suffix  # 3.0Ki -> 3Ki
@@ -148,8 +178,14 @@ def metrics_ports(job: TrainingJob, devices: int) -> list[dict[str, Any]]:
     """One port per local rank: rank r of the pod serves on spec.metrics.port + r (trainer/worker).
 
     Named metrics, metrics-1, metrics-2, ... so a PodMonitor can keep them by name pattern."""
-    return [{"name": "metrics" if rank == 0 else f"metrics-{rank}", "containerPort": job.metrics.port + rank,
-             "protocol": "TCP"} for rank in range(devices)]
+    return [
+        {
+            "name": "metrics" if rank == 0 else f"metrics-{rank}",
+            "containerPort": job.metrics.port + rank,
+            "protocol": "TCP",
+        }
+        for rank in range(devices)
+    ]
 
 
 def pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[HostPod, ...]) -> dict[str, Any]:
@@ -167,10 +203,13 @@ def check_pod_template(job: TrainingJob) -> None:
     host = HostPod(index=0, host="host", rack="", devices=1, stages=(0,))
     own = _own_pod(JobMeta(job.name, job.namespace, ""), job, host, (host,))
     (trainer,) = own["spec"]["containers"]
-    podtemplate.check(job, owned_volumes={v["name"] for v in own["spec"]["volumes"]},
-                      owned_mounts={m["mountPath"] for m in trainer["volumeMounts"]},
-                      owned_env={e["name"] for e in trainer["env"]},
-                      owned_resources={k for kind in trainer["resources"].values() for k in kind})
+    podtemplate.check(
+        job,
+        owned_volumes={v["name"] for v in own["spec"]["volumes"]},
+        owned_mounts={m["mountPath"] for m in trainer["volumeMounts"]},
+        owned_env={e["name"] for e in trainer["env"]},
+        owned_resources={k for kind in trainer["resources"].values() for k in kind},
+    )
 
 
 def _pin(job: TrainingJob, host_pod: HostPod) -> dict[str, Any]:
@@ -181,10 +220,15 @@ def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[Hos
     """The pod without the job's template."""
     name = names.pod_name(meta.name, host_pod.index)
     metadata = _metadata(meta, name, host_pod.index)
-    metadata["annotations"] = {"meshjob.io/devices": str(host_pod.devices),
-                               "meshjob.io/stages": ",".join(str(s) for s in host_pod.stages)}
-    mounts = [{"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
-              {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+    metadata["annotations"] = {
+        "meshjob.io/devices": str(host_pod.devices),
+        "meshjob.io/stages": ",".join(str(s) for s in host_pod.stages),
+    }
+    mounts = [
+        {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.configmap_name(meta.name)}},
         {"name": "tmp", "emptyDir": {}},
@@ -197,16 +241,29 @@ def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[Hos
         "name": "trainer",
         "image": job.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["meshjob", "worker", "--job", f"{names.CONFIG_DIR}/job.yaml",
-                    "--nproc", str(host_pod.devices), "--node-rank", str(host_pod.index)],
+        "command": [
+            "meshjob",
+            "worker",
+            "--job",
+            f"{names.CONFIG_DIR}/job.yaml",
+            "--nproc",
+            str(host_pod.devices),
+            "--node-rank",
+            str(host_pod.index),
+        ],
         "env": environment(meta, job, host_pod, pods),
-        "ports": [{"name": "rendezvous", "containerPort": names.MASTER_PORT, "protocol": "TCP"},
-                  *metrics_ports(job, host_pod.devices)],
+        "ports": [
+            {"name": "rendezvous", "containerPort": names.MASTER_PORT, "protocol": "TCP"},
+            *metrics_ports(job, host_pod.devices),
+        ],
         "resources": resources(job, host_pod.devices),
         "volumeMounts": mounts,
         "securityContext": {
-            "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
     pod_spec: dict[str, Any] = {
@@ -214,10 +271,20 @@ def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[Hos
         "hostname": name,
         "subdomain": names.service_name(meta.name),
         "enableServiceLinks": False,
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [_pin(job, host_pod)]}]}}},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [_pin(job, host_pod)]}]
+                }
+            }
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
     }

@@ -1,17 +1,35 @@
 """TrainingJob status: conditions (Kubernetes style), phases, and what the pods report."""
+
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from meshjob_operator import names
 
-CONDITION_TYPES = ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended", "Unschedulable",
-                   "Blocked", "EditRefused")
+CONDITION_TYPES = (
+    "Created",
+    "Running",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "Suspended",
+    "Unschedulable",
+    "Blocked",
+    "EditRefused",
+)
 
 PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (
-    "Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+    "Pending",
+    "Created",
+    "Running",
+    "Restarting",
+    "Suspended",
+    "Succeeded",
+    "Failed",
+)
 TERMINAL_PHASES = (SUCCEEDED, FAILED)
 PHASES = (PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
 # a pod's status.reason when the kubelet evicted it (node pressure) or the scheduler preempted it
@@ -37,8 +55,9 @@ def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
     return bool(cond) and cond.get("status") == "True"
 
 
-def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: bool, reason: str,
-                  message: str, now: datetime.datetime) -> list[dict[str, Any]]:
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]], type_: str, status: bool, reason: str, message: str, now: datetime.datetime
+) -> list[dict[str, Any]]:
     """A new list with `type_` set; lastTransitionTime moves only when the status flips."""
     if type_ not in CONDITION_TYPES:
         raise ValueError(f"condition type {type_!r} is invalid: one of {', '.join(CONDITION_TYPES)}")
@@ -51,16 +70,25 @@ def set_condition(conditions: Iterable[Mapping[str, Any]], type_: str, status: b
             continue
         found = True
         changed = cond.get("status") != value
-        out.append({"type": type_, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": timestamp(now) if changed else cond.get("lastTransitionTime", timestamp(now))})
+        out.append(
+            {
+                "type": type_,
+                "status": value,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": timestamp(now) if changed else cond.get("lastTransitionTime", timestamp(now)),
+            }
+        )
     if not found:
-        out.append({"type": type_, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": timestamp(now)})
+        out.append(
+            {"type": type_, "status": value, "reason": reason, "message": message, "lastTransitionTime": timestamp(now)}
+        )
     return out
 
 
-def clear_condition(conditions: Iterable[Mapping[str, Any]], type_: str, reason: str, message: str,
-                    now: datetime.datetime) -> list[dict[str, Any]]:
+def clear_condition(
+    conditions: Iterable[Mapping[str, Any]], type_: str, reason: str, message: str, now: datetime.datetime
+) -> list[dict[str, Any]]:
     """Set `type_` False if it is present and True; absent conditions stay absent."""
     conditions = list(conditions)
     if is_true(conditions, type_):
@@ -71,6 +99,7 @@ def clear_condition(conditions: Iterable[Mapping[str, Any]], type_: str, reason:
 @dataclass(frozen=True)
 class PodView:
     """What the reconciler needs from a child pod."""
+
     name: str
     index: int
     phase: str  # Pending, Running, Succeeded, Failed, Unknown
@@ -83,23 +112,35 @@ class PodView:
     unschedulable: str = ""  # the scheduler's message while it finds no node for the pod
 
     @classmethod
-    def of(cls, pod: Mapping[str, Any], index: int) -> "PodView":
+    def of(cls, pod: Mapping[str, Any], index: int) -> PodView:
         meta = pod.get("metadata", {})
         st = pod.get("status") or {}
         owners = [o.get("uid", "") for o in meta.get("ownerReferences") or [] if o.get("kind") == names.KIND]
         disrupted = st.get("reason") in DISRUPTION_REASONS or any(
-            c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in st.get("conditions") or [])
-        return cls(name=meta["name"], index=index, phase=st.get("phase") or "Pending",
-                   deleting=bool(meta.get("deletionTimestamp")), owner_uid=owners[0] if owners else "",
-                   message=_failure_message(st), ip=st.get("podIP") or "", disrupted=disrupted,
-                   exit_code=_exit_code(st), unschedulable=_unschedulable(st))
+            c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in st.get("conditions") or []
+        )
+        return cls(
+            name=meta["name"],
+            index=index,
+            phase=st.get("phase") or "Pending",
+            deleting=bool(meta.get("deletionTimestamp")),
+            owner_uid=owners[0] if owners else "",
+            message=_failure_message(st),
+            ip=st.get("podIP") or "",
+            disrupted=disrupted,
+            exit_code=_exit_code(st),
+            unschedulable=_unschedulable(st),
+        )
 
 
 def _unschedulable(pod_status: Mapping[str, Any]) -> str:
     """Why the scheduler places the pod nowhere (condition PodScheduled False, reason Unschedulable)."""
     for cond in pod_status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and \
-                cond.get("reason") == "Unschedulable":
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
             return cond.get("message") or "the scheduler found no node for it"
     return ""
 
@@ -123,5 +164,12 @@ def _failure_message(pod_status: Mapping[str, Any]) -> str:
 
 def status_placement(placement_rows: list[dict[str, Any]], node_of_host: dict[str, str]) -> list[dict[str, Any]]:
     """status.placement from Placement.to_json(): one entry per mesh row, with the Node it landed on."""
-    return [{"stage": row["stage"], "host": row["host"], "node": node_of_host.get(row["host"], ""),
-             "devices": list(row["devices"])} for row in placement_rows]
+    return [
+        {
+            "stage": row["stage"],
+            "host": row["host"],
+            "node": node_of_host.get(row["host"], ""),
+            "devices": list(row["devices"]),
+        }
+        for row in placement_rows
+    ]

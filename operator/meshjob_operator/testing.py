@@ -11,6 +11,7 @@ scenario is written once and runs against both:
     ports and state per run, ServiceAccount admission on as on every real cluster.
 No kubelet runs in either: a test plays the kubelet by patching pod status (`Cluster.set_pod_phase`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,20 +25,24 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import yaml
 
-from meshjob.crd import crd_yaml
-
+from meshjob.spec.crd import crd_yaml
 from meshjob_operator import names
 from meshjob_operator.kube import MERGE_PATCH, ApiError, Connection, Kube
 
 JOBS = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{{ns}}/{names.PLURAL}"
-AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-                "rules": [{"level": "Metadata"}]}
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [{"level": "Metadata"}],
+}
 
 
 def free_port() -> int:
@@ -50,15 +55,28 @@ def envtest_assets() -> Path | None:
     """controller-runtime's convention: KUBEBUILDER_ASSETS names a folder with kube-apiserver (and here
     its start.sh); etcd comes from PATH."""
     folder = os.environ.get("KUBEBUILDER_ASSETS")
-    if folder and (Path(folder) / "kube-apiserver").exists() and (Path(folder) / "start.sh").exists() \
-            and shutil.which("etcd"):
+    if (
+        folder
+        and (Path(folder) / "kube-apiserver").exists()
+        and (Path(folder) / "start.sh").exists()
+        and shutil.which("etcd")
+    ):
         return Path(folder)
     return None
 
 
-def node_body(name: str, devices: int, *, resource: str = "cpu", rack: str = "", ready: bool = True,
-              unschedulable: bool = False, host_label: str = "kubernetes.io/hostname",
-              taints: list[dict[str, str]] | None = None, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def node_body(
+    name: str,
+    devices: int,
+    *,
+    resource: str = "cpu",
+    rack: str = "",
+    ready: bool = True,
+    unschedulable: bool = False,
+    host_label: str = "kubernetes.io/hostname",
+    taints: list[dict[str, str]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     all_labels = {host_label: name, **(labels or {})}
     if rack:
         all_labels["topology.kubernetes.io/zone"] = rack
@@ -66,27 +84,42 @@ def node_body(name: str, devices: int, *, resource: str = "cpu", rack: str = "",
     if taints:
         spec["taints"] = taints
     return {
-        "apiVersion": "v1", "kind": "Node",
+        "apiVersion": "v1",
+        "kind": "Node",
         "metadata": {"name": name, "labels": all_labels},
         "spec": spec,
-        "status": {"allocatable": {resource: str(devices), "pods": "110"},
-                   "capacity": {resource: str(devices), "pods": "110"},
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        "status": {
+            "allocatable": {resource: str(devices), "pods": "110"},
+            "capacity": {resource: str(devices), "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
     }
 
 
-def job_body(name: str, namespace: str = "default", *, hosts: int = 2, devices_per_host: int = 2,
-             run_policy: dict[str, Any] | None = None, **spec_overrides: Any) -> dict[str, Any]:
+def job_body(
+    name: str,
+    namespace: str = "default",
+    *,
+    hosts: int = 2,
+    devices_per_host: int = 2,
+    run_policy: dict[str, Any] | None = None,
+    **spec_overrides: Any,
+) -> dict[str, Any]:
     """A small valid TrainingJob: stage 0 on one host's devices, stage 1 over `hosts - 1` hosts."""
     stages = [{"layers": [0, 1], "mesh": [1, devices_per_host], "tensorParallelDim": 1}]
     if hosts > 1:
-        stages.append({"layers": [1, 2], "mesh": [hosts - 1, devices_per_host], "dataParallelDim": 0,
-                       "tensorParallelDim": 1})
+        stages.append(
+            {"layers": [1, 2], "mesh": [hosts - 1, devices_per_host], "dataParallelDim": 0, "tensorParallelDim": 1}
+        )
     spec: dict[str, Any] = {
         "image": "meshjob/trainer:test",
         "model": {"kind": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seqLen": 16},
-        "training": {"steps": 3, "globalBatch": 8 * max(1, hosts - 1), "microbatches": 2,
-                     "checkpoint": {"every": 1, "path": "/ckpt", "volume": {"emptyDir": {}}}},
+        "training": {
+            "steps": 3,
+            "globalBatch": 8 * max(1, hosts - 1),
+            "microbatches": 2,
+            "checkpoint": {"every": 1, "path": "/ckpt", "volume": {"emptyDir": {}}},
+        },
         "topology": {"devicesPerHost": devices_per_host},
         "stages": stages,
         "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "naive"},
@@ -94,12 +127,17 @@ def job_body(name: str, namespace: str = "default", *, hosts: int = 2, devices_p
         "runPolicy": {"backoffLimit": 2, "cleanPodPolicy": "All", **(run_policy or {})},
     }
     spec.update(spec_overrides)
-    return {"apiVersion": names.API_VERSION, "kind": names.KIND,
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
 
 
-async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.1,
-                     what: str = "condition") -> Any:
+async def eventually(
+    check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"
+) -> Any:
     """Poll until `check()` returns something truthy; fail with the last value otherwise."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -116,8 +154,10 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 15
 
 # --- the clusters ------------------------------------------------------------------------------
 
+
 class Cluster:
     """What a scenario needs from a cluster; subclasses differ only in setup and quirks."""
+
     kubeconfig: Path
     kube: Kube
     real: bool = False  # a real API server (GC by kube-controller-manager, admission, status subresource, ...)
@@ -149,8 +189,16 @@ class Cluster:
     async def pods(self, job: str, namespace: str = "default") -> list[dict[str, Any]]:
         return sorted(await self.kube.list_pods(namespace, job), key=lambda p: p["metadata"]["name"])
 
-    async def set_pod_phase(self, pod: str, phase: str, namespace: str = "default", *, ip: str | None = None,
-                            exit_code: int = 1, reason: str | None = None) -> None:
+    async def set_pod_phase(
+        self,
+        pod: str,
+        phase: str,
+        namespace: str = "default",
+        *,
+        ip: str | None = None,
+        exit_code: int = 1,
+        reason: str | None = None,
+    ) -> None:
         """Play the kubelet: report a pod's phase (and its IP, where its metrics endpoint is)."""
         status: dict[str, Any] = {"phase": phase}
         if ip:
@@ -158,17 +206,27 @@ class Cluster:
         if reason:
             status["reason"] = reason
         if phase == "Failed":
-            status["containerStatuses"] = [{"name": "trainer", "ready": False, "restartCount": 0, "image": "x",
-                                            "imageID": "", "state": {"terminated": {"exitCode": exit_code,
-                                                                                   "reason": "Error"}}}]
+            status["containerStatuses"] = [
+                {
+                    "name": "trainer",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "x",
+                    "imageID": "",
+                    "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}},
+                }
+            ]
         path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
         await self.kube.request("PATCH", path, {"status": status}, content_type=MERGE_PATCH)
 
     async def set_pod_scheduled(self, pod: str, namespace: str = "default", *, unschedulable: str = "") -> None:
         """Play the scheduler: condition PodScheduled, False with reason Unschedulable and its message
         when `unschedulable` says why the pod fits no node."""
-        cond = ({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
-                if unschedulable else {"type": "PodScheduled", "status": "True"})
+        cond = (
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+            if unschedulable
+            else {"type": "PodScheduled", "status": "True"}
+        )
         path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
         await self.kube.request("PATCH", path, {"status": {"conditions": [cond]}}, content_type=MERGE_PATCH)
 
@@ -205,8 +263,7 @@ class KmockCluster(Cluster):
 
     def _refused(self, request: Any) -> bool:
         path = str(request.url).split("?")[0]
-        return request.method.upper() == "GET" and any(path.endswith(f"/namespaces/{ns}/pods")
-                                                        for ns in self.forbidden)
+        return request.method.upper() == "GET" and any(path.endswith(f"/namespaces/{ns}/pods") for ns in self.forbidden)
 
     def _stamp(self, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.setdefault("metadata", {})
@@ -226,9 +283,12 @@ class KmockCluster(Cluster):
 
 
 KMOCK_RESOURCES = [  # (resource, kind, namespaced, subresources)
-    ("v1/namespaces", "Namespace", False, ()), ("v1/nodes", "Node", False, ("status",)),
-    ("v1/pods", "Pod", True, ("status",)), ("v1/services", "Service", True, ()),
-    ("v1/configmaps", "ConfigMap", True, ()), ("v1/events", "Event", True, ()),
+    ("v1/namespaces", "Namespace", False, ()),
+    ("v1/nodes", "Node", False, ("status",)),
+    ("v1/pods", "Pod", True, ("status",)),
+    ("v1/services", "Service", True, ()),
+    ("v1/configmaps", "ConfigMap", True, ()),
+    ("v1/events", "Event", True, ()),
     ("events.k8s.io/v1/events", "Event", True, ()),
     (f"{names.GROUP}/{names.VERSION}/{names.PLURAL}", names.KIND, True, ("status",)),
     ("scheduling.x-k8s.io/v1alpha1/podgroups", "PodGroup", True, ()),
@@ -240,10 +300,14 @@ KMOCK_REFUSAL = 'pods is forbidden: User "kmock" cannot list resource "pods" in 
 
 
 def _kubeconfig(server: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": server}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+    }
 
 
 @contextlib.asynccontextmanager
@@ -253,11 +317,17 @@ async def kmock_cluster() -> AsyncIterator[KmockCluster]:
 
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         for res, kind, namespaced, subresources in KMOCK_RESOURCES:
-            emulator.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced,
-                                                         subresources=set(subresources),
-                                                         verbs={"list", "watch", "get", "create", "patch", "delete"})
+            emulator.resources[res] = kmock.ResourceInfo(
+                kind=kind,
+                namespaced=namespaced,
+                subresources=set(subresources),
+                verbs={"list", "watch", "get", "create", "patch", "delete"},
+            )
         emulator.objects["v1/namespaces", None, "default"] = {
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "uid": "ns-default"}}
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": "default", "uid": "ns-default"},
+        }
         tmp = Path(tempfile.mkdtemp(prefix="meshjob-kmock-"))
         cluster = KmockCluster()
         cluster.kubeconfig = tmp / "kubeconfig"
@@ -289,11 +359,17 @@ class Envtest:
     kubeconfig: Path | None = None
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, "KAS_DIR": str(self.workdir), "KAS_KCM": "1" if self.controller_manager else "0",
-               "KAS_SA_ADMISSION": "1" if self.service_account_admission else "0",
-               "ETCD_PORT": str(self.ports[0]), "ETCD_PEER_PORT": str(self.ports[1]),
-               "APISERVER_PORT": str(self.ports[2]), "KCM_PORT": str(self.ports[3]),
-               "APISERVER_BIN": str(self.assets / "kube-apiserver")}
+        env = {
+            **os.environ,
+            "KAS_DIR": str(self.workdir),
+            "KAS_KCM": "1" if self.controller_manager else "0",
+            "KAS_SA_ADMISSION": "1" if self.service_account_admission else "0",
+            "ETCD_PORT": str(self.ports[0]),
+            "ETCD_PEER_PORT": str(self.ports[1]),
+            "APISERVER_PORT": str(self.ports[2]),
+            "KCM_PORT": str(self.ports[3]),
+            "APISERVER_BIN": str(self.assets / "kube-apiserver"),
+        }
         if (self.assets / "kube-controller-manager").exists():
             env["KCM_BIN"] = str(self.assets / "kube-controller-manager")
         if self.audit:
@@ -309,18 +385,21 @@ class Envtest:
         policy = self.workdir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(AUDIT_POLICY))
         wrapper = self.workdir / "kube-apiserver-audited"
-        wrapper.write_text(f'#!/bin/sh\nexec "{self.assets / "kube-apiserver"}" "$@" '
-                           f'--audit-policy-file="{policy}" --audit-log-path="{self.audit_log}" '
-                           f'--audit-log-mode=blocking\n')
+        wrapper.write_text(
+            f'#!/bin/sh\nexec "{self.assets / "kube-apiserver"}" "$@" '
+            f'--audit-policy-file="{policy}" --audit-log-path="{self.audit_log}" '
+            f"--audit-log-mode=blocking\n"
+        )
         wrapper.chmod(0o755)
 
-    def start(self) -> "Envtest":
+    def start(self) -> Envtest:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ports = (free_port(), free_port(), free_port(), free_port())
         if self.audit:
             self._audit_wrapper()
-        result = subprocess.run(["bash", str(self.assets / "start.sh")], env=self._env(), capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            ["bash", str(self.assets / "start.sh")], env=self._env(), capture_output=True, text=True, timeout=120
+        )
         if result.returncode != 0:
             self.stop()
             raise RuntimeError(f"envtest did not start:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -332,16 +411,28 @@ class Envtest:
     def stop(self) -> None:
         subprocess.run(["bash", str(self.assets / "stop.sh")], env=self._env(), capture_output=True, timeout=60)
 
-    def __enter__(self) -> "Envtest":
+    def __enter__(self) -> Envtest:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | None = None,
-                check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        result = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig or self.kubeconfig}", *args], input=input,
-                                capture_output=True, text=True, timeout=60, cwd=cwd)
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        kubeconfig: Path | None = None,
+        check: bool = True,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            ["kubectl", f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=cwd,
+        )
         if check and result.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
         return result
@@ -365,8 +456,9 @@ class Envtest:
         token = self.kubectl("-n", namespace, "create", "token", service_account, "--duration=1h").stdout.strip()
         config = yaml.safe_load(self.kubeconfig.read_text())
         config["users"] = [{"name": "sa", "user": {"token": token}}]
-        config["contexts"] = [{"name": "sa", "context": {"cluster": config["clusters"][0]["name"], "user": "sa",
-                                                          "namespace": namespace}}]
+        config["contexts"] = [
+            {"name": "sa", "context": {"cluster": config["clusters"][0]["name"], "user": "sa", "namespace": namespace}}
+        ]
         config["current-context"] = "sa"
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)
@@ -378,8 +470,11 @@ class Envtest:
         if self.audit_log.exists():
             for line in self.audit_log.read_text().splitlines():
                 event = json.loads(line)
-                if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete" \
-                        and "objectRef" in event:  # not discovery (/api, /apis: open to everyone)
+                if (
+                    event.get("user", {}).get("username") == username
+                    and event.get("stage") == "ResponseComplete"
+                    and "objectRef" in event
+                ):  # not discovery (/api, /apis: open to everyone)
                     events.append(event)
         return events
 
@@ -400,28 +495,39 @@ class EnvtestCluster(Cluster):
         if kwargs.get("ready", True):
             node = await self.kube.request("GET", f"/api/v1/nodes/{name}")
             taints = [t for t in node["spec"].get("taints") or [] if t.get("key") != "node.kubernetes.io/not-ready"]
-            await self.kube.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": taints or None}},
-                                    content_type=MERGE_PATCH)
+            await self.kube.request(
+                "PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": taints or None}}, content_type=MERGE_PATCH
+            )
 
     async def finish_deletions(self, namespace: str = "default") -> None:
         found = await self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
         for pod in (found or {}).get("items") or []:
             if pod["metadata"].get("deletionTimestamp"):
-                await self.kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}",
-                                        {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0})
+                await self.kube.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}",
+                    {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
+                )
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         return self.envtest.kubectl(*args, input=input, check=check)
 
     async def forbid_pods(self, namespace: str) -> str:
         """A ResourceQuota of zero pods, once the controller manager has counted its usage."""
-        await self.create(f"/api/v1/namespaces/{namespace}/resourcequotas", {
-            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "zero-pods"},
-            "spec": {"hard": {"pods": "0"}}})
+        await self.create(
+            f"/api/v1/namespaces/{namespace}/resourcequotas",
+            {
+                "apiVersion": "v1",
+                "kind": "ResourceQuota",
+                "metadata": {"name": "zero-pods"},
+                "spec": {"hard": {"pods": "0"}},
+            },
+        )
 
         async def counted() -> bool:
             quota = await self.kube.get(namespace, "resourcequotas", "zero-pods")
             return bool(((quota or {}).get("status") or {}).get("hard"))
+
         await eventually(counted, timeout=30, what=f"the ResourceQuota of namespace {namespace} counted")
         return "exceeded quota: zero-pods"
 
@@ -437,8 +543,9 @@ async def envtest_cluster(assets: Path, **options: Any) -> AsyncIterator[Envtest
     try:
         await asyncio.to_thread(envtest.start)
         await asyncio.to_thread(envtest.kubectl, "apply", "-f", "-", input=crd_yaml())
-        await asyncio.to_thread(envtest.kubectl, "wait", "--for=condition=Established",
-                                f"crd/{names.PLURAL}.{names.GROUP}", "--timeout=60s")
+        await asyncio.to_thread(
+            envtest.kubectl, "wait", "--for=condition=Established", f"crd/{names.PLURAL}.{names.GROUP}", "--timeout=60s"
+        )
         cluster = EnvtestCluster()
         cluster.envtest, cluster.kubeconfig = envtest, envtest.kubeconfig
         cluster.kube = Kube(Connection.load(str(cluster.kubeconfig)))
@@ -453,11 +560,18 @@ async def envtest_cluster(assets: Path, **options: Any) -> AsyncIterator[Envtest
 
 # --- the operator, in this process ---------------------------------------------------------------
 
+
 class OperatorThread:
     """kopf in its own thread and event loop, as in a real process: the test's loop stays its own."""
 
-    def __init__(self, cluster: Cluster, *, webhook: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, liveness: str | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        webhook: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
+        liveness: str | None = None,
+    ):
         self.cluster, self.webhook = cluster, webhook  # webhook: OperatorConfig fields, None = off
         self.liveness = liveness  # kopf's liveness endpoint, e.g. http://127.0.0.1:PORT/healthz
         self.config = config or {}  # other OperatorConfig fields
@@ -472,9 +586,15 @@ class OperatorThread:
 
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.task = self.loop.create_task(kopf.operator(clusterwide=True, standalone=True,
-                                                        stop_flag=self.stop_flag, ready_flag=self.ready_flag,
-                                                        liveness_endpoint=self.liveness))
+        self.task = self.loop.create_task(
+            kopf.operator(
+                clusterwide=True,
+                standalone=True,
+                stop_flag=self.stop_flag,
+                ready_flag=self.ready_flag,
+                liveness_endpoint=self.liveness,
+            )
+        )
         try:
             self.loop.run_until_complete(self.task)
         except BaseException as err:  # noqa: BLE001 (kept for the test to see)
@@ -487,9 +607,13 @@ class OperatorThread:
         from meshjob_operator.handlers import STATE, OperatorConfig
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
-        STATE.config = OperatorConfig(metrics_port=None, webhook=self.webhook is not None,
-                                      kubeconfig=str(self.cluster.kubeconfig), **(self.webhook or {}),
-                                      **self.config)
+        STATE.config = OperatorConfig(
+            metrics_port=None,
+            webhook=self.webhook is not None,
+            kubeconfig=str(self.cluster.kubeconfig),
+            **(self.webhook or {}),
+            **self.config,
+        )
         self.thread.start()
         if not await asyncio.to_thread(self.ready_flag.wait, 20):
             raise AssertionError(f"operator not ready in 20 s: {self.error!r}")
@@ -512,9 +636,13 @@ class OperatorThread:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster, *, webhook: dict[str, Any] | None = None,
-                           config: dict[str, Any] | None = None,
-                           liveness: str | None = None) -> AsyncIterator[OperatorThread]:
+async def running_operator(
+    cluster: Cluster,
+    *,
+    webhook: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    liveness: str | None = None,
+) -> AsyncIterator[OperatorThread]:
     """The operator (cluster-wide, standalone, this package's handlers) for the duration of the block."""
     op = OperatorThread(cluster, webhook=webhook, config=config, liveness=liveness)
     await op.start()

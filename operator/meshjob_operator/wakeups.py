@@ -1,4 +1,5 @@
 """Per-job wake-up flags: pod, node and job events wake the job's reconcile loop at once."""
+
 from __future__ import annotations
 
 import asyncio

@@ -2,7 +2,7 @@
 
 Each rank's communication engine (meshjob_trainer.engine) keeps its own window per link, but a
 host's NIC is shared by all its ranks. The board holds, per shared link, the plan's order of the
-host's messages (meshjob.host_order) as counters in a small shared-memory segment: how many of
+host's messages (meshjob.plan.host_order) as counters in a small shared-memory segment: how many of
 the link's messages have been issued (written only by the rank whose turn it is, so one writer at
 a time), and per rank how many of its messages on the link are done and how many bytes it has in
 flight (each rank writes only its own). A rank issues its next message on a board link when the
@@ -25,6 +25,7 @@ derives alike (the board's serial number in the process and the host); the first
 the segment (a random name in /dev/shm), the others open it, and the last rank to have opened every
 FIFO unlinks the files: the mappings live on until close(), nothing is left in /dev/shm.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,11 +39,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from meshjob.host_order import BoardEntry, HostLinkOrder
-from meshjob.network import Link
+from meshjob.network.model import Link
+from meshjob.plan.host_order import BoardEntry, HostLinkOrder
 from meshjob_trainer.procs import pid_alive
 
 PREFIX = "meshjob-board-"
@@ -53,15 +55,23 @@ class BoardError(RuntimeError):
     """A rank waited on its host's board for a peer that died or never took its turn."""
 
 
-def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, overlap_bytes: int | None,
-              due_in_s: float = math.inf, lead_s: float = 0.0, small_window: int = 0) -> bool:
+def may_start(
+    in_flight: int,
+    in_flight_bytes: int,
+    nbytes: int,
+    window: int,
+    overlap_bytes: int | None,
+    due_in_s: float = math.inf,
+    lead_s: float = 0.0,
+    small_window: int = 0,
+) -> bool:
     """Whether a message may join a NIC link's `in_flight` messages: always onto an idle link; behind
     others only within the window, and only while those in flight are small (`overlap_bytes`): a second
     message in flight hides the gap between two small ones, but two large ones would share the link
     for their whole length instead of running one after the other as the plan times them. Behind a
     large one, the next may go `lead_s` before the link's clock says those in flight are through
     (`due_in_s` from now): its notice reaches the peer while the link still carries the previous one,
-    instead of a hand-over gap of wake-ups on the shared cores (meshjob.network.HANDOVER_LEAD_S). Not
+    instead of a hand-over gap of wake-ups on the shared cores (meshjob.network.model.HANDOVER_LEAD_S). Not
     once they are overdue by more than that: their sender started late, and the clock does not know
     how much they have left. Beyond the window, small messages pack: one of at most overlap_bytes /
     small_window bytes joins while fewer than `small_window` are in flight and their bytes, its own
@@ -70,8 +80,11 @@ def may_start(in_flight: int, in_flight_bytes: int, nbytes: int, window: int, ov
     if in_flight == 0:
         return True
     if in_flight >= window:
-        return (in_flight < small_window and packs(nbytes, small_window, overlap_bytes)
-                and in_flight_bytes + nbytes <= overlap_bytes)
+        return (
+            in_flight < small_window
+            and packs(nbytes, small_window, overlap_bytes)
+            and in_flight_bytes + nbytes <= overlap_bytes
+        )
     return overlap_bytes is None or in_flight_bytes <= overlap_bytes or (lead_s > 0 and abs(due_in_s) <= lead_s)
 
 
@@ -130,9 +143,20 @@ class _Turns:
 class HostBoard:
     """One rank's view of its host's board for one pass order (`order`: the host's link orders)."""
 
-    def __init__(self, order: HostLinkOrder, rank: int, window: int, overlap_bytes: int | None, store: Any,
-                 key: str, on_wake: Callable[[str], None] = lambda _: None, timeout_s: float = 300.0,
-                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0, small_window: int = 0) -> None:
+    def __init__(
+        self,
+        order: HostLinkOrder,
+        rank: int,
+        window: int,
+        overlap_bytes: int | None,
+        store: Any,
+        key: str,
+        on_wake: Callable[[str], None] = lambda _: None,
+        timeout_s: float = 300.0,
+        nic_bytes_per_s: float | None = None,
+        lead_s: float = 0.0,
+        small_window: int = 0,
+    ) -> None:
         self.order, self.rank, self.window, self.overlap_bytes = order, rank, window, overlap_bytes
         self.small_window = small_window
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
@@ -148,10 +172,15 @@ class HostBoard:
         for i, (link, entries) in enumerate(order.links.items()):
             on_link = {self.ranks.index(e[0]) for e in entries}
             if self.slot in on_link:
-                self.turns[link] = _Turns(n + i * (1 + 2 * n), order.positions(rank, link), len(entries),
-                                          tuple(sorted(on_link - {self.slot})),
-                                          tuple(self.ranks.index(e[0]) for e in entries), clocks + i,
-                                          lands + i * 2 * n)
+                self.turns[link] = _Turns(
+                    n + i * (1 + 2 * n),
+                    order.positions(rank, link),
+                    len(entries),
+                    tuple(sorted(on_link - {self.slot})),
+                    tuple(self.ranks.index(e[0]) for e in entries),
+                    clocks + i,
+                    lands + i * 2 * n,
+                )
         self._size = lands + len(order.links) * 2 * n
         self._closed = False
         name = store.compare_set(f"{key}/name", "", f"{PREFIX}{uuid.uuid4().hex}").decode()
@@ -200,8 +229,9 @@ class HostBoard:
         done = sum(c[t.base + 1 + 2 * s] for s in range(n))
         in_bytes = sum(c[t.base + 2 + 2 * s] for s in range(n))
         due = self.due_in_s(link) if due_in_s is None else due_in_s
-        return may_start(issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, due, self.lead_s,
-                         self.small_window)
+        return may_start(
+            issued - done, in_bytes, nbytes, self.window, self.overlap_bytes, due, self.lead_s, self.small_window
+        )
 
     def due_in_s(self, link: Link) -> float:
         """How long until the host's messages issued on `link` are through by its clock (inf: no clock)."""
@@ -215,8 +245,9 @@ class HostBoard:
         waits for `landed_soon`) and return its number; None otherwise. Call before `issued`."""
         t = self.turns[link]
         number = t.target()
-        if t.owners[(number + 1) % t.length] == self.slot or not t.same_transfer(self.order.links[link], number,
-                                                                                  number + 1):
+        if t.owners[(number + 1) % t.length] == self.slot or not t.same_transfer(
+            self.order.links[link], number, number + 1
+        ):
             return None
         cell = t.lands + 2 * self.slot
         self._cells[cell + 1] = 0  # not within the lead yet: written before the number that makes it read
@@ -273,11 +304,15 @@ class HostBoard:
         for slot, rank in enumerate(self.ranks):
             pid = self._cells[slot]
             if slot != self.slot and pid and not pid_alive(pid):
-                raise BoardError(f"rank {self.rank}: rank {rank} of host {self.order.host} (pid {pid}) died while "
-                                 f"this rank waited for its turn on the host's links {self._waiting()}")
+                raise BoardError(
+                    f"rank {self.rank}: rank {rank} of host {self.order.host} (pid {pid}) died while "
+                    f"this rank waited for its turn on the host's links {self._waiting()}"
+                )
         if blocked_s > self.timeout_s:
-            raise BoardError(f"rank {self.rank}: waited {blocked_s:.0f} s (more than {self.timeout_s:g} s) for its "
-                             f"turn on host {self.order.host}'s links {self._waiting()}")
+            raise BoardError(
+                f"rank {self.rank}: waited {blocked_s:.0f} s (more than {self.timeout_s:g} s) for its "
+                f"turn on host {self.order.host}'s links {self._waiting()}"
+            )
 
     def _waiting(self) -> str:
         parts = []
@@ -285,8 +320,10 @@ class HostBoard:
             issued = self._cells[t.base]
             if issued != t.target():
                 holder = self.order.links[link][issued % t.length]
-                parts.append(f"{link[0]}/{link[1]}: message {issued % t.length} of {t.length} is rank {holder[0]}'s "
-                             f"({holder[1]} microbatch {holder[2]}), this rank's next is {t.target() % t.length}")
+                parts.append(
+                    f"{link[0]}/{link[1]}: message {issued % t.length} of {t.length} is rank {holder[0]}'s "
+                    f"({holder[1]} microbatch {holder[2]}), this rank's next is {t.target() % t.length}"
+                )
         return "; ".join(parts) or "(in flight full)"
 
     def close(self) -> None:

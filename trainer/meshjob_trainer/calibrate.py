@@ -8,14 +8,16 @@ Every rank profiles its own stage (forward, input gradient and weight gradient o
 through the pipeline executor itself, on inputs of the stage's real shapes; tensor-parallel collectives
 included, so a stage's ranks profile together), the ranks agree on one figure per stage (the slowest
 rank of the stage: an all-reduce of the maximum, so every rank holds the same numbers), and every rank
-re-plans with them (meshjob.plan: the smallest delay whose W compute covers the stage's gradient
+re-plans with them (meshjob.plan.build: the smallest delay whose W compute covers the stage's gradient
 transfers, never above the stash bound). The worker then checks that every rank built the same plan.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -71,26 +73,27 @@ class _Synthetic:
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.shape, self.device = shape, device
 
-    def start(self, key: Any, mb: int, local: torch.Tensor | None) -> "_Synthetic._Done":
+    def start(self, key: Any, mb: int, local: torch.Tensor | None) -> _Synthetic._Done:
         return self._Done(None if local is not None else torch.randn(self.shape, device=self.device))
 
 
 def natural_shape(plan: Any, stage: int, rank: int) -> tuple[int, ...]:
     """This rank's tile of an activation in its stage's natural layout (what its stage sends and receives)."""
-    from meshjob.sharding import ShardingSpec, slice_shape, tile
-    from meshjob.spec import natural_layout
+    from meshjob.layout.sharding import ShardingSpec, slice_shape, tile
+    from meshjob.spec.manifest import natural_layout
 
     mesh, shape = plan.mesh(stage), plan.job.activation_shape()
     spec = ShardingSpec.parse(natural_layout(plan.job.stages[stage]), len(shape))
     return slice_shape(tile(spec, mesh.shape, shape, mesh.index_of(rank)))
 
 
-def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
-                  microbatches: int = PROFILED_MICROBATCHES) -> Any:
-    """This rank's stage: median F, I and W seconds of one microbatch (meshjob.costs.StageCost).
+def profile_stage(
+    plan: Any, rank: int, device: torch.device | str = "cpu", microbatches: int = PROFILED_MICROBATCHES
+) -> Any:
+    """This rank's stage: median F, I and W seconds of one microbatch (meshjob.costs.compute.StageCost).
     Collective: every rank of the job calls it (process groups are created, stages profile at once)."""
-    from meshjob.costs import StageCost
-    from meshjob.schedule import stage_actions
+    from meshjob.costs.compute import StageCost
+    from meshjob.schedule.actions import stage_actions
     from meshjob_trainer.data import Batch
     from meshjob_trainer.parallel import build_groups
     from meshjob_trainer.pipeline import PipelineExecutor
@@ -105,8 +108,9 @@ def profile_stage(plan: Any, rank: int, device: torch.device | str = "cpu",
     n = microbatches + 1
     actions = stage_actions("gpipe", stage, len(job.stages), n, edges, True, 0)
     local = natural_shape(plan, stage, rank)
-    executor = PipelineExecutor(stage, module, actions, _Synthetic(local, device), loss_scale=1.0,
-                                clock=clock_for(device))
+    executor = PipelineExecutor(
+        stage, module, actions, _Synthetic(local, device), loss_scale=1.0, clock=clock_for(device)
+    )
     gen = torch.Generator().manual_seed(job.training.seed)
     tokens = torch.randint(job.model.vocab, local[:2], generator=gen).to(device)
     _, stats = executor.run_step(lambda mb: Batch(tokens, tokens))
@@ -123,7 +127,7 @@ def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:
     maximum over the job; a CPU tensor, so gloo carries it whatever the device)."""
     import torch.distributed as dist
 
-    from meshjob.costs import StageCost
+    from meshjob.costs.compute import StageCost
 
     table = torch.zeros(num_stages, 3, dtype=torch.float64)
     table[stage] = torch.tensor([cost.forward_s, cost.input_grad_s, cost.weight_grad_s], dtype=torch.float64)
@@ -133,8 +137,8 @@ def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:
 
 def calibrated_plan(plan: Any, costs: Sequence[Any]) -> Any:
     """The plan re-built with measured per-stage costs (only its weight-gradient delays can change)."""
-    from meshjob.costs import CostModel
-    from meshjob.plan import build_plan
+    from meshjob.costs.compute import CostModel
+    from meshjob.plan.build import build_plan
 
     cost = CostModel(network=plan.network, stages=tuple(costs), measured=True)
     return build_plan(plan.job, plan.placement.hosts, network=plan.network, cost=cost)

@@ -31,6 +31,7 @@ step 0. Pruning: after every rank has written a step (a collective), each rank r
 files of every step older than the `keep` newest complete ones, complete or not, so no rank's
 pruning can stop another's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,9 +42,10 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MAGIC = "meshjob-checkpoint"
@@ -68,10 +70,16 @@ def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
     """The spec fields that shape this job's tensors and their placement on ranks."""
     m = job.model
     fp: dict[str, Any] = {
-        "spec.model.kind": m.kind, "spec.model.layers": m.layers, "spec.model.hidden": m.hidden,
-        "spec.model.heads": m.heads, "spec.model.vocab": m.vocab, "spec.model.seqLen": m.seq_len,
-        "spec.stages": len(job.stages), "worldSize": world_size,
-        **_model_shape_fields(m), **optimizer_layout_fields(job),
+        "spec.model.kind": m.kind,
+        "spec.model.layers": m.layers,
+        "spec.model.hidden": m.hidden,
+        "spec.model.heads": m.heads,
+        "spec.model.vocab": m.vocab,
+        "spec.model.seqLen": m.seq_len,
+        "spec.stages": len(job.stages),
+        "worldSize": world_size,
+        **_model_shape_fields(m),
+        **optimizer_layout_fields(job),
     }
     for i, st in enumerate(job.stages):
         fp[f"spec.stages[{i}].layers"] = list(st.layers)
@@ -84,8 +92,12 @@ def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
 def _model_shape_fields(m: Any) -> dict[str, Any]:
     """Model fields beyond the original six that shape tensors, only where they differ from their
     defaults, so the checkpoints of jobs that leave them unset keep their fingerprint."""
-    fields = {"spec.model.kvHeads": (m.kv_heads, None), "spec.model.ffnHidden": (m.ffn_hidden, None),
-              "spec.model.tieEmbeddings": (m.tie_embeddings, True), "spec.model.entrypoint": (m.entrypoint, "")}
+    fields = {
+        "spec.model.kvHeads": (m.kv_heads, None),
+        "spec.model.ffnHidden": (m.ffn_hidden, None),
+        "spec.model.tieEmbeddings": (m.tie_embeddings, True),
+        "spec.model.entrypoint": (m.entrypoint, ""),
+    }
     return {key: value for key, (value, default) in fields.items() if value != default}
 
 
@@ -98,8 +110,11 @@ def optimizer_layout_fields(job: Any) -> dict[str, Any]:
 
 def fingerprint_diff(written: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     keys = sorted(set(written) | set(current))
-    return [f"{k}: {written.get(k, '(absent)')!r} in the checkpoint, {current.get(k, '(absent)')!r} now"
-            for k in keys if written.get(k) != current.get(k)]
+    return [
+        f"{k}: {written.get(k, '(absent)')!r} in the checkpoint, {current.get(k, '(absent)')!r} now"
+        for k in keys
+        if written.get(k) != current.get(k)
+    ]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -138,8 +153,10 @@ class Identity:
 
 def encode(identity: Identity, payload: bytes) -> bytes:
     """The .pt file: a header naming the file's identity and its payload's size and hash, then the payload."""
-    header = (f"{MAGIC} {FORMAT} step={identity.step} rank={identity.rank} world={identity.world_size} "
-              f"bytes={len(payload)} sha256={hashlib.sha256(payload).hexdigest()}\n")
+    header = (
+        f"{MAGIC} {FORMAT} step={identity.step} rank={identity.rank} world={identity.world_size} "
+        f"bytes={len(payload)} sha256={hashlib.sha256(payload).hexdigest()}\n"
+    )
     return header.encode() + payload
 
 
@@ -154,9 +171,11 @@ def decode(data: bytes, expected: Identity, name: str) -> bytes:
         raise Unloadable(f"{name} is in checkpoint format {int(version)}; this trainer reads format {FORMAT}")
     found = Identity(int(step), int(rank), int(world))
     if found != expected:
-        raise Unloadable(f"{name} was written as step {found.step}, rank {found.rank} of {found.world_size}, "
-                         f"not step {expected.step}, rank {expected.rank} of {expected.world_size} (moved or copied)")
-    payload = data[end + 1:]
+        raise Unloadable(
+            f"{name} was written as step {found.step}, rank {found.rank} of {found.world_size}, "
+            f"not step {expected.step}, rank {expected.rank} of {expected.world_size} (moved or copied)"
+        )
+    payload = data[end + 1 :]
     if len(payload) != int(size):
         raise Unloadable(f"{name} holds {len(payload)} payload bytes, its header says {int(size)} (truncated)")
     if hashlib.sha256(payload).hexdigest() != digest.decode():
@@ -217,8 +236,12 @@ class Checkpointer:
         import torch
 
         state = {
-            "step": step, "data_position": step, "rank": self.rank, "world_size": self.world_size,
-            "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step,
+            "data_position": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "model": module.state_dict(),
+            "optimizer": optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "extra": dict(extra or {}),
         }
@@ -227,8 +250,13 @@ class Checkpointer:
         data = encode(Identity(step, self.rank, self.world_size), buf.getvalue())
         self.step_dir(step).mkdir(parents=True, exist_ok=True)
         atomic_write(self.data_path(step), data)
-        marker = {"step": step, "rank": self.rank, "bytes": len(data),
-                  "sha256": hashlib.sha256(data).hexdigest(), "fingerprint": self.fingerprint}
+        marker = {
+            "step": step,
+            "rank": self.rank,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "fingerprint": self.fingerprint,
+        }
         atomic_write(self.marker_path(step), json.dumps(marker, sort_keys=True).encode())
         return self.data_path(step)
 
@@ -279,8 +307,12 @@ class Checkpointer:
             raise Unloadable(f"{path.name} is missing (rank {rank} did not finish writing step {step})") from None
         except (OSError, ValueError) as err:
             raise Unloadable(f"{path.name} is unreadable ({type(err).__name__}): the marker is corrupted") from None
-        if not (isinstance(marker, dict) and isinstance(marker.get("bytes"), int)
-                and isinstance(marker.get("sha256"), str) and isinstance(marker.get("fingerprint"), dict)):
+        if not (
+            isinstance(marker, dict)
+            and isinstance(marker.get("bytes"), int)
+            and isinstance(marker.get("sha256"), str)
+            and isinstance(marker.get("fingerprint"), dict)
+        ):
             raise Unloadable(f"{path.name} is not a checkpoint marker (bytes, sha256, fingerprint): it is corrupted")
         return marker
 
@@ -311,9 +343,11 @@ class Checkpointer:
         diff = fingerprint_diff(self.read_marker(step)["fingerprint"], self.fingerprint)
         if diff:
             raise CheckpointMismatch(
-                f"checkpoint {self.step_dir(step)} was written for a different spec:\n  " + "\n  ".join(diff)
+                f"checkpoint {self.step_dir(step)} was written for a different spec:\n  "
+                + "\n  ".join(diff)
                 + f"\nresume needs the same model, stages and world size; point spec.training.checkpoint.path "
-                  f"(or MESHJOB_CHECKPOINT_DIR) elsewhere or remove {self.directory}")
+                f"(or MESHJOB_CHECKPOINT_DIR) elsewhere or remove {self.directory}"
+            )
 
     def verifies(self, step: int) -> bool:
         """This rank's file of `step` loads: its marker, size, hashes and identity check out."""
@@ -344,8 +378,10 @@ class Checkpointer:
 
     def unloadable_report(self) -> str:
         """Every complete step, newest first, with this rank's reason it cannot load it."""
-        lines = [f"step {step}: " + (self.problem(step) or f"rank {self.rank} can load it; another rank cannot")
-                 for step in self.complete_steps()]
+        lines = [
+            f"step {step}: " + (self.problem(step) or f"rank {self.rank} can load it; another rank cannot")
+            for step in self.complete_steps()
+        ]
         return "\n  ".join(lines)
 
     def resume_step(self) -> int | None:
@@ -357,7 +393,8 @@ class Checkpointer:
             raise CheckpointCorrupt(
                 f"no checkpoint in {self.directory} can be loaded by every rank, so training does not "
                 f"start again from step 0 over them. Rank {self.rank} found:\n  {self.unloadable_report()}\n"
-                f"Restore the damaged files from a copy, or move {self.directory} away to start afresh.")
+                f"Restore the damaged files from a copy, or move {self.directory} away to start afresh."
+            )
         return step
 
     def restore(self, module: Any, optimizer: Any) -> int | None:

@@ -1,23 +1,25 @@
 """How a stage computes: the strategy the pipeline executor and the training loop call for the math.
 
 RealCompute runs the module (autograd, the I/W split of zero-bubble pipelining, AdamW).
-EmulatedCompute (`--compute emulated --device ...`, meshjob.devices) does no math: each forward, input
-gradient, weight gradient and optimizer step waits the time meshjob.device_costs gives the stage on
+EmulatedCompute (`--compute emulated --device ...`, meshjob.costs.devices) does no math: each forward, input
+gradient, weight gradient and optimizer step waits the time meshjob.costs.device_costs gives the stage on
 the device (time.sleep: no CPU), and hands back tensors of the real shapes and dtype, so the transfers
 that follow move the real bytes through the real resharding and pipeline executors. Their contents are
 meaningless, and so are the losses of this mode.
 """
+
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from meshjob.device_costs import EmulatedCost
+from meshjob.costs.device_costs import EmulatedCost
 from meshjob_trainer.optim import clip_global_norm, lr_at
 from meshjob_trainer.parallel import tie_gradients
 
@@ -28,12 +30,14 @@ class StageCompute(Protocol):
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stage's outputs by name; the last stage's "loss" is its unscaled loss sum."""
 
-    def backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor | None],
-                 leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    def backward(
+        self, roots: list[torch.Tensor], grads: list[torch.Tensor | None], leaves: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
         """B: weight gradients accumulate, the input gradients (one per leaf) are returned."""
 
-    def input_grad(self, stash: Any, roots: list[torch.Tensor], grads: list[torch.Tensor | None]
-                   ) -> list[torch.Tensor | None]:
+    def input_grad(
+        self, stash: Any, roots: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
         """I: the input gradients of stash.inputs; keeps on `stash` what W resumes from."""
 
     def weight_grad(self, stash: Any) -> None:
@@ -96,8 +100,15 @@ class EmulatedCompute:
 
     emulated = True
 
-    def __init__(self, module: Any, cost: EmulatedCost, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", dp_group: Any = None):
+    def __init__(
+        self,
+        module: Any,
+        cost: EmulatedCost,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        dp_group: Any = None,
+    ):
         self.module, self.cost, self.dp_group = module, cost, dp_group
         self._grads: torch.Tensor | None = None
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)

@@ -3,7 +3,7 @@ parallel (tensor parallelism is for the built-in families: it needs to know the 
 
 The user's package exposes an entry point, named in spec.model.entrypoint as "package.module:function":
 
-    def build(config: dict, model: meshjob.spec.ModelSpec) -> CustomModel
+    def build(config: dict, model: meshjob.spec.manifest.ModelSpec) -> CustomModel
 
 config is spec.model.config as written; model gives layers, hidden, vocab and seqLen. It returns
 the embedding (tokens (batch, seq) int64 -> (batch, seq, hidden)), spec.model.layers blocks (each
@@ -18,18 +18,20 @@ An example lives in examples/custom_model/; the Dockerfile says how to add such 
 trainer image. check_custom() loads, builds and runs the model on one sequence before any rank
 starts, so a bad entry point is one error that names the field, not a traceback on every rank.
 """
+
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshjob.errors import FieldError, SpecError
-from meshjob.spec import ModelSpec
+from meshjob.spec.manifest import ModelSpec
 from meshjob_trainer.model import PipelineStage
 from meshjob_trainer.numerics import Numerics
 
@@ -50,8 +52,11 @@ def load_entrypoint(entrypoint: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any failure of the user's import is this field's problem
-        raise _error(entrypoint, f"an importable module: importing {module_name!r} raised "
-                                 f"{type(err).__name__}: {err} (is the package installed in the trainer image?)")
+        raise _error(
+            entrypoint,
+            f"an importable module: importing {module_name!r} raised "
+            f"{type(err).__name__}: {err} (is the package installed in the trainer image?)",
+        ) from err
     function = getattr(module, attr, None)
     if not callable(function):
         raise _error(entrypoint, f"a function of module {module_name!r}: it has no callable {attr!r}")
@@ -70,8 +75,10 @@ def build_custom(model: ModelSpec, seed: int) -> CustomModel:
         try:
             parts = function(dict(model.config), model)
         except Exception as err:  # noqa: BLE001
-            raise _error(model.entrypoint, f"an entry point that builds the model from spec.model.config: it raised "
-                                           f"{type(err).__name__}: {err}") from err
+            raise _error(
+                model.entrypoint,
+                f"an entry point that builds the model from spec.model.config: it raised {type(err).__name__}: {err}",
+            ) from err
     _check_parts(model, parts)
     return parts
 
@@ -79,21 +86,32 @@ def build_custom(model: ModelSpec, seed: int) -> CustomModel:
 def _check_parts(model: ModelSpec, parts: Any) -> None:
     missing = [a for a in ("embedding", "blocks", "head", "boundary") if not hasattr(parts, a)]
     if missing:
-        raise _error(model.entrypoint, f"an entry point returning meshjob_trainer.custom.CustomModel: "
-                                       f"{type(parts).__name__} lacks {', '.join(missing)}")
+        raise _error(
+            model.entrypoint,
+            f"an entry point returning meshjob_trainer.custom.CustomModel: "
+            f"{type(parts).__name__} lacks {', '.join(missing)}",
+        )
     modules = [("embedding", parts.embedding), ("head", parts.head)] + [
-        (f"blocks[{i}]", b) for i, b in enumerate(parts.blocks)]
+        (f"blocks[{i}]", b) for i, b in enumerate(parts.blocks)
+    ]
     for name, module in modules:
         if not isinstance(module, nn.Module):
-            raise _error(model.entrypoint, f"an entry point whose {name} is a torch.nn.Module, "
-                                           f"not {type(module).__name__}")
+            raise _error(
+                model.entrypoint, f"an entry point whose {name} is a torch.nn.Module, not {type(module).__name__}"
+            )
     if len(parts.blocks) != model.layers:
-        raise _error(model.layers, f"the number of blocks the entry point {model.entrypoint} returns "
-                                   f"({len(parts.blocks)})", "spec.model.layers")
+        raise _error(
+            model.layers,
+            f"the number of blocks the entry point {model.entrypoint} returns ({len(parts.blocks)})",
+            "spec.model.layers",
+        )
     if tuple(parts.boundary) != (model.seq_len, model.hidden):
-        raise _error(model.entrypoint, f"an entry point whose boundary shape is (spec.model.seqLen, "
-                                       f"spec.model.hidden) = ({model.seq_len}, {model.hidden}), the tensor the "
-                                       f"plan moves between stages; it returned {tuple(parts.boundary)}")
+        raise _error(
+            model.entrypoint,
+            f"an entry point whose boundary shape is (spec.model.seqLen, "
+            f"spec.model.hidden) = ({model.seq_len}, {model.hidden}), the tensor the "
+            f"plan moves between stages; it returned {tuple(parts.boundary)}",
+        )
 
 
 def _shared_parameters(parts: CustomModel) -> set[int]:
@@ -114,11 +132,17 @@ def check_custom(model: ModelSpec, seed: int) -> None:
                 x = block(x)
             logits = parts.head(x)
     except Exception as err:  # noqa: BLE001
-        raise _error(model.entrypoint, f"a model whose forward runs on one sequence of spec.model.seqLen "
-                                       f"({model.seq_len}) tokens: it raised {type(err).__name__}: {err}") from err
+        raise _error(
+            model.entrypoint,
+            f"a model whose forward runs on one sequence of spec.model.seqLen "
+            f"({model.seq_len}) tokens: it raised {type(err).__name__}: {err}",
+        ) from err
     if tuple(logits.shape) != expected:
-        raise _error(model.entrypoint, f"a head returning logits (batch, spec.model.seqLen, spec.model.vocab) = "
-                                       f"{expected} for one sequence; it returned {tuple(logits.shape)}")
+        raise _error(
+            model.entrypoint,
+            f"a head returning logits (batch, spec.model.seqLen, spec.model.vocab) = "
+            f"{expected} for one sequence; it returned {tuple(logits.shape)}",
+        )
 
 
 class CustomStage(PipelineStage):

@@ -4,7 +4,7 @@ Every batch depends only on (seed, stream, step), never on what was read before,
 reads exactly the data an uninterrupted run would, and every rank computes the same global batch
 and keeps its own rows (microbatch, data-parallel rank).
 
-Token files (meshjob.tokens: nanoGPT's flat little-endian uint16/uint32 arrays) are memory-mapped;
+Token files (meshjob.spec.tokens: nanoGPT's flat little-endian uint16/uint32 arrays) are memory-mapped;
 a batch is globalBatch windows of seqLen + 1 tokens at offsets drawn from a generator seeded by
 (seed, stream, step), as nanoGPT samples: inputs are a window's first seqLen tokens, targets its
 last seqLen. Validation batches come from the validation file (stream VAL) at fixed indices
@@ -15,6 +15,7 @@ chosen by the seed); with probability `noise` the next token is uniform instead.
 the permutation, so the loss falls from ln(vocab) toward the chain's entropy. Its validation
 stream samples the same chain with other generator seeds.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ class Batch:
     tokens: torch.Tensor  # (rows, seq) int64: model input
     targets: torch.Tensor  # (rows, seq) int64: the next token of each position
 
-    def rows(self, start: int, stop: int) -> "Batch":
+    def rows(self, start: int, stop: int) -> Batch:
         return Batch(self.tokens[start:stop], self.targets[start:stop])
 
 
@@ -56,7 +57,8 @@ def microbatch(data: Dataset, step: int, index: int, microbatches: int, dp_rank:
     if rows * microbatches != data.global_batch or rows % dp_size:
         raise ValueError(
             f"training.globalBatch: {data.global_batch} is invalid: must split into {microbatches} "
-            f"microbatches of rows divisible by the data-parallel size {dp_size}")
+            f"microbatches of rows divisible by the data-parallel size {dp_size}"
+        )
     local = rows // dp_size
     start = index * rows + dp_rank * local
     return data.batch(step).rows(start, start + local)
@@ -67,7 +69,7 @@ class TokenData:
     """Windows of a token file (see the module docstring)."""
 
     path: str
-    dtype: str  # meshjob.spec.TOKEN_DTYPES
+    dtype: str  # meshjob.spec.manifest.TOKEN_DTYPES
     vocab: int
     seq_len: int
     global_batch: int
@@ -79,21 +81,25 @@ class TokenData:
         """The file, memory-mapped read-only (opened in each process that reads it)."""
         return np.memmap(self.path, dtype=np.dtype(self.dtype).newbyteorder("<"), mode="r")
 
-    @functools.lru_cache(maxsize=2)  # every microbatch of a step slices the same batch
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - every microbatch of a step slices the same batch
     def batch(self, step: int) -> Batch:
         """The global batch of step `step` (0-based); callers must not modify it."""
         tokens = self.tokens
         span = len(tokens) - self.seq_len
         if span < 1:
-            raise ValueError(f"spec.data.path: {self.path!r} is invalid: it holds {len(tokens)} tokens, fewer than "
-                             f"spec.model.seqLen + 1 ({self.seq_len + 1})")
+            raise ValueError(
+                f"spec.data.path: {self.path!r} is invalid: it holds {len(tokens)} tokens, fewer than "
+                f"spec.model.seqLen + 1 ({self.seq_len + 1})"
+            )
         gen = torch.Generator().manual_seed(batch_seed(self.seed, self.stream, step))
         starts = torch.randint(span, (self.global_batch,), generator=gen).tolist()
-        windows = torch.from_numpy(np.stack([tokens[s:s + self.seq_len + 1].astype(np.int64) for s in starts]))
+        windows = torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1].astype(np.int64) for s in starts]))
         top = int(windows.max())
         if top >= self.vocab:
-            raise ValueError(f"spec.model.vocab: {self.vocab} is invalid: {self.path} holds token id {top} (batch of "
-                             f"step {step}); the vocabulary must exceed every id")
+            raise ValueError(
+                f"spec.model.vocab: {self.vocab} is invalid: {self.path} holds token id {top} (batch of "
+                f"step {step}); the vocabulary must exceed every id"
+            )
         return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
     def microbatch(self, step: int, index: int, microbatches: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
@@ -113,7 +119,7 @@ class BigramData:
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randperm(self.vocab, generator=gen)
 
-    @functools.lru_cache(maxsize=2)  # every microbatch of a step slices the same batch
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - every microbatch of a step slices the same batch
     def batch(self, step: int) -> Batch:
         """The global batch of training step `step` (0-based); callers must not modify it."""
         gen = torch.Generator().manual_seed(batch_seed(self.seed, self.stream, step))
@@ -131,7 +137,7 @@ class BigramData:
 
 
 def make_data(job, stream: int = TRAIN) -> TokenData | BigramData:
-    """The training (TRAIN) or validation (VAL) data of a meshjob.spec.TrainingJob."""
+    """The training (TRAIN) or validation (VAL) data of a meshjob.spec.manifest.TrainingJob."""
     m, t, d = job.model, job.training, job.data
     if d.kind == "tokens":
         path = d.path if stream == TRAIN else d.val_path

@@ -10,21 +10,23 @@ passed on as values from there:
 init_distributed() runs a rendezvous of its own on a TCPStore before creating the process
 group, so a rank that never comes is named in the error instead of a bare timeout.
 """
+
 from __future__ import annotations
 
 import datetime
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from meshjob.api import MASTER_PORT
+from meshjob.spec.api import MASTER_PORT
 from meshjob_trainer.events import Fanout
 
 if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazily at run time
-    from meshjob.plan import Plan
-    from meshjob.spec import TrainingJob
+    from meshjob.plan.build import Plan
+    from meshjob.spec.manifest import TrainingJob
 
 DEFAULT_TIMEOUT_S = 300.0
 RENDEZVOUS_PREFIX = "meshjob/rendezvous"
@@ -92,11 +94,15 @@ class WorkerEnv:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerEnv:
         """torchrun names first, then Kubeflow's PET_* ones."""
-        return cls(rank=_env_int(env, RANK, None), world_size=_env_int(env, WORLD_SIZE, None),
-                   local_rank=_env_int(env, LOCAL_RANK, 0), node_rank=_env_int(env, NODE_RANK, 0),
-                   master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
-                   master_port=_env_int(env, MASTER_PORTS, MASTER_PORT),
-                   local_world_size=_env_int(env, LOCAL_WORLD_SIZE, 1))
+        return cls(
+            rank=_env_int(env, RANK, None),
+            world_size=_env_int(env, WORLD_SIZE, None),
+            local_rank=_env_int(env, LOCAL_RANK, 0),
+            node_rank=_env_int(env, NODE_RANK, 0),
+            master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
+            master_port=_env_int(env, MASTER_PORTS, MASTER_PORT),
+            local_world_size=_env_int(env, LOCAL_WORLD_SIZE, 1),
+        )
 
 
 @dataclass(frozen=True)
@@ -110,9 +116,12 @@ class NodeEnv:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> NodeEnv:
-        return cls(node_rank=_env_int(env, NODE_RANK, 0), world_size=_env_optional_int(env, WORLD_SIZE),
-                   master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
-                   master_port=_env_optional_int(env, MASTER_PORTS))
+        return cls(
+            node_rank=_env_int(env, NODE_RANK, 0),
+            world_size=_env_optional_int(env, WORLD_SIZE),
+            master_addr=_env_str(env, MASTER_ADDR, "127.0.0.1"),
+            master_port=_env_optional_int(env, MASTER_PORTS),
+        )
 
     @staticmethod
     def has_rank(env: Mapping[str, str]) -> bool:
@@ -130,16 +139,21 @@ class WorkerSettings:
     checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
     metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
     step_log: bool = False  # a line per step from the first rank of each stage (`meshjob worker`: the pod's log)
-    compute: Any = None  # meshjob.devices.ComputeMode (`meshjob run --compute`); None: real
+    compute: Any = None  # meshjob.costs.devices.ComputeMode (`meshjob run --compute`); None: real
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
         port = _env_optional_int(env, ("MESHJOB_METRICS_PORT",))
         if port is not None and not 0 < port < 65536:
             raise DistError(f"environment MESHJOB_METRICS_PORT={port} is invalid: must be a port in [1, 65535]")
-        return cls(job_path=env.get("MESHJOB_JOB", ""), hosts_path=env.get("MESHJOB_HOSTS", ""),
-                   plan_path=env.get("MESHJOB_PLAN", ""), checkpoint_dir=env.get("MESHJOB_CHECKPOINT_DIR", ""),
-                   metrics_port=port, step_log=True)
+        return cls(
+            job_path=env.get("MESHJOB_JOB", ""),
+            hosts_path=env.get("MESHJOB_HOSTS", ""),
+            plan_path=env.get("MESHJOB_PLAN", ""),
+            checkpoint_dir=env.get("MESHJOB_CHECKPOINT_DIR", ""),
+            metrics_port=port,
+            step_log=True,
+        )
 
 
 def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -> None:
@@ -148,7 +162,8 @@ def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -
         of = f" of job {job_name!r}" if job_name else ""
         raise DistError(
             f"WORLD_SIZE={env.world_size} but the plan{of} needs {plan_world_size} ranks "
-            f"(one per device of every stage mesh); start exactly {plan_world_size} processes")
+            f"(one per device of every stage mesh); start exactly {plan_world_size} processes"
+        )
 
 
 def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
@@ -162,12 +177,20 @@ def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     where = f"{env.master_addr}:{env.master_port}"
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
     except Exception as err:  # noqa: BLE001 - torch raises several types for "cannot connect"
         who = "this rank (0) could not host it" if env.rank == 0 else "rank 0 never came or is unreachable"
-        raise DistError(f"rank {env.rank}: rendezvous store at {where} not reachable within {timeout_s:g} s: "
-                        f"{who} ({type(err).__name__}: {err})") from err
+        raise DistError(
+            f"rank {env.rank}: rendezvous store at {where} not reachable within {timeout_s:g} s: "
+            f"{who} ({type(err).__name__}: {err})"
+        ) from err
     keys = [f"{RENDEZVOUS_PREFIX}/{r}" for r in range(env.world_size)]
     verdict, acks = f"{RENDEZVOUS_PREFIX}/failed", f"{RENDEZVOUS_PREFIX}/acks"
     try:
@@ -175,8 +198,10 @@ def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
         while not store.check(keys):
             if env.rank == 0 and time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                message = (f"rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
-                           f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+                message = (
+                    f"rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                    f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined"
+                )
                 store.set(verdict, message)
                 came = env.world_size - len(missing)
                 grace = time.monotonic() + 2.0
@@ -189,14 +214,18 @@ def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
                 raise DistError(f"rank {env.rank}: {message}")
             if env.rank != 0 and time.monotonic() > deadline + 5.0:  # rank 0 is there but gave no verdict
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise DistError(f"rank {env.rank}: rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
-                                f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined")
+                raise DistError(
+                    f"rank {env.rank}: rendezvous at {where} timed out after {timeout_s:g} s: rank(s) "
+                    f"{', '.join(map(str, missing))} of WORLD_SIZE={env.world_size} never joined"
+                )
             time.sleep(0.05)
     except DistError:
         raise
     except Exception as err:  # noqa: BLE001 - the store's connection broke: rank 0 went away
-        raise DistError(f"rank {env.rank}: the rendezvous store at {where} (hosted by rank 0) went away while "
-                        f"waiting for peers ({type(err).__name__}: {err})") from err
+        raise DistError(
+            f"rank {env.rank}: the rendezvous store at {where} (hosted by rank 0) went away while "
+            f"waiting for peers ({type(err).__name__}: {err})"
+        ) from err
     return store
 
 
@@ -271,8 +300,12 @@ def describe_transport(env: WorkerEnv, backend: str, gpus: int) -> str:
     return line
 
 
-def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
-                     expected_world_size: int | None = None) -> str:
+def init_distributed(
+    env: WorkerEnv,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    expected_world_size: int | None = None,
+) -> str:
     """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""
     import torch
     import torch.distributed as dist
@@ -293,8 +326,13 @@ def init_distributed(env: WorkerEnv, timeout_s: float = DEFAULT_TIMEOUT_S, backe
         # seen on a GPU yet; read when this process's CUDA context is made, just below.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CUDA_CONNECTIONS))
         torch.cuda.set_device(env.local_rank % gpus)
-    dist.init_process_group(backend, store=dist.PrefixStore("meshjob/pg", store), rank=env.rank,
-                            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("meshjob/pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return backend
 
 
@@ -317,14 +355,14 @@ class WorkerContext:
     """What the training loop (meshjob_trainer.train.train) gets from the worker."""
 
     env: WorkerEnv
-    job: "TrainingJob"
-    plan: "Plan"
+    job: TrainingJob
+    plan: Plan
     stage: int  # this rank's pipeline stage
     reshard: Any  # meshjob_trainer.reshard.ReshardExecutor for this rank
     events: Any = field(default_factory=Fanout)  # meshjob_trainer.events.MetricsSink: every listener of this rank
     checkpoints: Any = None  # meshjob_trainer.checkpoint.Checkpointer, or None when checkpoints are off
     device: str = "cpu"
-    compute: Any = None  # meshjob.devices.ComputeMode; None: real
+    compute: Any = None  # meshjob.costs.devices.ComputeMode; None: real
 
     @property
     def rank(self) -> int:

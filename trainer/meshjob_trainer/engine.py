@@ -12,20 +12,20 @@ message on the wire (meshjob_trainer.wire):
   never waits on a receiver that is busy computing, and since gloo and NCCL send only once the
   receive is posted, the in-link takes its messages in the planned order instead of sharing itself
   between every sender at once (a forwarding rank then has first what it must forward first);
-- sends leave on their link (the host's NIC out-link, or its local link: meshjob.network) in the
+- sends leave on their link (the host's NIC out-link, or its local link: meshjob.network.model) in the
   link's order, at most `in_flight_per_link` at a time, each once the receives it depends on have
   landed: a chain forwards chunk k while chunk k + 1 is still arriving, and the plan, not the NIC's
   queue, decides which transfer goes first;
-- the order is planned (a meshjob.comm_order.TransferOrder): every transfer of the step in one order
-  all ranks derive from the plan, and inside a transfer the sender's program order (meshjob.program).
-  It is what NCCL needs, and it cannot deadlock (meshjob.comm_order says why). Without a plan
+- the order is planned (a meshjob.plan.comm_order.TransferOrder): every transfer of the step in one order
+  all ranks derive from the plan, and inside a transfer the sender's program order (meshjob.plan.program).
+  It is what NCCL needs, and it cannot deadlock (meshjob.plan.comm_order says why). Without a plan
   (benchmarks and tests of single boundaries) transfers go in the order their jobs start, which
   every rank must then start them in.
 
 Across the ranks of a host: a host's NIC links are shared by all its ranks, each with its own engine.
 With a plan, the ranks of a host also follow the plan's order of the host's messages on each shared
 NIC link, and its bound on those in flight, through the host's board (meshjob_trainer.board,
-meshjob.host_order): a rank's next message on such a link waits for its turn there. On every NIC
+meshjob.plan.host_order): a rank's next message on such a link waits for its turn there. On every NIC
 link a message joins others in flight only while those are small (`overlap_bytes`): two large ones
 would share the link instead of running one after the other as the plan times them.
 
@@ -39,7 +39,7 @@ and left out):
   joins while fewer than that many are in flight and their bytes stay within overlap_bytes
   (board.may_start); anything else meets a full window and waits for a completion (`_within_window`);
 - the hand-over lead: behind a large message, the link's next one is issued `lead_s`
-  (meshjob.network.HANDOVER_LEAD_S) before the link's clock says the first is through, the engine
+  (meshjob.network.model.HANDOVER_LEAD_S) before the link's clock says the first is through, the engine
   waking itself for it (`_wake_at`); not once the first is overdue by more than the lead. A large
   receive on an in-link carries landing markers (meshjob_trainer.landing) and the next receive of the
   same transfer goes by its buffer, not the clock (`_in_link_due_s`); where that next receive is another
@@ -60,6 +60,7 @@ send, its bytes are in the kernel's socket buffer, which gloo fills only once th
 its completion (time.monotonic, one clock for every process of a machine), one JSON line each: where a
 transfer's time went (a large send reported after its link clock's end: a late receive, or busy cores).
 """
+
 from __future__ import annotations
 
 import collections
@@ -70,11 +71,12 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder
-from meshjob.network import Link
+from meshjob.network.model import Link
+from meshjob.plan.comm_order import TransferOrder
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.board import link_clock_after, may_start, packs
 from meshjob_trainer.engine_job import Handle, Job, Memory, Message, MessageSpec
 from meshjob_trainer.landing import LandingProbe
@@ -117,17 +119,27 @@ class CommEngine:
     when this rank shares no NIC link with another rank of its host; `overlap_bytes`: on NIC links,
     how many bytes in flight still let another message join them (None: the window alone)."""
 
-    def __init__(self, rank: int, wire: Wire, specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
-                 in_flight_per_link: int = 2, order: TransferOrder | None = None,
-                 board_for: BoardFor | None = None, overlap_bytes: int | None = None,
-                 nic_bytes_per_s: float | None = None, lead_s: float = 0.0,
-                 small_in_flight_per_link: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        wire: Wire,
+        specs: Mapping[BoundaryKey, Sequence[MessageSpec]],
+        in_flight_per_link: int = 2,
+        order: TransferOrder | None = None,
+        board_for: BoardFor | None = None,
+        overlap_bytes: int | None = None,
+        nic_bytes_per_s: float | None = None,
+        lead_s: float = 0.0,
+        small_in_flight_per_link: int | None = None,
+    ) -> None:
         if in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
         small = in_flight_per_link if small_in_flight_per_link is None else small_in_flight_per_link
         if small < in_flight_per_link:
-            raise ValueError(f"small_in_flight_per_link {small!r} is invalid: an integer >= in_flight_per_link "
-                             f"({in_flight_per_link})")
+            raise ValueError(
+                f"small_in_flight_per_link {small!r} is invalid: an integer >= in_flight_per_link "
+                f"({in_flight_per_link})"
+            )
         self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
         self.in_flight_per_link = in_flight_per_link
         # on NIC links small messages pack beyond the window, within overlap_bytes (board.may_start)
@@ -176,7 +188,7 @@ class CommEngine:
 
     def _use_board(self, board: Any) -> None:
         """Follow `board` (None: none) from now on; its turns must be this rank's own sequences."""
-        from meshjob.host_order import check_subsequence
+        from meshjob.plan.host_order import check_subsequence
 
         if board is not None:
             try:
@@ -245,8 +257,20 @@ class CommEngine:
         its job's start, when only its link's window or the board held it back, its issue, when the wire
         reported it, its completion."""
         path = os.path.join(self._trace_dir, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
-        names = ("key", "mb", "index", "send", "peer", "link", "nbytes", "job_s", "ready_s", "issued_s", "wire_s",
-                 "done_s")
+        names = (
+            "key",
+            "mb",
+            "index",
+            "send",
+            "peer",
+            "link",
+            "nbytes",
+            "job_s",
+            "ready_s",
+            "issued_s",
+            "wire_s",
+            "done_s",
+        )
         with open(path, "w") as f:
             for row in self._trace:
                 f.write(json.dumps({"rank": self.rank, "engine": self.serial, **dict(zip(names, row))}) + "\n")
@@ -339,8 +363,16 @@ class CommEngine:
             return True
         clock_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
         due_in_s, landing = self._in_link_due_s(link, clock_s, job)
-        if may_start(count, self._bytes[link], nbytes, self.in_flight_per_link, self.overlap_bytes, due_in_s,
-                     self.lead_s, self.small_in_flight_per_link):
+        if may_start(
+            count,
+            self._bytes[link],
+            nbytes,
+            self.in_flight_per_link,
+            self.overlap_bytes,
+            due_in_s,
+            self.lead_s,
+            self.small_in_flight_per_link,
+        ):
             return True
         self._wake_for(due_in_s, landing)
         return False
@@ -358,8 +390,14 @@ class CommEngine:
 
     def _mark_landing(self, link: Link | None, job: Job, message: Message) -> None:
         """A large receive on a NIC in-link gets landing markers, where the lead is on (see above)."""
-        if (self.lead_s > 0 and self.nic_bytes_per_s and self.overlap_bytes is not None and link is not None
-                and link[1] == "in" and message.nbytes > self.overlap_bytes):
+        if (
+            self.lead_s > 0
+            and self.nic_bytes_per_s
+            and self.overlap_bytes is not None
+            and link is not None
+            and link[1] == "in"
+            and message.nbytes > self.overlap_bytes
+        ):
             message.landing = LandingProbe.place(message.tensor, int(self.lead_s * self.nic_bytes_per_s))
             if message.landing is not None:
                 self._landing[link].append((job, message))
@@ -399,8 +437,12 @@ class CommEngine:
         waits for a completion, as it did before small messages packed."""
         if count < self.in_flight_per_link:
             return True
-        return (link is not None and link[1] != "local" and count < self.small_in_flight_per_link
-                and packs(nbytes, self.small_in_flight_per_link, self.overlap_bytes))
+        return (
+            link is not None
+            and link[1] != "local"
+            and count < self.small_in_flight_per_link
+            and packs(nbytes, self.small_in_flight_per_link, self.overlap_bytes)
+        )
 
     def _issue(self) -> None:
         self._board_waits, self._wake_at = False, None
@@ -469,11 +511,15 @@ class CommEngine:
         elif self.nic_bytes_per_s and link is not None and link[1] in ("out", "in") and message.nbytes:
             clock_ns = link_clock_after(self._link_clock.get(link, 0), now_ns, message.nbytes, self.nic_bytes_per_s)
             self._link_clock[link] = clock_ns
-        if (clock_ns is not None and message.spec.send and self.overlap_bytes is not None
-                and message.nbytes > self.overlap_bytes):
+        if (
+            clock_ns is not None
+            and message.spec.send
+            and self.overlap_bytes is not None
+            and message.nbytes > self.overlap_bytes
+        ):
             message.floor_s = clock_ns * 1e-9
 
-    def _waiter(self, peer: int, send: bool) -> "_Waiter":
+    def _waiter(self, peer: int, send: bool) -> _Waiter:
         waiter = self._waiters.get((peer, send))
         if waiter is None:
             waiter = self._waiters[(peer, send)] = _Waiter(self, peer, send)
@@ -483,8 +529,22 @@ class CommEngine:
         message.done = True
         spec = message.spec
         if self._trace_dir is not None:
-            self._trace.append((str(job.key), job.mb, spec.index, spec.send, spec.peer, spec.link, message.nbytes,
-                                job.started_s, message.ready_s, message.issued_s, message.wire_s, message.done_s))
+            self._trace.append(
+                (
+                    str(job.key),
+                    job.mb,
+                    spec.index,
+                    spec.send,
+                    spec.peer,
+                    spec.link,
+                    message.nbytes,
+                    job.started_s,
+                    message.ready_s,
+                    message.issued_s,
+                    message.wire_s,
+                    message.done_s,
+                )
+            )
         self._bytes[spec.link] -= message.nbytes
         if self.board is not None and spec.link in self.board.links:
             self.board.completed(spec.link, message.nbytes)
@@ -530,8 +590,7 @@ class _Waiter:
         self.engine = engine
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         kind = "sends to" if send else "receives from"
-        self.thread = threading.Thread(target=self._main, daemon=True,
-                                       name=f"rank {engine.rank} {kind} rank {peer}")
+        self.thread = threading.Thread(target=self._main, daemon=True, name=f"rank {engine.rank} {kind} rank {peer}")
         self.thread.start()
 
     def put(self, item: tuple[Job, Message]) -> None:

@@ -7,17 +7,19 @@ message's state on the engine's thread) and the data behind them, which subclass
 A Handle is the started job as the compute thread sees it: its result once delivered. Memory tallies the
 payload buffers jobs hold, for the peak in flight each step reports.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from meshjob.boundary import BoundaryKey
-from meshjob.network import Link
+from meshjob.network.model import Link
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.wire import Wire
 
 
@@ -165,8 +167,9 @@ class Handle:
 
     def _wait(self, event: threading.Event, timeout_s: float | None, what: str) -> None:
         if not event.wait(timeout_s):
-            raise TimeoutError(f"resharding {self._job.key} of microbatch {self._job.mb} not {what} after "
-                               f"{timeout_s:g} s")
+            raise TimeoutError(
+                f"resharding {self._job.key} of microbatch {self._job.mb} not {what} after {timeout_s:g} s"
+            )
         if self._error is not None:
             raise self._error
 

@@ -13,14 +13,17 @@ below when they start (dashboards see them before the first event) and any other
 it first arrives. Validation lives in the events: a bad value is a trainer bug, better a ValueError
 that names the field, the value and what is allowed than a silent NaN on a dashboard.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Sequence
+from typing import ClassVar, Protocol
 
-from meshjob.boundary import BoundaryKey
-from meshjob.resharding import CROSS_HOST, INTRA_HOST, STRATEGIES
+from meshjob.resharding.strategies import STRATEGIES
+from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST
+from meshjob.schedule.boundary import BoundaryKey
 
 METRIC_KINDS = ("counter", "gauge", "histogram")
 SCOPES = (INTRA_HOST, CROSS_HOST)
@@ -97,8 +100,9 @@ def _boundary(value: BoundaryKey) -> None:
         raise ValueError(f"boundary={value!r}: must be a BoundaryKey, e.g. BoundaryKey(0, 1, 'activation')")
 
 
-LAST_CHECKPOINT_STEP = Metric("meshjob_last_checkpoint_step", "Step of the newest checkpoint written or restored",
-                              "gauge", "step", ("stage",))
+LAST_CHECKPOINT_STEP = Metric(
+    "meshjob_last_checkpoint_step", "Step of the newest checkpoint written or restored", "gauge", "step", ("stage",)
+)
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,16 @@ class StepFinished(Event):
     """One training step done on a rank: wall time, tokens of the global batch, loss, step number."""
 
     METRICS = (
-        Metric("meshjob_step_seconds", "Wall time of one training step", "histogram", "seconds", ("stage",),
-               STEP_BUCKETS),
-        Metric("meshjob_tokens_total", "Tokens of the global batch trained (same on every rank)", "counter",
-               "tokens", ("stage",)),
+        Metric(
+            "meshjob_step_seconds", "Wall time of one training step", "histogram", "seconds", ("stage",), STEP_BUCKETS
+        ),
+        Metric(
+            "meshjob_tokens_total",
+            "Tokens of the global batch trained (same on every rank)",
+            "counter",
+            "tokens",
+            ("stage",),
+        ),
         Metric("meshjob_loss", "Training loss of the last step", "gauge", "loss", ("stage",)),
         Metric("meshjob_step", "Last completed training step", "gauge", "step", ("stage",)),
     )
@@ -130,8 +140,15 @@ class StepFinished(Event):
 class Evaluated(Event):
     """The validation loss after `step` steps (spec.training.evalEvery): NaN off the last stage."""
 
-    METRICS = (Metric("meshjob_validation_loss", "Loss on the validation data (spec.data.valPath), last evaluation",
-                      "gauge", "loss", ("stage",)),)
+    METRICS = (
+        Metric(
+            "meshjob_validation_loss",
+            "Loss on the validation data (spec.data.valPath), last evaluation",
+            "gauge",
+            "loss",
+            ("stage",),
+        ),
+    )
     stage: int
     step: int
     loss: float
@@ -145,8 +162,15 @@ class Evaluated(Event):
 class GradientNorm(Event):
     """The global gradient norm of a step, before clipping (spec.training.gradClip), over every stage and rank."""
 
-    METRICS = (Metric("meshjob_gradient_norm", "Global gradient norm of the last step, before clipping", "gauge",
-                      "norm", ("stage",)),)
+    METRICS = (
+        Metric(
+            "meshjob_gradient_norm",
+            "Global gradient norm of the last step, before clipping",
+            "gauge",
+            "norm",
+            ("stage",),
+        ),
+    )
     stage: int
     step: int
     norm: float
@@ -161,10 +185,21 @@ class Resharded(Event):
     """One resharding of a boundary as one receiver saw it, per scope: bytes received and wall time."""
 
     METRICS = (
-        Metric("meshjob_resharding_bytes_total", "Bytes received by cross-mesh resharding", "counter", "nbytes",
-               ("strategy", "scope", "boundary")),
-        Metric("meshjob_resharding_seconds", "Wall time of one cross-mesh resharding of a boundary", "histogram",
-               "seconds", ("strategy", "scope", "boundary"), RESHARDING_BUCKETS),
+        Metric(
+            "meshjob_resharding_bytes_total",
+            "Bytes received by cross-mesh resharding",
+            "counter",
+            "nbytes",
+            ("strategy", "scope", "boundary"),
+        ),
+        Metric(
+            "meshjob_resharding_seconds",
+            "Wall time of one cross-mesh resharding of a boundary",
+            "histogram",
+            "seconds",
+            ("strategy", "scope", "boundary"),
+            RESHARDING_BUCKETS,
+        ),
     )
     boundary: BoundaryKey
     strategy: str
@@ -184,8 +219,15 @@ class Resharded(Event):
 class NicBandwidth(Event):
     """Achieved rate of a host's NIC while a rank there received cross-host bytes."""
 
-    METRICS = (Metric("meshjob_nic_bandwidth_bytes_per_second", "Achieved NIC bandwidth of a host while resharding",
-                      "gauge", "bytes_per_second", ("host",)),)
+    METRICS = (
+        Metric(
+            "meshjob_nic_bandwidth_bytes_per_second",
+            "Achieved NIC bandwidth of a host while resharding",
+            "gauge",
+            "bytes_per_second",
+            ("host",),
+        ),
+    )
     host: str  # the host's name in the plan
     bytes_per_second: float
 
@@ -197,9 +239,15 @@ class NicBandwidth(Event):
 class LowerBoundRatio(Event):
     """A boundary's last resharding time over its lower bound (1 is optimal)."""
 
-    METRICS = (Metric("meshjob_resharding_lower_bound_ratio",
-                      "Last resharding time of a boundary over its lower bound (1 is optimal)", "gauge", "ratio",
-                      ("boundary",)),)
+    METRICS = (
+        Metric(
+            "meshjob_resharding_lower_bound_ratio",
+            "Last resharding time of a boundary over its lower bound (1 is optimal)",
+            "gauge",
+            "ratio",
+            ("boundary",),
+        ),
+    )
     boundary: BoundaryKey
     ratio: float
 
@@ -212,8 +260,15 @@ class LowerBoundRatio(Event):
 class UnitTasks(Event):
     """Unit tasks a chosen sender started, by the balancer that chose it."""
 
-    METRICS = (Metric("meshjob_unit_tasks_total", "Resharding unit tasks executed, by sender balancer", "counter",
-                      "count", ("balancer",)),)
+    METRICS = (
+        Metric(
+            "meshjob_unit_tasks_total",
+            "Resharding unit tasks executed, by sender balancer",
+            "counter",
+            "count",
+            ("balancer",),
+        ),
+    )
     balancer: str
     count: int
 
@@ -226,10 +281,16 @@ class PipelineFractions(Event):
     """A stage's step: idle share of its time, and the share of its communication hidden behind compute."""
 
     METRICS = (
-        Metric("meshjob_pipeline_bubble_fraction", "Idle fraction of a stage's step time", "gauge", "bubble",
-               ("stage",)),
-        Metric("meshjob_pipeline_overlap_fraction", "Fraction of communication time hidden behind compute", "gauge",
-               "overlap", ("stage",)),
+        Metric(
+            "meshjob_pipeline_bubble_fraction", "Idle fraction of a stage's step time", "gauge", "bubble", ("stage",)
+        ),
+        Metric(
+            "meshjob_pipeline_overlap_fraction",
+            "Fraction of communication time hidden behind compute",
+            "gauge",
+            "overlap",
+            ("stage",),
+        ),
     )
     stage: int
     bubble: float
@@ -246,10 +307,21 @@ class PayloadMemory(Event):
     (receive buffers, staging copies), and the bound the plan puts on it."""
 
     METRICS = (
-        Metric("meshjob_comm_payload_peak_bytes", "Most bytes of in-flight payload buffers a rank's communication "
-               "engine held during the last step", "gauge", "peak_bytes", ("stage",)),
-        Metric("meshjob_comm_payload_bound_bytes", "Bound on those bytes from the plan (receives posted ahead per "
-               "boundary, staging copies per send in flight)", "gauge", "bound_bytes", ("stage",)),
+        Metric(
+            "meshjob_comm_payload_peak_bytes",
+            "Most bytes of in-flight payload buffers a rank's communication engine held during the last step",
+            "gauge",
+            "peak_bytes",
+            ("stage",),
+        ),
+        Metric(
+            "meshjob_comm_payload_bound_bytes",
+            "Bound on those bytes from the plan (receives posted ahead per "
+            "boundary, staging copies per send in flight)",
+            "gauge",
+            "bound_bytes",
+            ("stage",),
+        ),
     )
     stage: int
     peak_bytes: int
@@ -266,10 +338,20 @@ class WeightDelay(Event):
     the start of the run, or the planner's formula) and the peak stash it leads to."""
 
     METRICS = (
-        Metric("meshjob_weight_grad_delay_microbatches", "Weight gradients a stage delays behind later input "
-               "gradients (spec.schedule.weightGradDelay)", "gauge", "delay", ("stage",)),
-        Metric("meshjob_stash_peak_microbatches", "Most microbatches a stage's action list keeps stashed at once",
-               "gauge", "peak_stash", ("stage",)),
+        Metric(
+            "meshjob_weight_grad_delay_microbatches",
+            "Weight gradients a stage delays behind later input gradients (spec.schedule.weightGradDelay)",
+            "gauge",
+            "delay",
+            ("stage",),
+        ),
+        Metric(
+            "meshjob_stash_peak_microbatches",
+            "Most microbatches a stage's action list keeps stashed at once",
+            "gauge",
+            "peak_stash",
+            ("stage",),
+        ),
     )
     stage: int
     delay: int
@@ -288,8 +370,14 @@ class WeightDelay(Event):
 @dataclass(frozen=True)
 class CheckpointWritten(Event):
     METRICS = (
-        Metric("meshjob_checkpoint_seconds", "Wall time of writing one checkpoint", "histogram", "seconds",
-               ("stage",), CHECKPOINT_BUCKETS),
+        Metric(
+            "meshjob_checkpoint_seconds",
+            "Wall time of writing one checkpoint",
+            "histogram",
+            "seconds",
+            ("stage",),
+            CHECKPOINT_BUCKETS,
+        ),
         LAST_CHECKPOINT_STEP,
     )
     stage: int

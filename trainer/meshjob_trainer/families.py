@@ -1,17 +1,19 @@
 """The model family of a job: one pipeline stage of a gpt, utransformer, llama or custom model
 (every one a model.PipelineStage), and the checks of what a job reads from this machine."""
+
 from __future__ import annotations
 
 from meshjob.errors import SpecError
-from meshjob.spec import ModelSpec
-from meshjob.tokens import check_data_files
+from meshjob.spec.manifest import ModelSpec
+from meshjob.spec.tokens import check_data_files
 from meshjob_trainer.model import PipelineStage, StageModule
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import TPGroup
 
 
-def build_stage(model: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup(),
-                numerics: Numerics = Numerics()) -> PipelineStage:
+def build_stage(
+    model: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup(), numerics: Numerics = Numerics()
+) -> PipelineStage:
     """Layers [first, last) of the model (the whole model when first=0, last=layers)."""
     if model.kind == "llama":
         from meshjob_trainer.llama import LlamaStage
@@ -21,8 +23,9 @@ def build_stage(model: ModelSpec, first: int, last: int, seed: int, tp: TPGroup 
         from meshjob_trainer.custom import CustomStage
 
         if tp.size > 1:
-            raise ValueError(f"a custom model runs without tensor parallelism; got a tensor-parallel group of "
-                             f"{tp.size}")
+            raise ValueError(
+                f"a custom model runs without tensor parallelism; got a tensor-parallel group of {tp.size}"
+            )
         return CustomStage(model, first, last, seed, numerics)
     return StageModule(model, first, last, seed, tp, numerics)
 

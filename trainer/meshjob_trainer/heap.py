@@ -44,10 +44,12 @@ def keep_freed_memory() -> bool:
     process starts, before its threads allocate. False where the C library has no mallopt (not glibc) or
     refused a value."""
     mallopt = _libc_function("mallopt")
-    return bool(mallopt is not None
-                and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-                and mallopt(M_TOP_PAD, TOP_PAD_BYTES) == 1)
+    return bool(
+        mallopt is not None
+        and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        and mallopt(M_TOP_PAD, TOP_PAD_BYTES) == 1
+    )
 
 
 def release_freed_memory() -> bool:

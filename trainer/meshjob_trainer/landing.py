@@ -19,6 +19,7 @@ an eighth of a lead, where the bytes are between the last two markers). A payloa
 random marker (one chance in 2^64 per word) reads as not yet landed: the next receive is then posted
 when this one completes, as without a lead, and nothing is lost.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,12 +38,17 @@ class LandingProbe:
     nbytes: int
 
     @classmethod
-    def place(cls, buffer: torch.Tensor, lead_bytes: int) -> "LandingProbe | None":
+    def place(cls, buffer: torch.Tensor, lead_bytes: int) -> LandingProbe | None:
         """Mark `buffer` (before its receive is posted). None where it cannot be read as it lands (not a
         contiguous CPU tensor of whole, aligned 8-byte words) or is no longer than the lead."""
         nbytes = buffer.numel() * buffer.element_size()
-        if (buffer.device.type != "cpu" or not buffer.is_contiguous() or nbytes % 8 or buffer.data_ptr() % 8
-                or not 0 < lead_bytes < nbytes):
+        if (
+            buffer.device.type != "cpu"
+            or not buffer.is_contiguous()
+            or nbytes % 8
+            or buffer.data_ptr() % 8
+            or not 0 < lead_bytes < nbytes
+        ):
             return None
         try:
             words = buffer.view(-1).view(torch.uint8).view(torch.int64)

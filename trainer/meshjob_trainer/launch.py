@@ -25,6 +25,7 @@ the tests.
   pipeline`), each one stalling the pipeline or the transfer that rank was on; how many a rank got depended
   on the collector's counts it inherited, so on what the parent had run before.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from meshjob_trainer.dist import WorkerEnv
 from meshjob_trainer.heap import keep_freed_memory
@@ -109,8 +111,10 @@ class EventPipe:
         payload = pickle.dumps((self.rank, event))
         frame = _FRAME.pack(len(payload)) + payload
         if len(frame) > select.PIPE_BUF:
-            raise ValueError(f"event {type(event).__name__} pickles to {len(frame)} bytes: at most "
-                             f"{select.PIPE_BUF} fit one atomic pipe write")
+            raise ValueError(
+                f"event {type(event).__name__} pickles to {len(frame)} bytes: at most "
+                f"{select.PIPE_BUF} fit one atomic pipe write"
+            )
         os.write(self.fd, frame)
 
 
@@ -137,8 +141,8 @@ class _EventReader:
             (size,) = _FRAME.unpack_from(self.buffer)
             if len(self.buffer) < _FRAME.size + size:
                 break
-            rank, event = pickle.loads(self.buffer[_FRAME.size:_FRAME.size + size])
-            self.buffer = self.buffer[_FRAME.size + size:]
+            rank, event = pickle.loads(self.buffer[_FRAME.size : _FRAME.size + size])
+            self.buffer = self.buffer[_FRAME.size + size :]
             if self.on_event is not None:
                 self.on_event(rank, event)
 
@@ -190,15 +194,22 @@ class LaunchResult:
 
     def raise_on_failure(self) -> LaunchResult:
         if not self.ok:
-            lines = [f"rank {r.rank} exited {r.exit_code}: {r.error.strip() or '(no traceback)'}"
-                     for r in self.failures()]
-            raise RuntimeError("local launch failed" + (" (timed out)" if self.timed_out else "") + ":\n"
-                               + "\n".join(lines))
+            lines = [
+                f"rank {r.rank} exited {r.exit_code}: {r.error.strip() or '(no traceback)'}" for r in self.failures()
+            ]
+            raise RuntimeError(
+                "local launch failed" + (" (timed out)" if self.timed_out else "") + ":\n" + "\n".join(lines)
+            )
         return self
 
 
-def _run_child(ctx: RankContext, target: Callable[[RankContext], Any], pre_exec: Callable[[int], None] | None,
-               result_path: str, threads: int) -> None:
+def _run_child(
+    ctx: RankContext,
+    target: Callable[[RankContext], Any],
+    pre_exec: Callable[[int], None] | None,
+    result_path: str,
+    threads: int,
+) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     outcome: tuple[str, Any] = ("error", "child ended before reporting")
@@ -353,11 +364,21 @@ def _frozen_for_fork() -> Iterator[None]:
         gc.unfreeze()
 
 
-def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequence[int] | None = None,
-           master_addr: str = "127.0.0.1", master_port: int | None = None, node_rank: int = 0, attempt: int = 0,
-           pre_exec: Callable[[int], None] | None = None, on_event: Callable[[int, Any], None] | None = None,
-           timeout_s: float | None = None, kill_grace_s: float = 2.0,
-           threads_per_rank: int = 1) -> LaunchResult:
+def launch(
+    world_size: int,
+    target: Callable[[RankContext], Any],
+    *,
+    ranks: Sequence[int] | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    node_rank: int = 0,
+    attempt: int = 0,
+    pre_exec: Callable[[int], None] | None = None,
+    on_event: Callable[[int, Any], None] | None = None,
+    timeout_s: float | None = None,
+    kill_grace_s: float = 2.0,
+    threads_per_rank: int = 1,
+) -> LaunchResult:
     """Fork one process per rank in `ranks` (default: all of range(world_size)), each running
     target(RankContext) with its WorkerEnv (master_port None: a free port here); wait for all.
 
@@ -370,16 +391,28 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
     port = master_port or free_port(master_addr)
     started = time.monotonic()
     read_fd, write_fd = os.pipe()
-    gang = _Gang({}, {r: RankResult(rank=r, exit_code=0) for r in ranks}, _EventReader(read_fd, on_event),
-                 timeout_s, kill_grace_s)
+    gang = _Gang(
+        {},
+        {r: RankResult(rank=r, exit_code=0) for r in ranks},
+        _EventReader(read_fd, on_event),
+        timeout_s,
+        kill_grace_s,
+    )
     with tempfile.TemporaryDirectory(prefix="meshjob-launch-") as tmp:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
             with _frozen_for_fork():
                 for local_rank, rank in enumerate(ranks):
-                    env = WorkerEnv(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank,
-                                    master_addr=master_addr, master_port=port, local_world_size=len(ranks))
+                    env = WorkerEnv(
+                        rank=rank,
+                        world_size=world_size,
+                        local_rank=local_rank,
+                        node_rank=node_rank,
+                        master_addr=master_addr,
+                        master_port=port,
+                        local_world_size=len(ranks),
+                    )
                     ctx = RankContext(env, attempt, EventPipe(write_fd, rank))
                     pid = os.fork()
                     if pid == 0:
@@ -396,13 +429,23 @@ def launch(world_size: int, target: Callable[[RankContext], Any], *, ranks: Sequ
                 if fd >= 0:
                     os.close(fd)
         _load_outcomes(gang.results, tmp, gang.timed_out)
-    return LaunchResult(ranks=[gang.results[r] for r in ranks], timed_out=gang.timed_out, attempt=attempt,
-                        first_failure=gang.first_failure, seconds=time.monotonic() - started)
+    return LaunchResult(
+        ranks=[gang.results[r] for r in ranks],
+        timed_out=gang.timed_out,
+        attempt=attempt,
+        first_failure=gang.first_failure,
+        seconds=time.monotonic() - started,
+    )
 
 
-def launch_with_restarts(world_size: int, target: Callable[[RankContext], Any], *, max_restarts: int = 0,
-                         on_restart: Callable[[LaunchResult], None] | None = None,
-                         **kwargs: Any) -> list[LaunchResult]:
+def launch_with_restarts(
+    world_size: int,
+    target: Callable[[RankContext], Any],
+    *,
+    max_restarts: int = 0,
+    on_restart: Callable[[LaunchResult], None] | None = None,
+    **kwargs: Any,
+) -> list[LaunchResult]:
     """launch(); after a failure start a new gang (the target resumes from its checkpoint), at most
     `max_restarts` times. Each attempt rendezvouses on a fresh port: master_port + attempt when a port
     is given (the old store's may linger in TIME_WAIT), else a free one. Returns every attempt's result;

@@ -12,6 +12,7 @@ from per-slice maxima, sums of exponentials and target logits (VocabParallelCros
 rank ever holds the full logits. Query head j reads key/value head j // (heads / kvHeads); slicing
 both by rank keeps every group on one rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,11 +20,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshjob.spec import ModelSpec
+from meshjob.spec.manifest import ModelSpec
 from meshjob_trainer.model import Initializer, PipelineStage, PreNormBlock
 from meshjob_trainer.numerics import Numerics
-from meshjob_trainer.parallel import (ColumnParallelLinear, RowParallelLinear, ShardInfo, TPGroup, copy_to_tp,
-                                      reduce_from_tp, sharded)
+from meshjob_trainer.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardInfo,
+    TPGroup,
+    copy_to_tp,
+    reduce_from_tp,
+    sharded,
+)
 
 NORM_EPS = 1e-5
 
@@ -31,15 +39,21 @@ NORM_EPS = 1e-5
 def check_llama(config: ModelSpec, tp: TPGroup) -> None:
     """A model spec that did not come through the manifest parser (tests, benchmarks) fails here, clearly."""
     if config.hidden % config.heads or (config.hidden // config.heads) % 2:
-        raise ValueError(f"model.heads: {config.heads} is invalid: must divide model.hidden ({config.hidden}) "
-                         f"into an even head size")
+        raise ValueError(
+            f"model.heads: {config.heads} is invalid: must divide model.hidden ({config.hidden}) into an even head size"
+        )
     if config.heads % config.key_value_heads:
         raise ValueError(f"model.kvHeads: {config.kv_heads} is invalid: must divide model.heads ({config.heads})")
-    for name, size in (("heads", config.heads), ("kvHeads", config.key_value_heads),
-                       ("ffnHidden", config.ffn_width), ("vocab", config.vocab)):
+    for name, size in (
+        ("heads", config.heads),
+        ("kvHeads", config.key_value_heads),
+        ("ffnHidden", config.ffn_width),
+        ("vocab", config.vocab),
+    ):
         if size % tp.size:
-            raise ValueError(f"model.{name}: {size} is invalid: must be divisible by the tensor-parallel size "
-                             f"{tp.size}")
+            raise ValueError(
+                f"model.{name}: {size} is invalid: must be divisible by the tensor-parallel size {tp.size}"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -114,8 +128,12 @@ class SwiGLU(nn.Module):
 
 
 def llama_block(config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup) -> PreNormBlock:
-    return PreNormBlock(RMSNorm(config.hidden), Attention(config, f"{prefix}.attn", init, tp),
-                        RMSNorm(config.hidden), SwiGLU(config, f"{prefix}.mlp", init, tp))
+    return PreNormBlock(
+        RMSNorm(config.hidden),
+        Attention(config, f"{prefix}.attn", init, tp),
+        RMSNorm(config.hidden),
+        SwiGLU(config, f"{prefix}.mlp", init, tp),
+    )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -143,8 +161,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     softmax - one_hot(target)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
-                start: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup,  # type: ignore[override]
+        start: int,
+    ) -> torch.Tensor:
         logits32 = logits.float()
         top = logits32.max(dim=-1).values
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -172,14 +195,23 @@ class LlamaStage(PipelineStage):
     """Layers [first, last) of a Llama model: the embedding on the first stage, the final RMSNorm,
     head and loss on the last."""
 
-    def __init__(self, config: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup(),
-                 numerics: Numerics = Numerics()):
+    def __init__(
+        self,
+        config: ModelSpec,
+        first: int,
+        last: int,
+        seed: int,
+        tp: TPGroup = TPGroup(),
+        numerics: Numerics = Numerics(),
+    ):
         check_llama(config, tp)
         super().__init__(config, first, last, numerics)
         init = Initializer(config, seed)
         self.tp, self.tied = tp, config.tie_embeddings
         if self.is_first or (self.is_last and self.tied):
-            self.embed_tokens = VocabParallelEmbedding(init.normal("embed_tokens.weight", (config.vocab, config.hidden)), tp)
+            self.embed_tokens = VocabParallelEmbedding(
+                init.normal("embed_tokens.weight", (config.vocab, config.hidden)), tp
+            )
         self.blocks = nn.ModuleDict({str(i): llama_block(config, f"blocks.{i}", init, tp) for i in range(first, last)})
         if self.is_last:
             self.norm = RMSNorm(config.hidden)

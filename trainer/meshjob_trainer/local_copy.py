@@ -28,6 +28,7 @@ Reading a sibling process also needs ptrace access: each rank allows it for ever
 refusal and the sender sends the payload over the inner wire instead (matched by tag), message by
 message.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,15 +39,16 @@ import platform
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshjob_trainer.board import shm_dir
+from meshjob_trainer.host_side import HostSide, OrderError
 from meshjob_trainer.procs import pid_alive
-from meshjob_trainer.wire import OrderError, _HostSide
 
 FALLBACK_TAG = 2 << 29  # added to a message's tag for the payload itself, when the receiver could not copy it
 PREFIX = "meshjob-lcw-"
@@ -69,8 +71,14 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 
 def _readv() -> Any:
     fn = _LIBC.process_vm_readv
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     fn.restype = ctypes.c_ssize_t
     return fn
 
@@ -151,14 +159,14 @@ class _Mailbox:
 
     def post(self, seq: int, tag: int, address: int, nbytes: int) -> None:
         base = self._cell(seq, 0)
-        self.cells[base:base + 5] = [seq, tag, os.getpid(), address, nbytes]
+        self.cells[base : base + 5] = [seq, tag, os.getpid(), address, nbytes]
         self.cells[base + 5] = POSTED  # last: the receiver reads the header once it sees this
         self._bump(0)
 
     def header(self, seq: int) -> tuple[int, int, int, int]:
         """(tag, pid, address, nbytes) of posted header `seq`."""
         base = self._cell(seq, 0)
-        return tuple(self.cells[base + 1:base + 5])  # type: ignore[return-value]
+        return tuple(self.cells[base + 1 : base + 5])  # type: ignore[return-value]
 
     def answer(self, seq: int, state: int) -> None:
         self.cells[self._cell(seq, 5)] = state
@@ -171,8 +179,15 @@ class _Mailbox:
     def _bump(self, word: int) -> None:
         with self._lock:  # the engine thread and a waiter may both post
             self.words[word] = (self.words[word] + 1) & 0xFFFFFFFF
-        _SYSCALL(ctypes.c_long(_FUTEX), ctypes.c_void_p(ctypes.addressof(self.words) + 4 * word),
-                 ctypes.c_int(_FUTEX_WAKE), ctypes.c_int(1 << 30), None, None, ctypes.c_int(0))
+        _SYSCALL(
+            ctypes.c_long(_FUTEX),
+            ctypes.c_void_p(ctypes.addressof(self.words) + 4 * word),
+            ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(1 << 30),
+            None,
+            None,
+            ctypes.c_int(0),
+        )
 
     def wait(self, word: int, ready: Callable[[], bool], peer_pid: Callable[[], int], what: str) -> None:
         """Until ready(): sleeps on futex word `word` (bumped by every post, or every answer), a tick at
@@ -183,8 +198,15 @@ class _Mailbox:
             seen = self.words[word]
             if ready():
                 return
-            _SYSCALL(ctypes.c_long(_FUTEX), address, ctypes.c_int(_FUTEX_WAIT), ctypes.c_uint32(seen),
-                     ctypes.byref(_TICK), None, ctypes.c_int(0))
+            _SYSCALL(
+                ctypes.c_long(_FUTEX),
+                address,
+                ctypes.c_int(_FUTEX_WAIT),
+                ctypes.c_uint32(seen),
+                ctypes.byref(_TICK),
+                None,
+                ctypes.c_int(0),
+            )
             if time.monotonic() - checked >= TICK_S:
                 pid = peer_pid()
                 if pid and not pid_alive(pid) and not ready():
@@ -232,7 +254,7 @@ class _Recv:
     hello_work: Any = None
 
 
-class LocalCopyWire(_HostSide):
+class LocalCopyWire(HostSide):
     """Wraps a CPU wire (GlooWire); messages to and from `local_peers` move by one memory copy."""
 
     def __init__(self, inner: Any, local_peers: Iterable[int], group: Any = None) -> None:
@@ -300,8 +322,12 @@ class LocalCopyWire(_HostSide):
         if not send.written:  # the ring was full: the sends before it (waited first) free its place
             box.wait(1, lambda: box.free(send.seq), receiver, f"message {send.seq} to rank {send.peer} waits")
             self._write(send)
-        box.wait(1, lambda: box.state(send.seq) in (COPIED, REFUSED), receiver,
-                 f"message {send.seq} to rank {send.peer} is not answered")
+        box.wait(
+            1,
+            lambda: box.state(send.seq) in (COPIED, REFUSED),
+            receiver,
+            f"message {send.seq} to rank {send.peer} is not answered",
+        )
         refused = box.state(send.seq) == REFUSED
         box.release(send.seq)
         if refused:  # the receiver may not read us: the payload goes over the inner wire
@@ -319,12 +345,18 @@ class LocalCopyWire(_HostSide):
         box = inbox.box
         if box is None:
             raise RuntimeError(f"local copy from rank {recv.peer}: receive {recv.seq} waited before receive 0")
-        box.wait(0, lambda: box.state(recv.seq) == POSTED, lambda: inbox.sender,
-                 f"receive {recv.seq} from rank {recv.peer} waits for its message")
+        box.wait(
+            0,
+            lambda: box.state(recv.seq) == POSTED,
+            lambda: inbox.sender,
+            f"receive {recv.seq} from rank {recv.peer} waits for its message",
+        )
         tag, pid, address, nbytes = box.header(recv.seq)
         if tag != recv.tag:
-            raise OrderError(f"local copy from rank {recv.peer}: message {recv.seq} carries tag {tag}, the receiver "
-                             f"posted tag {recv.tag}; the two ranks issue their messages in different orders")
+            raise OrderError(
+                f"local copy from rank {recv.peer}: message {recv.seq} carries tag {tag}, the receiver "
+                f"posted tag {recv.tag}; the two ranks issue their messages in different orders"
+            )
         want = recv.into.numel() * recv.into.element_size()
         if nbytes != want:
             raise RuntimeError(f"local copy from rank {recv.peer}: {nbytes} bytes sent, {want} expected")

@@ -6,19 +6,21 @@ low-cardinality: job, stage, strategy, scope, boundary, host, balancer. A proces
 from its peers by the scrape target (pod / port), not by a rank label, so the series count does not
 grow with the number of devices.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from meshjob.api import TRAINER_METRICS_PORT
+from meshjob.spec.api import TRAINER_METRICS_PORT
 from meshjob_trainer.events import STANDARD_EVENTS, Event, Metric
 
 DEFAULT_PORT = TRAINER_METRICS_PORT
@@ -58,8 +60,12 @@ class TrainerMetrics:
     def __post_init__(self) -> None:
         if self.registry is None:
             self.registry = CollectorRegistry()
-        self.info = Info("meshjob", "Job configuration: strategy, schedule, balancer, mesh shapes",
-                         ["trainingjob", "namespace", "stage"], registry=self.registry)
+        self.info = Info(
+            "meshjob",
+            "Job configuration: strategy, schedule, balancer, mesh shapes",
+            ["trainingjob", "namespace", "stage"],
+            registry=self.registry,
+        )
         for kind in STANDARD_EVENTS:
             for metric in kind.METRICS:
                 self._declare(metric)
@@ -89,8 +95,9 @@ class TrainerMetrics:
             if isinstance(value, float) and math.isnan(value):
                 continue  # "none here", e.g. the loss of a stage that computes none
             labels = {name: str(getattr(event, name)) for name in metric.labels}
-            _RECORD[metric.kind](self._declare(metric).labels(trainingjob=self.job, namespace=self.namespace, **labels),
-                                 value)
+            _RECORD[metric.kind](
+                self._declare(metric).labels(trainingjob=self.job, namespace=self.namespace, **labels), value
+            )
 
     def serve(self, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> int:
         """Serve /metrics on a daemon thread; returns the bound port (useful with port 0)."""
@@ -121,5 +128,12 @@ class TrainerMetrics:
     def set_info(self, strategy: str, schedule: str, balancer: str, meshes: str) -> None:
         """meshes: the stages' mesh shapes, e.g. '1x2,2x1'."""
         self.info.labels(trainingjob=self.job, namespace=self.namespace, stage=str(self.stage)).info(
-            {"strategy": strategy, "schedule": schedule, "balancer": balancer, "meshes": meshes,
-             "rank": str(self.rank), "host": self.host})
+            {
+                "strategy": strategy,
+                "schedule": schedule,
+                "balancer": balancer,
+                "meshes": meshes,
+                "rank": str(self.rank),
+                "host": self.host,
+            }
+        )

@@ -18,14 +18,16 @@ Tensor parallelism (Megatron): attention heads and the MLP's hidden units are sp
 TP group; every rank creates the same full initial weights from the seed and keeps its shard, so
 a sharded model computes what the single-process model does.
 """
+
 from __future__ import annotations
 
 import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshjob.spec import MODEL_KINDS, ModelSpec, skip_pairs, skip_tensor
+from meshjob.spec.manifest import MODEL_KINDS, ModelSpec, skip_pairs, skip_tensor
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import (
     ColumnParallelLinear,
@@ -42,11 +44,12 @@ from meshjob_trainer.parallel import (
 def check_model(config: ModelSpec) -> None:
     """A model spec that did not come through the manifest parser (tests, benchmarks) fails here, clearly."""
     if config.kind not in ("gpt", "utransformer"):
-        raise ValueError(f"model.kind: {config.kind!r} is invalid: allowed are gpt, utransformer (this module); "
-                         f"all kinds: {', '.join(MODEL_KINDS)}")
+        raise ValueError(
+            f"model.kind: {config.kind!r} is invalid: allowed are gpt, utransformer (this module); "
+            f"all kinds: {', '.join(MODEL_KINDS)}"
+        )
     if config.hidden % config.heads:
-        raise ValueError(f"model.hidden: {config.hidden} is invalid: must be divisible by model.heads "
-                         f"({config.heads})")
+        raise ValueError(f"model.hidden: {config.hidden} is invalid: must be divisible by model.heads ({config.heads})")
 
 
 class Initializer:
@@ -73,7 +76,9 @@ class Attention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden, config.heads
         if heads % tp.size:
-            raise ValueError(f"model.heads: {heads} is invalid: must be divisible by the tensor-parallel size {tp.size}")
+            raise ValueError(
+                f"model.heads: {heads} is invalid: must be divisible by the tensor-parallel size {tp.size}"
+            )
         self.tp, self.local_heads, self.head_dim = tp, heads // tp.size, hidden // heads
         zeros = torch.zeros(hidden)
         self.q = ColumnParallelLinear(init.normal(f"{prefix}.q.weight", (hidden, hidden)), zeros, tp)
@@ -100,7 +105,9 @@ class MLP(nn.Module):
         hidden, inner = config.hidden, config.ffn_width
         self.tp = tp
         self.fc = ColumnParallelLinear(init.normal(f"{prefix}.fc.weight", (inner, hidden)), torch.zeros(inner), tp)
-        self.proj = RowParallelLinear(init.normal(f"{prefix}.proj.weight", (hidden, inner), True), torch.zeros(hidden), tp)
+        self.proj = RowParallelLinear(
+            init.normal(f"{prefix}.proj.weight", (hidden, inner), True), torch.zeros(hidden), tp
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(copy_to_tp(x, self.tp))))
@@ -120,8 +127,12 @@ class PreNormBlock(nn.Module):
 
 
 def gpt_block(config: ModelSpec, prefix: str, init: Initializer, tp: TPGroup) -> PreNormBlock:
-    return PreNormBlock(_layer_norm(config.hidden), Attention(config, f"{prefix}.attn", init, tp),
-                        _layer_norm(config.hidden), MLP(config, f"{prefix}.mlp", init, tp))
+    return PreNormBlock(
+        _layer_norm(config.hidden),
+        Attention(config, f"{prefix}.attn", init, tp),
+        _layer_norm(config.hidden),
+        MLP(config, f"{prefix}.mlp", init, tp),
+    )
 
 
 class PipelineStage(nn.Module):
@@ -192,8 +203,15 @@ class StageModule(PipelineStage):
     stage does the final LayerNorm, the head (tied to the token embedding unless
     spec.model.tieEmbeddings is false) and the loss."""
 
-    def __init__(self, config: ModelSpec, first: int, last: int, seed: int, tp: TPGroup = TPGroup(),
-                 numerics: Numerics = Numerics()):
+    def __init__(
+        self,
+        config: ModelSpec,
+        first: int,
+        last: int,
+        seed: int,
+        tp: TPGroup = TPGroup(),
+        numerics: Numerics = Numerics(),
+    ):
         check_model(config)
         super().__init__(config, first, last, numerics)
         init = Initializer(config, seed)
@@ -210,8 +228,7 @@ class StageModule(PipelineStage):
             self.ln_f = _layer_norm(config.hidden)
             if not self.tied:
                 self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
-                self.lm_head.weight = sharded(init.normal("lm_head.weight", (config.vocab, config.hidden)),
-                                              replicated)
+                self.lm_head.weight = sharded(init.normal("lm_head.weight", (config.vocab, config.hidden)), replicated)
 
     def tied_weights(self) -> list[nn.Parameter]:
         cut = (self.is_first or self.is_last) and not (self.is_first and self.is_last)

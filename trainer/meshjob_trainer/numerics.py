@@ -7,11 +7,12 @@ the tied embedding, the loss) adds in fp32. The residual stream adds a bf16 bloc
 input, which promotes to fp32, so the tensors that cross stage boundaries stay fp32 as the plan's
 byte counts assume.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -21,17 +22,18 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Numerics:
-    precision: str = "fp32"  # meshjob.spec.PRECISIONS
+    precision: str = "fp32"  # meshjob.spec.manifest.PRECISIONS
     recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_DTYPES:
-            raise ValueError(f"training.precision: {self.precision!r} is invalid: allowed are "
-                             f"{', '.join(PRECISION_DTYPES)}")
+            raise ValueError(
+                f"training.precision: {self.precision!r} is invalid: allowed are {', '.join(PRECISION_DTYPES)}"
+            )
 
     @classmethod
-    def of(cls, job, stage: int) -> "Numerics":
-        """The numerics of one stage of a meshjob.spec.TrainingJob."""
+    def of(cls, job, stage: int) -> Numerics:
+        """The numerics of one stage of a meshjob.spec.manifest.TrainingJob."""
         return cls(job.training.precision, job.recompute(stage) == "full")
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:

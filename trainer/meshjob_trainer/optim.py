@@ -13,11 +13,13 @@ and rank together, computed once: each rank adds the squares of the elements it 
 of (see StageOptimizer.counted) and one all-reduce over every rank sums them, then the gradients
 scale by torch.nn.utils.clip_grad_norm_'s coefficient max_norm / (norm + 1e-6) when it is below 1.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +35,15 @@ class OptimizerLayoutError(CheckpointMismatch):
     """A checkpoint's optimizer state is laid out for other ranks or parameters than this run's."""
 
 
-def make_optimizer(params: Iterable[torch.Tensor], learning_rate: float, weight_decay: float = 0.01
-                   ) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: Iterable[torch.Tensor], learning_rate: float, weight_decay: float = 0.01
+) -> torch.optim.Optimizer:
     """The optimizer every run uses (AdamW, elementwise, so shards update like the full weight)."""
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, foreach=False)
 
 
 def lr_at(step: int, training: Any) -> float:
-    """The learning rate of 0-based step `step` (meshjob.spec.TrainingSpec): constant, or with
+    """The learning rate of 0-based step `step` (meshjob.spec.manifest.TrainingSpec): constant, or with
     spec.training.lrSchedule a linear warm-up to learningRate over warmupSteps, then a cosine decay
     that reaches minLr at the last step (nanoGPT's schedule)."""
     lr, schedule = training.learning_rate, training.lr_schedule
@@ -84,8 +87,15 @@ class StageOptimizer:
 
     `tied` parameters come with gradients already complete (parallel.tie_gradients): no reduction."""
 
-    def __init__(self, params: Sequence[nn.Parameter], groups: StageGroups, learning_rate: float,
-                 weight_decay: float = 0.01, zero_stage: int = 0, tied: Sequence[nn.Parameter] = ()):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        groups: StageGroups,
+        learning_rate: float,
+        weight_decay: float = 0.01,
+        zero_stage: int = 0,
+        tied: Sequence[nn.Parameter] = (),
+    ):
         self.params, self.groups = list(params), groups
         self.tied = {id(p) for p in tied}
         self.zero = zero_stage == 1 and groups.dp_size > 1
@@ -118,7 +128,7 @@ class StageOptimizer:
         mask = torch.zeros(self.layout.padded, dtype=torch.bool, device=self.flat.device)
         offset = 0
         for p, counted in zip(self.params, self.counted):
-            mask[offset:offset + p.numel()] = counted
+            mask[offset : offset + p.numel()] = counted
             offset += p.numel()
         return mask
 
@@ -130,8 +140,8 @@ class StageOptimizer:
         offset = 0
         for p in self.params:
             n = p.numel()
-            flat[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = flat[offset:offset + n].view_as(p)
+            flat[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = flat[offset : offset + n].view_as(p)
             offset += n
         return flat
 
@@ -143,7 +153,7 @@ class StageOptimizer:
         for p in self.params:
             n = p.numel()
             if p.grad is not None and (id(p) not in self.tied or self.groups.dp_rank == 0):
-                flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                flat[offset : offset + n].copy_(p.grad.reshape(-1))
             offset += n
         return flat
 
@@ -171,7 +181,7 @@ class StageOptimizer:
             dist.all_reduce(flat, group=g.dp_group)
             offset = 0
             for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
     def local_square_sum(self) -> torch.Tensor:
@@ -217,15 +227,18 @@ class StageOptimizer:
             raise OptimizerLayoutError(
                 f"the checkpoint's optimizer state is {_layout_words(written)}, this run's is "
                 f"{_layout_words(mine)}: resume with the spec.training.optimizer.zeroStage and data-parallel "
-                f"meshes it was written with, or start from another spec.training.checkpoint.path")
+                f"meshes it was written with, or start from another spec.training.checkpoint.path"
+            )
         self.optimizer.load_state_dict(state["adamw"] if self.zero else state)
 
 
 def _layout_words(layout: dict[str, int] | None) -> str:
     if layout is None:
         return "whole on every rank (zeroStage 0)"
-    return (f"sharded by ZeRO-1 over {layout['dp_size']} data-parallel ranks ({layout['numel']} elements, this "
-            f"rank's shard {layout['dp_rank']})")
+    return (
+        f"sharded by ZeRO-1 over {layout['dp_size']} data-parallel ranks ({layout['numel']} elements, this "
+        f"rank's shard {layout['dp_rank']})"
+    )
 
 
 def clip_global_norm(optimizer: StageOptimizer, max_norm: float | None) -> float:

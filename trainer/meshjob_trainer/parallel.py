@@ -1,23 +1,24 @@
 """Intra-stage parallelism: process groups per stage mesh, Megatron tensor-parallel linears,
 and the gradient reductions that make a sharded stage compute what one process would.
 
-Conventions (the natural layout, meshjob.spec.natural_layout): a stage's activation is sharded
+Conventions (the natural layout, meshjob.spec.manifest.natural_layout): a stage's activation is sharded
 over the batch along its data-parallel mesh dim and replicated along its tensor-parallel dim. Mesh dims that are
 neither are redundant replicas (same inputs, same gradients: nothing to reduce).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshjob.mesh import Mesh
-from meshjob.spec import StageSpec
+from meshjob.layout.mesh import Mesh
+from meshjob.spec.manifest import StageSpec
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,16 @@ def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int)
         group = dist.new_group(members)
         if stage in (0, last):
             tie_group = group
-    return StageGroups(tp, dp_group, dp_rank, dp_size, tie_group, tie_members,
-                       _replica_rank(stages[stage], meshes[stage], rank), stage == 0)
+    return StageGroups(
+        tp,
+        dp_group,
+        dp_rank,
+        dp_size,
+        tie_group,
+        tie_members,
+        _replica_rank(stages[stage], meshes[stage], rank),
+        stage == 0,
+    )
 
 
 def _replica_rank(spec: StageSpec, mesh: Mesh, rank: int) -> int:
@@ -103,6 +112,7 @@ def all_reduce_fp32(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 # --- Megatron's conjugate pair: f (identity forward, all-reduce backward) and g (the reverse) ---
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -134,6 +144,7 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 # --- sharded parameters -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ShardInfo:
@@ -193,6 +204,7 @@ class RowParallelLinear(nn.Module):
 
 
 # --- the tied embedding's gradient -------------------------------------------------------
+
 
 def tie_gradients(tied: Sequence[nn.Parameter], groups: StageGroups) -> None:
     """The first and the last stage each hold a copy of a tied parameter (the token embedding, used

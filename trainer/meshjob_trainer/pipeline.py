@@ -1,4 +1,4 @@
-"""The pipeline executor: runs one stage's action list (meshjob.schedule.Action) for one step.
+"""The pipeline executor: runs one stage's action list (meshjob.schedule.actions.Action) for one step.
 
   F<mb>        forward; inputs come from RECV_F handles (stage 0: the data); outputs are stashed
   B<mb>        full backward: weight gradients accumulate into .grad, input gradients are kept
@@ -8,7 +8,7 @@
                by the compute that needs it; every handle is finished at the end of the step
 
 Receives are posted ahead of the actions that consume them, up to `recv_depth[boundary]` per
-boundary (meshjob.comm_order: enough that, as planned, each is posted before its sender sends;
+boundary (meshjob.plan.comm_order: enough that, as planned, each is posted before its sender sends;
 default: every receive of the step at its start). gloo moves data only once the receiver has
 posted, so a receive posted at its action (right before the compute that needs it) would expose the
 whole transfer; posted early, it overlaps the computation of other microbatches, which is what
@@ -31,16 +31,18 @@ on the step's clock (meshjob_trainer.step_clock): the host's on a CPU, the compu
 where the host only launches kernels; either way at the step's end, like the last microbatch's loss
 (reading a loss on a GPU waits for the device: once a step, not once a microbatch).
 """
+
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
-from meshjob.boundary import BoundaryKey
-from meshjob.schedule import Action
+from meshjob.schedule.actions import Action
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.compute import RealCompute, StageCompute
 from meshjob_trainer.data import Batch
 from meshjob_trainer.model import PipelineStage
@@ -76,7 +78,7 @@ class StageStats:
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
     timeline_origin: float = 0.0  # the host's time.perf_counter() at the step's start (one for all processes)
 
-    def merge_step(self, other: "StageStats") -> None:
+    def merge_step(self, other: StageStats) -> None:
         self.compute_s += other.compute_s
         self.wait_s += other.wait_s
         self.peak_stashed = max(self.peak_stashed, other.peak_stashed)
@@ -97,9 +99,17 @@ class _Stash:
 class PipelineExecutor:
     """Runs `actions` for stage `stage`; one instance per rank, reused every step."""
 
-    def __init__(self, stage: int, module: PipelineStage, actions: Sequence[Action], transport: Transport,
-                 loss_scale: float, recv_depth: Mapping[BoundaryKey, int] | None = None,
-                 compute: StageCompute | None = None, clock: StepClock | None = None):
+    def __init__(
+        self,
+        stage: int,
+        module: PipelineStage,
+        actions: Sequence[Action],
+        transport: Transport,
+        loss_scale: float,
+        recv_depth: Mapping[BoundaryKey, int] | None = None,
+        compute: StageCompute | None = None,
+        clock: StepClock | None = None,
+    ):
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.clock = clock or HostClock()  # meshjob_trainer.step_clock.clock_for(device) on a GPU
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
@@ -217,8 +227,9 @@ class _StepRun:
         elif kind == "SEND_B":
             grads = self.input_grads.get(action.mb)
             if grads is None or action.tensor not in grads:
-                raise self.fail(action, f"no input gradient {action.tensor!r} of microbatch {action.mb} "
-                                        "(needs B or I first)")
+                raise self.fail(
+                    action, f"no input gradient {action.tensor!r} of microbatch {action.mb} (needs B or I first)"
+                )
             self._start(action, grads[action.tensor])
         else:
             raise self.fail(action, f"unknown action kind {kind!r}")
@@ -268,8 +279,11 @@ class _StepRun:
         for name, output in stash.outputs.items():
             handles = self.recv_b.pop((name, action.mb), None)
             if handles is None:
-                raise self.fail(action, f"gradient of output {name!r} of microbatch {action.mb} was never "
-                                        "received (no RECV_B before the backward)")
+                raise self.fail(
+                    action,
+                    f"gradient of output {name!r} of microbatch {action.mb} was never "
+                    "received (no RECV_B before the backward)",
+                )
             total = None
             for received in handles:  # one per consumer stage; they add up
                 grad = self._take(received)
@@ -285,8 +299,9 @@ class _StepRun:
         return stash
 
     def _keep_input_grads(self, mb: int, stash: _Stash, grads: Sequence[torch.Tensor | None]) -> None:
-        self.input_grads[mb] = {name: (torch.zeros_like(leaf) if g is None else g)
-                                for (name, leaf), g in zip(stash.inputs.items(), grads)}
+        self.input_grads[mb] = {
+            name: (torch.zeros_like(leaf) if g is None else g) for (name, leaf), g in zip(stash.inputs.items(), grads)
+        }
 
     def _B(self, action: Action) -> None:
         stash = self._stash_for(action)

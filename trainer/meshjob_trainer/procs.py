@@ -1,4 +1,5 @@
 """Whether a process still runs, for the resources meshjob leaves named after a process id."""
+
 from __future__ import annotations
 
 import os

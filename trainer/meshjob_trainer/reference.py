@@ -8,6 +8,7 @@ the learning-rate schedule and AdamW (optim.lr_at, optim.make_optimizer). Clippi
 torch.nn.utils.clip_grad_norm_ over the one model, tensor parallelism and ZeRO-1 do not exist here,
 and recomputation is off (it changes memory, not results).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,9 +45,13 @@ def batch_loss(model: PipelineStage, data: Dataset, step: int, microbatches: int
     return total
 
 
-def train_reference(model: PipelineStage, data: Dataset, training: Any, val_data: Dataset | None = None,
-                    ) -> ReferenceResult:
-    """Train `model` (the whole model as one stage) as meshjob.spec.TrainingSpec `training` says."""
+def train_reference(
+    model: PipelineStage,
+    data: Dataset,
+    training: Any,
+    val_data: Dataset | None = None,
+) -> ReferenceResult:
+    """Train `model` (the whole model as one stage) as meshjob.spec.manifest.TrainingSpec `training` says."""
     t = training
     optimizer = make_optimizer(model.parameters(), t.learning_rate, t.optimizer.weight_decay)
     result = ReferenceResult([], {})
@@ -67,7 +72,7 @@ def train_reference(model: PipelineStage, data: Dataset, training: Any, val_data
 
 
 def reference_for_job(job) -> ReferenceResult:
-    """The reference of a TrainingJob (meshjob.spec): its model, data, steps, numerics and optimizer."""
+    """The reference of a TrainingJob (meshjob.spec.manifest): its model, data, steps, numerics and optimizer."""
     t = job.training
     model = build_stage(job.model, 0, job.model.layers, t.seed, numerics=Numerics(t.precision))
     val = make_data(job, VAL) if t.eval_every > 0 else None

@@ -7,10 +7,10 @@ Every rank of both stages of a boundary calls start() for the same (boundary, mi
 2. The plan's lowered Steps are point-to-point messages, issued by the rank's one communication
    engine (meshjob_trainer.engine) on its wire (meshjob_trainer.wire: gloo for CPU tensors, NCCL
    device to device for CUDA ones): receives posted as soon as the transfer starts, sends in the
-   sender's program order (meshjob.program) with a bounded number in flight per link, a region
+   sender's program order (meshjob.plan.program) with a bounded number in flight per link, a region
    forwarded as soon as the steps it depends on (`after`) have landed. Chunked broadcast thus
    becomes a pipelined chain, and ring all-gathers become forwards of the parts a rank received.
-   With a plan, transfers follow the step's order (meshjob.comm_order), which every rank derives.
+   With a plan, transfers follow the step's order (meshjob.plan.comm_order), which every rank derives.
 3. Receivers assemble their recv-layout tile, receiving straight into it where a region is
    contiguous. When the recv layout shards more than the destination's natural layout, each rank
    then fetches the missing recv tiles from peers of its own mesh (same host first), which is the
@@ -20,26 +20,28 @@ start() returns at once: the engine's thread moves the data while the stage comp
 forwarding rank in a broadcast chain passes chunks on while its pipeline stage is busy. What each rank
 sends and receives for a boundary, and where in its tiles, is the boundary's Route (meshjob_trainer.route).
 """
+
 from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from meshjob.boundary import BoundaryKey
-from meshjob.comm_order import TransferOrder, recv_depths
-from meshjob.network import HANDOVER_LEAD_S, Link, NetworkModel, overlap_bytes
-from meshjob.host_order import HostLinkOrder, host_link_orders
-from meshjob.resharding import CROSS_HOST
-from meshjob.sharding import Slice, relative, slice_shape, to_index
+from meshjob.layout.sharding import Slice, relative, slice_shape, to_index
+from meshjob.network.model import HANDOVER_LEAD_S, Link, NetworkModel, overlap_bytes
+from meshjob.plan.comm_order import TransferOrder, recv_depths
+from meshjob.plan.host_order import HostLinkOrder, host_link_orders
+from meshjob.resharding.tasks import CROSS_HOST
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.dist import dist_up
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Handle, Job, MessageSpec
-from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, one_feeder_pairs, routes_from_plan
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
+from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers, one_feeder_pairs, routes_from_plan
 from meshjob_trainer.wire import Wire, close_wire, wire_for
 
 SIGNAL_BYTES = 1
@@ -67,9 +69,19 @@ def _add(table: dict[Any, int], key: Any, nbytes: int) -> None:
 class _Transfer(Job):
     """One (boundary, microbatch) on one rank: the data behind its messages (meshjob_trainer.engine_job.Job)."""
 
-    def __init__(self, route: Route, rank: int, mb: int, specs: Sequence[MessageSpec], tag_base: int,
-                 natural_local: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                 events: MetricsSink | None, host: str) -> None:
+    def __init__(
+        self,
+        route: Route,
+        rank: int,
+        mb: int,
+        specs: Sequence[MessageSpec],
+        tag_base: int,
+        natural_local: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        events: MetricsSink | None,
+        host: str,
+    ) -> None:
         super().__init__(route.boundary.key, mb, specs, tag_base)
         self.route, self.rank, self.events, self.host = route, rank, events, host
         b = route.boundary
@@ -84,8 +96,10 @@ class _Transfer(Job):
             want = slice_shape(self.source_tile)
             if natural_local is None or tuple(natural_local.shape) != want:
                 got = None if natural_local is None else tuple(natural_local.shape)
-                raise ReshardError(f"boundary {route.name}: rank {rank} must pass its natural-layout "
-                                   f"({route.src_natural}) tile of shape {want}, got {got}")
+                raise ReshardError(
+                    f"boundary {route.name}: rank {rank} must pass its natural-layout "
+                    f"({route.src_natural}) tile of shape {want}, got {got}"
+                )
             self.source = natural_local.detach()  # data only; on its own device: no staging
             self.dtype = natural_local.dtype
         self.recv_tile = route.holding(rank) if self.is_dst else None
@@ -108,8 +122,11 @@ class _Transfer(Job):
     def _natural(self) -> torch.Tensor:
         if self.out is None:
             assert self.natural_tile is not None
-            self.out = self._recv_buffer() if self.natural_tile == self.recv_tile else \
-                self._empty(slice_shape(self.natural_tile), result=True)
+            self.out = (
+                self._recv_buffer()
+                if self.natural_tile == self.recv_tile
+                else self._empty(slice_shape(self.natural_tile), result=True)
+            )
         return self.out
 
     def _signal(self) -> torch.Tensor:
@@ -209,7 +226,7 @@ class _Transfer(Job):
 class ReshardExecutor:
     """Runs the plan's boundaries on one rank, through the rank's communication engine.
 
-    Built from a Plan: every boundary, the step's transfer order (`order="plan"`: meshjob.comm_order;
+    Built from a Plan: every boundary, the step's transfer order (`order="plan"`: meshjob.plan.comm_order;
     start() must then be called for every transfer of each step, as the pipeline does), how many
     receives this rank's stage keeps posted per boundary (`recv_depth`) and the plan's network model.
     With `order=None`, or built from explicit routes (tests and benchmarks that make boundaries
@@ -226,12 +243,24 @@ class ReshardExecutor:
     up (the ranks of a host meet in its store; every rank of the job then builds its executors, and
     switches orders, in the same sequence). `board_timeout_s`: the longest wait for a turn."""
 
-    def __init__(self, plan: Any, rank: int, events: MetricsSink | None = None, *,
-                 routes: Sequence[Route] | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, host: str = "", wire: Wire | None = None,
-                 order: TransferOrder | str | None = "plan", in_flight_per_link: int | None = None,
-                 board: bool | None = None, board_timeout_s: float = 300.0,
-                 small_in_flight_per_link: int | None = None, cpu_wire: str = "gloo") -> None:
+    def __init__(
+        self,
+        plan: Any,
+        rank: int,
+        events: MetricsSink | None = None,
+        *,
+        routes: Sequence[Route] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        host: str = "",
+        wire: Wire | None = None,
+        order: TransferOrder | str | None = "plan",
+        in_flight_per_link: int | None = None,
+        board: bool | None = None,
+        board_timeout_s: float = 300.0,
+        small_in_flight_per_link: int | None = None,
+        cpu_wire: str = "gloo",
+    ) -> None:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
@@ -243,7 +272,7 @@ class ReshardExecutor:
             host = host or plan.placement.hosts[plan.placement.host_of(rank)].name
             network = plan.network
             if order == "plan":
-                order = plan.transfer_order  # computed once per plan (meshjob.plan)
+                order = plan.transfer_order  # computed once per plan (meshjob.plan.build)
             if order is not None:
                 self.recv_depth = recv_depths(plan.schedules, order).get(plan.placement.stage_of(rank), {})
         order = None if order == "plan" else order  # explicit routes: no plan to take an order from
@@ -262,22 +291,37 @@ class ReshardExecutor:
         self.host = host or (f"host-{mine[0].host_of(rank)}" if mine else "")
         self.specs = {k: r.message_specs(rank) for k, r in self.routes.items()}
         self.in_flight_per_link = in_flight_per_link or network.in_flight_per_link
-        self.small_in_flight_per_link = max(self.in_flight_per_link, small_in_flight_per_link
-                                            or network.small_in_flight_per_link)
+        self.small_in_flight_per_link = max(
+            self.in_flight_per_link, small_in_flight_per_link or network.small_in_flight_per_link
+        )
         pairs = set().union(*(r.pairs() for r in self.routes.values()))
         self._own_wire = wire is None  # closed with the executor
-        self.wire = wire or wire_for(self.device, rank, pairs, local_peers=local_peers(self.routes.values(), rank),
-                                     cpu_wire=cpu_wire,
-                                     ungranted=one_feeder_pairs(self.routes.values()) if cpu_wire == "tcp" else ())
+        self.wire = wire or wire_for(
+            self.device,
+            rank,
+            pairs,
+            local_peers=local_peers(self.routes.values(), rank),
+            cpu_wire=cpu_wire,
+            ungranted=one_feeder_pairs(self.routes.values()) if cpu_wire == "tcp" else (),
+        )
         self.network = network
         self.board_timeout_s = board_timeout_s
         use_board = order is not None and (dist_up() if board is None else board)
-        self.engine = CommEngine(rank, self.wire, self.specs, self.in_flight_per_link, order,
-                                 self._board_for if use_board else None, overlap_bytes(network),
-                                 network.nic_bytes_per_s, HANDOVER_LEAD_S, self.small_in_flight_per_link)
+        self.engine = CommEngine(
+            rank,
+            self.wire,
+            self.specs,
+            self.in_flight_per_link,
+            order,
+            self._board_for if use_board else None,
+            overlap_bytes(network),
+            network.nic_bytes_per_s,
+            HANDOVER_LEAD_S,
+            self.small_in_flight_per_link,
+        )
 
     def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
-        """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.host_order)."""
+        """Every host's shared NIC links in the plan's order for one pass of `order` (meshjob.plan.host_order)."""
         sides = {k: r.planned_sides() for k, r in self.routes.items()}
         return host_link_orders(order.transfers, sides)
 
@@ -287,25 +331,41 @@ class ReshardExecutor:
         from meshjob_trainer.board import HostBoard
 
         serial = next(_BOARDS)
-        host = next((r.host_of(self.rank) for r in self.routes.values()
-                     if self.rank in r.src_ranks or self.rank in r.dst_ranks), None)
+        host = next(
+            (
+                r.host_of(self.rank)
+                for r in self.routes.values()
+                if self.rank in r.src_ranks or self.rank in r.dst_ranks
+            ),
+            None,
+        )
         mine = self.host_link_orders(order).get(host) if host is not None else None
         if mine is None or self.rank not in mine.ranks:
             return None
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
-        return HostBoard(mine, self.rank, self.in_flight_per_link, overlap_bytes(self.network), store,
-                         f"meshjob/board/{serial}/h{host}", wake, self.board_timeout_s,
-                         nic_bytes_per_s=self.network.nic_bytes_per_s, lead_s=HANDOVER_LEAD_S,
-                         small_window=self.small_in_flight_per_link)
+        return HostBoard(
+            mine,
+            self.rank,
+            self.in_flight_per_link,
+            overlap_bytes(self.network),
+            store,
+            f"meshjob/board/{serial}/h{host}",
+            wake,
+            self.board_timeout_s,
+            nic_bytes_per_s=self.network.nic_bytes_per_s,
+            lead_s=HANDOVER_LEAD_S,
+            small_window=self.small_in_flight_per_link,
+        )
 
     def route(self, key: BoundaryKey) -> Route:
         try:
             return self.routes[key]
         except KeyError:
-            raise ReshardError(f"boundary {key} is not in this plan; "
-                               f"known: {', '.join(map(str, self.routes))}") from None
+            raise ReshardError(
+                f"boundary {key} is not in this plan; known: {', '.join(map(str, self.routes))}"
+            ) from None
 
     def tag_base(self, key: BoundaryKey, microbatch: int) -> int:
         """Tags that cannot collide between boundaries and microbatches of one training step."""
@@ -322,8 +382,18 @@ class ReshardExecutor:
             return idle.handle
         if self.rank in route.dst_ranks:
             natural_local = None
-        job = _Transfer(route, self.rank, microbatch, self.specs[key], self.tag_base(key, microbatch), natural_local,
-                        self.dtype, self.device, self.events, self.host)
+        job = _Transfer(
+            route,
+            self.rank,
+            microbatch,
+            self.specs[key],
+            self.tag_base(key, microbatch),
+            natural_local,
+            self.dtype,
+            self.device,
+            self.events,
+            self.host,
+        )
         return self.engine.submit(job)
 
     def memory_bound_bytes(self) -> int:
@@ -341,8 +411,11 @@ class ReshardExecutor:
                     nbytes = route.step_at(spec.index).nbytes(_itemsize(self.dtype))
                     largest[spec.link] = max(largest.get(spec.link, 0), nbytes)
         packed = overlap_bytes(self.network) if self.small_in_flight_per_link > self.in_flight_per_link else 0
-        return total + sum(self.in_flight_per_link * nbytes + (packed if link[1] != "local" else 0)
-                           for link, nbytes in largest.items() if link is not None)
+        return total + sum(
+            self.in_flight_per_link * nbytes + (packed if link[1] != "local" else 0)
+            for link, nbytes in largest.items()
+            if link is not None
+        )
 
     @contextlib.contextmanager
     def forward_only(self) -> Iterator[None]:
@@ -366,4 +439,3 @@ class ReshardExecutor:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-

@@ -8,22 +8,33 @@ engine needs: the messages the rank sends and receives in their planned order (M
 each one's region lies in the tile it reads or fills (Where), the links they take, and the buffers a
 receive allocates.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from meshjob.host_order import Side
-from meshjob.mesh import Mesh
-from meshjob.network import Link, NetworkModel
-from meshjob.plan import ITEMSIZE, Boundary
-from meshjob.program import RankProgram, in_link, out_link, planned_keys, rank_programs
-from meshjob.resharding import CROSS_HOST, INTRA_HOST, Step
-from meshjob.sharding import (ShardingSpec, Slice, contains, intersect, relative, slice_numel, slice_shape, tile,
-                              to_index)
+from meshjob.layout.mesh import Mesh
+from meshjob.layout.sharding import (
+    ShardingSpec,
+    Slice,
+    contains,
+    intersect,
+    relative,
+    slice_numel,
+    slice_shape,
+    tile,
+    to_index,
+)
+from meshjob.network.model import Link, NetworkModel
+from meshjob.plan.build import ITEMSIZE, Boundary
+from meshjob.plan.host_order import Side
+from meshjob.plan.program import RankProgram, in_link, out_link, planned_keys, rank_programs
+from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST, Step
 from meshjob_trainer.engine_job import MessageSpec
 
 
@@ -57,8 +68,13 @@ class Route:
         b = self.boundary
         self.src_ranks, self.dst_ranks = frozenset(self.src_mesh.ranks), frozenset(self.dst_mesh.ranks)
         self.steps = _topological(b.steps, str(b.key))
-        self.gather = _gather_steps(self.dst_mesh, self.recv, self.dst_natural, tuple(b.shape),
-                                    first_id=1 + max((s.id for s in self.steps), default=-1))
+        self.gather = _gather_steps(
+            self.dst_mesh,
+            self.recv,
+            self.dst_natural,
+            tuple(b.shape),
+            first_id=1 + max((s.id for s in self.steps), default=-1),
+        )
         self._check_regions()
         self._check_forwards()
 
@@ -93,7 +109,7 @@ class Route:
         return {(s.src, s.dst) for s in (*self.steps, *self.gather)}
 
     def programs(self) -> dict[int, RankProgram]:
-        """Every rank's program (meshjob.program), on plain links as Plan.program orders them."""
+        """Every rank's program (meshjob.plan.program), on plain links as Plan.program orders them."""
         if not hasattr(self, "_programs"):
             plain = dataclasses.replace(self.network, burst_bytes=0.0)
             self._programs = rank_programs(self.steps, self.host_of, plain, ITEMSIZE)
@@ -102,25 +118,28 @@ class Route:
     def planned_sides(self) -> tuple[Side, ...]:
         """Both ends of every message of the boundary in its planned order (the plan's steps in planned
         start order, as every rank's program has them, then the gather inside the destination): what
-        meshjob.host_order merges into each host's link order."""
+        meshjob.plan.host_order merges into each host's link order."""
         if not hasattr(self, "_sides"):
             plain = dataclasses.replace(self.network, burst_bytes=0.0)
             key = planned_keys(self.steps, self.host_of, plain, ITEMSIZE)
             index = {s.id: i for i, s in enumerate(self.steps)}
             ordered = [(index[s.id], s) for s in sorted(self.steps, key=lambda s: key[s.id])]
             ordered += [(len(self.steps) + j, g) for j, g in enumerate(self.gather)]
-            self._sides = tuple(side for i, s in ordered for side in
-                                ((s.src, i, self.link(s.src, s.dst)), (s.dst, i, self.in_link(s.src, s.dst))))
+            self._sides = tuple(
+                side
+                for i, s in ordered
+                for side in ((s.src, i, self.link(s.src, s.dst)), (s.dst, i, self.in_link(s.src, s.dst)))
+            )
         return self._sides
 
-    def where(self, rank: int, index: int) -> "Where":
+    def where(self, rank: int, index: int) -> Where:
         """Message `index` as `rank` sees it (computed once per rank: the engine asks per message)."""
         cache = self.__dict__.setdefault("_where_cache", {})
         if rank not in cache:
             cache[rank] = {m.index: self._where(rank, m.index) for m in self.message_specs(rank)}
         return cache[rank][index]
 
-    def _where(self, rank: int, index: int) -> "Where":
+    def _where(self, rank: int, index: int) -> Where:
         step = self.step_at(index)
         if rank in self.src_ranks:
             origin = self.tile_of(rank, self.src_natural, self.src_mesh)  # a source sends from its tile
@@ -130,8 +149,15 @@ class Route:
             origin = self.tile_of(rank, self.dst_natural, self.dst_mesh)  # a gather lands in the natural tile
         at = to_index(relative(step.region, origin))
         contiguous = torch.empty(slice_shape(origin), device="meta")[at].is_contiguous()
-        return Where(at, slice_shape(step.region), slice_numel(step.region), contiguous, step.scope, step.task,
-                     (self.host_of(step.src), self.host_of(step.dst)))
+        return Where(
+            at,
+            slice_shape(step.region),
+            slice_numel(step.region),
+            contiguous,
+            step.scope,
+            step.task,
+            (self.host_of(step.src), self.host_of(step.dst)),
+        )
 
     def contiguous_at(self, rank: int, index: int) -> bool:
         """Whether message `index` is a contiguous view where `rank` holds or receives it (else it is
@@ -161,11 +187,11 @@ class Route:
         return total * itemsize
 
     def link(self, src: int, dst: int) -> Link:
-        """The link a message from rank src to rank dst leaves on (meshjob.program.out_link)."""
+        """The link a message from rank src to rank dst leaves on (meshjob.plan.program.out_link)."""
         return out_link(self.network, self.host_of(src), self.host_of(dst))
 
     def in_link(self, src: int, dst: int) -> Link:
-        """The link a message from rank src to rank dst arrives on (meshjob.program.in_link)."""
+        """The link a message from rank src to rank dst arrives on (meshjob.plan.program.in_link)."""
         return in_link(self.network, self.host_of(src), self.host_of(dst))
 
     def message_specs(self, rank: int) -> tuple[MessageSpec, ...]:
@@ -178,13 +204,19 @@ class Route:
         mine = programs.get(rank, empty)
         recvs = [MessageSpec(index[s.id], s.id, s.src, False, link) for s, link in zip(mine.recvs, mine.recv_links)]
         own = {m.step for m in recvs}
-        sends = [MessageSpec(index[s.id], s.id, s.dst, True, link, tuple(index[d] for d in s.after if d in own))
-                 for s, link in zip(mine.sends, mine.send_links)]
+        sends = [
+            MessageSpec(index[s.id], s.id, s.dst, True, link, tuple(index[d] for d in s.after if d in own))
+            for s, link in zip(mine.sends, mine.send_links)
+        ]
         landed = tuple(m.index for m in recvs)  # a gather sends this rank's whole recv tile
         n = len(self.steps)
-        gather = [MessageSpec(n + j, g.id, g.dst, True, self.link(rank, g.dst), landed) if g.src == rank
-                  else MessageSpec(n + j, g.id, g.src, False, self.in_link(g.src, rank))
-                  for j, g in enumerate(self.gather) if rank in (g.src, g.dst)]
+        gather = [
+            MessageSpec(n + j, g.id, g.dst, True, self.link(rank, g.dst), landed)
+            if g.src == rank
+            else MessageSpec(n + j, g.id, g.src, False, self.in_link(g.src, rank))
+            for j, g in enumerate(self.gather)
+            if rank in (g.src, g.dst)
+        ]
         return tuple(sends + recvs + gather)
 
     def tile_of(self, rank: int, spec: ShardingSpec, mesh: Mesh) -> Slice:
@@ -201,19 +233,27 @@ class Route:
         for r in self.src_mesh.ranks:
             natural = self.tile_of(r, self.src_natural, self.src_mesh)
             if not contains(natural, self.holding(r)):
-                raise ReshardError(f"boundary {self.name}: send layout {self.send} must shard at least as much "
-                                   f"as the source's natural layout {self.src_natural} (rank {r})")
+                raise ReshardError(
+                    f"boundary {self.name}: send layout {self.send} must shard at least as much "
+                    f"as the source's natural layout {self.src_natural} (rank {r})"
+                )
         for s in self.steps:
             if s.src not in ranks or s.dst not in self.dst_ranks:
-                raise ReshardError(f"boundary {self.name}: step {s.id} sends {s.src} -> {s.dst}, but the "
-                                   f"destination must be in the destination mesh {self.dst_mesh.ranks} and the "
-                                   f"source in either mesh")
+                raise ReshardError(
+                    f"boundary {self.name}: step {s.id} sends {s.src} -> {s.dst}, but the "
+                    f"destination must be in the destination mesh {self.dst_mesh.ranks} and the "
+                    f"source in either mesh"
+                )
             if not contains(self.holding(s.src), s.region):
-                raise ReshardError(f"boundary {self.name}: step {s.id} has rank {s.src} send region {s.region}, "
-                                   f"outside what it holds {self.holding(s.src)}")
+                raise ReshardError(
+                    f"boundary {self.name}: step {s.id} has rank {s.src} send region {s.region}, "
+                    f"outside what it holds {self.holding(s.src)}"
+                )
             if not contains(self.holding(s.dst), s.region):
-                raise ReshardError(f"boundary {self.name}: step {s.id} delivers region {s.region} to rank "
-                                   f"{s.dst}, outside its recv tile {self.holding(s.dst)}")
+                raise ReshardError(
+                    f"boundary {self.name}: step {s.id} delivers region {s.region} to rank "
+                    f"{s.dst}, outside its recv tile {self.holding(s.dst)}"
+                )
 
     def _check_forwards(self) -> None:
         """A rank may only pass on what its `after` steps brought it: else it would send zeros."""
@@ -230,8 +270,10 @@ class Route:
                 if part is not None:
                     mask[to_index(relative(part, s.region))] = True
             if not bool(mask.all()):
-                raise ReshardError(f"boundary {self.name}: step {s.id} has rank {s.src} forward region {s.region} "
-                                   f"before receiving all of it (it waits only for steps {list(s.after)})")
+                raise ReshardError(
+                    f"boundary {self.name}: step {s.id} has rank {s.src} forward region {s.region} "
+                    f"before receiving all of it (it waits only for steps {list(s.after)})"
+                )
 
     def check_coverage(self, rank: int) -> None:
         """Signal-free plans must deliver every element of a receiver's recv tile."""
@@ -244,8 +286,10 @@ class Route:
                 mask[to_index(relative(s.region, own))] = True
         if not bool(mask.all()):
             missing = int((~mask).sum())
-            raise ReshardError(f"boundary {self.name}: rank {rank} would never receive {missing} of the "
-                               f"{mask.numel()} elements of its recv tile {own}")
+            raise ReshardError(
+                f"boundary {self.name}: rank {rank} would never receive {missing} of the "
+                f"{mask.numel()} elements of its recv tile {own}"
+            )
 
 
 def _topological(steps: Iterable[Step], name: str) -> tuple[Step, ...]:
@@ -277,8 +321,9 @@ def _topological(steps: Iterable[Step], name: str) -> tuple[Step, ...]:
     return tuple(out)
 
 
-def _gather_steps(mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: tuple[int, ...],
-                  first_id: int) -> tuple[Step, ...]:
+def _gather_steps(
+    mesh: Mesh, recv: ShardingSpec, natural: ShardingSpec, shape: tuple[int, ...], first_id: int
+) -> tuple[Step, ...]:
     """Point-to-point fetches turning recv tiles into natural tiles inside the destination mesh.
 
     recv is at least as sharded as natural, so a natural tile is a union of whole, disjoint recv
@@ -344,7 +389,7 @@ def one_feeder_pairs(routes: Iterable[Route]) -> set[tuple[int, int]]:
 
 
 def routes_from_plan(plan: Any) -> list[Route]:
-    from meshjob.spec import natural_layout
+    from meshjob.spec.manifest import natural_layout
 
     naturals: dict[int, ShardingSpec] = {}
     routes = []
@@ -356,9 +401,22 @@ def routes_from_plan(plan: Any) -> list[Route]:
     return routes
 
 
-def make_routes(boundaries: Sequence[Boundary], meshes: Mapping[int, Mesh],
-                naturals: Mapping[int, ShardingSpec | str], network: NetworkModel | None = None) -> list[Route]:
+def make_routes(
+    boundaries: Sequence[Boundary],
+    meshes: Mapping[int, Mesh],
+    naturals: Mapping[int, ShardingSpec | str],
+    network: NetworkModel | None = None,
+) -> list[Route]:
     """Routes from explicit pieces: stage -> mesh and stage -> natural layout (and the network model
     the senders' programs are ordered on; default: the standard one)."""
-    return [Route(b, meshes[b.src], meshes[b.dst], _spec(naturals[b.src], len(b.shape)),
-                  _spec(naturals[b.dst], len(b.shape)), network or NetworkModel()) for b in boundaries]
+    return [
+        Route(
+            b,
+            meshes[b.src],
+            meshes[b.dst],
+            _spec(naturals[b.src], len(b.shape)),
+            _spec(naturals[b.dst], len(b.shape)),
+            network or NetworkModel(),
+        )
+        for b in boundaries
+    ]

@@ -11,10 +11,12 @@ the same points on either clock: an action's start and end, and both sides of ea
 transfer; on the device, the time between a wait's two marks is the stream waiting for the transfer's
 hand-over (meshjob_trainer.wire: `accept`).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 

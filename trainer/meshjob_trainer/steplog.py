@@ -5,12 +5,13 @@ A listener of the trainer's events (meshjob_trainer.events), on by default under
 pods' command); `meshjob run` draws its own progress bar instead. The operator reads progress from the
 metrics endpoint, not from these lines: they are for people.
 """
+
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from meshjob_trainer.events import Evaluated, Event, StepFinished
 
@@ -38,4 +39,7 @@ def line(step: StepFinished, total_steps: int) -> str:
     """e.g. `step 12/150 stage 1: loss 2.3456, 8123 tokens/s, 0.252 s/step`"""
     loss = "-" if math.isnan(step.loss) else f"{step.loss:.4f}"
     rate = step.tokens / step.seconds if step.seconds > 0 else 0.0
-    return f"step {step.step}/{total_steps} stage {step.stage}: loss {loss}, {rate:.0f} tokens/s, {step.seconds:.3f} s/step"
+    return (
+        f"step {step.step}/{total_steps} stage {step.stage}: loss {loss}, {rate:.0f} tokens/s, "
+        f"{step.seconds:.3f} s/step"
+    )

@@ -8,7 +8,7 @@ two shared cores the resharding bench measures alike over both (bench/RUNS.md, s
 own threads are then the rest of a message's cost), so it is opt-in: `cpu_wire="tcp"`.
 
 No tags are needed: the communication engine (meshjob_trainer.engine) issues every message in an
-order both ranks derive from the plan (the discipline NCCL needs, meshjob.comm_order), so the k-th
+order both ranks derive from the plan (the discipline NCCL needs, meshjob.plan.comm_order), so the k-th
 message a sender writes on its connection to a receiver is the k-th receive that receiver posts from
 it. Each message still carries a 16-byte header (its tag and size) which the receiver checks: two
 ranks that disagree get an OrderError naming the message, never bytes in the wrong buffer.
@@ -33,6 +33,7 @@ background; a sender connects on its first message to a peer, on that peer's wai
 itself. Nothing waits on the engine's thread, and a wire that carries no message costs no connection.
 A rank whose peer is gone gets an error naming the peer (a broken or closed connection).
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,13 +43,14 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from meshjob_trainer.dist import dist_up
-from meshjob_trainer.wire import OrderError, _HostSide
+from meshjob_trainer.host_side import HostSide, OrderError
 
 HEADER = struct.Struct("<qq")  # a message's tag and payload bytes
 HELLO = struct.Struct("<q")  # a connection's first bytes: the sender's rank
@@ -68,7 +70,7 @@ class _Message:
     send: bool
 
 
-class TcpWire(_HostSide):
+class TcpWire(HostSide):
     """CPU point-to-point over TCP between `rank` and its peers in `pairs` ((sender, receiver) ranks of
     the whole job; every rank passes the same). Pairs with a rank in `skip` get no connection (the
     ranks of this host that an outer wire reaches by a memory copy). Pairs in `ungranted` send without
@@ -76,8 +78,15 @@ class TcpWire(_HostSide):
     every rank passes the same). `store`: the job's key-value store (default: torch.distributed's, once
     it is up)."""
 
-    def __init__(self, rank: int, pairs: Iterable[tuple[int, int]], store: Any = None, skip: Iterable[int] = (),
-                 timeout_s: float = CONNECT_TIMEOUT_S, ungranted: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self,
+        rank: int,
+        pairs: Iterable[tuple[int, int]],
+        store: Any = None,
+        skip: Iterable[int] = (),
+        timeout_s: float = CONNECT_TIMEOUT_S,
+        ungranted: Iterable[tuple[int, int]] = (),
+    ) -> None:
         self.rank, self.device, self.timeout_s = rank, torch.device("cpu"), timeout_s
         pairs = sorted(set(pairs))
         skipped = set(skip) | {rank}
@@ -115,8 +124,9 @@ class TcpWire(_HostSide):
             host = local_address(store)
             listener = self._listener = socket.create_server((host, 0), backlog=len(self.recvs_from) + 8)
             store.set(f"{self.namespace}/{self.rank}", f"{host}:{listener.getsockname()[1]}")
-        threading.Thread(target=self._accept_all, args=(listener,), daemon=True,
-                         name=f"rank {self.rank} TCP wire accepts").start()
+        threading.Thread(
+            target=self._accept_all, args=(listener,), daemon=True, name=f"rank {self.rank} TCP wire accepts"
+        ).start()
 
     def _accept_all(self, listener: socket.socket) -> None:
         try:
@@ -129,8 +139,9 @@ class TcpWire(_HostSide):
                 with self._lock:
                     if peer not in self.recvs_from or peer in self._in:
                         sock.close()
-                        raise ConnectionError(f"rank {self.rank}: a connection named rank {peer}, which this wire "
-                                              f"does not expect")
+                        raise ConnectionError(
+                            f"rank {self.rank}: a connection named rank {peer}, which this wire does not expect"
+                        )
                     self._in[peer] = sock
                     self.connections += 1
                     for tag in self._grants_due.pop(peer, ()):
@@ -145,14 +156,16 @@ class TcpWire(_HostSide):
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         if peer not in self.sends_to:
-            raise RuntimeError(f"rank {self.rank}: no TCP connection for messages to rank {peer}; the plan has no "
-                               f"step between them")
+            raise RuntimeError(
+                f"rank {self.rank}: no TCP connection for messages to rank {peer}; the plan has no step between them"
+            )
         return _Message(_checked(tensor, message), peer, tag, message, True)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         if peer not in self.recvs_from:
-            raise RuntimeError(f"rank {self.rank}: no TCP connection for messages from rank {peer}; the plan has "
-                               f"no step between them")
+            raise RuntimeError(
+                f"rank {self.rank}: no TCP connection for messages from rank {peer}; the plan has no step between them"
+            )
         self._listen()
         work = _Message(_checked(tensor, message), peer, tag, message, False)
         if peer in self._granting:
@@ -172,8 +185,10 @@ class TcpWire(_HostSide):
             try:
                 sock.sendall(GRANT.pack(tag))
             except OSError as err:
-                raise ConnectionError(f"rank {self.rank}: posting the receive of {message} from rank {peer}: the "
-                                      f"connection broke ({err}); is rank {peer} gone?") from err
+                raise ConnectionError(
+                    f"rank {self.rank}: posting the receive of {message} from rank {peer}: the "
+                    f"connection broke ({err}); is rank {peer} gone?"
+                ) from err
 
     def _sending_to(self, peer: int) -> socket.socket:
         """The connection to `peer`, made on its first message (on the waiter thread of that peer's sends)."""
@@ -196,13 +211,15 @@ class TcpWire(_HostSide):
 
     def _receiving_from(self, peer: int) -> socket.socket:
         with self._lock:
-            if not self._lock.wait_for(lambda: peer in self._in or self._accept_error is not None or self._closed,
-                                       self.timeout_s):
+            if not self._lock.wait_for(
+                lambda: peer in self._in or self._accept_error is not None or self._closed, self.timeout_s
+            ):
                 raise ConnectionError(f"rank {self.rank}: rank {peer} did not connect within {self.timeout_s:g} s")
             if peer in self._in:
                 return self._in[peer]
-            raise ConnectionError(f"rank {self.rank}: no connection from rank {peer}: "
-                                  f"{self._accept_error or 'the wire is closed'}")
+            raise ConnectionError(
+                f"rank {self.rank}: no connection from rank {peer}: {self._accept_error or 'the wire is closed'}"
+            )
 
     def wait(self, work: _Message) -> None:
         payload = _bytes_of(work.tensor)
@@ -213,17 +230,21 @@ class TcpWire(_HostSide):
             try:
                 _send_all(sock, HEADER.pack(work.tag, len(payload)), payload)
             except OSError as err:
-                raise ConnectionError(f"rank {self.rank}: sending {work.name} to rank {work.peer}: the connection "
-                                      f"broke ({err}); is rank {work.peer} gone?") from err
+                raise ConnectionError(
+                    f"rank {self.rank}: sending {work.name} to rank {work.peer}: the connection "
+                    f"broke ({err}); is rank {work.peer} gone?"
+                ) from err
             return
         sock = self._receiving_from(work.peer)
         header = bytearray(HEADER.size)
         _recv_exact(sock, memoryview(header), work.name, self.rank, f"rank {work.peer}")
         tag, nbytes = HEADER.unpack(header)
         if tag != work.tag or nbytes != len(payload):
-            raise OrderError(f"rank {self.rank}: the next message from rank {work.peer} has tag {tag} and {nbytes} "
-                             f"bytes; the receive posted for {work.name} has tag {work.tag} and {len(payload)} bytes: "
-                             f"the two ranks issue their messages in different orders")
+            raise OrderError(
+                f"rank {self.rank}: the next message from rank {work.peer} has tag {tag} and {nbytes} "
+                f"bytes; the receive posted for {work.name} has tag {work.tag} and {len(payload)} bytes: "
+                f"the two ranks issue their messages in different orders"
+            )
         _recv_exact(sock, payload, work.name, self.rank, f"rank {work.peer}")
 
     def _await_grant(self, sock: socket.socket, work: _Message) -> None:
@@ -231,9 +252,11 @@ class TcpWire(_HostSide):
         _recv_exact(sock, memoryview(grant), f"the receive posted for {work.name}", self.rank, f"rank {work.peer}")
         (posted,) = GRANT.unpack(grant)
         if posted != work.tag:
-            raise OrderError(f"rank {self.rank}: rank {work.peer} posted its next receive from this rank for tag "
-                             f"{posted}; this rank's next send to it, {work.name}, has tag {work.tag}: the two ranks "
-                             f"issue their messages in different orders")
+            raise OrderError(
+                f"rank {self.rank}: rank {work.peer} posted its next receive from this rank for tag "
+                f"{posted}; this rank's next send to it, {work.name}, has tag {work.tag}: the two ranks "
+                f"issue their messages in different orders"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -286,8 +309,10 @@ def _tune(sock: socket.socket) -> None:
 
 def _checked(tensor: torch.Tensor, message: str) -> torch.Tensor:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"{message}: the TCP wire carries contiguous CPU tensors, got a "
-                         f"{'non-contiguous ' if not tensor.is_contiguous() else ''}{tensor.device} tensor")
+        raise ValueError(
+            f"{message}: the TCP wire carries contiguous CPU tensors, got a "
+            f"{'non-contiguous ' if not tensor.is_contiguous() else ''}{tensor.device} tensor"
+        )
     return tensor
 
 
@@ -312,9 +337,9 @@ def _recv_exact(sock: socket.socket, view: memoryview, name: str, rank: int, pee
         try:
             n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         except OSError as err:
-            raise ConnectionError(f"rank {rank}: receiving {name} from {peer}: the connection broke "
-                                  f"({err})") from err
+            raise ConnectionError(f"rank {rank}: receiving {name} from {peer}: the connection broke ({err})") from err
         if n == 0:
-            raise ConnectionError(f"rank {rank}: {peer} closed its connection before {name} arrived "
-                                  f"({got} of {len(view)} bytes)")
+            raise ConnectionError(
+                f"rank {rank}: {peer} closed its connection before {name} arrived ({got} of {len(view)} bytes)"
+            )
         got += n

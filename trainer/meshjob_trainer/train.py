@@ -11,22 +11,31 @@ reduce-scatter), clipping to spec.training.gradClip by the global norm, and Adam
 schedule's learning rate (optim). Every spec.training.evalEvery steps the validation loss: the
 forward actions of the same list over spec.training.evalBatches validation batches.
 """
+
 from __future__ import annotations
 
 import gc
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshjob.boundary import BoundaryKey
-from meshjob.devices import REAL
+from meshjob.costs.devices import REAL
+from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
-from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, GradientNorm, PayloadMemory,
-                                    PipelineFractions, StepFinished)
+from meshjob_trainer.events import (
+    CheckpointRestored,
+    CheckpointWritten,
+    Evaluated,
+    GradientNorm,
+    PayloadMemory,
+    PipelineFractions,
+    StepFinished,
+)
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.model import PipelineStage, local_shards
 from meshjob_trainer.numerics import Numerics
@@ -85,7 +94,8 @@ def check_edges(module: PipelineStage, stage: int, edges: Sequence[Any]) -> None
         raise ValueError(
             f"spec.edges: stage {stage} receives {incoming} and sends {outgoing}, but its layers "
             f"[{module.first}, {module.last}) of the {module.config.kind} model need inputs {want_in} "
-            f"and outputs {want_out}")
+            f"and outputs {want_out}"
+        )
 
 
 @dataclass
@@ -100,7 +110,7 @@ class StageRuntime:
     transport: ReshardTransport
     data: Dataset
     val_data: Dataset | None  # None: no evaluation
-    job: Any  # meshjob.spec.TrainingJob
+    job: Any  # meshjob.spec.manifest.TrainingJob
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
@@ -112,18 +122,36 @@ def build_runtime(ctx: Any) -> StageRuntime:
     groups = build_groups(job.stages, meshes, ctx.rank)  # collective: all ranks, same order
     module, compute = _stage_and_compute(ctx, groups)
     check_edges(module, stage, job.edges)
-    optimizer = None if compute is not None else StageOptimizer(
-        list(module.parameters()), groups, t.learning_rate, t.optimizer.weight_decay, t.optimizer.zero_stage,
-        tied=module.tied_weights())
+    optimizer = (
+        None
+        if compute is not None
+        else StageOptimizer(
+            list(module.parameters()),
+            groups,
+            t.learning_rate,
+            t.optimizer.weight_decay,
+            t.optimizer.zero_stage,
+            tied=module.tied_weights(),
+        )
+    )
     transport = ReshardTransport(ctx.reshard)
     tokens = t.global_batch * job.model.seq_len
     # emulated compute waits on the host: its time is the host's, whatever the device
     clock = clock_for(ctx.device) if compute is None else HostClock()
-    executor = PipelineExecutor(stage, module, plan.schedules[stage], transport, loss_scale=1.0 / tokens,
-                                recv_depth=ctx.reshard.recv_depth, compute=compute, clock=clock)
+    executor = PipelineExecutor(
+        stage,
+        module,
+        plan.schedules[stage],
+        transport,
+        loss_scale=1.0 / tokens,
+        recv_depth=ctx.reshard.recv_depth,
+        compute=compute,
+        clock=clock,
+    )
     val = make_data(job, VAL) if t.eval_every > 0 else None
-    return StageRuntime(stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job,
-                        torch.device(ctx.device))
+    return StageRuntime(
+        stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job, torch.device(ctx.device)
+    )
 
 
 def _stage_and_compute(ctx: Any, groups: StageGroups) -> tuple[PipelineStage, Any]:
@@ -135,16 +163,18 @@ def _stage_and_compute(ctx: Any, groups: StageGroups) -> tuple[PipelineStage, An
     mode = ctx.compute or REAL
     if not mode.emulated:
         # weights are created on the CPU from the seed (identical everywhere), then moved
-        return build_stage(job.model, first, last, job.training.seed, groups.tp,
-                           Numerics.of(job, stage)).to(ctx.device), None
-    from meshjob.device_costs import emulated_cost
+        return build_stage(job.model, first, last, job.training.seed, groups.tp, Numerics.of(job, stage)).to(
+            ctx.device
+        ), None
+    from meshjob.costs.device_costs import emulated_cost
     from meshjob_trainer.calibrate import natural_shape
     from meshjob_trainer.compute import EmulatedCompute
 
     module = PipelineStage(job.model, first, last)
     shape = natural_shape(ctx.plan, stage, ctx.rank)
-    return module, EmulatedCompute(module, emulated_cost(job, stage, mode.device), shape, ctx.reshard.dtype,
-                                   ctx.device, groups.dp_group)
+    return module, EmulatedCompute(
+        module, emulated_cost(job, stage, mode.device), shape, ctx.reshard.dtype, ctx.device, groups.dp_group
+    )
 
 
 def global_loss(rt: StageRuntime, local: float) -> float:
@@ -243,8 +273,21 @@ def train(ctx: Any) -> TrainResult:
             gc.freeze()  # the job: the collector's full passes skip it (meshjob_trainer.launch: each was a stall)
     gc.unfreeze()  # the caller's objects are its collector's again (in-process tests call this function)
     ctx.reshard.close()  # the last forwards of a chain may still be on their way to a peer
-    return TrainResult(ctx.rank, rt.stage, losses, local_shards(rt.module), total, start_step,
-                       job.training.steps, rt.transport.comm_s, step_seconds, val_losses, norms, peak, bound)
+    return TrainResult(
+        ctx.rank,
+        rt.stage,
+        losses,
+        local_shards(rt.module),
+        total,
+        start_step,
+        job.training.steps,
+        rt.transport.comm_s,
+        step_seconds,
+        val_losses,
+        norms,
+        peak,
+        bound,
+    )
 
 
 def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: list[tuple[int, float]]) -> None:
@@ -257,17 +300,24 @@ def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: lis
         val_losses.append((steps_done, loss))
 
 
-def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = None,
-               timeout_s: float = 60.0, checkpoint_dir: str | None = None, events: Any = None,
-               compute: Any = REAL, plan: Any = None) -> TrainResult:
+def train_rank(
+    env: Any,
+    job: Any,
+    schedules: dict[int, Sequence[Any]] | None = None,
+    timeout_s: float = 60.0,
+    checkpoint_dir: str | None = None,
+    events: Any = None,
+    compute: Any = REAL,
+    plan: Any = None,
+) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave; its events go
-    to `events` (a MetricsSink) when given; `compute` a meshjob.devices.ComputeMode; `plan` the plan to run
+    to `events` (a MetricsSink) when given; `compute` a meshjob.costs.devices.ComputeMode; `plan` the plan to run
     (default: build_plan(job)). For tests and benchmarks that launch ranks with
     meshjob_trainer.launch."""
     import dataclasses
 
-    from meshjob.plan import build_plan
+    from meshjob.plan.build import build_plan
     from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
     from meshjob_trainer.dist import WorkerContext, device_for_backend, init_distributed, shutdown_distributed
 
@@ -277,11 +327,22 @@ def train_rank(env: Any, job: Any, schedules: dict[int, Sequence[Any]] | None = 
     backend = init_distributed(env, timeout_s=timeout_s, expected_world_size=plan.placement.world_size)
     device = device_for_backend(backend)
     try:
-        checkpoints = None if checkpoint_dir is None or compute.emulated else Checkpointer(
-            checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
-        ctx = WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank),
-                            reshard=ReshardExecutor(plan, env.rank, device=device), checkpoints=checkpoints,
-                            device=device, compute=compute, **({} if events is None else {"events": events}))
+        checkpoints = (
+            None
+            if checkpoint_dir is None or compute.emulated
+            else Checkpointer(checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
+        )
+        ctx = WorkerContext(
+            env=env,
+            job=job,
+            plan=plan,
+            stage=plan.placement.stage_of(env.rank),
+            reshard=ReshardExecutor(plan, env.rank, device=device),
+            checkpoints=checkpoints,
+            device=device,
+            compute=compute,
+            **({} if events is None else {"events": events}),
+        )
         return train(ctx)
     finally:
         shutdown_distributed()

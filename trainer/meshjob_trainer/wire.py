@@ -13,7 +13,7 @@ keeps the engine's device work apart from the compute stream. Four of them:
   stream; a receive posted early on a pair would hold back every later message on that pair, in
   either direction. So every directed pair of ranks that exchanges messages gets its own two-rank
   communicator, used for that direction only: it carries one sender's messages to one receiver, in
-  the order both derive from the plan (meshjob.comm_order), and receives posted early hold back
+  the order both derive from the plan (meshjob.plan.comm_order), and receives posted early hold back
   nothing else. The engine issues on its own CUDA stream (`engine_stream`), so transfers overlap the
   compute stream; events order the two where a tensor crosses (`mark`, `after`, `hand_over`,
   `accept`). NCCL creates a communicator on its first message, blocking until the peer does too;
@@ -30,20 +30,22 @@ keeps the engine's device work apart from the compute stream. Four of them:
   posts from that sender. Both sides record what they issue in the job's key-value store; the
   second to arrive compares. It also logs every issue and completion (sends in order, in flight).
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-
-class OrderError(RuntimeError):
-    """Two ranks issued the messages between them in different orders."""
+from meshjob_trainer.host_side import HostSide, OrderError
+from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
+from meshjob_trainer.tcp_wire import TcpWire
 
 
 class Wire(Protocol):
@@ -72,26 +74,7 @@ class Wire(Protocol):
         """On the compute thread, before it uses a result the engine assembled."""
 
 
-class _HostSide:
-    """CPU tensors: program order on one thread is all the ordering there is."""
-
-    def engine_stream(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def mark(self) -> Any:
-        return None
-
-    def after(self, mark: Any) -> None:
-        pass
-
-    def hand_over(self) -> Any:
-        return None
-
-    def accept(self, tensor: torch.Tensor, mark: Any) -> None:
-        pass
-
-
-class GlooWire(_HostSide):
+class GlooWire(HostSide):
     """gloo point-to-point on `group` (default: the default group), CPU tensors."""
 
     def __init__(self, group: Any = None) -> None:
@@ -131,8 +114,10 @@ class NcclWire:
         try:
             return self.groups[(src, dst)]
         except KeyError:
-            raise RuntimeError(f"rank {self.rank}: no communicator for messages from rank {src} to rank {dst}; "
-                               f"the plan has no step between them") from None
+            raise RuntimeError(
+                f"rank {self.rank}: no communicator for messages from rank {src} to rank {dst}; "
+                f"the plan has no step between them"
+            ) from None
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         return dist.isend(tensor, peer, group=self._group(self.rank, peer))
@@ -192,9 +177,15 @@ def wait_polling(work: Any, first_s: float, longest_s: float) -> None:
 CPU_WIRES = ("gloo", "tcp")  # between CPU ranks of different hosts: gloo's isend, or meshjob_trainer.tcp_wire
 
 
-def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
-             new_group: Callable[..., Any] | None = None, local_peers: Iterable[int] = (),
-             cpu_wire: str = "gloo", ungranted: Iterable[Pair] = ()) -> Wire:
+def wire_for(
+    device: torch.device,
+    rank: int,
+    pairs: Iterable[Pair],
+    new_group: Callable[..., Any] | None = None,
+    local_peers: Iterable[int] = (),
+    cpu_wire: str = "gloo",
+    ungranted: Iterable[Pair] = (),
+) -> Wire:
     """NCCL between CUDA devices (a communicator per directed pair, all connected now: collective, every
     rank calls it with the same pairs); for CPU tensors `cpu_wire` between hosts (gloo: its isend/irecv;
     tcp: a connection per directed pair, meshjob_trainer.tcp_wire, every rank building its wires with the
@@ -202,9 +193,6 @@ def wire_for(device: torch.device, rank: int, pairs: Iterable[Pair],
     and between CPU ranks of one host (`local_peers`) one memory copy (meshjob_trainer.local_copy) where the
     system allows it."""
     if device.type != "cuda":
-        from meshjob_trainer.local_copy import LocalCopyWire, local_copy_available
-        from meshjob_trainer.tcp_wire import TcpWire
-
         if cpu_wire not in CPU_WIRES:
             raise ValueError(f"cpu_wire {cpu_wire!r} is invalid: one of {', '.join(CPU_WIRES)}")
         local = set(local_peers) if local_copy_available() else set()
@@ -253,16 +241,17 @@ class CheckedWire:
         src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
         k = self._count.get((op, peer), 0)
         self._count[(op, peer)] = k + 1
-        mine, theirs = (f"{self.PREFIX}/{src}>{dst}/{k}/{side}" for side in
-                        ((op, "recv" if op == "send" else "send")))
+        mine, theirs = (f"{self.PREFIX}/{src}>{dst}/{k}/{side}" for side in ((op, "recv" if op == "send" else "send")))
         self.store.set(mine, message)
         if self.store.check([theirs]):
             other = self.store.get(theirs).decode()
             if other != message:
                 sent, posted = (message, other) if op == "send" else (other, message)
-                raise OrderError(f"rank {self.rank}: message {k} from rank {src} to rank {dst}: the sender issued "
-                                 f"{sent}, the receiver posted {posted}; the two ranks issue their messages in "
-                                 f"different orders (NCCL would pair them wrongly)")
+                raise OrderError(
+                    f"rank {self.rank}: message {k} from rank {src} to rank {dst}: the sender issued "
+                    f"{sent}, the receiver posted {posted}; the two ranks issue their messages in "
+                    f"different orders (NCCL would pair them wrongly)"
+                )
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, message: str) -> Any:
         self.log.add("send", peer, message)  # before the store learns of it: a peer may act on that

@@ -7,17 +7,30 @@ calibrate it (weightGradDelay: auto: measured stage costs, agreed by all ranks, 
 again), assemble the WorkerContext and hand it to the training loop (meshjob_trainer.train.train).
 run_host(...): fork the ranks the plan puts on one host, like torchrun --nproc-per-node.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from meshjob.api import MASTER_PORT
-from meshjob_trainer.dist import (DEFAULT_TIMEOUT_S, DistError, NodeEnv, WorkerContext, WorkerEnv, WorkerSettings,
-                                  check_world_size, describe_transport, device_for_backend, init_distributed,
-                                  shutdown_distributed, uses_cuda)
+from meshjob.spec.api import MASTER_PORT
+from meshjob_trainer.dist import (
+    DEFAULT_TIMEOUT_S,
+    DistError,
+    NodeEnv,
+    WorkerContext,
+    WorkerEnv,
+    WorkerSettings,
+    check_world_size,
+    describe_transport,
+    device_for_backend,
+    init_distributed,
+    shutdown_distributed,
+    uses_cuda,
+)
 from meshjob_trainer.events import Fanout, MetricsSink
 from meshjob_trainer.heap import keep_freed_memory
 from meshjob_trainer.steplog import print_line
@@ -25,17 +38,17 @@ from meshjob_trainer.steplog import print_line
 
 @dataclass(frozen=True)
 class JobSetup:
-    job: Any  # meshjob.spec.TrainingJob
-    plan: Any  # meshjob.plan.Plan
+    job: Any  # meshjob.spec.manifest.TrainingJob
+    plan: Any  # meshjob.plan.build.Plan
 
 
 def load_setup(settings: WorkerSettings) -> JobSetup:
     """Parse the job and check what it reads here (SpecError names bad fields: the manifest, its token
     files, its custom model) and build its plan; DistError when the plan is not the one the operator
     rendered, or the rendered plan it names is missing."""
-    from meshjob import rendered
-    from meshjob.placement import load_hosts
-    from meshjob.spec import load_job
+    from meshjob.plan import rendered
+    from meshjob.plan.placement import load_hosts
+    from meshjob.spec.manifest import load_job
     from meshjob_trainer.families import check_inputs
 
     if not settings.job_path:
@@ -63,8 +76,10 @@ def agree_on_plan(plan: Any, rank: int) -> None:
     dist.all_gather_object(digests, plan.digest())
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
-        raise DistError(f"rank {rank}: ranks {differing} built a different plan than rank 0 from the same spec; "
-                        f"use a deterministic balancer (spec.resharding.balancer: greedy or load_balance)")
+        raise DistError(
+            f"rank {rank}: ranks {differing} built a different plan than rank 0 from the same spec; "
+            f"use a deterministic balancer (spec.resharding.balancer: greedy or load_balance)"
+        )
 
 
 def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, compute: Any = None) -> JobSetup:
@@ -76,7 +91,7 @@ def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, com
 
     if needs_calibration(setup.plan):
         if compute is not None and compute.emulated:
-            from meshjob.device_costs import emulated_costs
+            from meshjob.costs.device_costs import emulated_costs
 
             plan = calibrated_plan(setup.plan, emulated_costs(setup.job, compute.device))
         else:
@@ -93,21 +108,33 @@ def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, com
 
 def weight_delays(plan: Any) -> dict[int, Any]:
     """Per stage, the WeightDelay event of `plan`."""
-    from meshjob.schedule import peak_stashed, stash_bound
+    from meshjob.schedule.actions import peak_stashed, stash_bound
     from meshjob_trainer.events import WeightDelay
 
     peaks = peak_stashed(plan.schedules)
     bound = stash_bound(len(plan.job.stages), plan.job.training.microbatches)
-    return {s: WeightDelay(s, plan.weight_delay.get(s, 0), c.forward_s, c.input_grad_s, c.weight_grad_s, peaks[s],
-                           bound, plan.costs_measured)
-            for s, c in sorted(plan.stage_costs.items())}
+    return {
+        s: WeightDelay(
+            s,
+            plan.weight_delay.get(s, 0),
+            c.forward_s,
+            c.input_grad_s,
+            c.weight_grad_s,
+            peaks[s],
+            bound,
+            plan.costs_measured,
+        )
+        for s, c in sorted(plan.stage_costs.items())
+    }
 
 
 def describe_delays(plan: Any, delays: dict[int, Any]) -> str:
     """One line for the log: how the delays were sized, and each stage's delay, W time and peak stash."""
     how = "measured at start" if plan.costs_measured else "planner's formula"
-    stages = "; ".join(f"stage {s}: delay {d.delay} (W {d.weight_grad_s * 1e3:.3g} ms, peak stash {d.peak_stash})"
-                       for s, d in delays.items())
+    stages = "; ".join(
+        f"stage {s}: delay {d.delay} (W {d.weight_grad_s * 1e3:.3g} ms, peak stash {d.peak_stash})"
+        for s, d in delays.items()
+    )
     mode = plan.job.schedule.weight_grad_delay
     bound = next(iter(delays.values())).stash_bound if delays else 0
     return f"meshjob: weightGradDelay {mode} (costs: {how}, stash bound {bound}): {stages}"
@@ -119,22 +146,30 @@ def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> 
 
     job, plan = setup.job, setup.plan
     host = plan.placement.hosts[plan.placement.host_of(env.rank)].name
-    metrics = TrainerMetrics(job=job.name, rank=env.rank, host=host, stage=plan.placement.stage_of(env.rank),
-                             namespace=job.namespace)
-    metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
-                     ",".join("x".join(map(str, s.mesh)) for s in job.stages))
+    metrics = TrainerMetrics(
+        job=job.name, rank=env.rank, host=host, stage=plan.placement.stage_of(env.rank), namespace=job.namespace
+    )
+    metrics.set_info(
+        job.resharding.strategy,
+        job.schedule.kind,
+        job.resharding.balancer,
+        ",".join("x".join(map(str, s.mesh)) for s in job.stages),
+    )
     if settings.metrics_port is not None:  # ranks sharing a pod (or a machine) take consecutive ports
         port = settings.metrics_port + env.local_rank
         try:
             metrics.serve(port)
         except (OSError, ValueError) as err:
-            raise DistError(f"rank {env.rank}: cannot serve metrics on port {port} (MESHJOB_METRICS_PORT="
-                            f"{settings.metrics_port} + LOCAL_RANK={env.local_rank}): {err}") from err
+            raise DistError(
+                f"rank {env.rank}: cannot serve metrics on port {port} (MESHJOB_METRICS_PORT="
+                f"{settings.metrics_port} + LOCAL_RANK={env.local_rank}): {err}"
+            ) from err
     return metrics
 
 
-def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, events: MetricsSink,
-                 device: str = "cpu") -> WorkerContext:
+def make_context(
+    env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, events: MetricsSink, device: str = "cpu"
+) -> WorkerContext:
     from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
     from meshjob_trainer.reshard import ReshardExecutor
 
@@ -142,15 +177,32 @@ def make_context(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, even
     directory = settings.checkpoint_dir or job.training.checkpoint.path
     if settings.compute is not None and settings.compute.emulated:
         directory = ""  # emulated compute holds no weights: nothing to checkpoint
-    checkpoints = (Checkpointer(Path(directory), env.rank, env.world_size, spec_fingerprint(job, env.world_size))
-                   if directory else None)
+    checkpoints = (
+        Checkpointer(Path(directory), env.rank, env.world_size, spec_fingerprint(job, env.world_size))
+        if directory
+        else None
+    )
     reshard = ReshardExecutor(plan, env.rank, events, device=device)
-    return WorkerContext(env=env, job=job, plan=plan, stage=plan.placement.stage_of(env.rank), reshard=reshard,
-                         events=events, checkpoints=checkpoints, device=device, compute=settings.compute)
+    return WorkerContext(
+        env=env,
+        job=job,
+        plan=plan,
+        stage=plan.placement.stage_of(env.rank),
+        reshard=reshard,
+        events=events,
+        checkpoints=checkpoints,
+        device=device,
+        compute=settings.compute,
+    )
 
 
-def run_worker(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, timeout_s: float = DEFAULT_TIMEOUT_S,
-               listeners: Sequence[MetricsSink] = ()) -> Any:
+def run_worker(
+    env: WorkerEnv,
+    settings: WorkerSettings,
+    setup: JobSetup,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    listeners: Sequence[MetricsSink] = (),
+) -> Any:
     """One rank: returns what the training loop returns (meshjob_trainer.train.TrainResult). Its events
     go to its Prometheus exporter, to a log line per step (the first rank of each stage, with
     settings.step_log) and to `listeners`."""
@@ -190,20 +242,29 @@ def host_ranks(plan: Any, node_rank: int) -> tuple[int, ...]:
     """Global ranks on the node_rank-th host the job uses (the operator's pod index)."""
     used = plan.placement.hosts_used()
     if not 0 <= node_rank < len(used):
-        raise DistError(f"--node-rank {node_rank} is invalid: the job uses {len(used)} host(s), "
-                        f"node ranks 0..{len(used) - 1}")
+        raise DistError(
+            f"--node-rank {node_rank} is invalid: the job uses {len(used)} host(s), node ranks 0..{len(used) - 1}"
+        )
     return tuple(plan.placement.ranks_on(used[node_rank]))
 
 
-def run_host(setup: JobSetup, settings: WorkerSettings, node: NodeEnv, nproc: int | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S, pre_exec: Callable[[int], None] | None = None) -> Any:
+def run_host(
+    setup: JobSetup,
+    settings: WorkerSettings,
+    node: NodeEnv,
+    nproc: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pre_exec: Callable[[int], None] | None = None,
+) -> Any:
     """Fork this host's ranks (meshjob_trainer.launch) and wait; returns the LaunchResult."""
     from meshjob_trainer.launch import launch
 
     ranks: Sequence[int] = host_ranks(setup.plan, node.node_rank)
     if nproc is not None and nproc != len(ranks):
-        raise DistError(f"--nproc {nproc} is invalid: the plan puts {len(ranks)} rank(s) {list(ranks)} on "
-                        f"node rank {node.node_rank}")
+        raise DistError(
+            f"--nproc {nproc} is invalid: the plan puts {len(ranks)} rank(s) {list(ranks)} on "
+            f"node rank {node.node_rank}"
+        )
     world_size = setup.plan.placement.world_size
     if node.world_size is not None:
         check_world_size(WorkerEnv(rank=0, world_size=node.world_size), world_size, setup.job.name)
@@ -213,5 +274,12 @@ def run_host(setup: JobSetup, settings: WorkerSettings, node: NodeEnv, nproc: in
     def target(ctx: Any) -> None:
         run_worker(ctx.env, settings, setup, timeout_s)  # the result stays in the child: the CLI needs the exit code
 
-    return launch(world_size, target, ranks=ranks, master_addr=node.master_addr, master_port=port,
-                  node_rank=node.node_rank, pre_exec=pre_exec)
+    return launch(
+        world_size,
+        target,
+        ranks=ranks,
+        master_addr=node.master_addr,
+        master_port=port,
+        node_rank=node.node_rank,
+        pre_exec=pre_exec,
+    )

@@ -6,6 +6,7 @@ head, and the shape of one sequence between blocks, (seqLen, hidden). meshjob cu
 stages[].layers, computes the loss from the head's logits and keeps a weight the embedding and the
 head share (tieEmbeddings in config) equal on the first and last stage.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,9 +5,10 @@ worker ranks inside it, rendezvous on host 0. A progress bar while it runs, a su
 the end, Prometheus metrics of the aggregated figures on --metrics-port, exit status 1 when the
 job fails. With --max-restarts N a dead rank restarts the whole gang from the last checkpoint.
 With --compute emulated --device a100|h100|<TFLOPs> the ranks do no math: each compute waits the time
-the device would need (meshjob.devices), the real tensors still cross the emulated NICs; losses are
+the device would need (meshjob.costs.devices), the real tensors still cross the emulated NICs; losses are
 then not meaningful (reported as missing) and no checkpoints are written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,25 @@ HELP = "run a TrainingJob on this machine on an emulated cluster"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="TrainingJob YAML")
-    parser.add_argument("--hosts", help="hosts.yaml: [{name, devices, rack}] (default: the smallest "
-                        "cluster of identical hosts that fits the job)")
+    parser.add_argument(
+        "--hosts",
+        help="hosts.yaml: [{name, devices, rack}] (default: the smallest cluster of identical hosts that fits the job)",
+    )
     parser.add_argument("--nic-rate", default="1gbit", help="each emulated host's NIC (tc rate; default 1gbit)")
     parser.add_argument("--no-netns", action="store_true", help="plain loopback: no namespaces, no NIC limit")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics of the aggregated figures on this port while running")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole gang from the last checkpoint at most N times")
-    parser.add_argument("--checkpoint-dir", help="checkpoints (default: spec.training.checkpoint.path, "
-                        "else a temporary folder when --max-restarts > 0)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics of the aggregated figures on this port while running",
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="restart the whole gang from the last checkpoint at most N times"
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="checkpoints (default: spec.training.checkpoint.path, else a temporary folder when --max-restarts > 0)",
+    )
     parser.add_argument("--json", dest="json_out", help="write the summary as JSON to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_compute_arguments(parser)
@@ -52,19 +62,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_compute_arguments(parser: argparse.ArgumentParser, default: str = "real") -> None:
     """--compute and --device, for meshjob run and the benchmarks that train."""
-    parser.add_argument("--compute", default=default, help="real: the ranks compute on this machine's CPU; "
-                        f"emulated: each compute waits a device's modelled time, no math (default {default})")
-    parser.add_argument("--device", default=None, help="with --compute emulated: a100, h100 or a number of "
-                        "TFLOP/s (default a100; efficiency and memory bandwidth: see meshjob.devices)")
+    parser.add_argument(
+        "--compute",
+        default=default,
+        help="real: the ranks compute on this machine's CPU; "
+        f"emulated: each compute waits a device's modelled time, no math (default {default})",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="with --compute emulated: a100, h100 or a number of "
+        "TFLOP/s (default a100; efficiency and memory bandwidth: see meshjob.costs.devices)",
+    )
 
 
 @dataclass
 class RunSetup:
-    job: Any  # meshjob.spec.TrainingJob
-    plan: Any  # meshjob.plan.Plan, built once here and inherited by the forked ranks
+    job: Any  # meshjob.spec.manifest.TrainingJob
+    plan: Any  # meshjob.plan.build.Plan, built once here and inherited by the forked ranks
     checkpoint_dir: str
     rank_hosts: list[int]  # emulated host of each rank
-    compute: Any = None  # meshjob.devices.ComputeMode
+    compute: Any = None  # meshjob.costs.devices.ComputeMode
 
 
 def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
@@ -73,13 +91,16 @@ def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
     from meshjob_trainer.dist import WorkerSettings
     from meshjob_trainer.worker import JobSetup, run_worker
 
-    run_worker(ctx.env, WorkerSettings(checkpoint_dir=setup.checkpoint_dir, compute=setup.compute),
-               JobSetup(setup.job, setup.plan),
-               listeners=(ctx.events,))
+    run_worker(
+        ctx.env,
+        WorkerSettings(checkpoint_dir=setup.checkpoint_dir, compute=setup.compute),
+        JobSetup(setup.job, setup.plan),
+        listeners=(ctx.events,),
+    )
 
 
 def _validate_args(args: argparse.Namespace) -> None:
-    from meshjob.devices import parse_compute
+    from meshjob.costs.devices import parse_compute
     from meshjob.errors import FieldError, SpecError
 
     errors = []
@@ -114,8 +135,12 @@ class MetricsFeed:
         placement = plan.placement
         hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
         self.metrics = TrainerMetrics(job=job.name, rank=0, host=hosts, stage=last, namespace=job.namespace)
-        self.metrics.set_info(job.resharding.strategy, job.schedule.kind, job.resharding.balancer,
-                              ",".join("x".join(map(str, s.mesh)) for s in job.stages))
+        self.metrics.set_info(
+            job.resharding.strategy,
+            job.schedule.kind,
+            job.resharding.balancer,
+            ",".join("x".join(map(str, s.mesh)) for s in job.stages),
+        )
         self.port = self.metrics.serve(port)
         self.stage = last
         self._reported_step = 0
@@ -138,13 +163,11 @@ class MetricsFeed:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.placement import default_hosts, load_hosts
-    from meshjob.rendered import PlanInputs
-    from meshjob.spec import load_job
-
+    from meshjob.costs.devices import parse_compute
+    from meshjob.plan.placement import default_hosts, load_hosts
+    from meshjob.plan.rendered import PlanInputs
+    from meshjob.spec.manifest import load_job
     from meshjob_trainer.families import check_inputs
-
-    from meshjob.devices import parse_compute
 
     _validate_args(args)
     compute = parse_compute(args.compute, args.device)
@@ -166,17 +189,22 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir = tmp_ckpt.name
     if compute.emulated:
         checkpoint_dir = ""  # no weights under emulated compute: nothing to checkpoint or resume
-    setup = RunSetup(job, plan, os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
-                     [compact[h] for h in rank_hosts], compute)
+    setup = RunSetup(
+        job, plan, os.path.abspath(checkpoint_dir) if checkpoint_dir else "", [compact[h] for h in rank_hosts], compute
+    )
 
     console = Console(stderr=True)
     if args.max_restarts > 0 and job.training.checkpoint.every <= 0:
-        console.print("[yellow]warning:[/] spec.training.checkpoint.every is 0: no checkpoints are "
-                      "written, so a restarted gang starts again from step 0")
+        console.print(
+            "[yellow]warning:[/] spec.training.checkpoint.every is 0: no checkpoints are "
+            "written, so a restarted gang starts again from step 0"
+        )
     resume = _resume_step(console, setup.checkpoint_dir, placement.world_size)
     if resume:
-        console.print(f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
-                      f"(another folder via --checkpoint-dir starts afresh)")
+        console.print(
+            f"resuming from the checkpoint of step {resume} in {setup.checkpoint_dir} "
+            f"(another folder via --checkpoint-dir starts afresh)"
+        )
     stats = RunStats(world_size=placement.world_size, total_steps=job.training.steps, resume_step=resume)
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
 
@@ -188,17 +216,19 @@ def run(args: argparse.Namespace) -> int:
         with ExitStack() as stack:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                cluster = stack.enter_context(
-                    EmulatedCluster(len(used), args.nic_rate, use_netns=not args.no_netns))
+                cluster = stack.enter_context(EmulatedCluster(len(used), args.nic_rate, use_netns=not args.no_netns))
             for w in caught:
                 console.print(f"[yellow]warning:[/] {w.message}")
-            console.print(f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}, "
-                          f"compute {compute.describe()}")
+            console.print(
+                f"[bold]{job.name}[/]: {placement.world_size} ranks on {cluster.describe()}, "
+                f"compute {compute.describe()}"
+            )
             if args.metrics_port is not None:
                 feed = MetricsFeed(job, plan, args.metrics_port)
                 feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
                 console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
             with ProgressView(stats, console, enabled=not args.quiet) as view:
+
                 def on_event(rank: int, event: Event) -> None:
                     stats.add(rank, event)
                     if feed is not None:
@@ -212,15 +242,22 @@ def run(args: argparse.Namespace) -> int:
                     except UsageError as err:  # the new gang's ranks fail saying so
                         console.print(str(err), markup=False, highlight=False)
                         step = 0
-                    console.print(f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
-                                  f"the last checkpoint (step {step})[/]")
+                    console.print(
+                        f"[yellow]{failed.first_failure.describe()}: restarting the gang from "
+                        f"the last checkpoint (step {step})[/]"
+                    )
                     stats.restart()
                     if feed is not None:
                         feed.restart(step)
 
                 results = launch_with_restarts(
-                    placement.world_size, lambda ctx: _rank_main(setup, ctx), max_restarts=args.max_restarts,
-                    on_restart=on_restart, on_event=on_event, **cluster.gang(setup.rank_hosts).launch_args())
+                    placement.world_size,
+                    lambda ctx: _rank_main(setup, ctx),
+                    max_restarts=args.max_restarts,
+                    on_restart=on_restart,
+                    on_event=on_event,
+                    **cluster.gang(setup.rank_hosts).launch_args(),
+                )
             network = cluster.describe()
             emulated = cluster.emulated
     finally:
@@ -231,13 +268,21 @@ def run(args: argparse.Namespace) -> int:
 
     ok = bool(results) and results[-1].ok
     wall = time.monotonic() - t0
-    summary = {"job": job.name, "ok": ok, "world_size": placement.world_size, "hosts": len(used),
-               "network": network, "emulated": emulated, "nic_rate": args.nic_rate,
-               "network_model": plan.network.to_json(),  # what the plan (chunks: auto, balancers) assumed
-               "wall_seconds": wall, "attempts": len(results), **compute.to_json(),
-               "failure": (results[-1].first_failure.describe()
-                           if results and results[-1].first_failure else None),
-               **stats.to_json()}
+    summary = {
+        "job": job.name,
+        "ok": ok,
+        "world_size": placement.world_size,
+        "hosts": len(used),
+        "network": network,
+        "emulated": emulated,
+        "nic_rate": args.nic_rate,
+        "network_model": plan.network.to_json(),  # what the plan (chunks: auto, balancers) assumed
+        "wall_seconds": wall,
+        "attempts": len(results),
+        **compute.to_json(),
+        "failure": (results[-1].first_failure.describe() if results and results[-1].first_failure else None),
+        **stats.to_json(),
+    }
     _print_summary(console, summary)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -257,12 +302,16 @@ def _resume_step(console: Console, directory: str, world_size: int) -> int:
 
     found = survey(directory, world_size)
     if found.corrupt:
-        raise UsageError(f"checkpoints in {directory}: none can be loaded by every rank, and the run does not "
-                         f"start again from step 0 over them:\n  " + "\n  ".join(found.skipped)
-                         + f"\nrestore the damaged files from a copy, or move {directory} away to start afresh")
+        raise UsageError(
+            f"checkpoints in {directory}: none can be loaded by every rank, and the run does not "
+            f"start again from step 0 over them:\n  "
+            + "\n  ".join(found.skipped)
+            + f"\nrestore the damaged files from a copy, or move {directory} away to start afresh"
+        )
     for line in found.skipped:
-        console.print(f"[yellow]skipping a checkpoint that cannot be loaded:[/] {line}", highlight=False,
-                      soft_wrap=True)  # one line per step, for logs and grep
+        console.print(
+            f"[yellow]skipping a checkpoint that cannot be loaded:[/] {line}", highlight=False, soft_wrap=True
+        )  # one line per step, for logs and grep
     return found.resume_step or 0
 
 
@@ -283,16 +332,23 @@ def _print_summary(console: Console, s: dict) -> None:
     rows = [
         ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
         ("cluster", f"{s['world_size']} ranks, {s['network']}"),
-        ("compute", "real" if s["compute"] == "real" else
-         f"emulated on {s['device']['name']} (losses not meaningful)"),
-        ("steps", f"{s['steps_completed']}/{s['total_steps']}"
-                  + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else "")),
+        ("compute", "real" if s["compute"] == "real" else f"emulated on {s['device']['name']} (losses not meaningful)"),
+        (
+            "steps",
+            f"{s['steps_completed']}/{s['total_steps']}"
+            + (f" (resumed at step {s['resume_step']})" if s["resume_step"] else ""),
+        ),
         ("final loss", _fmt(s["final_loss"], ".4f")),
-        ("validation loss", _fmt(s["final_val_loss"], ".4f")
-         + (f" (step {s['val_losses'][-1][0]})" if s["val_losses"] else "")),
+        (
+            "validation loss",
+            _fmt(s["final_val_loss"], ".4f") + (f" (step {s['val_losses'][-1][0]})" if s["val_losses"] else ""),
+        ),
         ("tokens/s (mean)", _fmt(s["tokens_per_s_mean"], ",.0f")),
-        ("resharding", f"{s['resharding_bytes'] / 1e6:,.1f} MB received by all ranks, "
-                       f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s over the training time"),
+        (
+            "resharding",
+            f"{s['resharding_bytes'] / 1e6:,.1f} MB received by all ranks, "
+            f"{_fmt(s['resharding_gbytes_per_s'], '.3g')} GB/s over the training time",
+        ),
         ("attempts", f"{s['attempts']} (restarts: {s['restarts']})"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
     ]
@@ -300,7 +356,10 @@ def _print_summary(console: Console, s: dict) -> None:
         rows.append(("weight-grad delay", _describe_delays(s["weight_delay"])))
     for stage, p in s["pipeline"].items():
         memory = s["payload_memory"].get(stage)
-        payload = (f", payload in flight {memory['peak_bytes'] / 1e6:,.2f} MB "
-                   f"(bound {memory['bound_bytes'] / 1e6:,.2f} MB)" if memory else "")
+        payload = (
+            f", payload in flight {memory['peak_bytes'] / 1e6:,.2f} MB (bound {memory['bound_bytes'] / 1e6:,.2f} MB)"
+            if memory
+            else ""
+        )
         rows.append((f"stage {stage}", f"bubble {p['bubble']:.1%}, overlap {p['overlap']:.1%}{payload}"))
     console.print(summary_table(rows, f"meshjob run: {s['job']}"))

@@ -4,6 +4,7 @@ worth of ranks (--nproc / --node-rank, what a trainer pod runs).
 The environment is read here, once (WorkerEnv / NodeEnv / WorkerSettings, flags winning over
 variables); everything below gets those values.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,16 +21,23 @@ HELP = "one trainer process per device (what a trainer pod runs)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", help="TrainingJob YAML (default: $MESHJOB_JOB)")
-    parser.add_argument("--hosts", help="hosts.yaml: [{name, devices, rack}] (default: $MESHJOB_HOSTS, "
-                        "else the plan's default hosts)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="start this host's ranks (must equal the devices the plan uses on it)")
-    parser.add_argument("--node-rank", type=int, default=None,
-                        help="which of the job's hosts this is (default: $NODE_RANK, else 0)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="checkpoints (default: $MESHJOB_CHECKPOINT_DIR, else spec.training.checkpoint.path)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds to wait for peers at the rendezvous and in collectives")
+    parser.add_argument(
+        "--hosts", help="hosts.yaml: [{name, devices, rack}] (default: $MESHJOB_HOSTS, else the plan's default hosts)"
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="start this host's ranks (must equal the devices the plan uses on it)"
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=None, help="which of the job's hosts this is (default: $NODE_RANK, else 0)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoints (default: $MESHJOB_CHECKPOINT_DIR, else spec.training.checkpoint.path)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for peers at the rendezvous and in collectives"
+    )
 
 
 def _bad(flag: str, value: object, allowed: str) -> int:
@@ -73,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshjob worker: {err}", file=sys.stderr)
         return 1
     for failure in result.failures():
-        print(f"meshjob worker: rank {failure.rank} exited {failure.exit_code}: "
-              f"{failure.error.strip().splitlines()[-1] if failure.error.strip() else ''}", file=sys.stderr)
+        print(
+            f"meshjob worker: rank {failure.rank} exited {failure.exit_code}: "
+            f"{failure.error.strip().splitlines()[-1] if failure.error.strip() else ''}",
+            file=sys.stderr,
+        )
     return 0 if result.ok else 1

@@ -11,6 +11,7 @@ Interfaces are created directly inside the namespaces, so the root namespace is 
 Without root or without `ip`, the cluster falls back to loopback (every host is 127.0.0.1,
 no throttling) with a warning; `emulated` is then False and results must say so.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -25,11 +26,12 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from meshjob.api import MASTER_PORT
+from meshjob.spec.api import MASTER_PORT
 from meshjob.units import parse_rate
 from meshjob_trainer.procs import pid_alive
 
@@ -65,8 +67,24 @@ def _ip(*args: str) -> None:
 
 
 def _tc(ns: str, dev: str, rate: str, burst: str, latency: str) -> None:
-    _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-        "rate", rate, "burst", burst, "latency", latency)
+    _ip(
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        burst,
+        "latency",
+        latency,
+    )
 
 
 def list_netns() -> list[str]:
@@ -189,8 +207,15 @@ class EmulatedCluster:
     SystemExit while the cluster is up) and, as a last resort, at interpreter exit.
     """
 
-    def __init__(self, num_hosts: int, nic_rate: str = "1gbit", burst: str = "128kb",
-                 latency: str = "10ms", use_netns: bool = True, prefix: str | None = None):
+    def __init__(
+        self,
+        num_hosts: int,
+        nic_rate: str = "1gbit",
+        burst: str = "128kb",
+        latency: str = "10ms",
+        use_netns: bool = True,
+        prefix: str | None = None,
+    ):
         if num_hosts < 1 or num_hosts > 250:
             raise ValueError(f"num_hosts: {num_hosts!r} is invalid: between 1 and 250")
         self.rate_bytes_per_s = parse_rate(nic_rate, "nic_rate")
@@ -243,14 +268,19 @@ class EmulatedCluster:
                 self.close()
                 raise
         if not self.use_netns:
-            warnings.warn(f"emulated cluster: no network namespaces ({self.fallback_reason}); "
-                          f"all {self.num_hosts} hosts share loopback, NIC rate "
-                          f"{self.nic_rate} is NOT applied", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"emulated cluster: no network namespaces ({self.fallback_reason}); "
+                f"all {self.num_hosts} hosts share loopback, NIC rate "
+                f"{self.nic_rate} is NOT applied",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self.hosts = [EmulatedHost(i, None, "127.0.0.1", "lo") for i in range(self.num_hosts)]
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _create(self) -> None:
@@ -310,15 +340,15 @@ class EmulatedCluster:
         """Where the ranks of a gang live: rank r on host rank_hosts[r], rendezvous on rank 0's host."""
         hosts = [self.hosts[h] for h in rank_hosts]
         # inside fresh namespaces torchrun's port is free; on loopback another run may hold it
-        return GangPlace(hosts[0].address, MASTER_PORT if self.emulated else None,
-                         lambda rank: hosts[rank].enter())
+        return GangPlace(hosts[0].address, MASTER_PORT if self.emulated else None, lambda rank: hosts[rank].enter())
 
     def describe(self) -> str:
         if self.emulated:
-            return (f"{self.num_hosts} emulated hosts (network namespaces {self.prefix}h*), "
-                    f"NIC {self.nic_rate} each (tbf, burst {self.burst})")
-        return (f"{self.num_hosts} hosts on loopback ({self.fallback_reason}): NIC rate "
-                f"{self.nic_rate} NOT applied")
+            return (
+                f"{self.num_hosts} emulated hosts (network namespaces {self.prefix}h*), "
+                f"NIC {self.nic_rate} each (tbf, burst {self.burst})"
+            )
+        return f"{self.num_hosts} hosts on loopback ({self.fallback_reason}): NIC rate {self.nic_rate} NOT applied"
 
 
 def _sigterm_to_exit(signum: int, frame: FrameType | None) -> None:

@@ -4,6 +4,7 @@ Ranks emit the trainer's typed events (meshjob_trainer.events) into the launcher
 RunStats aggregates the kinds its summary shows (each kind has its handler below) and ignores the
 others, which still reach the run's metrics endpoint (commands.run.MetricsFeed).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,9 +18,20 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshjob_trainer.events import (CheckpointRestored, CheckpointWritten, Evaluated, Event, LowerBoundRatio,
-                                    NicBandwidth, PayloadMemory, PipelineFractions, Resharded, StepFinished, UnitTasks,
-                                    WeightDelay)
+from meshjob_trainer.events import (
+    CheckpointRestored,
+    CheckpointWritten,
+    Evaluated,
+    Event,
+    LowerBoundRatio,
+    NicBandwidth,
+    PayloadMemory,
+    PipelineFractions,
+    Resharded,
+    StepFinished,
+    UnitTasks,
+    WeightDelay,
+)
 
 
 @dataclass
@@ -160,7 +172,8 @@ class RunStats:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "steps_completed": self.step, "total_steps": self.total_steps,
+            "steps_completed": self.step,
+            "total_steps": self.total_steps,
             "final_loss": None if math.isnan(self.loss) else self.loss,
             "losses": self.losses,
             "final_val_loss": self.val_losses[max(self.val_losses)] if self.val_losses else None,
@@ -168,18 +181,32 @@ class RunStats:
             "tokens_per_s_mean": self.mean_tokens_per_s,
             "resharding_bytes": self.reshard_bytes,
             "resharding_gbytes_per_s": self.reshard_gbytes_per_s,
-            "resharding": {b: {"bytes": v[0], "seconds": v[1], "count": int(v[2])}
-                           for b, v in sorted(self.reshard_by_boundary.items())},
+            "resharding": {
+                b: {"bytes": v[0], "seconds": v[1], "count": int(v[2])}
+                for b, v in sorted(self.reshard_by_boundary.items())
+            },
             "pipeline": {str(s): {"bubble": b, "overlap": o} for s, (b, o) in sorted(self.pipeline.items())},
             "nic_bytes_per_s_max": dict(sorted(self.nic_bytes_per_s.items())),
             "resharding_lower_bound_ratio": dict(sorted(self.lower_bound_ratio.items())),
             "unit_tasks": dict(sorted(self.unit_tasks.items())),
-            "weight_delay": {str(s): {"delay": d.delay, "forward_s": d.forward_s, "input_grad_s": d.input_grad_s,
-                                      "weight_grad_s": d.weight_grad_s, "peak_stash": d.peak_stash,
-                                      "stash_bound": d.stash_bound, "measured": d.measured}
-                             for s, d in sorted(self.weight_delay.items())},
-            "payload_memory": {str(s): {"peak_bytes": p, "bound_bytes": b} for s, (p, b) in sorted(self.payload.items())},
-            "resume_step": self.resume_step, "last_checkpoint_step": self.checkpoint_step, "restarts": self.restarts,
+            "weight_delay": {
+                str(s): {
+                    "delay": d.delay,
+                    "forward_s": d.forward_s,
+                    "input_grad_s": d.input_grad_s,
+                    "weight_grad_s": d.weight_grad_s,
+                    "peak_stash": d.peak_stash,
+                    "stash_bound": d.stash_bound,
+                    "measured": d.measured,
+                }
+                for s, d in sorted(self.weight_delay.items())
+            },
+            "payload_memory": {
+                str(s): {"peak_bytes": p, "bound_bytes": b} for s, (p, b) in sorted(self.payload.items())
+            },
+            "resume_step": self.resume_step,
+            "last_checkpoint_step": self.checkpoint_step,
+            "restarts": self.restarts,
             "resumed_from_steps": self.resumed_from,
         }
 
@@ -192,10 +219,17 @@ class ProgressView:
         self.stats = stats
         self.console = console or Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("reshard {task.fields[gbps]} GB/s"), TimeElapsedColumn(),
-            console=self.console, auto_refresh=False, disable=not enabled, transient=False)
+            TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("reshard {task.fields[gbps]} GB/s"),
+            TimeElapsedColumn(),
+            console=self.console,
+            auto_refresh=False,
+            disable=not enabled,
+            transient=False,
+        )
         self.task = self.progress.add_task("train", total=stats.total_steps, loss="-", tps="-", gbps="-")
 
     def __enter__(self) -> ProgressView:
@@ -209,8 +243,12 @@ class ProgressView:
     def update(self) -> None:
         s = self.stats
         self.progress.update(
-            self.task, completed=s.step, loss="-" if math.isnan(s.loss) else f"{s.loss:.4f}",
-            tps=f"{s.tokens_per_s:,.0f}", gbps=f"{s.reshard_gbytes_per_s:.3g}")
+            self.task,
+            completed=s.step,
+            loss="-" if math.isnan(s.loss) else f"{s.loss:.4f}",
+            tps=f"{s.tokens_per_s:,.0f}",
+            gbps=f"{s.reshard_gbytes_per_s:.3g}",
+        )
         self.progress.refresh()
 
 

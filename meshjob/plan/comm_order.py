@@ -1,0 +1,216 @@
+"""The order of a step's transfers, which every rank derives from the plan alone.
+
+Two things the executor needs (meshjob_trainer.engine):
+- NCCL matches the point-to-point messages between two ranks of a communicator by the order they
+  are issued in, not by tags. The trainer gives each directed pair of ranks its own communicator
+  (meshjob_trainer.wire), so a sender must issue its messages to a receiver in the order that
+  receiver posts them. Both follow `transfers`, and inside one transfer the sender's program
+  order (meshjob.plan.program). gloo matches by tag and would not need it; the trainer keeps the same
+  discipline on both, so CPU runs check what GPU runs rely on.
+- Receives posted early let senders run ahead (gloo sends only once the receiver has posted), but
+  each posted receive holds a buffer: a stage keeps `depth[b]` receives of boundary b posted ahead
+  of the one it consumes next, which bounds the memory of in-flight payloads.
+
+`transfers` is the order in which the links of a list-scheduled run of the step (meshjob.simulate.simulator:
+the plan's action lists, its compute costs and transfer makespans) take its transfers: about the
+order in which they happen. Two candidates, and the simulator picks:
+- the send order: each link takes transfers as their SENDs are issued. A stage that runs ahead (eager
+  warm-up forwards) queues every microbatch's transfers on its out-link at once, and a receiving
+  in-link then carries microbatches it needs late before one it needs now: the U-Transformer's skip
+  tensors from stage 0 to the last stage queued every warm-up microbatch's skips ahead of the first
+  microbatch's activation from the stage before it (bench pipeline, 4 stages, communication equal to
+  compute: the last stage started its first forward ~1 s late);
+- the need order: by the later of when the transfer was sent and when its receiver reached the RECV
+  that waits for it, in a run of the previous order (a few rounds, each run in the order before it).
+  Ties (transfers a stage sends at one instant to receivers that both wait already) go either in the
+  send order or to the one whose receiver uses it first (TIES: each a chain of rounds of its own). The
+  U-Transformer's last stage sends, after its first I, the activation gradient to the stage before it
+  and the skip gradients to stage 0: both receivers wait, but stage 0 uses its gradients only once the
+  activation gradient has come back down the chain. In the send order the skips went first on the
+  out-link, and every one of the four decoder hops of the first gradient waited behind four skips
+  (bench pipeline, 8 stages, communication 30% of compute: stage 0 got its first gradient 0.16 s
+  later). Simulated over bench pipeline's sweep, the second rule made 1F1B up to 7.9% faster (U-
+  Transformer, 8 stages, communication equal to compute) and eager-1F1B with W delay up to 1.9%;
+  measured (8 stages, 30%), 1F1B 5.54 -> 5.35 s a step (predicted / measured 0.994 -> 0.996), eager-1F1B
+  with W delay 3.91 -> 3.89 s (0.994 -> 0.986). Neither rule is faster on every case (used first:
+  U-Transformer, 8 stages, communication equal to compute, eager-1F1B with W delay 1% slower), so both
+  are run.
+The order of the fastest run is kept (the send order unless another is faster by more than TOLERANCE);
+where the runs would cost more than WORK_BUDGET (actions x stages per run), the send order stands.
+It is causal either way: every transfer comes after the transfers its data depends on (its data
+arrived, so was sent and needed, before it was sent).
+`depth[b]` is one more than the most transfers of b that this run has in flight at once (sent, not
+yet received), so in this run the receive of microbatch m is posted (when m - depth[b] has been
+received) before m is sent. Hence issuing in this order cannot deadlock: by induction over the
+run, the earliest transfer not yet done has its data, its receiver's buffer, and every message
+before it on each pair of ranks it uses. Real timing may differ from the run's; that costs waiting,
+never a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshjob.schedule.actions import Action
+from meshjob.schedule.boundary import BoundaryKey
+
+Transfer = tuple[BoundaryKey, int]  # (boundary, microbatch)
+TIES = ("sent", "used")  # a need order's ties: in the send order, or the transfer used first first
+NEED_ORDER_ROUNDS = 3  # need orders tried, each from the run of the one before
+TOLERANCE = 0.01  # another order replaces the send order only when its run is this much faster
+WORK_BUDGET = 2_000_000  # actions x stages of one run: above it, the send order stands unsimulated
+
+
+@dataclass(frozen=True)
+class TransferOrder:
+    transfers: tuple[Transfer, ...]  # every transfer of one step, in issue order
+    depth: Mapping[BoundaryKey, int] = field(default_factory=dict)  # receives posted ahead, per boundary
+
+    @functools.cached_property
+    def _positions(self) -> dict[Transfer, int]:
+        return {t: i for i, t in enumerate(self.transfers)}
+
+    def position(self, key: BoundaryKey, mb: int) -> int:
+        """Where (key, mb) stands in the step's order; KeyError names a transfer the step lacks."""
+        try:
+            return self._positions[(key, mb)]
+        except KeyError:
+            raise KeyError(
+                f"transfer {key} of microbatch {mb} is not in the step's order ({len(self.transfers)} transfers)"
+            ) from None
+
+    @classmethod
+    def of_run(cls, run: Sequence[tuple[int, Action]], links_order: Sequence[Transfer] | None = None) -> TransferOrder:
+        """From the (stage, action) sequence of a causal run of the step's action lists; its links took
+        the transfers in `links_order` (None: as they were sent)."""
+        transfers: list[Transfer] = []
+        in_flight: dict[BoundaryKey, int] = {}
+        depth: dict[BoundaryKey, int] = {}
+        for stage, action in run:
+            if not action.is_comm:
+                continue
+            key = BoundaryKey.of_action(stage, action)
+            if action.kind.startswith("SEND"):
+                transfers.append((key, action.mb))
+                in_flight[key] = in_flight.get(key, 0) + 1
+                depth[key] = max(depth.get(key, 0), in_flight[key])
+            else:
+                in_flight[key] = in_flight.get(key, 0) - 1
+        return cls(
+            tuple(links_order if links_order is not None else transfers), {key: most + 1 for key, most in depth.items()}
+        )
+
+    def forward_only(self) -> TransferOrder:
+        """The order of a pass of forwards only (evaluation): the step's, less its gradients. Still
+        causal: a forward transfer depends only on forward transfers."""
+        return TransferOrder(
+            tuple(t for t in self.transfers if not t[0].grad), {k: d for k, d in self.depth.items() if not k.grad}
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "transfers": [[str(k), mb] for k, mb in self.transfers],
+            "depth": {str(k): d for k, d in sorted(self.depth.items())},
+        }
+
+
+def transfer_order(plan: Any) -> TransferOrder:
+    """The order of `plan` (a meshjob.plan.build.Plan): its links' order in the fastest of the send order's and
+    the need orders' list-scheduled runs, on its own cost model."""
+    from meshjob.simulate.simulator import compute_costs, plan_cost, transfer_costs
+
+    cost = plan_cost(plan)
+    return fastest_order(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)[0]
+
+
+def fastest_order(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[BoundaryKey, Any],
+    cost: Any,
+    rounds: int = NEED_ORDER_ROUNDS,
+    ties: Sequence[str] = TIES,
+) -> tuple[TransferOrder, float]:
+    """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of
+    `rounds` need orders' per tie rule of `ties` (arguments as meshjob.simulate.simulator.simulate_pipeline takes
+    them)."""
+    from meshjob.simulate.simulator import simulate_pipeline
+
+    sent_run = simulate_pipeline(schedules, compute_s, transfers, cost)
+    best, best_s = TransferOrder.of_run(sent_run.order), sent_run.step_s
+    if run_work(schedules) > WORK_BUDGET:
+        return best, best_s
+    runs: list[tuple[list[Transfer], Any]] = []  # each order run once: the two rules agree where nothing ties
+    for rule in ties:
+        run = sent_run
+        for _ in range(rounds):
+            order = need_order(run, rule)
+            done = next((r for o, r in runs if o == order), None)  # (lists differ early: cheaper than hashing)
+            if done is not None:
+                run = done
+                continue
+            try:
+                run = simulate_pipeline(schedules, compute_s, transfers, cost, order)
+            except ValueError:  # a link would wait on a transfer never sent: not an order to run
+                break
+            runs.append((order, run))
+            if run.step_s < best_s * (1 - TOLERANCE):
+                best, best_s = TransferOrder.of_run(run.order, order), run.step_s
+    return best, best_s
+
+
+def run_work(schedules: Mapping[int, Sequence[Action]]) -> int:
+    """What one simulated run of `schedules` costs: actions x stages (the list scheduler's steps)."""
+    return sum(len(a) for a in schedules.values()) * len(schedules)
+
+
+def need_order(run: Any, ties: str = TIES[0]) -> list[Transfer]:
+    """A run's transfers (a meshjob.simulate.simulator.PipelineResult) by the later of when each was sent and when
+    its receiver needed it; ties in the run's send order. A receiver needs every transfer of a run of
+    consecutive RECVs when it reaches the first of them: the compute after them takes them all (the
+    executor posts receives ahead), while the list-scheduled run reaches each later RECV only once the
+    one before it has arrived. Timed by its own RECV, a skip gradient that the U-Transformer's last
+    stage sent early queued on stage 0's in-link behind the activation gradient sent after it, and the
+    link idled meanwhile (bench pipeline, 4 stages, communication equal to compute: ~0.7 s a step).
+    `ties` (TIES): "sent", transfers needed at one instant in the run's send order; "used", first the one
+    whose receiver starts the compute that takes it first (then in the send order)."""
+    if ties not in TIES:
+        raise ValueError(f"ties {ties!r} is invalid: one of {', '.join(TIES)}")
+    sent: dict[Transfer, float] = {}
+    needed: dict[Transfer, float] = {}
+    reached: dict[int, float] = {}  # stage -> when it reached the first RECV of the run it is in
+    waiting: dict[int, list[Transfer]] = {}  # stage -> the transfers of the RECV run it is in
+    used: dict[Transfer, float] = {}  # when the compute after the RECV run started
+    for (stage, action), at in zip(run.order, run.started_s):
+        if action.kind.startswith("RECV"):
+            waiting.setdefault(stage, []).append((BoundaryKey.of_action(stage, action), action.mb))
+            at = reached.setdefault(stage, at)
+        else:
+            reached.pop(stage, None)
+            for t in waiting.pop(stage, []):
+                used[t] = at
+        if action.is_comm:
+            transfer = (BoundaryKey.of_action(stage, action), action.mb)
+            (sent if action.kind.startswith("SEND") else needed)[transfer] = at
+    rank = {t: i for i, t in enumerate(sent)}
+    if ties == "used":
+        return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), used.get(t, math.inf), rank[t]))
+    return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), rank[t]))
+
+
+def recv_depths(schedules: Mapping[int, Sequence[Action]], order: TransferOrder) -> dict[int, dict[BoundaryKey, int]]:
+    """Per stage, per boundary it receives: how many receives it keeps posted ahead (at most the
+    microbatches it receives of that boundary)."""
+    out: dict[int, dict[BoundaryKey, int]] = {}
+    for stage, actions in schedules.items():
+        counts: dict[BoundaryKey, int] = {}
+        for a in actions:
+            if a.kind.startswith("RECV"):
+                key = BoundaryKey.of_action(stage, a)
+                counts[key] = counts.get(key, 0) + 1
+        out[stage] = {key: min(n, order.depth.get(key, n)) for key, n in counts.items()}
+    return out

@@ -1,0 +1,315 @@
+"""What `meshjob tune`'s search (meshjob.search.algorithm) searches: the space, its candidates, and the objective.
+
+The fields the user fixed (Fixed) narrow the space (Space: microbatch counts, schedules, strategies,
+balancers, stage counts). A Candidate is one point of it: layers and a stage choice per stage, the
+microbatches, the schedule, the resharding strategy and balancer. The Problem writes a candidate's
+manifest, its bytes per device, its lower bound and Alpa's estimate (the order the search simulates in),
+and predicts it: the job's plan through meshjob.simulate.simulator, then each stage's gradient all-reduce and
+optimizer step (Prediction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshjob.costs.compute import CostModel
+from meshjob.errors import PlacementError, UsageError
+from meshjob.resharding.strategies import SEARCHED
+from meshjob.search.cluster import Cluster
+from meshjob.search.gradient_sync import stage_hosts, tail_ends
+from meshjob.search.memory_model import FLOAT32
+from meshjob.search.stage_model import StageChoice, StageFigures
+from meshjob.search.tables import INF, Option, Tables, stashed
+from meshjob.spec.manifest import parse_job
+
+BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, at many times the work
+SCHEDULES = (("gpipe", 0), ("1f1b", 0), ("1f1b", "auto"), ("eager-1f1b", 0), ("eager-1f1b", "auto"))
+DEFAULT_MAX_STAGES = 16
+DEFAULT_MAX_MICROBATCHES = 64
+
+
+# ------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True)
+class StageFix:
+    """What the user wrote for one stage: its layer range, or its mesh with the dims as written."""
+
+    layers: tuple[int, int] | None = None
+    choice: StageChoice | None = None
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The fields the user set: the search keeps them."""
+
+    stages: int | None = None
+    per_stage: tuple[StageFix, ...] = ()
+    microbatches: int | None = None
+    kind: str | None = None
+    weight_grad_delay: int | str | None = None
+    strategy: str | None = None
+    balancer: str | None = None
+    chunks: int | str = "auto"
+
+
+@dataclass(frozen=True)
+class Space:
+    """The choices the search enumerates (after the fixed fields narrowed them)."""
+
+    microbatches: tuple[int, ...]
+    schedules: tuple[tuple[str, int | str], ...]
+    strategies: tuple[str, ...]
+    balancers: tuple[str, ...]
+    max_stages: int
+    chunks: int | str = "auto"
+
+
+def default_space(
+    job,
+    fixed: Fixed,
+    cluster: Cluster,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    max_microbatches: int = DEFAULT_MAX_MICROBATCHES,
+) -> Space:
+    batch = job.training.global_batch
+    ms = (
+        (fixed.microbatches,)
+        if fixed.microbatches
+        else tuple(m for m in range(1, min(batch, max_microbatches) + 1) if batch % m == 0)
+    )
+    schedules = tuple(
+        (k, d)
+        for k, d in SCHEDULES
+        if fixed.kind in (None, k) and (fixed.weight_grad_delay is None or d == fixed.weight_grad_delay)
+    )
+    if not schedules:  # a fixed pair outside the defaults (e.g. gpipe with a delay of 2)
+        schedules = (
+            (fixed.kind or "eager-1f1b", "auto" if fixed.weight_grad_delay is None else fixed.weight_grad_delay),
+        )
+    stages = min(job.model.layers, cluster.devices, max_stages) if fixed.stages is None else fixed.stages
+    return Space(
+        ms,
+        schedules,
+        (fixed.strategy,) if fixed.strategy else SEARCHED,
+        (fixed.balancer,) if fixed.balancer else BALANCERS,
+        stages,
+        fixed.chunks,
+    )
+
+
+# ------------------------------------------------------------------------------ candidates
+@dataclass(frozen=True, order=True)
+class Candidate:
+    microbatches: int
+    kind: str
+    delay: str  # "auto" or the number of delayed W's, as text (sortable)
+    layers: tuple[int, ...]  # layers per stage
+    choices: tuple[StageChoice, ...]
+    strategy: str = "broadcast"
+    balancer: str = "greedy"
+
+    @property
+    def weight_grad_delay(self) -> int | str:
+        return self.delay if self.delay == "auto" else int(self.delay)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.layers:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    @property
+    def devices(self) -> int:
+        return sum(c.devices for c in self.choices)
+
+    def label(self) -> str:
+        stages = " | ".join(f"{a}-{b} {c.label()}" for (a, b), c in zip(self.ranges, self.choices))
+        return (
+            f"{len(self.layers)} stages [{stages}], M={self.microbatches}, {self.kind} "
+            f"delay {self.delay}, {self.strategy}/{self.balancer}"
+        )
+
+
+# ------------------------------------------------------------------------------ prediction
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    step_s: float
+    bound_s: float
+    tokens_per_s: float
+    bubble: float
+    resharding_s: float  # one microbatch of every boundary, summed
+    exposed_comm_s: float  # the most any stage waited on a transfer
+    allreduce_s: float  # the largest gradient all-reduce
+    compute_s: float  # the busiest stage's compute
+    memory: tuple[int, ...]  # bytes per device, per stage
+    weight_delay: Mapping[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.candidate.label(),
+            "step_s": self.step_s,
+            "lower_bound_s": self.bound_s,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble": self.bubble,
+            "resharding_s": self.resharding_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "allreduce_s": self.allreduce_s,
+            "compute_s": self.compute_s,
+            "memory_bytes": list(self.memory),
+            "max_memory_bytes": max(self.memory),
+            "weight_delay": {str(k): v for k, v in sorted(self.weight_delay.items())},
+        }
+
+
+class Problem:
+    """A job, a cluster and the fixed fields: builds candidates' manifests, checks and predicts them."""
+
+    def __init__(self, doc: Mapping[str, Any], job, cluster: Cluster, fixed: Fixed, space: Space):
+        self.doc, self.job, self.cluster, self.fixed, self.space = doc, job, cluster, fixed, space
+        self._tables: dict[int, Tables] = {}
+
+    def tables(self, microbatches: int) -> Tables:
+        if microbatches not in self._tables:
+            extra = [f.choice for f in self.fixed.per_stage if f.choice is not None]  # the user's meshes
+            self._tables[microbatches] = Tables(self.job, self.cluster, microbatches, extra)
+        return self._tables[microbatches]
+
+    def manifest(self, c: Candidate) -> dict[str, Any]:
+        """The job's document with the candidate's choices: the manifest `meshjob tune --out` writes."""
+        doc = _copy(self.doc)
+        spec = doc.setdefault("spec", {})
+        spec["stages"] = [ch.to_stage(a, b) for (a, b), ch in zip(c.ranges, c.choices)]
+        spec.pop("edges", None)  # the defaults follow the chosen natural layouts
+        spec.setdefault("training", {})["microbatches"] = c.microbatches
+        topology = spec.setdefault("topology", {})
+        topology["devicesPerHost"] = self.cluster.devices_per_host
+        spec["schedule"] = {**spec.get("schedule", {}), "kind": c.kind, "weightGradDelay": c.weight_grad_delay}
+        spec["resharding"] = {
+            **spec.get("resharding", {}),
+            "strategy": c.strategy,
+            "balancer": c.balancer,
+            "chunks": self.space.chunks,
+        }
+        return doc
+
+    def memory(self, c: Candidate) -> tuple[int, ...]:
+        """Bytes per device of each stage (the real stash: with split backward, eager-1F1B's bound)."""
+        t = self.tables(c.microbatches)
+        split = c.weight_grad_delay != 0
+        out = []
+        for k, ((a, b), ch) in enumerate(zip(c.ranges, c.choices)):
+            opt = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
+            out.append(opt.memory(stashed(c.kind, split, k, len(c.layers), c.microbatches)))
+        return tuple(out)
+
+    def figures(self, c: Candidate) -> list[StageFigures]:
+        t = self.tables(c.microbatches)
+        return [
+            _find(t.options(b - a, a == 0, b == self.job.model.layers), ch).figures
+            for (a, b), ch in zip(c.ranges, c.choices)
+        ]
+
+    def bound(self, c: Candidate) -> float:
+        t = self.tables(c.microbatches)
+        ahead, out = 0.0, 0.0
+        for (a, b), ch in zip(c.ranges, c.choices):
+            o = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
+            out = max(out, o.term_s(ahead))
+            ahead += o.figures.cost.forward_s
+        return out
+
+    def estimate(self, c: Candidate) -> float:
+        """Alpa's pipeline estimate, the order candidates are simulated in (not a bound): sum of the
+        stages' per-microbatch times + (M - 1) x the largest, a stage's time counting its inputs and
+        gradients over one host's NIC per host it spans, plus the largest gradient all-reduce and optimizer step."""
+        t = self.tables(c.microbatches)
+        m = self.job.model
+        act = FLOAT32 * t.job.training.microbatch_size * m.seq_len * m.hidden
+        times, ar = [], 0.0
+        for k, ((a, b), ch) in enumerate(zip(c.ranges, c.choices)):
+            o = _find(t.options(b - a, a == 0, b == m.layers), ch)
+            comm = (2 - (k == 0) - (k == len(c.layers) - 1)) * act / ch.mesh[0] / self.cluster.network.nic_bytes_per_s
+            times.append(o.figures.per_microbatch_s + comm)
+            ar = max(ar, o.figures.tail_s)
+        return sum(times) + (c.microbatches - 1) * max(times) + ar
+
+    def predict(self, c: Candidate) -> Prediction | None:
+        """Simulate the candidate's plan; None when its meshes do not fit on the cluster's hosts."""
+        from meshjob.plan.build import build_plan
+        from meshjob.simulate.simulator import compute_costs, simulate_pipeline, transfer_costs
+
+        figures = self.figures(c)
+        job = parse_job(self.manifest(c))
+        cost = CostModel(network=self.cluster.network, stages=tuple(f.cost for f in figures))
+        try:
+            # the ratio rule sizes an auto delay here: simulating delay candidates per candidate plan made the
+            # 96-layer search 8x slower; the job's own plan (build_plan) then simulates them, never slower
+            plan = build_plan(
+                job, self.cluster.host_list(), network=self.cluster.network, cost=cost, simulate_delays=False
+            )
+        except PlacementError:
+            return None
+        result = simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
+        ends = tail_ends(
+            [result.stages[k].busy_until_s for k in range(len(figures))],
+            [f.sync for f in figures],
+            stage_hosts(plan.placement),
+        )
+        step = max(ends)
+        tokens = job.training.global_batch * job.model.seq_len
+        return Prediction(
+            candidate=c,
+            step_s=step,
+            bound_s=self.bound(c),
+            tokens_per_s=tokens / step if step > 0 else INF,
+            bubble=sum(max(0.0, 1 - s.compute_s / step) for s in result.stages.values()) / len(ends),
+            resharding_s=sum(result.transfer_s.values()),
+            exposed_comm_s=max((s.exposed_comm_s for s in result.stages.values()), default=0.0),
+            allreduce_s=max(f.allreduce_s for f in figures),
+            compute_s=max(s.compute_s for s in result.stages.values()),
+            memory=self.memory(c),
+            weight_delay=dict(plan.weight_delay),
+        )
+
+    def expand(
+        self, m: int, kind: str, delay: int | str, layers: Sequence[int], choices: Sequence[StageChoice]
+    ) -> list[Candidate]:
+        """The structure with every strategy and balancer of the space."""
+        return [
+            Candidate(m, kind, str(delay), tuple(layers), tuple(choices), s, b)
+            for s in self.space.strategies
+            for b in self.space.balancers
+        ]
+
+    def stage_allowed(self, index: int, stages: int, first: int, last: int, choice: StageChoice) -> bool:
+        if self.fixed.stages is None or index >= len(self.fixed.per_stage):
+            return True
+        fix = self.fixed.per_stage[index]
+        return (fix.layers is None or fix.layers == (first, last)) and (fix.choice is None or fix.choice == choice)
+
+    def stage_counts(self) -> list[int]:
+        if self.fixed.stages is not None:
+            return [self.fixed.stages]
+        return list(range(1, self.space.max_stages + 1))
+
+
+def _find(options: Sequence[Option], choice: StageChoice) -> Option:
+    for o in options:
+        if o.choice == choice:
+            return o
+    raise UsageError(
+        f"stage mesh {list(choice.mesh)} (dataParallelDim {choice.dp_dim}, tensorParallelDim "
+        f"{choice.tp_dim}) is not one the search may use on this cluster and model"
+    )
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value

@@ -1,0 +1,186 @@
+"""One pipeline stage as `meshjob tune` sees it: a submesh, its data/tensor-parallel split, and what a
+range of layers costs on it (seconds per microbatch, gradient all-reduce, bytes per device).
+
+Submeshes follow Alpa's stage construction: (1, d) for d a power of two below the devices per host, or
+(n, D) whole hosts, so that every set of them with at most the cluster's devices packs onto its hosts.
+Within a submesh the stage shards the batch over one mesh dim and the layers' weights over the other
+(Megatron tensor parallelism); a dim of size 1 carries neither.
+
+Compute: meshjob.costs.device_costs' roofline of the stage's shapes on the cluster's device (the one emulated compute
+waits: F, I, W of a microbatch, and the optimizer step); full recompute adds a forward to I. Tensor parallel
+adds Megatron's two all-reduces of the activation per block in F and two in I; data parallel adds a ring
+all-reduce of the stage's gradients after the step (meshjob.search.gradient_sync, which also shares a host's NIC
+between stages whose rings cross it), then the optimizer step. A tensor-parallel ring inside a host runs at the
+device link's rate, a gradient ring inside a host at the network model's intra-host rate (on a real cluster
+both are the device link); a ring across hosts shares each host's NIC with the host's other rings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshjob.costs.compute import StageCost
+from meshjob.costs.device_costs import range_work, work_cost
+from meshjob.search.cluster import Cluster
+from meshjob.search.gradient_sync import GradientSync
+from meshjob.search.memory_model import FLOAT32, stage_memory
+from meshjob.spec.manifest import BUILTIN_MODEL_KINDS, tensor_parallel_sizes
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """A submesh [hosts, devices per host] and the mesh dims data and tensor parallelism run over."""
+
+    mesh: tuple[int, int]
+    dp_dim: int | None
+    tp_dim: int | None
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """Sort key (None sorts first)."""
+        return (*self.mesh, -1 if self.dp_dim is None else self.dp_dim, -1 if self.tp_dim is None else self.tp_dim)
+
+    def __lt__(self, other: StageChoice) -> bool:
+        return self.key < other.key
+
+    @property
+    def devices(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+    @property
+    def dp(self) -> int:
+        return 1 if self.dp_dim is None else self.mesh[self.dp_dim]
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.tp_dim is None else self.mesh[self.tp_dim]
+
+    def to_stage(self, first: int, last: int) -> dict[str, object]:
+        """The manifest's spec.stages[] entry."""
+        out: dict[str, object] = {"layers": [first, last], "mesh": list(self.mesh)}
+        if self.dp_dim is not None:
+            out["dataParallelDim"] = self.dp_dim
+        if self.tp_dim is not None:
+            out["tensorParallelDim"] = self.tp_dim
+        return out
+
+    def label(self) -> str:
+        return f"{self.mesh[0]}x{self.mesh[1]} dp{self.dp} tp{self.tp}"
+
+
+def submeshes(cluster: Cluster) -> list[tuple[int, int]]:
+    d = cluster.devices_per_host
+    partial = [(1, 1 << k) for k in range(d.bit_length()) if (1 << k) < d and d % (1 << k) == 0]
+    return partial + [(n, d) for n in range(1, cluster.hosts + 1)]
+
+
+def _splits(mesh: tuple[int, int]) -> list[tuple[int | None, int | None]]:
+    n, d = mesh
+    if n > 1 and d > 1:
+        return [(0, 1), (1, 0)]
+    if n > 1:
+        return [(0, None), (None, 0)]
+    if d > 1:
+        return [(1, None), (None, 1)]
+    return [(None, None)]
+
+
+def stage_choices(model, training, cluster: Cluster) -> list[StageChoice]:
+    """Every (submesh, split) the spec would accept: dp divides the microbatch, tp the model's dims."""
+    sizes = tensor_parallel_sizes(model) if model.kind in BUILTIN_MODEL_KINDS else {}
+    out = []
+    for mesh in submeshes(cluster):
+        for dp_dim, tp_dim in _splits(mesh):
+            c = StageChoice(mesh, dp_dim, tp_dim)
+            if training.microbatch_size % c.dp:
+                continue
+            if c.tp > 1 and (not sizes or any(size % c.tp for size in sizes.values())):
+                continue
+            out.append(c)
+    return sorted(out)
+
+
+def _ring_s(nbytes: float, ranks: int, dim: int | None, choice: StageChoice, cluster: Cluster) -> float:
+    """A tensor-parallel ring all-reduce of nbytes among `ranks` devices along mesh dim `dim`."""
+    if ranks <= 1:
+        return 0.0
+    net = cluster.network
+    if dim == 0:  # across hosts: the host's other devices run their own rings through the same NIC
+        rate = net.nic_bytes_per_s / choice.mesh[1]
+        message = net.message_s
+    else:  # the devices' own link (NVLink)
+        rate, message = cluster.device.link_bytes_per_s, net.intra_message_s
+    return 2 * (ranks - 1) / ranks * nbytes / rate + 2 * (ranks - 1) * message
+
+
+def gradient_sync(nbytes: float, choice: StageChoice, cluster: Cluster, optimizer_s: float) -> GradientSync:
+    """The stage's tail: a ring all-reduce of its nbytes of local gradients among its data-parallel devices,
+    then its optimizer step. Across hosts (dp over mesh dim 0) each of its devices on a host runs its own
+    ring through that host's NIC; inside a host the ring runs at the network model's intra-host rate (the device
+    link on a real cluster, where the two are the same; loopback between an emulated host's ranks)."""
+    ranks, net = choice.dp, cluster.network
+    if ranks <= 1:
+        return GradientSync(0.0, 0, optimizer_s)
+    share = 2 * (ranks - 1) / ranks * nbytes  # what each device sends and receives
+    if choice.dp_dim == 0:
+        flows = choice.mesh[1]
+        return GradientSync(share * flows / net.nic_bytes_per_s, flows, 2 * (ranks - 1) * net.message_s + optimizer_s)
+    return GradientSync(
+        0.0, 0, share / net.intra_host_bytes_per_s + 2 * (ranks - 1) * net.intra_message_s + optimizer_s
+    )
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """What layers [first, last) cost on one StageChoice, for one microbatch size."""
+
+    cost: StageCost  # per microbatch, one device
+    sync: GradientSync  # after its last action: the gradient all-reduce (with its hosts to itself), the optimizer
+    optimizer_s: float
+
+    @property
+    def per_microbatch_s(self) -> float:
+        return self.cost.forward_s + self.cost.backward_s
+
+    @property
+    def tail_s(self) -> float:
+        """The gradient all-reduce and the optimizer step, no other stage sharing the NICs."""
+        return self.sync.alone_s
+
+    @property
+    def allreduce_s(self) -> float:
+        return self.sync.alone_s - self.optimizer_s
+
+
+def stage_figures(model, training, cluster: Cluster, first: int, last: int, choice: StageChoice) -> StageFigures:
+    """F, I, W from meshjob.costs.device_costs (what emulated compute waits) on the cluster's device, plus the
+    tensor-parallel all-reduces and full recompute's forward;
+    the tail: the device's gradients all-reduced, then its optimizer step (device_costs' again)."""
+    own = work_cost(range_work(model, training, first, last, choice.dp, choice.tp), cluster.device.profile)
+    act = FLOAT32 * training.microbatch_size / choice.dp * model.seq_len * model.hidden
+    tp_s = 2 * (last - first) * _ring_s(act, choice.tp, choice.tp_dim, choice, cluster)
+    forward = own.stage.forward_s + tp_s
+    recompute = forward if training.recompute == "full" else 0.0
+    cost = StageCost(forward, own.stage.input_grad_s + tp_s + recompute, own.stage.weight_grad_s)
+    return StageFigures(cost, gradient_sync(FLOAT32 * own.params, choice, cluster, own.optimizer_s), own.optimizer_s)
+
+
+def job_figures(job, cluster: Cluster) -> list[StageFigures]:
+    """stage_figures of every stage of a written job (meshjob.spec.manifest.TrainingJob; two-dim meshes)."""
+    out = []
+    for i, st in enumerate(job.stages):
+        if len(st.mesh) != 2:
+            raise ValueError(
+                f"spec.stages[{i}].mesh {list(st.mesh)} is invalid here: two dims [hosts, devices per host]"
+            )
+        choice = StageChoice(tuple(st.mesh), st.data_parallel_dim, st.tensor_parallel_dim)
+        out.append(stage_figures(job.model, job.training, cluster, *st.layers, choice))
+    return out
+
+
+def stage_bytes(
+    model, training, first: int, last: int, choice: StageChoice, stashed: int, boundary_directions: int
+) -> int:
+    return stage_memory(
+        model, training, first, last, choice.dp, choice.tp, stashed, training.recompute, boundary_directions
+    ).total

@@ -1,0 +1,444 @@
+"""A discrete-event model of a Plan: predicts step time, bubbles and resharding time at any scale.
+
+Two levels, both deterministic and pure:
+- `simulate_transfer(steps, host_of, network)`: the lowered point-to-point steps of one boundary over the
+  links of meshjob.network.model's model (full duplex: each host NIC is two FIFO resources, out and in; half
+  duplex: one). A cross-host step occupies its source host's out-link and its destination host's in-link for
+  nbytes / bandwidth plus the per-message cost, starting when its dependencies are done and both links are
+  free. Intra-host steps use a per-host local link. This reproduces the strategies' cost formulas (e.g.
+  broadcast: t + (A-1)t/K) and the contention between tasks that share a link.
+  With `burst_bytes` > 0 each link is a token bucket like `tc tbf` (the emulated cluster's NICs): bytes
+  within the bucket leave at line rate, the rest at the NIC rate. Real NICs: burst 0.
+  With `shared_cpu_cores` > 0 (every host on one machine's cores), the cores are one fluid resource:
+  no transfer ends before they have done its messages' CPU work (NetworkModel.cpu_s), and where the
+  links' time and the cores' are close, they contend (NetworkModel.with_cpu).
+- `simulate_pipeline(plan, cost)`: every stage runs its action list in order; F/B/I/W take compute time from
+  the cost model; a SEND starts the boundary's transfer, which holds the NICs of the hosts it moves bytes
+  through for the boundary's simulated makespan (transfers sharing a NIC direction queue behind each other;
+  a token bucket shortens the busiest link's share); a RECV waits for it. Given the step's transfer
+  order (meshjob.plan.comm_order: what the executor issues each link's messages in), a link takes its
+  transfers in that order, a sent transfer waiting behind those planned before it. From the timeline:
+  step time, bubble fraction and communication overlap per stage.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from meshjob.costs.compute import CostModel, StageCost
+from meshjob.network.model import Link, NetworkModel
+from meshjob.network.ready_order import in_ready_order
+from meshjob.resharding.tasks import Step
+from meshjob.schedule.actions import Action
+from meshjob.schedule.boundary import BoundaryKey
+
+__all__ = ["CostModel", "Link", "StageCost", "TransferCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
+
+
+class Links:
+    """FIFO links of the network model, each NIC link optionally a token bucket: `book` holds
+    `nbytes` on all of `links` together. `messages` > 0 adds the network's per-message cost."""
+
+    def __init__(self, network: NetworkModel):
+        self.network = network
+        self.free: dict[Link, float] = {}  # when the link's last booking ends
+        self.tokens: dict[Link, tuple[float, float]] = {}  # link -> (tokens, at time)
+
+    def _seconds(self, link: Link, nbytes: float, start: float) -> float:
+        n = self.network
+        if link[1] == "local":
+            return nbytes / n.intra_host_bytes_per_s
+        if n.burst_bytes <= 0:
+            return nbytes / n.nic_bytes_per_s
+        tokens, at = self.tokens.get(link, (n.burst_bytes, 0.0))
+        tokens = min(n.burst_bytes, tokens + (start - at) * n.nic_bytes_per_s)
+        return max(nbytes / n.line_bytes_per_s, (nbytes - tokens) / n.nic_bytes_per_s)
+
+    def _message_s(self, link: Link, nbytes: float) -> float:
+        return self.network.intra_message_s if link[1] == "local" else self.network.net_message_s(nbytes)
+
+    def book(
+        self, links: Sequence[Link], nbytes: Sequence[float], ready: float, messages: int = 0
+    ) -> tuple[float, float]:
+        """(start, end) of a transfer of nbytes[i] over links[i], all starting together."""
+        start = max([ready] + [self.free.get(link, 0.0) for link in links])
+        end = start + max(
+            (self._seconds(link, n, start) + messages * self._message_s(link, n) for link, n in zip(links, nbytes)),
+            default=0.0,
+        )
+        for link, n in zip(links, nbytes):
+            self.free[link] = end
+            if self.network.burst_bytes > 0 and link[1] != "local":
+                tokens, at = self.tokens.get(link, (self.network.burst_bytes, 0.0))
+                tokens = min(self.network.burst_bytes, tokens + (start - at) * self.network.nic_bytes_per_s) - n
+                self.tokens[link] = (tokens, start)  # negative: still owed, refilled at the NIC rate
+        return start, end
+
+    def paced(self, per_link: Mapping[Link, float], ready: float, seconds: float, early_s: float) -> float:
+        """A transfer whose every NIC message is held until its bytes can have left at the NIC rate
+        (TransferCost.early_s not None): it holds its links for `seconds` (its makespan on plain links,
+        every message's cost included) from when they are all free. Its last message lands `early_s`
+        before that (its bytes leave faster, from the bucket), freeing the in-links then. Paced at the
+        NIC rate, a bucket is full again by each message's end. Returns when the data has landed."""
+        start = max([ready] + [self.free.get(link, 0.0) for link in per_link])
+        done = start + seconds
+        landed = max(start, done - early_s)
+        for link in per_link:
+            self.free[link] = landed if link[1] == "in" else done
+            if self.network.burst_bytes > 0 and link[1] != "local":
+                self.tokens[link] = (self.network.burst_bytes, done)
+        return landed
+
+
+class TransferCost(NamedTuple):
+    """One microbatch's transfer of a boundary, as simulate_pipeline takes it (a plain (seconds,
+    per_link) pair means early_s None)."""
+
+    seconds: float  # its makespan on plain links (no bucket), every message's cost included
+    per_link: Mapping[Link, float]  # bytes through each NIC link (host, "out"|"in")
+    # Not None where every NIC message is above the network's alone_bytes: the executor holds each on
+    # its out-link until its bytes can have left at the NIC rate (meshjob_trainer.engine), so a tbf
+    # bucket shortens none of them (each also pays alone_message_s, in `seconds`); its last message
+    # lands this much sooner than its link is free (its bytes leave from the refilled bucket)
+    early_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    makespan_s: float
+    finish_s: Mapping[int, float]  # step id -> finish time
+    start_s: Mapping[int, float]  # step id -> when it took its links
+    nic_busy_s: Mapping[Link, float]  # (host, "out"|"in") -> busy seconds
+    nic_bytes: Mapping[Link, int]  # (host, "out"|"in") -> bytes through that NIC direction
+    link_s: float = 0.0  # the makespan on the links alone, before the shared cores' work
+    cpu_work_s: float = 0.0  # CPU seconds its messages take on the shared cores, all cores together (0: unmodelled)
+
+
+def simulate_transfer(
+    steps: Sequence[Step], host_of: Callable[[int], int], network: NetworkModel, itemsize: int = 4
+) -> TransferResult:
+    """Run one boundary's steps over FIFO links; steps become ready when their `after` steps finish.
+    Each step is one message: its bytes plus the network's per-message cost."""
+    index = {s.id: i for i, s in enumerate(steps)}  # plan order breaks ties: the balancer's ordering
+    links = Links(network)
+    tally = {False: [0, 0], True: [0, 0]}  # inside a host? -> [messages, bytes]: their CPU work
+    busy: dict[Link, float] = {}
+    moved: dict[Link, int] = {}
+    finish: dict[int, float] = {}
+    began: dict[int, float] = {}
+
+    def book(i: int, t_ready: float) -> float:
+        step = steps[i]
+        src_h, dst_h = host_of(step.src), host_of(step.dst)
+        nbytes = 1 if step.signal else step.nbytes(itemsize)
+        used = (
+            [network.link(src_h, "local")]
+            if src_h == dst_h
+            else list(dict.fromkeys((network.link(src_h, "out"), network.link(dst_h, "in"))))
+        )
+        start, end = links.book(used, [nbytes] * len(used), t_ready, messages=1)
+        tally[src_h == dst_h][0] += 1
+        tally[src_h == dst_h][1] += nbytes
+        for link in used:
+            busy[link] = busy.get(link, 0.0) + end - start
+            moved[link] = moved.get(link, 0) + nbytes
+        finish[step.id], began[step.id] = end, start
+        return end
+
+    in_ready_order([tuple(index.get(d, -1) for d in s.after) for s in steps], book)
+    if len(finish) != len(steps):
+        missing = sorted(set(index) - set(finish))[:5]
+        raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
+    link_s = max(finish.values(), default=0.0)
+    cpu_s = network.cpu_s(tuple(tally[False]), tuple(tally[True]))  # the shared cores' work, per core
+    nic = {k for k in busy if k[1] != "local"}
+    return TransferResult(
+        network.with_cpu(link_s, cpu_s),
+        finish,
+        began,
+        {k: busy[k] for k in nic},
+        {k: moved[k] for k in nic},
+        link_s,
+        cpu_s * network.shared_cpu_cores,
+    )
+
+
+@dataclass
+class StageStats:
+    compute_s: float = 0.0
+    busy_until_s: float = 0.0
+    comm_s: float = 0.0  # time its outgoing/incoming transfers were in flight
+    exposed_comm_s: float = 0.0  # time it sat in a RECV waiting for a transfer
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+
+    def bubble_fraction(self, step_s: float) -> float:
+        return 0.0 if step_s <= 0 else max(0.0, 1.0 - self.compute_s / step_s)
+
+    def overlap_fraction(self) -> float:
+        """Share of this stage's communication time hidden behind its compute."""
+        return 1.0 if self.comm_s <= 0 else max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    step_s: float
+    stages: Mapping[int, StageStats]
+    transfer_s: Mapping[BoundaryKey, float]  # simulated makespan of one microbatch's transfer
+    # (stage, action) in the order the list scheduler ran them: a causal order of the whole step
+    # (a RECV comes after its SEND), which meshjob.plan.comm_order turns into the order transfers are issued in
+    order: tuple[tuple[int, Action], ...] = ()
+    started_s: tuple[float, ...] = ()  # when each action of `order` began (a RECV: when its stage reached it)
+
+    def bubble_fraction(self) -> float:
+        return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
+
+    def to_json(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "bubble_fraction": self.bubble_fraction(),
+            "stages": {
+                str(i): {
+                    "compute_s": s.compute_s,
+                    "bubble_fraction": s.bubble_fraction(self.step_s),
+                    "overlap_fraction": s.overlap_fraction(),
+                    "exposed_comm_s": s.exposed_comm_s,
+                    "timeline": [[name, start, end] for name, start, end in s.timeline],  # compute actions
+                }
+                for i, s in self.stages.items()
+            },
+            "transfer_s": {str(key): s for key, s in self.transfer_s.items()},
+        }
+
+
+def simulate_pipeline(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]] | TransferCost],
+    cost: CostModel | None = None,
+    order: Sequence[tuple[BoundaryKey, int]] | None = None,
+    pause_s: Mapping[tuple[int, int], float] | None = None,
+) -> PipelineResult:
+    """Execute the action lists. compute_s[(stage, kind)] for F/B/I/W; transfers[boundary] = (seconds of one
+    microbatch's transfer on plain links, the bytes it moves through each NIC link (host, "out"|"in")).
+    Deterministic list scheduling: the stage whose next action can start earliest goes first.
+    `order`: the step's transfer order the executor follows (meshjob.plan.comm_order.TransferOrder.transfers);
+    each NIC link then carries its transfers in that order, a sent transfer waiting for the ones planned
+    before it on its links (meshjob_trainer.engine issues each link's messages in the planned order).
+    None: each link takes its transfers as they are sent (the run that defines the order).
+    `pause_s[(stage, i)]`: seconds the stage spends after its i-th action before its next (the optimizer
+    step between repeated steps: meshjob.simulate.steady)."""
+    cost = cost or CostModel()
+    pause_s = pause_s or {}
+    stats = {s: StageStats() for s in schedules}
+    pos = {s: 0 for s in schedules}
+    sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
+    links = Links(cost.network)
+    queue = _LinkQueue(transfers, order)
+    remaining = sum(len(v) for v in schedules.values())
+    run: list[tuple[int, Action]] = []
+    started: list[float] = []
+
+    def book(key: BoundaryKey, mb: int, ready: float) -> None:
+        seconds, per_link, early = TransferCost(*transfers[key])  # a plain (seconds, per_link) pair: not paced
+        if early is not None:  # paced (TransferCost): its links for its plain makespan, the bucket unused
+            end = links.paced(per_link, ready, seconds, early)
+        else:
+            # the busiest link's share goes through the (token-bucket) links; the rest of the
+            # transfer's makespan (chain fill, intra-host hops) is added as it is
+            bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
+            _, end = links.book(list(per_link), list(per_link.values()), ready)
+            end += max(0.0, seconds - bottleneck)
+            for link in per_link:
+                links.free[link] = end
+        sent[(key, mb)] = end
+        stats[key.src].comm_s += end - ready
+
+    while remaining:
+        progressed = False
+        for stage in sorted(schedules, key=lambda s: stats[s].busy_until_s):
+            acts = schedules[stage]
+            if pos[stage] >= len(acts):
+                continue
+            a = acts[pos[stage]]
+            st = stats[stage]
+            now = st.busy_until_s
+            if a.kind in ("F", "B", "I", "W"):
+                dur = compute_s[(stage, a.kind)]
+                st.timeline.append((str(a), now, now + dur))
+                st.compute_s += dur
+                st.busy_until_s = now + dur
+            elif a.kind in ("SEND_F", "SEND_B"):
+                for key, mb, ready in queue.send(BoundaryKey.of_action(stage, a), a.mb, now):
+                    book(key, mb, ready)
+            else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
+                key = BoundaryKey.of_action(stage, a)
+                if (key, a.mb) not in sent:
+                    continue  # the peer has not sent yet: try another stage first
+                arrival = sent[(key, a.mb)]
+                wait = max(0.0, arrival - now)
+                st.exposed_comm_s += wait
+                st.busy_until_s = now + wait
+            st.busy_until_s += pause_s.get((stage, pos[stage]), 0.0)
+            pos[stage] += 1
+            remaining -= 1
+            run.append((stage, a))
+            started.append(now)
+            progressed = True
+            break
+        if not progressed:
+            blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
+            raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
+    step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
+    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(run), tuple(started))
+
+
+class _LinkQueue:
+    """Which sent transfers may take their links: all of them at once without a planned order; with one,
+    a transfer once it is first among the unbooked transfers planned on each of its NIC links."""
+
+    def __init__(
+        self,
+        transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
+        order: Sequence[tuple[BoundaryKey, int]] | None,
+    ) -> None:
+        self.transfers = transfers
+        self.planned = order is not None
+        self.heads: dict[Link, collections.deque[tuple[BoundaryKey, int]]] = collections.defaultdict(collections.deque)
+        for key, mb in order or ():
+            for link in transfers[key][1]:
+                self.heads[link].append((key, mb))
+        self.ready: dict[tuple[BoundaryKey, int], float] = {}  # sent, waiting for their links
+        self.arrived: dict[tuple[BoundaryKey, int], int] = {}  # when each was sent, as a count
+
+    def send(self, key: BoundaryKey, mb: int, now: float) -> list[tuple[BoundaryKey, int, float]]:
+        """The transfer (key, mb) is sent at `now`: the transfers that take their links now, in order,
+        each with the time it was sent."""
+        if not self.planned:
+            return [(key, mb, now)]
+        self.ready[(key, mb)] = now
+        self.arrived[(key, mb)] = len(self.arrived)
+        # No other ready transfer was first on all its links (the last call took every one that was), so
+        # only this one can start; then only new heads of links just freed: rounds of those, each round
+        # the ones first on all their links, in the order they were sent.
+        out = []
+        batch = [(key, mb)] if self._first((key, mb)) else []
+        while batch:
+            freed: list[Link] = []
+            for t in batch:
+                for link in self.transfers[t[0]][1]:
+                    self.heads[link].popleft()
+                    freed.append(link)
+                out.append((t[0], t[1], self.ready.pop(t)))
+            candidates = {self.heads[link][0] for link in freed if self.heads[link]}
+            batch = sorted((t for t in candidates if t in self.ready and self._first(t)), key=self.arrived.__getitem__)
+        return out
+
+    def _first(self, transfer: tuple[BoundaryKey, int]) -> bool:
+        return all(self.heads[link] and self.heads[link][0] == transfer for link in self.transfers[transfer[0]][1])
+
+
+def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
+    """Per stage: F, B, I, W seconds for one microbatch (measured, or from layers and parallel degrees)."""
+    out: dict[tuple[int, str], float] = {}
+    for i, c in cost.stage_costs(plan.job).items():
+        out[(i, "F")], out[(i, "B")], out[(i, "I")], out[(i, "W")] = (
+            c.forward_s,
+            c.backward_s,
+            c.input_grad_s,
+            c.weight_grad_s,
+        )
+    return out
+
+
+def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, TransferCost]:
+    """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
+    (token buckets act across transfers, in the pipeline simulation), and whether it is paced."""
+    plain = replace(cost.network, burst_bytes=0.0)
+    out = {}
+    for b in plan.boundaries:
+        res = simulate_transfer(b.steps, plan.placement.host_of, plain, cost.itemsize)
+        out[b.key] = TransferCost(
+            res.makespan_s,
+            dict(res.nic_bytes),
+            paced_early_s(b.steps, plan.placement.host_of, res, cost.network, cost.itemsize),
+        )
+    return out
+
+
+def paced_early_s(
+    steps: Sequence[Step], host_of: Callable[[int], int], res: TransferResult, network: NetworkModel, itemsize: int = 4
+) -> float | None:
+    """TransferCost.early_s of a boundary: None unless every message between hosts is above
+    network.alone_bytes (> 0); else how much sooner than its link time its last such message lands:
+    held to the NIC rate, it leaves from a full bucket (max(m / line rate, (m - burst) / NIC rate))."""
+    nic = [s for s in steps if host_of(s.src) != host_of(s.dst)]
+    if network.alone_bytes <= 0 or not nic or any(s.signal or s.nbytes(itemsize) <= network.alone_bytes for s in nic):
+        return None
+    last = max(nic, key=lambda s: res.finish_s[s.id])
+    m = last.nbytes(itemsize)
+    if network.burst_bytes <= 0:
+        return 0.0
+    wire = max(m / network.line_bytes_per_s, (m - network.burst_bytes) / network.nic_bytes_per_s)
+    return max(0.0, m / network.nic_bytes_per_s - wire)
+
+
+def plan_cost(plan) -> CostModel:
+    """The costs the plan was made with: its network and its stages' compute."""
+    return CostModel(network=plan.network, stages=tuple(plan.stage_costs[s] for s in sorted(plan.stage_costs)))
+
+
+def simulate_plan(plan, cost: CostModel | None = None, follow_plan_order: bool = True) -> PipelineResult:
+    """The plan's step on `cost` (default: the plan's own). The executor issues transfers in the plan's
+    order (meshjob.plan.comm_order.transfer_order, chosen on the plan's own costs); the links follow it here
+    too (`follow_plan_order`), on other costs (another NIC rate or bucket, measured compute) as well,
+    where a run on those costs alone would not. Without it, each link takes transfers as they are sent."""
+    cost = cost or CostModel(network=plan.network)
+    order = plan.transfer_order.transfers if follow_plan_order else None
+    return simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost, order)
+
+
+def bubble_1f1b(stages: int, microbatches: int) -> float:
+    """Analytic bubble fraction of 1F1B/GPipe without communication: (S-1)/(M+S-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def broadcast_time(t: float, hosts: int, chunks: int) -> float:
+    """Zhuang et al., 2022, §3.1: T_bc = t + (A-1) t / K."""
+    return t + (hosts - 1) * t / chunks
+
+
+def scale_job(job, hosts: int):
+    """The same job spread over `hosts` hosts: each stage's mesh dim 0 grows to hosts/S (data parallel over it),
+    the global batch grows so every data-parallel replica keeps whole samples. Re-validated like a manifest."""
+    from meshjob.spec.manifest import job_to_dict, parse_job
+
+    per_stage = max(1, hosts // len(job.stages))
+    doc = job_to_dict(job)
+    for stage in doc["spec"]["stages"]:
+        stage["mesh"] = [per_stage] + list(stage["mesh"][1:])
+        if stage.get("tensorParallelDim") == 0:  # dim 0 now spans hosts: keep tensor parallel inside hosts
+            stage.pop("tensorParallelDim")
+        stage["dataParallelDim"] = 0
+    doc["spec"].pop("edges", None)  # default edges follow the new natural layouts
+    training = doc["spec"]["training"]
+    unit = training["microbatches"] * per_stage
+    training["globalBatch"] = max(unit, -(-training["globalBatch"] // unit) * unit)
+    return parse_job(doc)
+
+
+def summarize(plan, result: PipelineResult) -> list[dict]:
+    """One row per boundary: simulated transfer makespan vs the plan's balanced estimate and lower bound."""
+    rows = []
+    for b in plan.boundaries:
+        rows.append(
+            {
+                "boundary": str(b.key),
+                "simulated_s": result.transfer_s[b.key],
+                "planned_s": b.makespan_s,
+                "lower_bound_s": b.lower_bound_s,
+            }
+        )
+    return rows
