@@ -18,7 +18,7 @@ class _ShortRepr(reprlib.Repr):
         self.maxlevel, self.maxlist, self.maxtuple, self.maxdict = 2, 6, 6, 6
         self.maxstring, self.maxother = 80, 80
 
-    def repr_dict(self, x: dict, level: int) -> str:
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
         if not x or level <= 0:
             return "{...}" if x else "{}"
         pieces = [

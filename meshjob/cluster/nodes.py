@@ -46,7 +46,8 @@ class NodeInfo:
 def _ready(node: Mapping[str, Any]) -> bool:
     for cond in node.get("status", {}).get("conditions") or []:
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            ready: bool = cond.get("status") == "True"
+            return ready
     return False
 
 
@@ -74,8 +75,9 @@ def untolerated(node: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]
 
 def _matches(expression: Mapping[str, Any], values: Mapping[str, str]) -> bool:
     """One nodeSelectorRequirement against a node's labels (or its fields, for matchFields)."""
-    key, operator, wanted = expression.get("key"), expression.get("operator"), expression.get("values") or []
-    have = values.get(key)
+    key: str | None = expression.get("key")
+    operator, wanted = expression.get("operator"), expression.get("values") or []
+    have = values.get(key) if key is not None else None
     if operator == "In":
         return have in wanted
     if operator == "NotIn":

@@ -8,10 +8,17 @@ import argparse
 import importlib
 import math
 import os
+import re
 from dataclasses import replace
-from typing import Any
+from typing import TypedDict
 
-from meshjob.network.model import DEFAULT_MESSAGE_S, DUPLEX
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_costs
+from meshjob.costs.devices import parse_device
+from meshjob.errors import UsageError
+from meshjob.network.model import DEFAULT_MESSAGE_S, DUPLEX, NetworkModel, emulated_network
+from meshjob.spec.manifest import TrainingJob
+from meshjob.units import parse_rate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,12 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def network_from_args(args: argparse.Namespace) -> Any:
+def network_from_args(args: argparse.Namespace) -> NetworkModel:
     """The NetworkModel the options describe; a bad value is a UsageError naming the option."""
-    from meshjob.errors import UsageError
-    from meshjob.network.model import NetworkModel
-    from meshjob.units import parse_rate
-
     try:
         nic = parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
@@ -76,12 +79,9 @@ def network_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def _emulated(args: argparse.Namespace, nic_bytes_per_s: float) -> Any:
+def _emulated(args: argparse.Namespace, nic_bytes_per_s: float) -> NetworkModel:
     """--emulated: `meshjob run`'s model at the NIC rate, on this machine's cores (PlanInputs.emulated's); it
     has its own per-message costs and duplex, so the options that set those are refused."""
-    from meshjob.errors import UsageError
-    from meshjob.network.model import emulated_network
-
     others = [
         name
         for name, given in (
@@ -101,28 +101,18 @@ def _emulated(args: argparse.Namespace, nic_bytes_per_s: float) -> Any:
 
 def _burst(text: str) -> float:
     """A tc size ("128kb", "1mb", "0") in bytes; k and m count 1024 as tc does."""
-    import re
-
-    from meshjob.errors import UsageError
-
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(b|kb|k|mb|m)?\s*", str(text).lower())
     if not m:
         raise UsageError(f"--tbf-burst: {text!r} is invalid: a size such as 0, 128kb or 1mb")
     return float(m.group(1)) * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2}[m.group(2)]
 
 
-def cost_from_args(args: argparse.Namespace, job: Any, network: Any) -> Any:
+def cost_from_args(args: argparse.Namespace, job: TrainingJob, network: NetworkModel) -> CostModel:
     """The CostModel: the formula's defaults, or (--calibrate) measured on this machine."""
-    from meshjob.costs.compute import CostModel
-    from meshjob.errors import UsageError
-
     cost = CostModel(network=network)
     if getattr(args, "device", None) is not None:
         if args.calibrate:
             raise UsageError("--calibrate and --device: choose one source of compute costs")
-        from meshjob.costs.device_costs import emulated_costs
-        from meshjob.costs.devices import parse_device
-
         return replace(cost, stages=emulated_costs(job, parse_device(args.device)), measured=True)
     if not args.calibrate:
         return cost
@@ -134,10 +124,15 @@ def cost_from_args(args: argparse.Namespace, job: Any, network: Any) -> Any:
 CALIBRATOR = "meshjob_trainer.calibrate"
 
 
-def measure(job: Any) -> dict[str, float]:
-    """The trainer's measured compute costs for `job` (meshjob_trainer.calibrate.measure_costs)."""
-    from meshjob.errors import UsageError
+class Calibration(TypedDict):
+    """What meshjob_trainer.calibrate.measure_costs measures: the CostModel fields of the formula."""
 
+    layer_forward_s: float  # one layer's forward, per sample
+    backward_factor: float  # backward / forward
+
+
+def measure(job: TrainingJob) -> Calibration:
+    """The trainer's measured compute costs for `job` (meshjob_trainer.calibrate.measure_costs)."""
     try:
         calibrate = importlib.import_module(CALIBRATOR)
     except ModuleNotFoundError as err:
@@ -145,5 +140,5 @@ def measure(job: Any) -> dict[str, float]:
             f"--calibrate: needs the meshjob-trainer distribution (torch), which is not installed "
             f"({err.name} is missing; from a checkout: pip install ./trainer)"
         ) from None
-    figures: dict[str, float] = calibrate.measure_costs(job)
+    figures: Calibration = calibrate.measure_costs(job)
     return figures

@@ -10,6 +10,8 @@ import argparse
 import difflib
 import sys
 
+from meshjob.spec.crd import crd_yaml
+
 HELP = "print the TrainingJob CustomResourceDefinition generated from the spec model"
 
 
@@ -47,8 +49,6 @@ def check(paths: list[str], generated: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.spec.crd import crd_yaml
-
     generated = crd_yaml()
     if args.check:
         return check(args.check, generated)

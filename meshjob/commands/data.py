@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from meshjob.errors import FieldError, SpecError
+from meshjob.spec.tokens import BYTE_VOCAB, TYPECODES, prepare
+
 HELP = "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]"
 
 
@@ -26,10 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from meshjob.errors import FieldError, SpecError
-    from meshjob.spec.tokens import TYPECODES
-
-    errors = []
+    errors: list[FieldError] = []
     if args.dtype not in TYPECODES:
         errors.append(FieldError("--dtype", args.dtype, f"one of {', '.join(TYPECODES)}"))
     if not 0 < args.val_fraction < 1:
@@ -39,9 +39,6 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.errors import FieldError, SpecError
-    from meshjob.spec.tokens import BYTE_VOCAB, prepare
-
     _check(args)
     try:
         done = prepare(args.text, args.out, args.val_out, args.val_fraction, args.dtype)

@@ -19,9 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.cluster.auto_stages import read_for_cluster, tune_on_nodes
+from meshjob.cluster.nodes import plan_on_nodes, pods_json
 from meshjob.commands import costs as cost_options
+from meshjob.errors import UsageError
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan
+from meshjob.plan.placement import load_hosts
+from meshjob.spec.inputs import check_jobs_inputs
+from meshjob.spec.manifest import TrainingJob, load_jobs
 
 HELP = "show the plan for a TrainingJob: placement, resharding tasks, schedules"
 MAX_TASK_ROWS = 64  # per boundary in the table; --json always has every task
@@ -57,13 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.cluster.auto_stages import read_for_cluster
-    from meshjob.errors import UsageError
-    from meshjob.plan.build import build_plan
-    from meshjob.plan.placement import load_hosts
-    from meshjob.spec.inputs import check_jobs_inputs
-    from meshjob.spec.manifest import load_jobs
-
     if args.cluster and args.hosts:
         raise UsageError("--cluster and --hosts exclude each other: the cluster's Nodes are the hosts")
     if not args.cluster and (args.kubeconfig or args.context):
@@ -92,12 +97,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
+def _operator_costs_only(args: argparse.Namespace, network: NetworkModel) -> None:
     """--cluster prints what the operator runs, and the operator plans with the default network model at
     its NIC rate: other cost options would print a plan it does not run."""
-    from meshjob.errors import UsageError
-    from meshjob.network.model import NetworkModel
-
     if args.calibrate or network != NetworkModel(nic_bytes_per_s=network.nic_bytes_per_s):
         raise UsageError(
             "--cluster shows the operator's plan, made with the default network model at a NIC rate: "
@@ -106,19 +108,17 @@ def _operator_costs_only(args: argparse.Namespace, network: Any) -> None:
 
 
 def plan_on_cluster(
-    job: Any,
+    job: TrainingJob,
     nodes: list[dict[str, Any]],
     pods: list[dict[str, Any]],
     nic_bytes_per_s: float,
-    search: dict[str, Any] | None = None,
+    search: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan on these Nodes, less what the cluster's pods use there, as the operator makes it, plus
     "cluster": its pods and every node's verdict; with `search` (a `stages: auto` manifest, `job` its
     placeholder) the operator's search chooses the stages first and "tuned" says what it chose."""
+    # the Kubernetes client only for --cluster: the plan layer never imports it otherwise
     from kubernetes.utils.quantity import parse_quantity
-
-    from meshjob.cluster.auto_stages import tune_on_nodes
-    from meshjob.cluster.nodes import plan_on_nodes, pods_json
 
     tuned = None
     if search is not None:
@@ -138,14 +138,14 @@ def plan_on_cluster(
 def read_cluster(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The cluster's Nodes and its pods not terminated yet, as the API returns them (JSON), read through
     the kubeconfig."""
-    from meshjob.errors import UsageError
-
-    try:  # only this path needs the client: the plan layer never imports it
+    try:  # the Kubernetes client only for --cluster: the plan layer never imports it otherwise
         import kubernetes
     except ImportError:
         raise UsageError("--cluster needs the kubernetes package: pip install kubernetes") from None
     try:
-        client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context, persist_config=False)
+        client = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]  # kubernetes: untyped
+            config_file=kubeconfig, context=context, persist_config=False
+        )
     except (kubernetes.config.ConfigException, OSError, TypeError) as err:
         raise UsageError(f"--cluster: cannot load the kubeconfig ({kubeconfig or 'default'}): {err}") from None
     try:
@@ -154,7 +154,10 @@ def read_cluster(kubeconfig: str | None, context: str | None) -> tuple[list[dict
         pods = api.list_pod_for_all_namespaces(
             field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False, _request_timeout=30
         )
-        return json.loads(nodes.data)["items"], json.loads(pods.data)["items"]
+        # _preload_content=False returns the raw HTTP response, not the V1NodeList / V1PodList the client declares
+        node_items: list[dict[str, Any]] = json.loads(nodes.data)["items"]  # type: ignore[attr-defined]
+        pod_items: list[dict[str, Any]] = json.loads(pods.data)["items"]  # type: ignore[attr-defined]
+        return node_items, pod_items
     except kubernetes.client.ApiException as err:
         raise UsageError(f"--cluster: listing Nodes and pods was refused: HTTP {err.status} {err.reason}") from None
     except Exception as err:  # noqa: BLE001 - unreachable server, TLS: say so, exit 2
@@ -193,9 +196,6 @@ def _shared_cores(model: dict[str, Any]) -> str:
 
 
 def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=max(120, Console().width))
     schedule = doc["schedule"]
     model = doc["network"]["model"]
@@ -291,11 +291,9 @@ def print_tables(doc: dict[str, Any], nic_rate: str) -> None:
     print_delay_choice(console, schedule.get("delay_choice"))
 
 
-def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
+def print_delay_choice(console: Console, choice: dict[str, Any] | None) -> None:
     """weightGradDelay auto: each simulated candidate's step period (meshjob.simulate.steady), the ratio rule's and
     the one taken."""
-    from rich.table import Table
-
     if choice is None:
         return
     if not choice["simulated"]:
@@ -326,10 +324,8 @@ def print_delay_choice(console: Any, choice: dict[str, Any] | None) -> None:
     console.print(table)
 
 
-def print_network(console: Any, doc: dict[str, Any]) -> None:
+def print_network(console: Console, doc: dict[str, Any]) -> None:
     """Per-host NIC bytes per step, and each window's joint makespan against its lower bound."""
-    from rich.table import Table
-
     net = doc["network"]
     hosts = Table(title=f"Network: NIC bytes per {net['per']}, and their time at the NIC rate")
     for col in ("host", "egress", "ingress", "egress time", "ingress time"):
@@ -359,10 +355,8 @@ def print_network(console: Any, doc: dict[str, Any]) -> None:
     console.print(windows)
 
 
-def print_cluster(console: Any, cluster: dict[str, Any]) -> None:
+def print_cluster(console: Console, cluster: dict[str, Any]) -> None:
     """What the operator creates on the cluster's Nodes, and the nodes it leaves out (with why)."""
-    from rich.table import Table
-
     pods = Table(title="Pods the operator creates (one per host)")
     for col in ("pod", "node", "devices", "stages"):
         pods.add_column(col)

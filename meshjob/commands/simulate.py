@@ -9,8 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
+
+from rich.console import Console
+from rich.table import Table
 
 from meshjob.commands import costs as cost_options
+from meshjob.errors import UsageError
+from meshjob.plan.build import build_plan
+from meshjob.simulate.simulator import scale_job, simulate_plan, summarize
+from meshjob.simulate.steady import plan_period_s
+from meshjob.spec.manifest import load_job
 
 HELP = "predict step time, bubbles and resharding time of a plan at any scale"
 
@@ -34,17 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from meshjob.errors import UsageError
-    from meshjob.plan.build import build_plan
-    from meshjob.simulate.simulator import scale_job, simulate_plan, summarize
-    from meshjob.simulate.steady import plan_period_s
-    from meshjob.spec.manifest import load_job
-
     network = cost_options.network_from_args(args)
     if args.hosts is not None and args.hosts < 1:
         raise UsageError(f"--hosts: {args.hosts} is invalid: use a positive number of hosts")

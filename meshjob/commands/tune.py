@@ -10,9 +10,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from meshjob.errors import UsageError
+from meshjob.network.model import NetworkModel
+from meshjob.plan.placement import MAX_CLUSTER_HOSTS
+from meshjob.search.algorithm import Prediction, Problem, Result, default_space, search
+from meshjob.search.algorithm import Progress as SearchProgress
+from meshjob.search.cluster import DEVICES, Cluster
+from meshjob.search.inputs import base_job, read_fixed
+from meshjob.spec.manifest import MAX_DEVICES_PER_HOST, parse_job
+from meshjob.spec.safeyaml import load_documents, read_text, source_name
+from meshjob.units import parse_rate, parse_size
 
 HELP = "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster"
 
@@ -45,21 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(args: argparse.Namespace, flag: str, value: int | None, most: int | None = None) -> None:
-    from meshjob.errors import UsageError
-
     if value is not None and (value < 1 or (most is not None and value > most)):
         allowed = "a positive integer" + (f" at most {most}" if most is not None else "")
         raise UsageError(f"--{flag}: {value} is invalid: {allowed}")
 
 
-def cluster_from_args(args: argparse.Namespace, devices_default: int) -> Any:
-    from meshjob.errors import UsageError
-    from meshjob.network.model import NetworkModel
-    from meshjob.plan.placement import MAX_CLUSTER_HOSTS
-    from meshjob.search.cluster import DEVICES, Cluster
-    from meshjob.spec.manifest import MAX_DEVICES_PER_HOST
-    from meshjob.units import parse_rate
-
+def cluster_from_args(args: argparse.Namespace, devices_default: int) -> Cluster:
     _positive(args, "hosts", args.hosts, MAX_CLUSTER_HOSTS)
     _positive(args, "devices-per-host", args.devices_per_host, MAX_DEVICES_PER_HOST)
     _positive(args, "top", args.top)
@@ -79,11 +88,6 @@ def cluster_from_args(args: argparse.Namespace, devices_default: int) -> Any:
 
 def _memory(text: str) -> int:
     """Kubernetes quantities (80Gi) and byte sizes (80GiB, 64mb)."""
-    import re
-
-    from meshjob.errors import UsageError
-    from meshjob.units import parse_size
-
     quantity = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(Ki|Mi|Gi|Ti)\s*", text)
     try:
         n = (
@@ -99,12 +103,6 @@ def _memory(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.errors import UsageError
-    from meshjob.search.algorithm import Problem, default_space, search
-    from meshjob.search.inputs import base_job, read_fixed
-    from meshjob.spec.manifest import parse_job
-    from meshjob.spec.safeyaml import load_documents, read_text, source_name
-
     docs = load_documents(read_text(args.job, "TrainingJob manifest"), source_name(args.job))
     if len(docs) != 1:
         raise UsageError(f"{args.job}: {len(docs)} documents: meshjob tune takes exactly one TrainingJob")
@@ -122,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
     manifest = problem.manifest(result.best.candidate)
     parse_job(manifest)  # the written manifest is one meshjob plan accepts
     if args.out:
-        import yaml
-
         with open(args.out, "w") as f:
             yaml.safe_dump(manifest, f, sort_keys=False)
     out = summary(problem, result, seconds)
@@ -134,13 +130,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_progress(args: argparse.Namespace, work: Any) -> Any:
+def _with_progress(args: argparse.Namespace, work: Callable[[SearchProgress | None], Result]) -> Result:
     """Run work(progress) under a rich progress bar on a terminal's stderr (none with --json or a pipe)."""
     if args.json or not sys.stderr.isatty():
         return work(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -149,7 +142,7 @@ def _with_progress(args: argparse.Namespace, work: Any) -> Any:
         console=Console(stderr=True),
         transient=True,
     ) as bar:
-        tasks: dict[str, Any] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
@@ -160,7 +153,7 @@ def _with_progress(args: argparse.Namespace, work: Any) -> Any:
         return work(progress)
 
 
-def why_lost(winner: Any, other: Any) -> str:
+def why_lost(winner: Prediction, other: Prediction) -> str:
     """The part of the step that grew most against the winner's."""
     slower = other.step_s / winner.step_s - 1 if winner.step_s > 0 else 0.0
     if other.step_s == winner.step_s:
@@ -175,9 +168,9 @@ def why_lost(winner: Any, other: Any) -> str:
     return f"{slower:+.1%} step time: {reason}"
 
 
-def summary(problem: Any, result: Any, seconds: float) -> dict[str, Any]:
+def summary(problem: Problem, result: Result, seconds: float) -> dict[str, Any]:
     best = result.best
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rank, p in enumerate(result.ranked, 1):
         row = {"rank": rank, **p.to_json()}
         if rank > 1:
@@ -197,9 +190,6 @@ def summary(problem: Any, result: Any, seconds: float) -> dict[str, Any]:
 
 
 def print_tables(out: dict[str, Any], path: str | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console(width=max(120, Console().width))
     c = out["cluster"]
     plans = f"{out['evaluated']} plan{'' if out['evaluated'] == 1 else 's'}"

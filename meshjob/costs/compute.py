@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshjob.network.model import NetworkModel
+from meshjob.spec.model import TrainingJob
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class CostModel:
         tensor parallel splits each layer's work."""
         return self.layer_forward_s * layers * samples / max(1, tp_degree * dp_degree)
 
-    def stage_costs(self, job: Any) -> dict[int, StageCost]:
+    def stage_costs(self, job: TrainingJob) -> dict[int, StageCost]:
         """Per stage of `job` (a meshjob.spec.manifest.TrainingJob): the measured costs, or the formula's."""
         if self.stages:
             if len(self.stages) != len(job.stages):
@@ -92,7 +93,7 @@ class CostModel:
                     f"{job.name!r} has {len(job.stages)}: measure every stage"
                 )
             return dict(enumerate(self.stages))
-        out = {}
+        out: dict[int, StageCost] = {}
         for i, st in enumerate(job.stages):
             f = self.forward_s(
                 st.layers[1] - st.layers[0], job.training.microbatch_size, st.tensor_parallel, st.data_parallel

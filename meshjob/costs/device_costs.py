@@ -20,10 +20,10 @@ widths; a custom model is counted as GPT blocks of its hidden size (an estimate:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from meshjob.costs.compute import StageCost
 from meshjob.costs.devices import DeviceProfile
+from meshjob.spec.model import ModelSpec, TrainingJob, TrainingSpec
 
 ADAMW_BYTES_PER_PARAM = 28  # param, grad, two moments read (16) and param and moments written (12), fp32
 
@@ -48,17 +48,19 @@ class EmulatedCost:
     params: int  # parameters on the device (what its data-parallel gradient reduction moves)
 
 
-def _itemsize(training: Any) -> int:
+def _itemsize(training: TrainingSpec) -> int:
     return 2 if training.precision == "bf16" else 4
 
 
-def stage_work(job: Any, stage: int) -> StageWork:
+def stage_work(job: TrainingJob, stage: int) -> StageWork:
     """The FLOPs and bytes of one microbatch on one device of `stage` of `job` (a meshjob.spec.manifest.TrainingJob)."""
     st = job.stages[stage]
     return range_work(job.model, job.training, *st.layers, st.data_parallel, st.tensor_parallel)
 
 
-def range_work(model: Any, training: Any, first: int, last: int, data_parallel: int, tensor_parallel: int) -> StageWork:
+def range_work(
+    model: ModelSpec, training: TrainingSpec, first: int, last: int, data_parallel: int, tensor_parallel: int
+) -> StageWork:
     """The FLOPs and bytes of one microbatch on one device of a stage holding layers [first, last) of `model`
     (meshjob.spec.manifest.ModelSpec) with these parallel degrees: what `meshjob tune` costs a stage it has not
     written yet by, and what stage_work costs a written one by."""
@@ -92,7 +94,7 @@ def _seconds(flops: float, nbytes: float, device: DeviceProfile) -> float:
     return max(flops / device.flops_per_s, nbytes / device.bytes_per_s)
 
 
-def emulated_cost(job: Any, stage: int, device: DeviceProfile) -> EmulatedCost:
+def emulated_cost(job: TrainingJob, stage: int, device: DeviceProfile) -> EmulatedCost:
     """What `stage` of `job` takes on `device`: F, I, W of one microbatch, and one optimizer step."""
     return work_cost(stage_work(job, stage), device)
 
@@ -108,6 +110,6 @@ def work_cost(w: StageWork, device: DeviceProfile) -> EmulatedCost:
     return EmulatedCost(cost, w.params * ADAMW_BYTES_PER_PARAM / device.bytes_per_s, w.params)
 
 
-def emulated_costs(job: Any, device: DeviceProfile) -> tuple[StageCost, ...]:
+def emulated_costs(job: TrainingJob, device: DeviceProfile) -> tuple[StageCost, ...]:
     """Every stage's F, I, W on `device`: what meshjob.costs.compute.CostModel(stages=...) plans and simulates with."""
     return tuple(emulated_cost(job, i, device).stage for i in range(len(job.stages)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from meshjob.errors import FieldError, SpecError
 
@@ -83,7 +84,7 @@ class ComputeMode:
     def describe(self) -> str:
         return f"emulated on {self.device.name}" if self.device else "real"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"compute": self.kind, "device": self.device.to_json() if self.device else None}
 
 

@@ -20,9 +20,8 @@ nothing else about the network, so the plan optimises the problem that runs:
   have CPUs of their own, far from saturated by a few ranks' messages: `shared_cpu_cores` 0.
 - a NIC message larger than `alone_bytes` (the executor's overlap threshold) runs alone on its link:
   the executor issues the link's next message only once its bytes can have left, so the next one's
-  cost cannot overlap it on the wire, and it takes `alone_message_s` more (the resharding bench: one
-  message's CPU on the shared cores). On the emulated cluster this is what made one-to-many chains
-  of 16-44 chunks of 16 MiB (0.4-1 MiB each) measure 5-10% over their plan and over 48 chunks.
+  cost cannot overlap it on the wire, and it takes `alone_message_s` more (one message's CPU on the
+  shared cores, as `meshjob bench resharding` measures it).
 
 `duplex="half"` is the paper's model (a host takes part in one task at a time, either direction):
 kept for the ablation in `meshjob bench planner` only.
@@ -41,49 +40,31 @@ from meshjob.network.host_task import HostTask, Link
 
 DUPLEX = ("full", "half")
 
-# Per-message costs on the emulated cluster (gloo point-to-point, 2 in flight, 2 shared cores): the
-# slope of a one-hop transfer's time over its number of chunks (4 MiB in 1..256 chunks), measured by
-# `meshjob bench message-cost` (bench/results/message_cost.json; median of 5 rounds): 21 µs between
-# network namespaces over a 1 gbit tbf-shaped veth (rounds 15-30 µs; 20 µs also reproduces earlier chain
-# measurements on this cluster, e.g. 64 MiB to 4 hosts in 256 chunks at 1.07 L), 38 µs between two ranks of
-# one namespace (loopback, rounds 33-59 µs), where no wire time hides a message's own cost.
+# A message's cost on its link beyond its bytes, between hosts and inside one (gloo point-to-point): the slope of a
+# one-hop transfer's time over its chunks, measured by `meshjob bench message-cost`, bench/results/message_cost.json.
 DEFAULT_MESSAGE_S = 20e-6
 DEFAULT_INTRA_MESSAGE_S = 40e-6
-# The emulated cluster (`meshjob run`): every host's ranks share this machine's cores, and a message through
-# the communication engine (engine thread, waiter threads, gloo or the one-copy local wire) costs more than
-# raw gloo. Measured through the engine by `meshjob bench resharding` before it plans, with nothing else
-# running (bench/results/resharding.json: message_costs; meshjob_bench.engine_costs): link time per message
-# between hosts and inside a host, and the CPU a message costs its two ranks, between hosts (gloo) and inside
-# a host (the one-copy local wire), plus per byte. The figures of the last two full runs (main 8d959ac and
-# 8c239a8, medians of 5 rounds each): 73 / 118 µs and 106 / 78 µs of link time, CPU 394 / 386 µs and
-# 173 / 150 µs per message, 1.43 / 1.53 and 0.65 / 0.93 ns per byte. Probes on this shared machine spread
-# by about +-50% between runs.
+# The communication engine's costs on the emulated cluster (`meshjob run`: every host's ranks on this machine's
+# cores): link time per message, and the CPU a message and a byte cost its two ranks, between hosts and inside one;
+# measured by `meshjob bench resharding` before it plans, bench/results/resharding.json (message_costs).
 EMULATED_MESSAGE_S = 120e-6
 EMULATED_INTRA_MESSAGE_S = 90e-6
 EMULATED_MESSAGE_CPU_S = 390e-6
 EMULATED_INTRA_MESSAGE_CPU_S = 160e-6
 EMULATED_NET_BYTE_CPU_S = 1.5e-9
 EMULATED_LOCAL_BYTE_CPU_S = 0.8e-9
-# How NIC time and CPU time combine on the emulated cluster (NetworkModel.cpu_contention_p): one exponent
-# for every case, from the 170 fixed-K rows of one-to-many and paper scale in a full resharding bench
-# (bench/results/resharding.json at 9db701a): max(net, cpu) under-predicted the rows where both are close
-# (a 3x4 or 4x4 destination at K = 16: -19% to -22%); p = 4 brings those within 10% and leaves rows bound
-# by one resource alone as they were. The resharding bench and `meshjob run` plan with it (on_shared_cores).
+# How NIC and CPU time combine on the emulated cluster, (net^p + cpu^p)^(1/p), since max(net, cpu) under-predicts
+# where they are close (NetworkModel.cpu_contention_p): p is fitted by `meshjob bench resharding`,
+# bench/results/resharding.json.
 EMULATED_CPU_CONTENTION_P = 4.0
-# A NIC message that lasts this many per-message costs needs no second one in flight behind it to keep its
-# link busy (the gap it leaves is 2% of it); two such messages in flight together would share the link
-# instead of running one after the other as the plan times them (meshjob_trainer.board.may_start).
-# Swept at 10 / 25 / 50 / 100 (bench resharding many-to-many, K auto, with sends held until their bytes can
-# have left, meshjob_trainer.engine): 3 / 3 / 4 / 5 of 32 rows with measured / planned above 1.10 (and 1 in
-# another run at 50), within the spread between runs (the threshold's bytes also follow each run's measured
-# per-message cost): 50 is kept. Tried and left out: the threshold from the nominal EMULATED_MESSAGE_S
-# instead of each run's probe (76-738 µs between runs, so 0.4-4.2 MiB): 20 against 4 of 64 many-to-many rows
-# above 1.10 (one lock hold, two runs each), time / L 1.37 against 1.27.
+# A NIC message that lasts this many per-message costs needs no second one in flight behind it to keep its link
+# busy (the gap it leaves is 2% of it), so it runs alone: two in flight together would share the link instead of
+# running one after the other as the plan times them (meshjob_trainer.board.may_start). Chosen by the measured /
+# planned ratios of `meshjob bench resharding`'s many-to-many rows (bench/results/resharding.json).
 OVERLAP_MESSAGE_COSTS = 50
-# Behind a NIC message that runs alone, the link's next one is issued this long before the link's clock says
-# the first is through (meshjob_trainer.board.may_start): its notice reaches the peer while the link still
-# carries the first. Without it, handing a host's in-link from one rank's receive to the next rank's took
-# 0.3-2.4 ms of wake-ups on the shared cores (MESHJOB_ENGINE_TRACE), the link idle meanwhile.
+# Behind a NIC message that runs alone, the link's next one is issued this long before the link's clock says the
+# first is through (meshjob_trainer.board.may_start): its notice reaches the peer while the link still carries the
+# first, so the link does not idle through the wake-ups that hand it to the next rank's receive (MESHJOB_ENGINE_TRACE).
 HANDOVER_LEAD_S = 2e-3
 
 
@@ -196,7 +177,8 @@ class NetworkModel:
         if p <= 0:
             return max(seconds, cpu)
         top = max(seconds, cpu)
-        return top * ((seconds / top) ** p + (cpu / top) ** p) ** (1 / p)
+        combined: float = top * ((seconds / top) ** p + (cpu / top) ** p) ** (1 / p)
+        return combined
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -225,7 +207,8 @@ class NetworkModel:
         what only it holds; and the holders of slices that must leave their host share at least
         evenly what crosses their out-links (half duplex: a host's in and out add up)."""
         forced: dict[Link, float] = {}
-        pooled, pool_hosts = 0.0, set()
+        pooled = 0.0
+        pool_hosts: set[int] = set()
         for task in tasks:
             one = task.bytes / self.nic_bytes_per_s + self.message_s  # chunks need not run alone
             for h in set(task.receiver_hosts) - set(task.sender_hosts):
@@ -252,8 +235,7 @@ def with_alone(network: NetworkModel, message_cpu_s: float, cores: int) -> Netwo
     overlap threshold runs alone, held on its out-link until its bytes can have left, and the link's next
     message is issued only then, so that one's CPU on the shared cores (`message_cpu_s` / cores) is on the
     link's path each time (NetworkModel.alone_message_s; the simulator paces such transfers). The next
-    one is issued HANDOVER_LEAD_S before that; the charge is kept: with the lead, many-to-many measured /
-    planned stayed where it was (geometric mean 1.02 of both), the rows above 1.10 fell from 4 to 2 of 64."""
+    one is issued HANDOVER_LEAD_S before that, and the charge still holds (`meshjob bench resharding`)."""
     return replace(
         network, alone_bytes=float(overlap_bytes(network)), alone_message_s=message_cpu_s / cores if cores else 0.0
     )

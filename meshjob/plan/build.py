@@ -4,8 +4,7 @@ build_plan(job) places the stage meshes on hosts, then for every edge builds two
 the forward one (the edge's tensor, src mesh in the `send` layout -> dst mesh in the `recv`
 layout) and the backward one (its gradient, dst mesh in `recv` -> src mesh in `send`), each named
 by a BoundaryKey. Each boundary is decomposed into unit tasks; the tasks of all boundaries that can be in flight
-together
-(a window, meshjob.resharding.window: the whole step, or gpipe's forward and backward phases) are balanced as
+together (a window, meshjob.resharding.window: the whole step, or gpipe's forward and backward phases) are balanced as
 one problem on the network model (meshjob.network.model: full-duplex NIC links, per-message cost), which
 picks every task's sender host, order and chunk count; each boundary keeps its share, timed alone
 (the all-gather strategies' by their lowered steps, message by message: Boundary.timed_s).
@@ -62,7 +61,7 @@ from meshjob.schedule.actions import (
     weight_delay_for,
 )
 from meshjob.schedule.boundary import BoundaryKey
-from meshjob.simulate.simulator import simulate_transfer
+from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_transfer, transfer_costs
 from meshjob.spec.manifest import ReshardingSpec, TrainingJob
 
 ITEMSIZE = 4  # float32 activations
@@ -84,8 +83,8 @@ class Boundary:
     window: int = 0  # index into Plan.windows
     # The all-gather strategies' steps timed together, message by message (meshjob.simulate.simulator): their
     # tasks' rings interleave on the links, where the balancer holds each link of a task from its first
-    # message to its last (up to 1.44x the timed makespan on the resharding bench's 4x2 meshes). None:
-    # the schedule's makespan, which the other strategies' executor follows.
+    # message to its last, which overestimates them. None: the schedule's makespan, which the other strategies'
+    # executor follows.
     timed_s: float | None = None
 
     @property
@@ -364,7 +363,7 @@ def _plan_windows(
         )
         windows.append(window)
         shares.update(share)
-    out: list[Boundary] = [None] * len(edges)  # type: ignore[list-item]
+    out: dict[int, Boundary] = {}  # edge index -> its boundary (every edge is in one window)
     for w, window in enumerate(windows):
         load: dict[int, int] = {}  # per-rank send bytes across the window
         for b in window.boundaries:
@@ -394,7 +393,7 @@ def _plan_windows(
             windows[w] = replace(
                 window, timed_s=timed_together(window, [out[b] for b in window.boundaries], host_of, network)
             )
-    return out, windows
+    return [out[b] for b in range(len(edges))], windows
 
 
 def timed_together(
@@ -402,8 +401,8 @@ def timed_together(
 ) -> float:
     """The makespan of a window's boundaries' steps run at once on `network` (meshjob.simulate.simulator), in the
     joint schedule's order (each step at its task's joint start; a boundary's own order among equals),
-    each boundary's step ids renumbered apart (every boundary numbers its own from 0). Concatenated
-    boundary by boundary instead, the U-Transformer example's window timed 1.58x its list schedule."""
+    each boundary's step ids renumbered apart (every boundary numbers its own from 0), so the boundaries'
+    steps interleave as their tasks do in the joint schedule."""
     keyed: list[tuple[float, int, Step]] = []
     for k, boundary in enumerate(members):
         renumber = {s.id: len(keyed) + i for i, s in enumerate(boundary.steps)}
@@ -499,8 +498,6 @@ def simulated_delays(plan: Plan, rooms: Mapping[int, int]) -> Plan:
     """`plan` (its delays from the ratio rule, each stage within `rooms`) with the delays
     meshjob.plan.delay_choice picks by simulating candidates on the plan's own network and stage costs,
     and the candidates it simulated."""
-    from meshjob.simulate.simulator import compute_costs, plan_cost, transfer_costs
-
     job = plan.job
     leads = delay_choice.warmup_leads(job.schedule.kind, len(job.stages), job.training.microbatches)
     if not delay_choice.within_budget(plan.weight_delay, plan.schedules, rooms, leads):

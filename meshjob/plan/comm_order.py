@@ -18,8 +18,7 @@ order in which they happen. Two candidates, and the simulator picks:
   warm-up forwards) queues every microbatch's transfers on its out-link at once, and a receiving
   in-link then carries microbatches it needs late before one it needs now: the U-Transformer's skip
   tensors from stage 0 to the last stage queued every warm-up microbatch's skips ahead of the first
-  microbatch's activation from the stage before it (bench pipeline, 4 stages, communication equal to
-  compute: the last stage started its first forward ~1 s late);
+  microbatch's activation from the stage before it, and the last stage started its first forward late;
 - the need order: by the later of when the transfer was sent and when its receiver reached the RECV
   that waits for it, in a run of the previous order (a few rounds, each run in the order before it).
   Ties (transfers a stage sends at one instant to receivers that both wait already) go either in the
@@ -27,14 +26,9 @@ order in which they happen. Two candidates, and the simulator picks:
   U-Transformer's last stage sends, after its first I, the activation gradient to the stage before it
   and the skip gradients to stage 0: both receivers wait, but stage 0 uses its gradients only once the
   activation gradient has come back down the chain. In the send order the skips went first on the
-  out-link, and every one of the four decoder hops of the first gradient waited behind four skips
-  (bench pipeline, 8 stages, communication 30% of compute: stage 0 got its first gradient 0.16 s
-  later). Simulated over bench pipeline's sweep, the second rule made 1F1B up to 7.9% faster (U-
-  Transformer, 8 stages, communication equal to compute) and eager-1F1B with W delay up to 1.9%;
-  measured (8 stages, 30%), 1F1B 5.54 -> 5.35 s a step (predicted / measured 0.994 -> 0.996), eager-1F1B
-  with W delay 3.91 -> 3.89 s (0.994 -> 0.986). Neither rule is faster on every case (used first:
-  U-Transformer, 8 stages, communication equal to compute, eager-1F1B with W delay 1% slower), so both
-  are run.
+  out-link, and every one of the four decoder hops of the first gradient waited behind four skips.
+  Neither rule is faster on every case (`meshjob bench pipeline` compares them, bench/results/pipeline.json),
+  so both are run.
 The order of the fastest run is kept (the send order unless another is faster by more than TOLERANCE);
 where the runs would cost more than WORK_BUDGET (actions x stages per run), the send order stands.
 It is causal either way: every transfer comes after the transfers its data depends on (its data
@@ -55,8 +49,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshjob.costs.compute import CostModel
 from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import (
+    PipelineResult,
+    PlanView,
+    TransferInput,
+    compute_costs,
+    plan_cost,
+    simulate_pipeline,
+    transfer_costs,
+)
 
 Transfer = tuple[BoundaryKey, int]  # (boundary, microbatch)
 TIES = ("sent", "used")  # a need order's ties: in the send order, or the transfer used first first
@@ -118,11 +122,9 @@ class TransferOrder:
         }
 
 
-def transfer_order(plan: Any) -> TransferOrder:
+def transfer_order(plan: PlanView) -> TransferOrder:
     """The order of `plan` (a meshjob.plan.build.Plan): its links' order in the fastest of the send order's and
     the need orders' list-scheduled runs, on its own cost model."""
-    from meshjob.simulate.simulator import compute_costs, plan_cost, transfer_costs
-
     cost = plan_cost(plan)
     return fastest_order(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)[0]
 
@@ -130,21 +132,20 @@ def transfer_order(plan: Any) -> TransferOrder:
 def fastest_order(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[BoundaryKey, Any],
-    cost: Any,
+    transfers: Mapping[BoundaryKey, TransferInput],
+    cost: CostModel,
     rounds: int = NEED_ORDER_ROUNDS,
     ties: Sequence[str] = TIES,
 ) -> tuple[TransferOrder, float]:
     """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of
     `rounds` need orders' per tie rule of `ties` (arguments as meshjob.simulate.simulator.simulate_pipeline takes
     them)."""
-    from meshjob.simulate.simulator import simulate_pipeline
-
     sent_run = simulate_pipeline(schedules, compute_s, transfers, cost)
     best, best_s = TransferOrder.of_run(sent_run.order), sent_run.step_s
     if run_work(schedules) > WORK_BUDGET:
         return best, best_s
-    runs: list[tuple[list[Transfer], Any]] = []  # each order run once: the two rules agree where nothing ties
+    # each order run once: the two rules agree where nothing ties
+    runs: list[tuple[list[Transfer], PipelineResult]] = []
     for rule in ties:
         run = sent_run
         for _ in range(rounds):
@@ -168,14 +169,14 @@ def run_work(schedules: Mapping[int, Sequence[Action]]) -> int:
     return sum(len(a) for a in schedules.values()) * len(schedules)
 
 
-def need_order(run: Any, ties: str = TIES[0]) -> list[Transfer]:
+def need_order(run: PipelineResult, ties: str = TIES[0]) -> list[Transfer]:
     """A run's transfers (a meshjob.simulate.simulator.PipelineResult) by the later of when each was sent and when
     its receiver needed it; ties in the run's send order. A receiver needs every transfer of a run of
     consecutive RECVs when it reaches the first of them: the compute after them takes them all (the
     executor posts receives ahead), while the list-scheduled run reaches each later RECV only once the
     one before it has arrived. Timed by its own RECV, a skip gradient that the U-Transformer's last
     stage sent early queued on stage 0's in-link behind the activation gradient sent after it, and the
-    link idled meanwhile (bench pipeline, 4 stages, communication equal to compute: ~0.7 s a step).
+    link idled meanwhile.
     `ties` (TIES): "sent", transfers needed at one instant in the run's send order; "used", first the one
     whose receiver starts the compute that takes it first (then in the send order)."""
     if ties not in TIES:

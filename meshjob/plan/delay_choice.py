@@ -3,17 +3,14 @@
 The ratio rule (meshjob.schedule.actions.weight_delay_for: per stage ceil(comm / W), capped by the stash
 bound) sizes each stage's delay alone, as if its gradient transfers had the NICs to themselves.
 On a step whose transfers queue behind each other on shared NIC links that is often too few W's
-(bench e2e's GPT: the rule gives 1, the simulator rates 7 faster). So the plan simulates a few
+(the simulator rates larger delays faster, e.g. on `meshjob bench e2e`'s GPT). So the plan simulates a few
 candidate assignments on its own network and stage costs (meshjob.simulate.simulator.simulate_pipeline, the
 model `meshjob simulate` and the search trust), each rated by its steady-state period (meshjob.simulate.steady:
 the step run three times over, as a job runs it, where a stage's delayed W's at the end of one step
-overlap the next step's warm-up; one isolated step counts them in full and rated 0/1/2/4 and 0/2/4/6
-alike on bench pipeline's 4 stages at 10% communication, where the steady period rates 0/2/4/6 6%
-faster), each in the transfer order its plan would take (the
-send order or a need order, meshjob.plan.comm_order: it can change which delay is fastest; bench pipeline's
-U-Transformer, 4 stages, communication equal to compute: d = 1 in the send order, d = 2 about 10%
-faster once the last stage's in-link takes what it needs first), and keeps the smallest whose period is
-within TOLERANCE of the fastest candidate's and no slower than the rule's.
+overlap the next step's warm-up; one isolated step counts them in full), each in the transfer order its plan
+would take (the send order or a need order, meshjob.plan.comm_order: it can change which delay is fastest),
+and keeps the smallest whose period is within TOLERANCE of the fastest candidate's and no slower than the
+rule's.
 
 Candidates (few, so planning stays fast): the rule's delays; one global delay d, each stage taking
 min(d, its room), for d = 0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about two per doubling) and the largest
@@ -24,12 +21,9 @@ warm-up forwards s runs than the last stage (meshjob.schedule.actions.warmup_for
 eager-1F1B). A stage with a shorter warm-up idles longer in the drain, and the W's it delays fill that
 idle time, while its input gradients, which the stages before it wait for, go out sooner. With 4
 stages the rooms already make that ramp (0, 2, 4, 6: d=6); with 8 stages of 8 microbatches every room
-is 7 and none of the other candidates is a ramp. Measured in the simulator (bench pipeline's
-U-Transformer, 8 stages, communication 30% of compute): the rule's 1 W everywhere 3.65 s a step, the
-ramp (0, 1, 1, 1, 1, 3, 5, 7) 3.30 s; a per-stage search from the rule (245 simulations) found 3.32 s.
-A stage's room is the most W's it may delay without its peak stash passing
-eager-1F1B's stage-0 bound min(M, 2S-1) (meshjob.schedule.actions.max_delay_within), so no candidate raises
-any stage's stash above the bound. "Smallest": fewest delayed W's summed over stages, then the
+is 7 and none of the other candidates is a ramp. A stage's room is the most W's it may delay without its
+peak stash passing eager-1F1B's stage-0 bound min(M, 2S-1) (meshjob.schedule.actions.max_delay_within), so no
+candidate raises any stage's stash above the bound. "Smallest": fewest delayed W's summed over stages, then the
 smallest largest delay, then the earlier candidate (the rule first).
 
 A simulation costs about (actions of the step) x (stages) steps of the list scheduler: where all the
@@ -46,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshjob.costs.compute import CostModel
-from meshjob.network.model import Link
 from meshjob.plan.comm_order import (  # imports nothing of the plan: no cycle
     NEED_ORDER_ROUNDS,
     TIES,
@@ -56,6 +49,7 @@ from meshjob.plan.comm_order import (  # imports nothing of the plan: no cycle
 )
 from meshjob.schedule.actions import Action, Edge, generate, warmup_forwards
 from meshjob.schedule.boundary import BoundaryKey
+from meshjob.simulate.simulator import TransferInput
 from meshjob.simulate.steady import STEADY_STEPS, steady_period_s
 
 TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated period counts as fast as it
@@ -190,7 +184,7 @@ def choose(
     rule_lists: Mapping[int, Sequence[Action]],
     rooms: Mapping[int, int],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
+    transfers: Mapping[BoundaryKey, TransferInput],
     cost: CostModel,
     tolerance: float = TOLERANCE,
 ) -> tuple[DelayChoice, Mapping[int, Sequence[Action]]]:
@@ -203,6 +197,7 @@ def choose(
     # each candidate with the transfer order its plan would take (meshjob.plan.comm_order), where the need
     # orders' runs fit the budget too: the order can change which delay is fastest
     # (both tie rules where their runs fit the budget, else the send order's ties alone)
+    ties: tuple[str, ...]
     if within_budget(rule, rule_lists, rooms, leads, 1 + len(TIES) * NEED_ORDER_ROUNDS):
         ties = TIES
     elif within_budget(rule, rule_lists, rooms, leads, 1 + NEED_ORDER_ROUNDS):

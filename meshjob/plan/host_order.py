@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshjob.network.model import Link
+from meshjob.network.host_task import Link
 from meshjob.schedule.boundary import BoundaryKey
 
 BoardEntry = tuple[int, BoundaryKey, int, int]  # (rank, boundary, microbatch, message index)

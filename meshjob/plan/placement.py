@@ -133,6 +133,10 @@ def _check_hosts(hosts: Sequence[Host]) -> None:
         raise SpecError(errors)
 
 
+# A search state: rows placed, and how many hosts have each (free devices, used by the current stage).
+_State = tuple[int, tuple[tuple[tuple[int, bool], int], ...]]
+
+
 class _Search:
     """Depth-first assignment of rows to hosts in preference order (an explicit stack: a job may
     have thousands of rows)."""
@@ -146,10 +150,10 @@ class _Search:
         self.assignment: list[int] = []
         self.stage_hosts: dict[int, set[int]] = {}  # stage -> hosts holding its placed rows
         self.home: dict[int, int] = {}  # stage -> home rack index
-        self.failed: set[tuple] = set()  # canonical states known to have no completion
+        self.failed: set[_State] = set()  # canonical states known to have no completion
 
     def run(self) -> list[int] | None:
-        frames: list[tuple[list[int], tuple]] = []  # per placed-or-trying row: candidates, state
+        frames: list[tuple[list[int], _State]] = []  # per placed-or-trying row: candidates, state
         tried: list[int] = []  # per frame: how many candidates were tried
         nodes = 0
         while len(self.assignment) < len(self.rows):
@@ -217,7 +221,7 @@ class _Search:
             ),
         )
 
-    def _state(self, row: _Row) -> tuple:
+    def _state(self, row: _Row) -> _State:
         """Feasibility of the rest depends only on how many hosts have each number of free
         devices (and whether the current stage uses them), not on names: a failed state never
         needs a retry."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshjob.network.model import Link, NetworkModel
+from meshjob.network.host_task import Link
+from meshjob.network.model import NetworkModel
 from meshjob.resharding.tasks import Step
 from meshjob.simulate.simulator import simulate_transfer
 

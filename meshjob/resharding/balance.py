@@ -117,6 +117,17 @@ def list_schedule(
 
 # ------------------------------------------------------------------------------ shared machinery
 Move = tuple[int, int]  # (task index, sender host), in execution order
+# One task's tables, per sender host: (senders, seconds, links held, (link, offset, busy) holds, K, CPU seconds,
+# seconds on the links alone).
+_Tables = tuple[
+    tuple[int, ...],
+    dict[int, float],
+    dict[int, tuple[Link, ...]],
+    dict[int, tuple[tuple[Link, float, float], ...]],
+    dict[int, int],
+    dict[int, float],
+    dict[int, float],
+]
 
 
 class _Problem:
@@ -137,7 +148,7 @@ class _Problem:
         self.chunks: list[dict[int, int]] = []  # per task: sender host -> K
         self.cpu: list[dict[int, float]] = []  # per task: sender host -> seconds of the shared cores
         self.link_s: list[dict[int, float]] = []  # per task: sender host -> seconds on the links alone
-        seen: dict[HostTask, tuple] = {}  # identical tasks share their tables
+        seen: dict[HostTask, _Tables] = {}  # identical tasks share their tables
         for t in tasks:
             if t not in seen:
                 ss = tuple(dict.fromkeys(t.sender_hosts))
@@ -173,7 +184,7 @@ class _Problem:
 
     def classes(self) -> list[list[int]]:
         """Task indices grouped by equal HostTasks: interchangeable tasks."""
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[HostTask, list[int]] = {}
         for i, t in enumerate(self.tasks):
             groups.setdefault(t, []).append(i)
         return list(groups.values())
@@ -194,7 +205,7 @@ class _Problem:
         makespan = max((b + d for b, d in zip(start, seconds)), default=0.0)
         # On shared cores (an emulated cluster) no schedule ends before they did every task's messages,
         # and where the links' time and the cores' are close, they contend as in one task (the simulator's
-        # form): max(total CPU, list schedule) alone put CPU-bound K=64 chains 8-11% under the simulator.
+        # form; max(total CPU, list schedule) alone under-predicts CPU-bound chains).
         cpu = sum(self.cpu[i][s] for i, s in moves)
         if cpu > 0:
             on_links = max((start[i] + self.link_s[i][s] for i, s in moves), default=0.0)
@@ -234,6 +245,10 @@ def _load_balance(p: _Problem) -> list[Move]:
 
 
 # ------------------------------------------------------------------------------ dfs
+_Child = tuple[float, float, int, int]  # (earliest finish, earliest start, class, sender)
+_Undo = tuple[int, int, dict[Link, float | None], float]  # (class, sender, links' old free times, old makespan)
+
+
 def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     """Branch and bound over (next task, its sender), tasks taken in start-time order.
 
@@ -272,9 +287,9 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
     work = 0  # nodes + candidates: a node's cost grows with the classes and senders it weighs
     finished = True
 
-    def children() -> list[tuple[float, float, int, int]]:
+    def children() -> list[_Child]:
         nonlocal work
-        out = []
+        out: list[_Child] = []
         for c, n in enumerate(count):
             if n:
                 i = rep[c]
@@ -286,7 +301,8 @@ def _dfs(p: _Problem, budget_s: float, bound: float) -> tuple[list[Move], bool]:
             return out
         return sorted(out)
 
-    stack = [(children(), 0, None)]  # frames: (children, next child, undo info of the move in)
+    # frames: (children, next child, undo info of the move in)
+    stack: list[tuple[list[_Child], int, _Undo | None]] = [(children(), 0, None)]
     while stack:
         kids, k, undo = stack[-1]
         if k == len(kids):
@@ -395,7 +411,9 @@ def _greedy_try(p: _Problem, members: list[list[int]], rng: random.Random, sampl
         best_set: list[tuple[int, int, int]] = []  # (position in pending, class, sender)
         best_score = (0, -1.0)
         for _ in range(samples):
-            chosen, busy, work = [], set(), 0.0
+            chosen: list[tuple[int, int, int]] = []
+            busy: set[Link] = set()
+            work = 0.0
             for pos in rng.sample(range(len(pending)), min(len(pending), scan)):
                 c = pending[pos]
                 i = members[c][0]

@@ -40,7 +40,8 @@ def chain(b: StepBuilder, sender: int, region: Slice, hosts: list[list[int]], ch
     """Pipelined broadcast: sender -> head of host 1 -> head of host 2 ...; each head forwards
     chunk k onward and to its host's other devices as soon as it holds chunk k."""
     for chunk in split(region, chunks):
-        src, got = sender, ()
+        src = sender
+        got: tuple[int, ...] = ()
         for devices in hosts:
             head = devices[0]
             received = b.copy(src, head, chunk, got)

@@ -1,8 +1,7 @@
 """What a unit task lifted to hosts costs from a chosen sender host, one function per strategy's shape.
 
 A unit task at host level (meshjob.network.host_task.HostTask) costs, from a chosen sender host, a duration and a set
-of NIC
-links it holds for that duration (TaskCost), on a network model (meshjob.network.model: its links, its
+of NIC links it holds for that duration (TaskCost), on a network model (meshjob.network.model: its links, its
 per-message and per-byte times, its CPU on shared cores). Durations follow the strategies of "On
 Optimizing the Communication of Model Parallelism" (Zhuang et al., 2022) §3.1, written as pipelines of
 messages: a chain of K chunks whose stages take s_1..s_n per chunk ends after sum(s) + (K - 1) max(s)
@@ -212,10 +211,8 @@ def _scatter_ring_cost(
     reached the forwarding device and its links are free (FIFO links; messages booked in the order
     they become ready, ties in issue order). one_ring: the global all-gather, one ring over every
     receiving device, hosts in chain order; else the local all-gather, one ring inside each host.
-    A closed form of rounds one after the other (scatter, then N - 1 rounds) over-charged both: a
-    part's hops start as soon as it lands, so the ring overlaps the scatter; 1.25x (local) and up to
-    1.43x (global) the simulated time on the resharding bench's cases, whose measurements follow the
-    simulator."""
+    Not a closed form of rounds one after the other (scatter, then N - 1 rounds): a part's hops start as
+    soon as it lands, so the ring overlaps the scatter, which such a form over-charges."""
     groups = [[sender] * own] if own else []  # the host of each receiving device, host by host
     groups += [[h] * b for h, b in remote]
     rings = [[h for g in groups for h in g]] if one_ring else groups

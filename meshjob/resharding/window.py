@@ -103,14 +103,15 @@ def balance_window(
 ) -> tuple[Window, dict[int, bal.Schedule]]:
     """The joint schedule of the member boundaries' tasks, and each member's share timed alone.
     Each task's chunks (auto) count the window's tasks queued on its busiest receiving link."""
-    joint_tasks, offsets = [], []
+    joint_tasks: list[HostTask] = []
+    offsets: list[int] = []
     for b in members:
         offsets.append(len(joint_tasks))
         joint_tasks += tasks[b]
     joint_tasks = with_shares(joint_tasks)
     joint = bal.balance(joint_tasks, balancer, strategy, network, chunks, budget_s=budget_s, seed=seed)
     order = joint.order
-    shares = {}
+    shares: dict[int, bal.Schedule] = {}
     for b, first in zip(members, offsets):
         n = len(tasks[b])
         local_order = [i - first for i in order if first <= i < first + n]
@@ -133,7 +134,9 @@ def separately_balanced(
 ) -> bal.Schedule:
     """The ablation: each boundary of the window balanced alone (the old per-boundary planning),
     then all of them run together (list scheduling in each one's own order, interleaved by start)."""
-    joint_tasks, senders, keys = [], [], []
+    joint_tasks: list[HostTask] = []
+    senders: list[int] = []
+    keys: list[tuple[float, int, int, int]] = []
     for b in window.boundaries:
         mine = with_shares(tasks[b])  # all that planning one boundary at a time knows
         alone = bal.balance(mine, balancer, strategy, network, chunks, budget_s=budget_s, seed=seed)

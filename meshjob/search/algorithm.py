@@ -36,7 +36,7 @@ per-stage tables and the DP over them: meshjob.search.tables.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from meshjob.errors import UsageError
@@ -78,6 +78,9 @@ DEFAULT_MAX_EVALUATIONS = 100
 DEFAULT_MAX_CANDIDATES = 20000
 WALK_NODES = 4000  # stage choices one walk (microbatches, schedule, stage count) may try
 
+Group = tuple[int, str, int | str]  # (microbatches, schedule kind, weight-gradient delay)
+Listed = tuple[float, int, float, Candidate]  # (estimate, strategy/balancer index, lower bound, candidate)
+
 
 # ------------------------------------------------------------------------------ the search
 @dataclass(frozen=True)
@@ -116,7 +119,8 @@ def search(
     floor = min(finite)
     threshold = floor * (1 + 1e-9)
     seen: dict[Candidate, Prediction | None] = {}
-    listed, proven, listing = 0, False, []
+    listed, proven = 0, False
+    listing: list[Listed] = []
     while True:
         listing, complete = _list(problem, groups, best_bounds, threshold, max_candidates)
         listed = max(listed, len(listing))
@@ -147,7 +151,8 @@ def search(
 
 def _distinct(ranked: Sequence[Prediction]) -> list[Prediction]:
     """The best strategy and balancer of each structure (stages, meshes, microbatches, schedule)."""
-    out, shown = [], set()
+    out: list[Prediction] = []
+    shown: set[tuple[int, str, str, tuple[int, ...], tuple[StageChoice, ...]]] = set()
     for p in ranked:
         c = p.candidate
         key = (c.microbatches, c.kind, c.delay, c.layers, c.choices)
@@ -169,17 +174,17 @@ def _fixed_text(fixed: Fixed) -> str:
     return ", ".join(parts) or "none"
 
 
-def _groups(problem: Problem) -> list[tuple[int, str, int | str]]:
-    out = []
+def _groups(problem: Problem) -> list[Group]:
+    out: list[Group] = []
     for m in problem.space.microbatches:
         for kind, delay in problem.space.schedules:
             out.append((m, kind, delay))
     return out
 
 
-def _least_bottlenecks(problem: Problem, groups, progress: Progress | None) -> dict[tuple, float]:
+def _least_bottlenecks(problem: Problem, groups: Sequence[Group], progress: Progress | None) -> dict[Group, float]:
     """Per group (microbatches, schedule): the least max-stage term any plan reaches (bisection on the DP)."""
-    out: dict[tuple, float] = {}
+    out: dict[Group, float] = {}
     by_stash: dict[tuple[int, str], float] = {}
     hi = INF
     for i, (m, kind, delay) in enumerate(groups):
@@ -228,11 +233,11 @@ def _option_keys(problem: Problem, m: int) -> list[tuple[int, bool, bool]]:
 
 
 def _list(
-    problem: Problem, groups, best_bounds, threshold: float, max_candidates: int
-) -> tuple[list[tuple[float, Candidate]], bool]:
+    problem: Problem, groups: Sequence[Group], best_bounds: Mapping[Group, float], threshold: float, max_candidates: int
+) -> tuple[list[Listed], bool]:
     """Every candidate with LB <= threshold (up to max_candidates) as (estimate, strategy/balancer index,
     LB, candidate), sorted: the order they are simulated in."""
-    out: list[tuple[float, int, float, Candidate]] = []
+    out: list[Listed] = []
     complete = True
     live = [g for g in groups if best_bounds[g] <= threshold]
     per_stage_count = max(8, max_candidates // max(1, len(live) * len(problem.stage_counts())))
@@ -249,9 +254,12 @@ def _list(
     return out, complete
 
 
-def _walk(problem: Problem, m: int, kind: str, delay: int | str, threshold: float, stages: int) -> Iterator[Candidate]:
+def _walk(
+    problem: Problem, m: int, kind: str, delay: int | str, threshold: float, stages: int
+) -> Iterator[Candidate | None]:
     """Depth-first over cuts and choices of `stages` stages with LB <= threshold, pruned by the DP's device
-    count; stage sizes nearest an even split first, options by their bound."""
+    count; stage sizes nearest an even split first, options by their bound; None last where the walk stopped
+    at its budget."""
     t = problem.tables(m)
     n, devices, cap = problem.job.model.layers, problem.cluster.devices, problem.cluster.memory
     split = delay != 0
@@ -309,7 +317,13 @@ class _WalkBudget(Exception):
     """A walk tried WALK_NODES stage choices."""
 
 
-def _evaluate(problem: Problem, listing, seen: dict, max_evaluations: int, progress: Progress | None) -> bool:
+def _evaluate(
+    problem: Problem,
+    listing: Sequence[Listed],
+    seen: dict[Candidate, Prediction | None],
+    max_evaluations: int,
+    progress: Progress | None,
+) -> bool:
     """Simulate in the listing's order, skipping what cannot beat the best (LB >= best step); True if the
     budget ran out."""
     best = min((p.step_s for p in seen.values() if p is not None), default=INF)
@@ -328,7 +342,7 @@ def _evaluate(problem: Problem, listing, seen: dict, max_evaluations: int, progr
     return False
 
 
-def _infeasible(problem: Problem, groups) -> Infeasible:
+def _infeasible(problem: Problem, groups: Sequence[Group]) -> Infeasible:
     """The smallest memory overflow any plan reaches: bisection of the DP keyed by bytes over capacity."""
     least = INF
     for m, kind in sorted({(m, k) for m, k, _ in groups}):

@@ -3,11 +3,11 @@
 A stage starts its tail when its last action ends. A ring all-reduce across hosts moves 2 (n - 1) / n of the
 gradient bytes through each of its hosts' NICs, one ring per device of the stage on each host; alone, the
 stage's rings share its hosts' NICs among themselves (GradientSync.nic_s). Stages whose rings cross the same
-host share its NIC while both run: the examples' two 2x1 data-parallel stages sit on the same two hosts, and
-a model that gave each of them the NICs alone predicted 0.83-0.85 of their measured steps
-(bench/results/tune.json before this model). Sharing is fluid: every ring through a host gets an equal part
-of its NIC, and a stage's rings progress at the part their busiest host leaves them. The rest of the tail
-(the rings' per-message latency, rings inside one host, the optimizer step) is not shared and follows.
+host share its NIC while both run (the examples' two 2x1 data-parallel stages sit on the same two hosts; giving
+each stage the NICs alone under-predicts their steps measured by `meshjob bench tune`, bench/results/tune.json).
+Sharing is fluid: every ring through a host gets an equal part of its NIC, and a stage's rings progress at the
+part their busiest host leaves them. The rest of the tail (the rings' per-message latency, rings inside one
+host, the optimizer step) is not shared and follows.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+from meshjob.plan.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,10 @@ def tail_ends(starts: Sequence[float], syncs: Sequence[GradientSync], hosts: Seq
         for i in active:
             if left[i] <= 1e-12 * max(1.0, syncs[i].nic_s):
                 nic_end[i] = t
-    return [e + s.fixed_s for e, s in zip(nic_end, syncs)]
+    ends = [e for e in nic_end if e is not None]  # the loop ran until every stage's NIC part ended
+    return [e + s.fixed_s for e, s in zip(ends, syncs)]
 
 
-def stage_hosts(placement) -> list[frozenset[int]]:
+def stage_hosts(placement: Placement) -> list[frozenset[int]]:
     """The hosts each stage's devices are on (placement: meshjob.plan.placement.Placement)."""
     return [frozenset(placement.host_of(r) for r in placement.stage_ranks(k)) for k in range(placement.num_stages)]

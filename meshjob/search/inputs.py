@@ -15,7 +15,7 @@ from typing import Any
 from meshjob.errors import FieldError, SpecError, UsageError
 from meshjob.search.algorithm import Fixed, StageFix
 from meshjob.search.stage_model import StageChoice
-from meshjob.spec.manifest import AUTO, parse_job
+from meshjob.spec.manifest import AUTO, TrainingJob, parse_job
 
 
 def _free(value: Any) -> bool:
@@ -61,7 +61,7 @@ def _stage_fix(i: int, stage: Any) -> StageFix:
     return StageFix(None if layers is None else tuple(layers), choice)
 
 
-def base_job(doc: Mapping[str, Any], devices_per_host: int):
+def base_job(doc: Mapping[str, Any], devices_per_host: int) -> TrainingJob:
     """The manifest validated with one placeholder stage (the search writes the real ones) and the
     search's own fields at valid values: model, training and the rest as meshjob plan checks them."""
     spec = dict(doc["spec"])

@@ -8,22 +8,24 @@ Four parts, each from the model's shapes (pure arithmetic, no torch):
 - activations: per stashed microbatch, each block's saved tensors (Korthikanti et al., 2022, "Reducing
   Activation Recomputation in Large Transformer Models", eq. 2 without sequence parallelism, in fp32
   elements: s*b*h*(5 + 12/t + 2.5*a*s/(h*t))), or with full recompute only each block's input plus the
-  block being recomputed with its backward's temporaries (1.7 blocks, measured); the first stage's embedding output
-  and the last stage's logits;
+  block being recomputed with its backward's temporaries (RECOMPUTE_LIVE_BLOCKS); the first stage's embedding
+  output and the last stage's logits;
 - resharding buffers: one activation-sized buffer per boundary direction the stage sends or receives.
 
-bf16 with autocast saves low-precision copies beside the fp32 tensors: `meshjob bench memory` measured
-1.2x the fp32 activations (bench/results/memory.json; tests/test_memory_model.py checks both against it).
+bf16 with autocast saves low-precision copies beside the fp32 tensors (BF16_ACTIVATION_FACTOR). Both factors are
+measured by `meshjob bench memory` (bench/results/memory.json; tests/test_memory_model.py checks them against it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshjob.spec.model import ModelSpec, TrainingSpec
+
 FLOAT32 = 4
-BF16_ACTIVATION_FACTOR = 1.2  # measured by `meshjob bench memory`: bf16 autocast activations / fp32's
-# measured by `meshjob bench memory` (recompute_live_blocks_beyond_stash): with full recompute a step holds
-# about 1.7 blocks' activations beyond its stash (the block recomputed and its backward's temporaries)
+BF16_ACTIVATION_FACTOR = 1.2  # bf16 autocast activations / fp32's, measured by `meshjob bench memory`
+# blocks' activations a step holds beyond its stash with full recompute (the block recomputed and its backward's
+# temporaries), measured by `meshjob bench memory` (recompute_live_blocks_beyond_stash)
 RECOMPUTE_LIVE_BLOCKS = 1.7
 
 
@@ -52,7 +54,7 @@ class Memory:
         }
 
 
-def block_parameters(model) -> int:
+def block_parameters(model: ModelSpec) -> int:
     """Parameters of one transformer block of a built-in family (meshjob.spec.manifest.ModelSpec)."""
     h, ffn = model.hidden, model.ffn_width
     if model.kind == "llama":
@@ -61,7 +63,7 @@ def block_parameters(model) -> int:
     return 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attention, MLP, two layer norms
 
 
-def stage_parameters(model, first: int, last: int) -> int:
+def stage_parameters(model: ModelSpec, first: int, last: int) -> int:
     """Parameters of the stage holding blocks [first, last): the embedding rides with block 0, the final
     norm and the output head with the last block (a copy of a tied embedding when they are on different stages)."""
     n = (last - first) * block_parameters(model)
@@ -74,13 +76,13 @@ def stage_parameters(model, first: int, last: int) -> int:
     return n
 
 
-def block_activation_bytes(model, samples: float, tp: int) -> float:
+def block_activation_bytes(model: ModelSpec, samples: float, tp: int) -> float:
     """Bytes one block saves for its backward, for `samples` samples on one device of tensor-parallel degree tp."""
     s, h, a = model.seq_len, model.hidden, model.heads
     return FLOAT32 * samples * s * h * (5 + 12 / tp + 2.5 * a * s / (h * tp))
 
 
-def rest_activation_bytes(model, samples: float, tp: int, first: bool, last: bool) -> float:
+def rest_activation_bytes(model: ModelSpec, samples: float, tp: int, first: bool, last: bool) -> float:
     """The embedding's output (first stage) and the logits with their softmax (last stage)."""
     s = model.seq_len
     out = FLOAT32 * samples * s * model.hidden if first else 0.0
@@ -90,7 +92,15 @@ def rest_activation_bytes(model, samples: float, tp: int, first: bool, last: boo
 
 
 def activation_bytes(
-    model, layers: int, samples: float, tp: int, stashed: int, recompute: str, precision: str, first: bool, last: bool
+    model: ModelSpec,
+    layers: int,
+    samples: float,
+    tp: int,
+    stashed: int,
+    recompute: str,
+    precision: str,
+    first: bool,
+    last: bool,
 ) -> float:
     """Peak activation bytes: `stashed` microbatches of `samples` each through `layers` blocks."""
     block = block_activation_bytes(model, samples, tp)
@@ -104,7 +114,15 @@ def activation_bytes(
 
 
 def stage_memory(
-    model, training, first: int, last: int, dp: int, tp: int, stashed: int, recompute: str, boundary_directions: int
+    model: ModelSpec,
+    training: TrainingSpec,
+    first: int,
+    last: int,
+    dp: int,
+    tp: int,
+    stashed: int,
+    recompute: str,
+    boundary_directions: int,
 ) -> Memory:
     """Peak bytes on one device of the stage holding blocks [first, last)
     (training: meshjob.spec.manifest.TrainingSpec)."""

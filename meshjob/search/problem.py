@@ -16,13 +16,15 @@ from typing import Any
 
 from meshjob.costs.compute import CostModel
 from meshjob.errors import PlacementError, UsageError
+from meshjob.plan.build import build_plan
 from meshjob.resharding.strategies import SEARCHED
 from meshjob.search.cluster import Cluster
 from meshjob.search.gradient_sync import stage_hosts, tail_ends
 from meshjob.search.memory_model import FLOAT32
 from meshjob.search.stage_model import StageChoice, StageFigures
 from meshjob.search.tables import INF, Option, Tables, stashed
-from meshjob.spec.manifest import parse_job
+from meshjob.simulate.simulator import compute_costs, simulate_pipeline, transfer_costs
+from meshjob.spec.manifest import TrainingJob, parse_job
 
 BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, at many times the work
 SCHEDULES = (("gpipe", 0), ("1f1b", 0), ("1f1b", "auto"), ("eager-1f1b", 0), ("eager-1f1b", "auto"))
@@ -66,7 +68,7 @@ class Space:
 
 
 def default_space(
-    job,
+    job: TrainingJob,
     fixed: Fixed,
     cluster: Cluster,
     max_stages: int = DEFAULT_MAX_STAGES,
@@ -115,7 +117,8 @@ class Candidate:
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
-        out, start = [], 0
+        out: list[tuple[int, int]] = []
+        start = 0
         for n in self.layers:
             out.append((start, start + n))
             start += n
@@ -168,7 +171,7 @@ class Prediction:
 class Problem:
     """A job, a cluster and the fixed fields: builds candidates' manifests, checks and predicts them."""
 
-    def __init__(self, doc: Mapping[str, Any], job, cluster: Cluster, fixed: Fixed, space: Space):
+    def __init__(self, doc: Mapping[str, Any], job: TrainingJob, cluster: Cluster, fixed: Fixed, space: Space) -> None:
         self.doc, self.job, self.cluster, self.fixed, self.space = doc, job, cluster, fixed, space
         self._tables: dict[int, Tables] = {}
 
@@ -180,7 +183,7 @@ class Problem:
 
     def manifest(self, c: Candidate) -> dict[str, Any]:
         """The job's document with the candidate's choices: the manifest `meshjob tune --out` writes."""
-        doc = _copy(self.doc)
+        doc: dict[str, Any] = _copy(self.doc)
         spec = doc.setdefault("spec", {})
         spec["stages"] = [ch.to_stage(a, b) for (a, b), ch in zip(c.ranges, c.choices)]
         spec.pop("edges", None)  # the defaults follow the chosen natural layouts
@@ -239,15 +242,12 @@ class Problem:
 
     def predict(self, c: Candidate) -> Prediction | None:
         """Simulate the candidate's plan; None when its meshes do not fit on the cluster's hosts."""
-        from meshjob.plan.build import build_plan
-        from meshjob.simulate.simulator import compute_costs, simulate_pipeline, transfer_costs
-
         figures = self.figures(c)
         job = parse_job(self.manifest(c))
         cost = CostModel(network=self.cluster.network, stages=tuple(f.cost for f in figures))
         try:
-            # the ratio rule sizes an auto delay here: simulating delay candidates per candidate plan made the
-            # 96-layer search 8x slower; the job's own plan (build_plan) then simulates them, never slower
+            # the ratio rule sizes an auto delay here: simulating delay candidates for every candidate plan would
+            # slow the search many times over; the job's own plan (build_plan) then simulates them, never slower
             plan = build_plan(
                 job, self.cluster.host_list(), network=self.cluster.network, cost=cost, simulate_delays=False
             )

@@ -24,7 +24,7 @@ from meshjob.costs.device_costs import range_work, work_cost
 from meshjob.search.cluster import Cluster
 from meshjob.search.gradient_sync import GradientSync
 from meshjob.search.memory_model import FLOAT32, stage_memory
-from meshjob.spec.manifest import BUILTIN_MODEL_KINDS, tensor_parallel_sizes
+from meshjob.spec.manifest import BUILTIN_MODEL_KINDS, ModelSpec, TrainingJob, TrainingSpec, tensor_parallel_sizes
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,10 @@ def _splits(mesh: tuple[int, int]) -> list[tuple[int | None, int | None]]:
     return [(None, None)]
 
 
-def stage_choices(model, training, cluster: Cluster) -> list[StageChoice]:
+def stage_choices(model: ModelSpec, training: TrainingSpec, cluster: Cluster) -> list[StageChoice]:
     """Every (submesh, split) the spec would accept: dp divides the microbatch, tp the model's dims."""
     sizes = tensor_parallel_sizes(model) if model.kind in BUILTIN_MODEL_KINDS else {}
-    out = []
+    out: list[StageChoice] = []
     for mesh in submeshes(cluster):
         for dp_dim, tp_dim in _splits(mesh):
             c = StageChoice(mesh, dp_dim, tp_dim)
@@ -152,7 +152,9 @@ class StageFigures:
         return self.sync.alone_s - self.optimizer_s
 
 
-def stage_figures(model, training, cluster: Cluster, first: int, last: int, choice: StageChoice) -> StageFigures:
+def stage_figures(
+    model: ModelSpec, training: TrainingSpec, cluster: Cluster, first: int, last: int, choice: StageChoice
+) -> StageFigures:
     """F, I, W from meshjob.costs.device_costs (what emulated compute waits) on the cluster's device, plus the
     tensor-parallel all-reduces and full recompute's forward;
     the tail: the device's gradients all-reduced, then its optimizer step (device_costs' again)."""
@@ -165,21 +167,27 @@ def stage_figures(model, training, cluster: Cluster, first: int, last: int, choi
     return StageFigures(cost, gradient_sync(FLOAT32 * own.params, choice, cluster, own.optimizer_s), own.optimizer_s)
 
 
-def job_figures(job, cluster: Cluster) -> list[StageFigures]:
-    """stage_figures of every stage of a written job (meshjob.spec.manifest.TrainingJob; two-dim meshes)."""
-    out = []
+def job_figures(job: TrainingJob, cluster: Cluster) -> list[StageFigures]:
+    """stage_figures of every stage of a written job (two-dim meshes)."""
+    out: list[StageFigures] = []
     for i, st in enumerate(job.stages):
         if len(st.mesh) != 2:
             raise ValueError(
                 f"spec.stages[{i}].mesh {list(st.mesh)} is invalid here: two dims [hosts, devices per host]"
             )
-        choice = StageChoice(tuple(st.mesh), st.data_parallel_dim, st.tensor_parallel_dim)
+        choice = StageChoice((st.mesh[0], st.mesh[1]), st.data_parallel_dim, st.tensor_parallel_dim)
         out.append(stage_figures(job.model, job.training, cluster, *st.layers, choice))
     return out
 
 
 def stage_bytes(
-    model, training, first: int, last: int, choice: StageChoice, stashed: int, boundary_directions: int
+    model: ModelSpec,
+    training: TrainingSpec,
+    first: int,
+    last: int,
+    choice: StageChoice,
+    stashed: int,
+    boundary_directions: int,
 ) -> int:
     return stage_memory(
         model, training, first, last, choice.dp, choice.tp, stashed, training.recompute, boundary_directions

@@ -20,6 +20,7 @@ from meshjob.schedule.actions import stash_bound, warmup_forwards
 from meshjob.search.cluster import Cluster
 from meshjob.search.memory_model import FLOAT32
 from meshjob.search.stage_model import StageChoice, StageFigures, stage_bytes, stage_choices, stage_figures
+from meshjob.spec.manifest import TrainingJob
 
 INF = math.inf
 
@@ -67,7 +68,9 @@ class PerLayer:
 class Tables:
     """Per microbatch count: every (layers, first?, last?) -> its options, and the DP over them."""
 
-    def __init__(self, job, cluster: Cluster, microbatches: int, extra: Sequence[StageChoice] = ()):
+    def __init__(
+        self, job: TrainingJob, cluster: Cluster, microbatches: int, extra: Sequence[StageChoice] = ()
+    ) -> None:
         self.job = replace(job, training=replace(job.training, microbatches=microbatches))
         self.cluster = cluster
         self.m = microbatches

@@ -26,14 +26,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from meshjob.costs.compute import CostModel, StageCost
-from meshjob.network.model import Link, NetworkModel
+from meshjob.network.host_task import Link
+from meshjob.network.model import NetworkModel
 from meshjob.network.ready_order import in_ready_order
 from meshjob.resharding.tasks import Step
 from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
+from meshjob.spec.manifest import job_to_dict, parse_job
+from meshjob.spec.model import TrainingJob
 
 __all__ = ["CostModel", "Link", "StageCost", "TransferCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
 
@@ -106,6 +109,51 @@ class TransferCost(NamedTuple):
     early_s: float | None = None
 
 
+# One microbatch's transfer of a boundary as simulate_pipeline takes it: (seconds, bytes per NIC link) or paced.
+TransferInput = tuple[float, Mapping[Link, float]] | TransferCost
+
+
+# What the simulator reads of a plan. The Plan (meshjob.plan.build) is a layer above this one, so these
+# protocols name the parts it uses; a Plan has them all.
+class BoundaryView(Protocol):
+    @property
+    def key(self) -> BoundaryKey: ...
+    @property
+    def steps(self) -> Sequence[Step]: ...
+    @property
+    def makespan_s(self) -> float: ...
+    @property
+    def lower_bound_s(self) -> float: ...
+
+
+class PlacementView(Protocol):
+    def host_of(self, rank: int, /) -> int: ...
+
+
+class OrderView(Protocol):
+    @property
+    def transfers(self) -> Sequence[tuple[BoundaryKey, int]]: ...
+
+
+class PlanView(Protocol):
+    """A plan as the simulator reads it (meshjob.plan.build.Plan)."""
+
+    @property
+    def job(self) -> TrainingJob: ...
+    @property
+    def placement(self) -> PlacementView: ...
+    @property
+    def boundaries(self) -> Sequence[BoundaryView]: ...
+    @property
+    def schedules(self) -> Mapping[int, Sequence[Action]]: ...
+    @property
+    def network(self) -> NetworkModel: ...
+    @property
+    def stage_costs(self) -> Mapping[int, StageCost]: ...
+    @property
+    def transfer_order(self) -> OrderView: ...
+
+
 @dataclass(frozen=True)
 class TransferResult:
     makespan_s: float
@@ -153,7 +201,8 @@ def simulate_transfer(
         missing = sorted(set(index) - set(finish))[:5]
         raise ValueError(f"steps {missing} wait on steps that never run (a dependency cycle or a missing step)")
     link_s = max(finish.values(), default=0.0)
-    cpu_s = network.cpu_s(tuple(tally[False]), tuple(tally[True]))  # the shared cores' work, per core
+    net, local = tally[False], tally[True]
+    cpu_s = network.cpu_s((net[0], net[1]), (local[0], local[1]))  # the shared cores' work, per core
     nic = {k for k in busy if k[1] != "local"}
     return TransferResult(
         network.with_cpu(link_s, cpu_s),
@@ -195,7 +244,7 @@ class PipelineResult:
     def bubble_fraction(self) -> float:
         return sum(s.bubble_fraction(self.step_s) for s in self.stages.values()) / max(1, len(self.stages))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "step_s": self.step_s,
             "bubble_fraction": self.bubble_fraction(),
@@ -216,7 +265,7 @@ class PipelineResult:
 def simulate_pipeline(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]] | TransferCost],
+    transfers: Mapping[BoundaryKey, TransferInput],
     cost: CostModel | None = None,
     order: Sequence[tuple[BoundaryKey, int]] | None = None,
     pause_s: Mapping[tuple[int, int], float] | None = None,
@@ -301,7 +350,7 @@ class _LinkQueue:
 
     def __init__(
         self,
-        transfers: Mapping[BoundaryKey, tuple[float, Mapping[Link, float]]],
+        transfers: Mapping[BoundaryKey, TransferInput],
         order: Sequence[tuple[BoundaryKey, int]] | None,
     ) -> None:
         self.transfers = transfers
@@ -340,7 +389,7 @@ class _LinkQueue:
         return all(self.heads[link] and self.heads[link][0] == transfer for link in self.transfers[transfer[0]][1])
 
 
-def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
+def compute_costs(plan: PlanView, cost: CostModel) -> dict[tuple[int, str], float]:
     """Per stage: F, B, I, W seconds for one microbatch (measured, or from layers and parallel degrees)."""
     out: dict[tuple[int, str], float] = {}
     for i, c in cost.stage_costs(plan.job).items():
@@ -353,11 +402,11 @@ def compute_costs(plan, cost: CostModel) -> dict[tuple[int, str], float]:
     return out
 
 
-def transfer_costs(plan, cost: CostModel) -> dict[BoundaryKey, TransferCost]:
+def transfer_costs(plan: PlanView, cost: CostModel) -> dict[BoundaryKey, TransferCost]:
     """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
     (token buckets act across transfers, in the pipeline simulation), and whether it is paced."""
     plain = replace(cost.network, burst_bytes=0.0)
-    out = {}
+    out: dict[BoundaryKey, TransferCost] = {}
     for b in plan.boundaries:
         res = simulate_transfer(b.steps, plan.placement.host_of, plain, cost.itemsize)
         out[b.key] = TransferCost(
@@ -385,12 +434,12 @@ def paced_early_s(
     return max(0.0, m / network.nic_bytes_per_s - wire)
 
 
-def plan_cost(plan) -> CostModel:
+def plan_cost(plan: PlanView) -> CostModel:
     """The costs the plan was made with: its network and its stages' compute."""
     return CostModel(network=plan.network, stages=tuple(plan.stage_costs[s] for s in sorted(plan.stage_costs)))
 
 
-def simulate_plan(plan, cost: CostModel | None = None, follow_plan_order: bool = True) -> PipelineResult:
+def simulate_plan(plan: PlanView, cost: CostModel | None = None, follow_plan_order: bool = True) -> PipelineResult:
     """The plan's step on `cost` (default: the plan's own). The executor issues transfers in the plan's
     order (meshjob.plan.comm_order.transfer_order, chosen on the plan's own costs); the links follow it here
     too (`follow_plan_order`), on other costs (another NIC rate or bucket, measured compute) as well,
@@ -410,11 +459,9 @@ def broadcast_time(t: float, hosts: int, chunks: int) -> float:
     return t + (hosts - 1) * t / chunks
 
 
-def scale_job(job, hosts: int):
+def scale_job(job: TrainingJob, hosts: int) -> TrainingJob:
     """The same job spread over `hosts` hosts: each stage's mesh dim 0 grows to hosts/S (data parallel over it),
     the global batch grows so every data-parallel replica keeps whole samples. Re-validated like a manifest."""
-    from meshjob.spec.manifest import job_to_dict, parse_job
-
     per_stage = max(1, hosts // len(job.stages))
     doc = job_to_dict(job)
     for stage in doc["spec"]["stages"]:
@@ -429,9 +476,9 @@ def scale_job(job, hosts: int):
     return parse_job(doc)
 
 
-def summarize(plan, result: PipelineResult) -> list[dict]:
+def summarize(plan: PlanView, result: PipelineResult) -> list[dict[str, Any]]:
     """One row per boundary: simulated transfer makespan vs the plan's balanced estimate and lower bound."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for b in plan.boundaries:
         rows.append(
             {

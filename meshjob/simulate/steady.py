@@ -4,11 +4,9 @@ meshjob.simulate.simulator runs one step from an empty pipeline. A job runs step
 ends a step across stages: a stage starts its next step once its own last action and optimizer step
 are done, while later stages may still drain the step before. So a stage whose tail is long (the W's
 it delays, most on the last stages) overlaps the next step's warm-up, in which later stages wait for
-their first forward anyway; one isolated step counts that tail in full. Measured (bench pipeline,
-U-Transformer and GPT, 4 stages, communication 10-30% of compute, delays 0/2/4/5-6): one step
-predicted the period 0.8-4.2% slow, the steady period 0.3-0.7% fast; on the other rows both agree.
-And it changes which delays are fastest (4 stages, 10%: one step rates 0/1/2/4 and 0/2/4/6 alike,
-the steady period 0/2/4/6 6% faster; 0/2/4/5 measured 3% faster than 0/1/2/4).
+their first forward anyway; one isolated step counts that tail in full, so it overestimates a running job's
+period where stages delay many W's, and can rank the delays differently (`meshjob bench pipeline` measures the
+period, bench/results/pipeline.json).
 
 `steady_period_s` repeats the lists `steps` times (each step's microbatches numbered on, so every
 transfer stays distinct), with each stage's `tail_s` (its optimizer step) after its last action of
@@ -22,12 +20,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
 
 from meshjob.costs.compute import CostModel
 from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
-from meshjob.simulate.simulator import compute_costs, simulate_pipeline, transfer_costs
+from meshjob.simulate.simulator import PlanView, TransferInput, compute_costs, simulate_pipeline, transfer_costs
 
 STEADY_STEPS = 3  # the first step fills the pipeline; the two after it give the period
 
@@ -43,7 +40,7 @@ def repeated(schedules: Mapping[int, Sequence[Action]], microbatches: int, steps
 def steady_period_s(
     schedules: Mapping[int, Sequence[Action]],
     compute_s: Mapping[tuple[int, str], float],
-    transfers: Mapping[BoundaryKey, Any],
+    transfers: Mapping[BoundaryKey, TransferInput],
     cost: CostModel | None,
     microbatches: int,
     order: Sequence[tuple[BoundaryKey, int]] | None = None,
@@ -78,7 +75,7 @@ def steady_period_s(
     return statistics.median(periods) if periods else 0.0
 
 
-def plan_period_s(plan: Any, cost: CostModel, tail_s: Mapping[int, float] | None = None) -> float:
+def plan_period_s(plan: PlanView, cost: CostModel, tail_s: Mapping[int, float] | None = None) -> float:
     """`plan`'s period on `cost`, its links in the plan's transfer order (as meshjob.simulate.simulator.simulate_plan
     runs one step of it)."""
     return steady_period_s(

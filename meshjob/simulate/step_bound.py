@@ -31,13 +31,14 @@ the plan's edges must include the chain s -> s+1 (pipelines built from layer ran
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from meshjob.costs.compute import CostModel
-from meshjob.network.model import Link
-from meshjob.simulate.simulator import simulate_transfer
+from meshjob.network.host_task import Link
+from meshjob.network.model import NetworkModel
+from meshjob.simulate.simulator import BoundaryView, PlanView, simulate_transfer
 
 Job = tuple[float, float, float]  # (head: earliest start, bytes over the rate, tail: least work after)
 
@@ -79,14 +80,14 @@ def single_link_bound(jobs: Sequence[Job]) -> float:
     return best
 
 
-def nic_bytes(plan: Any, boundary: Any, network: Any, itemsize: int = 4) -> dict[Link, int]:
+def nic_bytes(plan: PlanView, boundary: BoundaryView, network: NetworkModel, itemsize: int = 4) -> Mapping[Link, int]:
     """NIC link -> the bytes one microbatch of `boundary` moves through it (its steps on plain links)."""
     return simulate_transfer(
         boundary.steps, plan.placement.host_of, replace(network, burst_bytes=0.0), itemsize
     ).nic_bytes
 
 
-def step_bound(plan: Any, cost: CostModel, optimizer_s: Sequence[float] | None = None) -> StepBound | None:
+def step_bound(plan: PlanView, cost: CostModel, optimizer_s: Sequence[float] | None = None) -> StepBound | None:
     """The bound on `plan` under `cost` (each stage's optimizer step `optimizer_s` after its last
     action, default none); None when the plan lacks the chain edges s -> s+1."""
     job = plan.job

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any
+from collections.abc import Sequence
 
 from meshjob.errors import SpecError
 from meshjob.layout import sharding
@@ -221,7 +221,7 @@ def _check_tensor_parallel(r: FieldReader, m: ModelSpec, path: str, degree: int)
             r.fail(path, degree, f"a tensor-parallel degree dividing spec.model.{key} ({size})")
 
 
-def resolve_edges(r: FieldReader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec, ...]:
+def resolve_edges(r: FieldReader, job: TrainingJob, raw: Sequence[EdgeSpec] | None) -> tuple[EdgeSpec, ...]:
     """The model's edges (defaults) with the user's layout overrides applied and checked."""
     defaults = default_edges(job.model, job.stages)
     if raw is None:
@@ -245,19 +245,19 @@ def resolve_edges(r: FieldReader, job: TrainingJob, raw: Any) -> tuple[EdgeSpec,
         if e.src >= e.dst:
             r.fail(f"{p}.to", e.dst, f"a stage after from ({e.src}): edges run forward in layer order")
             continue
-        key = (e.src, e.dst, e.tensor)
-        if key not in index:
+        edge = (e.src, e.dst, e.tensor)
+        if edge not in index:
             known = ", ".join(f"{a}->{b} {t}" for a, b, t in index)
             r.fail(p, {"from": e.src, "to": e.dst, "tensor": e.tensor}, f"an edge of the model: {known}")
             continue
-        if key in seen:
+        if edge in seen:
             r.fail(p, {"from": e.src, "to": e.dst, "tensor": e.tensor}, "each edge listed once")
             continue
-        seen.add(key)
-        default = defaults[index[key]]
+        seen.add(edge)
+        default = defaults[index[edge]]
         send = _check_layout(r, f"{p}.send", e.send, default.send, job.stages[e.src], e.src, shape, "source")
         recv = _check_layout(r, f"{p}.recv", e.recv, default.recv, job.stages[e.dst], e.dst, shape, "destination")
-        edges[index[key]] = EdgeSpec(e.src, e.dst, send, recv, e.tensor)
+        edges[index[edge]] = EdgeSpec(e.src, e.dst, send, recv, e.tensor)
     return tuple(edges)
 
 

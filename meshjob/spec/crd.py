@@ -12,6 +12,8 @@ import dataclasses
 import re
 from typing import Any
 
+import yaml
+
 from meshjob.spec.api import GROUP, JOB_NAME_MAX_LENGTH, JOB_NAME_PATTERN, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from meshjob.spec.fields import INT_OR_STRING
 from meshjob.spec.manifest import FieldSchema, TrainingJob, schema_of
@@ -52,11 +54,15 @@ def field_schema(f: FieldSchema) -> dict[str, Any]:
         out["minItems"] = f.min_items
     if f.max_items is not None:
         out["maxItems"] = f.max_items
-    if f.type == "array":
-        out["items"] = object_schema(f.model) if f.model is not None else field_schema(f.items)
+    if f.type == "array" and f.model is not None:
+        out["items"] = object_schema(f.model)
+    elif f.type == "array":
+        assert f.items is not None, f"{f.attr}: an array field without an item schema"
+        out["items"] = field_schema(f.items)
     elif f.type == "object" and f.preserve_unknown:
         out["x-kubernetes-preserve-unknown-fields"] = True
     elif f.type == "object":
+        assert f.model is not None, f"{f.attr}: an object field without a model"
         out.update({k: v for k, v in object_schema(f.model).items() if k != "type"})
     return out
 
@@ -272,6 +278,4 @@ def build_crd() -> dict[str, Any]:
 
 def crd_yaml() -> str:
     """The CRD as the YAML text committed under crds/ and charts/meshjob/crds/."""
-    import yaml
-
     return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, default_flow_style=False, width=100)

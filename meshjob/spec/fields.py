@@ -7,6 +7,7 @@ Generic: meshjob.spec.manifest supplies the dataclasses, the constraints (RULES)
 
 from __future__ import annotations
 
+import builtins
 import collections.abc
 import copy
 import dataclasses
@@ -42,7 +43,7 @@ class FieldSchema:
     min_items: int | None = None
     max_items: int | None = None
     items: FieldSchema | None = None  # element schema of an array
-    model: type | None = None  # nested dataclass of an object (or of array elements)
+    model: builtins.type | None = None  # nested dataclass of an object (or of array elements)
     preserve_unknown: bool = False  # free-form object (k8s ResourceRequirements)
     description: str = ""
     legacy: tuple[tuple[Any, str], ...] = ()  # refused values, each with what to write instead
@@ -72,7 +73,7 @@ def schema_for_type(attr: str, hint: Any, owner: str, renames: Mapping[str, str]
         return FieldSchema(attr, yaml_name, "number")
     if hint is str:
         return FieldSchema(attr, yaml_name, "string")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return FieldSchema(attr, yaml_name, "object", model=hint)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
@@ -102,6 +103,7 @@ def build_table(
         extra = dict(rules.get((cls.__name__, f.name), {}))
         item_bounds = {k: extra.pop(f"item_{k}") for k in ("minimum", "maximum") if f"item_{k}" in extra}
         if item_bounds:
+            assert schema.items is not None, f"{cls.__name__}.{f.name}: item bounds on a field that is no array"
             schema = dataclasses.replace(schema, items=dataclasses.replace(schema.items, **item_bounds))
         if f.default is not dataclasses.MISSING:
             default = f.default
@@ -173,6 +175,7 @@ class FieldReader:
                 return copy.deepcopy(f.default)
             return copy.deepcopy(dict(value))
         if f.type == "object":
+            assert f.model is not None, f"{path}: an object field without a model"
             attrs = self.read_object(f.model, value, path)
             return f.default if attrs is None else f.model(**attrs)
         return self.read_array(f, value, path)
@@ -184,6 +187,7 @@ class FieldReader:
         if f.min_items is not None and len(value) < f.min_items or f.max_items is not None and len(value) > f.max_items:
             self.fail(path, value, describe(f))
             return f.default
+        assert f.items is not None, f"{path}: an array field without an item schema"
         items = []
         for i, item in enumerate(value):
             items.append(self.read_value(f.items, item, f"{path}[{i}]"))
@@ -205,6 +209,7 @@ def describe(f: FieldSchema) -> str:
             count = f"{f.min_items or 0} to {f.max_items}"
         else:
             count = f"at least {f.min_items or 0}"
+        assert f.items is not None, f"{f.attr}: an array field without an item schema"
         return f"a list of {count} items, each {describe(f.items)}"
     if f.type == "object":
         return "a mapping"

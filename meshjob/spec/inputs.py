@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Sequence
 
 from meshjob.errors import FieldError, SpecError
+from meshjob.spec.model import ModelSpec, TrainingJob
 from meshjob.spec.tokens import check_data_files
 
 
-def check_entrypoint_package(model) -> list[FieldError]:
+def check_entrypoint_package(model: ModelSpec) -> list[FieldError]:
     """The top-level package of spec.model.entrypoint is installed here (custom models only)."""
     if model.kind != "custom":
         return []
@@ -33,15 +35,15 @@ def check_entrypoint_package(model) -> list[FieldError]:
     return []
 
 
-def check_inputs(job) -> list[FieldError]:
+def check_inputs(job: TrainingJob) -> list[FieldError]:
     """Problems of the token files and the custom model's package (meshjob.spec.manifest.TrainingJob)."""
     return check_data_files(job) + check_entrypoint_package(job.model)
 
 
-def check_jobs_inputs(jobs, source: str) -> None:
+def check_jobs_inputs(jobs: Sequence[TrainingJob], source: str) -> None:
     """SpecError listing the problems of every job's inputs; with several jobs (YAML documents) each
     problem names its document, as meshjob.spec.manifest.load_jobs does."""
-    errors = []
+    errors: list[FieldError] = []
     for i, job in enumerate(jobs):
         prefix = f"{source} document {i + 1}: " if len(jobs) > 1 else ""
         errors += [dataclasses.replace(e, path=prefix + e.path) for e in check_inputs(job)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from meshjob.errors import FieldError, SpecError
 from meshjob.spec.api import API_VERSION, JOB_NAME_MAX_LENGTH, JOB_NAME_PATTERN, KIND
@@ -193,10 +193,17 @@ def _read_metadata(r: FieldReader, meta: Any) -> tuple[str, str]:
     return (name if isinstance(name, str) else ""), (namespace if isinstance(namespace, str) else "default")
 
 
+Parsed = TypeVar("Parsed")  # what a document parser (load_jobs' `parse`) makes of one document
+
+
+@overload
+def load_jobs(path: str) -> list[TrainingJob]: ...
+@overload
+def load_jobs(path: str, parse: Callable[[Any], Parsed]) -> list[Parsed]: ...
 def load_jobs(path: str, parse: Callable[[Any], Any] | None = None) -> list[Any]:
     """Every TrainingJob of a YAML file ("-": standard input), one per document, read by `parse` (default
     parse_job); SpecError names the document of each problem."""
-    return parse_yaml_all(read_text(path, "TrainingJob manifest"), source_name(path), parse)
+    return parse_yaml_all(read_text(path, "TrainingJob manifest"), source_name(path), parse or parse_job)
 
 
 def load_job(path: str) -> TrainingJob:
@@ -204,6 +211,10 @@ def load_job(path: str) -> TrainingJob:
     return parse_yaml(read_text(path, "TrainingJob manifest"), source_name(path))
 
 
+@overload
+def parse_yaml_all(text: str, source: str = ...) -> list[TrainingJob]: ...
+@overload
+def parse_yaml_all(text: str, source: str, parse: Callable[[Any], Parsed]) -> list[Parsed]: ...
 def parse_yaml_all(text: str, source: str = "<string>", parse: Callable[[Any], Any] | None = None) -> list[Any]:
     """parse_job() (or `parse`) of every document (meshjob.spec.safeyaml: bounded, kubectl's scalars, no
     duplicate keys); empty documents are skipped as kubectl skips them."""
@@ -211,7 +222,7 @@ def parse_yaml_all(text: str, source: str = "<string>", parse: Callable[[Any], A
     docs = load_documents(text, source)
     if not docs:
         raise SpecError([FieldError(source, "no document", "at least one TrainingJob document")])
-    jobs: list[TrainingJob] = []
+    jobs: list[Any] = []
     errors: list[FieldError] = []
     for i, doc in enumerate(docs):
         try:

@@ -47,6 +47,7 @@ import yaml
 from meshjob.errors import FieldError, SpecError, short, short_text
 
 STDIN = "-"
+Scalar = str | int | float | bool | None  # a plain scalar's value
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _go_float(text: str) -> float | None:
     return value if math.isfinite(value) else None  # Go refuses out-of-range floats: a string then
 
 
-def resolve_plain(text: str) -> Any:
+def resolve_plain(text: str) -> Scalar:
     """The value of an untagged plain scalar, as sigs.k8s.io/yaml (go-yaml v2) resolves it."""
     if text in _BOOLS:
         return _BOOLS[text]
@@ -152,7 +153,7 @@ def resolve_plain(text: str) -> Any:
         return text if value is None else value
     if text[:1].isdigit() or text[:1] in "+-":
         plain = text.replace("_", "")
-        number = _go_int(plain)
+        number: int | float | None = _go_int(plain)
         if number is None:
             number = _go_float(plain)
         return text if number is None else number
@@ -160,20 +161,21 @@ def resolve_plain(text: str) -> Any:
 
 
 _CORE = "tag:yaml.org,2002:"
+_TAG_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (float, int), "bool": bool, "null": type(None)}
 
 
-def _tagged(tag: str, text: str) -> Any:
+def _tagged(tag: str, text: str) -> Scalar:
     """The value of a scalar with an explicit core tag; ValueError when it does not fit."""
     kind = tag.removeprefix(_CORE) if tag.startswith(_CORE) else tag
     if kind in ("str", "!"):
         return text
     resolved = resolve_plain(text)
-    wanted = {"int": int, "float": (float, int), "bool": bool, "null": type(None)}.get(kind)
+    wanted = _TAG_TYPES.get(kind)
     if wanted is None:
         raise ValueError(f"tag {tag} is not supported (only !!str, !!int, !!float, !!bool, !!null)")
     if not isinstance(resolved, wanted) or kind in ("int", "float") and isinstance(resolved, bool):
         raise ValueError(f"{text!r} is not a valid !!{kind}")
-    return float(resolved) if kind == "float" else resolved
+    return float(resolved) if kind == "float" and isinstance(resolved, (int, float)) else resolved
 
 
 def _key_string(key: Any) -> str | None:
@@ -223,12 +225,12 @@ class _Composer:
         self.aliases = 0
         self.nodes = 0
 
-    def fail(self, event: Any, value: Any, allowed: str) -> SpecError:
+    def fail(self, event: yaml.Event, value: Any, allowed: str) -> SpecError:
         mark = getattr(event, "start_mark", None)
         where = f"{self.source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else self.source
         return SpecError([FieldError(where, value, allowed)])
 
-    def feed(self, event: Any) -> None:
+    def feed(self, event: yaml.Event) -> None:
         if isinstance(event, yaml.DocumentStartEvent):
             self._start_document()
         elif isinstance(event, yaml.ScalarEvent):
@@ -244,7 +246,7 @@ class _Composer:
                 frame.value = self._merge(frame)
             self._add(event, frame.value, frame.nodes, frame.anchor)
 
-    def _count(self, event: Any, nodes: int) -> None:
+    def _count(self, event: yaml.Event, nodes: int) -> None:
         self.nodes += nodes
         if self.nodes > self.limits.max_nodes:
             raise self.fail(
@@ -253,7 +255,7 @@ class _Composer:
                 f"a document of at most {self.limits.max_nodes} values (aliases count as the copies they stand for)",
             )
 
-    def _scalar(self, event: yaml.ScalarEvent) -> Any:
+    def _scalar(self, event: yaml.ScalarEvent) -> Scalar:
         if event.tag is None:
             return resolve_plain(event.value) if event.implicit[0] else event.value
         try:
@@ -262,6 +264,7 @@ class _Composer:
             raise self.fail(event, short_text(event.value, 80), str(err)) from None
 
     def _alias(self, event: yaml.AliasEvent) -> None:
+        assert event.anchor is not None  # an alias always names an anchor
         self.aliases += 1
         if self.aliases > self.limits.max_aliases:
             raise self.fail(
@@ -277,7 +280,7 @@ class _Composer:
         self._count(event, nodes)
         self._add(event, value, nodes, None, scalar=not isinstance(value, (dict, list)))
 
-    def _open(self, event: Any) -> None:
+    def _open(self, event: yaml.CollectionStartEvent) -> None:
         mapping = isinstance(event, yaml.MappingStartEvent)
         if event.tag not in (None, "!", _CORE + ("map" if mapping else "seq")):
             raise self.fail(
@@ -307,7 +310,7 @@ class _Composer:
         key = short_text(top.key, 40)
         return key if top.path == "document" else f"{top.path}.{key}"
 
-    def _add(self, event: Any, value: Any, nodes: int, anchor: str | None, scalar: bool = False) -> None:
+    def _add(self, event: yaml.Event, value: Any, nodes: int, anchor: str | None, scalar: bool = False) -> None:
         if anchor is not None:
             self.anchors[anchor] = (value, nodes)
         if not self.stack:
@@ -322,7 +325,7 @@ class _Composer:
         else:
             self._value(event, top, value)
 
-    def _key(self, event: Any, top: _Frame, value: Any, scalar: bool) -> None:
+    def _key(self, event: yaml.Event, top: _Frame, value: Any, scalar: bool) -> None:
         key = _key_string(value) if scalar else None
         if key is None:
             raise self.fail(event, short(value), "mapping keys that are strings, numbers or booleans")
@@ -337,7 +340,7 @@ class _Composer:
             )
         top.key = key
 
-    def _value(self, event: Any, top: _Frame, value: Any) -> None:
+    def _value(self, event: yaml.Event, top: _Frame, value: Any) -> None:
         if top.merge:
             sources = value if isinstance(value, list) else [value]
             if not sources or not all(isinstance(s, dict) for s in sources):
@@ -357,7 +360,7 @@ class _Composer:
         return out
 
 
-def _events(text: str) -> Iterator[Any]:
+def _events(text: str) -> Iterator[yaml.Event]:
     loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: same events
     loader = loader_class(text)
     try:

@@ -309,6 +309,7 @@ def bounded_fields(cls: type = TrainingJob, path: str = "spec") -> Iterator[tupl
         elif f.type == "array" and f.model is not None:
             yield from bounded_fields(f.model, f"{sub}[0]")
         elif f.type == "array":
+            assert f.items is not None, f"{sub}: an array field without an item schema"
             yield f"{sub}[0]", f.items
         elif f.maximum is not None or f.max_length is not None:
             yield sub, f

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshjob.errors import FieldError
+from meshjob.spec.model import TrainingJob
 
 TYPECODES = {"uint16": "H", "uint32": "I"}  # array module typecodes of 2 and 4 bytes
 BYTE_VOCAB = 256  # token ids of the byte-level tokenizer
@@ -28,29 +29,29 @@ def itemsize(dtype: str) -> int:
     return array.array(TYPECODES[dtype]).itemsize
 
 
-def _little_endian(values: array.array) -> array.array:
+def _little_endian(values: array.array[int]) -> array.array[int]:
     if sys.byteorder == "big":
         values = array.array(values.typecode, values)
         values.byteswap()
     return values
 
 
-def byte_tokens(text: bytes, dtype: str = "uint16") -> array.array:
+def byte_tokens(text: bytes, dtype: str = "uint16") -> array.array[int]:
     """The byte-level tokenization of `text`: one token per byte, its value."""
     return array.array(TYPECODES[dtype], iter(text))  # iter: a bytes initializer would be read as raw memory
 
 
-def decode_bytes(tokens: array.array) -> bytes:
+def decode_bytes(tokens: array.array[int]) -> bytes:
     """The inverse of byte_tokens (every id must be a byte)."""
     return bytes(tokens.tolist())
 
 
-def write_tokens(path: str | Path, tokens: array.array) -> None:
+def write_tokens(path: str | Path, tokens: array.array[int]) -> None:
     with open(path, "wb") as fh:
         _little_endian(tokens).tofile(fh)
 
 
-def read_tokens(path: str | Path, dtype: str, max_bytes: int | None = None) -> array.array:
+def read_tokens(path: str | Path, dtype: str, max_bytes: int | None = None) -> array.array[int]:
     """The ids of a token file (its first `max_bytes`, rounded down to whole tokens, when given)."""
     size = itemsize(dtype)
     with open(path, "rb") as fh:
@@ -166,17 +167,17 @@ def _plausible(path: str, dtype: str, vocab: int) -> bool:
     return bool(ids) and max(ids) < vocab and not (dtype == "uint16" and _looks_like_uint32(ids))
 
 
-def _looks_like_uint32(ids: array.array) -> bool:
+def _looks_like_uint32(ids: array.array[int]) -> bool:
     """uint32 ids below 65536 read as uint16: every high half (odd position) is zero."""
     return len(ids) >= SCAN_MIN_TOKENS and not any(ids[1::2]) and any(ids[0::2])
 
 
-def check_data_files(job) -> list[FieldError]:
+def check_data_files(job: TrainingJob) -> list[FieldError]:
     """Problems of a job's token files (none for synthetic data): meshjob.spec.manifest.TrainingJob."""
     data, model = job.data, job.model
     if data.kind != "tokens":
         return []
-    errors = []
+    errors: list[FieldError] = []
     for field, path in (("spec.data.path", data.path), ("spec.data.valPath", data.val_path)):
         if path:
             errors += check_token_file(field, path, data.dtype, model.vocab, model.seq_len + 1)
