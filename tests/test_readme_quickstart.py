@@ -1,7 +1,8 @@
-"""The README's "On Kubernetes" commands, as written, on a real kube-apiserver with ServiceAccount admission on
-(as on every real cluster): the chart as `helm install` renders it (its CRD, the operator's account and
-RBAC, the operator run with the chart's command line as that account), then each `kubectl` line of the
-README in a fresh namespace. No kubelet runs: the test plays it, and the job's pods reach Running."""
+"""The README's commands, as written. Its quick start is the two commands the project promises (set up and run the
+main job; run the tests), each naming files that exist. Its "On Kubernetes" commands run on a real kube-apiserver
+with ServiceAccount admission on (as on every real cluster): the chart as `helm install` renders it (its CRD, the
+operator's account and RBAC, the operator run with the chart's command line as that account), then each `kubectl`
+line of the README in a fresh namespace. No kubelet runs: the test plays it, and the job's pods reach Running."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def readme_commands() -> list[list[str]]:
-    """The shell commands of the README's "On Kubernetes" block (continued lines joined, comments dropped)."""
+def readme_commands(heading: str = "## On Kubernetes") -> list[list[str]]:
+    """The shell commands of the first bash block under a README heading (continued lines joined, comments
+    dropped)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## On Kubernetes") :]
+    section = text[text.index(heading) :]
     start = section.index("```bash") + len("```bash")
     commands, pending = [], ""
     for line in section[start : section.index("```", start)].splitlines():
-        line = line.split(" #")[0].rstrip()
+        line = "" if line.lstrip().startswith("#") else line.split(" #")[0].rstrip()
         if line.endswith("\\"):
             pending += line[:-1] + " "
         elif pending or line.strip():
@@ -46,6 +48,16 @@ def helm_values(argv: list[str]) -> dict[str, Any]:
                     target = target.setdefault(key, {})
                 target[leaf] = {"true": True, "false": False}.get(value, value)
     return values
+
+
+def test_the_quick_start_is_set_up_and_run_the_main_job_then_run_the_tests():
+    commands = readme_commands("## Quick start")
+    assert commands == [
+        ["bash", "tests/setup.sh", "&&", "meshjob", "run", "examples/gpt-demo.yaml"],
+        ["bash", "tests/run.sh"],
+    ]
+    for path in ("tests/setup.sh", "tests/run.sh", "examples/gpt-demo.yaml"):
+        assert (ROOT / path).is_file(), path
 
 
 def test_the_readme_lists_helm_install_then_the_kubectl_commands():

@@ -1,0 +1,226 @@
+"""The results tables of README.md and bench/README.md, generated from bench/results/*.json.
+
+Every cell comes from a JSON a `meshjob bench` command wrote; no figure is typed by hand. Each table sits between
+`<!-- NAME: begin -->` and `<!-- NAME: end -->` in its file. `python -m meshjob_bench.readme_tables` prints the
+tables, `--write` puts them in the files; tests/test_readme_tables.py fails when a committed file differs.
+Reads JSON only: no torch, nothing of the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = {"one_to_many": "one-to-many", "many_to_many": "many-to-many", "paper_scale": "paper scale"}
+# summary key -> the name the tables print; the headline shows the first four
+VARIANTS = {
+    "broadcast K=auto greedy": "broadcast K=auto",
+    "global_allgather": "global all-gather (Alpa's)",
+    "alpa default": "Alpa's default (send/recv to host-sharded, all-gather in host)",
+    "send_recv": "send/recv",
+    "local_allgather": "local all-gather",
+    "broadcast K=4 greedy": "broadcast K=4",
+    "broadcast K=16 greedy": "broadcast K=16",
+    "broadcast K=64 greedy": "broadcast K=64",
+    "signal": "signal (1 byte: the bound)",
+}
+MODELS = {"gpt": "GPT", "utransformer": "U-Transformer"}
+Table = Callable[[Path], str]
+
+
+def load(results: Path, name: str) -> dict[str, Any]:
+    """One benchmark's JSON."""
+    data: dict[str, Any] = json.loads((results / f"{name}.json").read_text())
+    return data
+
+
+def rate(text: str) -> str:
+    """A tc rate ("615807kbit", "1gbit") in mbit or gbit, as a reader compares them."""
+    match = re.fullmatch(r"([\d.]+)\s*([kmg]?)bit", text.strip().lower())
+    if match is None:
+        return text
+    bits = float(match.group(1)) * {"": 1e0, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    return f"{bits / 1e9:g} gbit" if bits >= 1e9 and bits % 1e8 == 0 else f"{bits / 1e6:.0f} mbit"
+
+
+def rates(texts: Sequence[str]) -> str:
+    """Several tc rates, their unit said once where they share it: "616 / 205 / 62 mbit"."""
+    shown = [rate(text).split(" ") for text in texts]
+    if all(len(s) == 2 and s[1] == shown[0][1] for s in shown):
+        return " / ".join(s[0] for s in shown) + " " + shown[0][1]
+    return " / ".join(" ".join(s) for s in shown)
+
+
+def emulation(data: dict[str, Any]) -> str:
+    """How the run emulated its NICs: tc tbf and its burst, or what it fell back to."""
+    network = str(data.get("network", ""))
+    burst = re.search(r"burst (\w+)", network)
+    if "tbf" in network:
+        return f"tbf, burst {burst.group(1)}" if burst else "tbf"
+    return network or "not emulated"
+
+
+def nic(data: dict[str, Any], *nic_rates: str) -> str:
+    """The NIC rate(s) and how the run emulated them."""
+    return f"{rates(nic_rates)} ({emulation(data)})"
+
+
+def machine(data: dict[str, Any]) -> str:
+    """The machine a JSON records: cores, torch, GPUs, and the transport the ranks used."""
+    info: dict[str, Any] = data.get("machine", {})
+    parts = [f"{info.get('cpus', '?')} CPUs", f"torch {info.get('torch', '?')}"]
+    if info.get("gpus"):
+        parts.append(f"{info['gpus']}x {info.get('gpu', 'GPU')}")
+    if data.get("transport"):
+        parts.append(str(data["transport"]))
+    return ", ".join(parts) + (" (quick run)" if data.get("quick") else "")
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def headline(results: Path) -> str:
+    """README's one table: resharding as time over L, eager-1F1B + W delay over 1F1B, end to end over Alpa's."""
+    rows: list[list[str]] = []
+    resharding = load(results, "resharding")
+    shown = list(VARIANTS)[:4]
+    for section, name in SECTIONS.items():
+        summary = resharding["summary"][section]
+        cases = len({row["case"] for row in resharding["rows"] if row["section"] == section})
+        figure = "time / L: " + " / ".join(VARIANTS[v].split(" (")[0] for v in shown)
+        value = " / ".join(f"{summary[v]['over_limit']:.2f}" if v in summary else "-" for v in shown)
+        bench = f"`bench resharding`, {name} ({cases} cases, {resharding['tensor_mib']:g} MiB)"
+        rows.append([bench, figure, value, nic(resharding, resharding["nic_rate"]), machine(resharding)])
+    pipeline = load(results, "pipeline")
+    for model, stages in sorted({(r["model"], r["stages_count"]) for r in pipeline["rows"]}, key=str):
+        case = [r for r in pipeline["rows"] if (r["model"], r["stages_count"]) == (model, stages)]
+        delayed = sorted((r for r in case if r["variant"] == "eager-1f1b+wdelay"), key=lambda r: r["comm_fraction"])
+        shares = " / ".join(f"{r['comm_fraction']:.0%}" for r in delayed)
+        figure = f"eager-1F1B + W delay over 1F1B, communication {shares} of compute"
+        value = " / ".join(f"{r['vs_1f1b']:.2f}x" for r in delayed)
+        bench = f"`bench pipeline`, {MODELS.get(model, model)}, {stages} stages"
+        rows.append([bench, figure, value, nic(pipeline, *(r["nic_rate"] for r in delayed)), machine(pipeline)])
+    e2e = load(results, "e2e")
+    for row in e2e["rows"]:
+        if row["config"] == "meshjob":
+            bench = f"`bench e2e`, {MODELS.get(row['model'], row['model'])}, {e2e['hosts']}x{e2e['devices_per_host']}"
+            figure = "meshjob over Alpa's defaults (meshjob / signal bound)"
+            value = f"{row['vs_alpa']:.2f}x ({row['vs_signal']:.2f})"
+            rows.append([bench, figure, value, nic(e2e, e2e["nic_rate"]), machine(e2e)])
+    machines = {row[-1] for row in rows}
+    if len(machines) == 1:  # one machine ran them all: said once, under the table
+        return markdown(["benchmark", "figure", "measured", "NIC"], [row[:-1] for row in rows]) + (
+            f"\n\nMachine: {machines.pop()}."
+        )
+    return markdown(["benchmark", "figure", "measured", "NIC", "machine"], rows)
+
+
+def resharding_variants(results: Path) -> str:
+    """bench/README.md: every strategy's geometric mean time over L per section, and its ratio to global all-gather."""
+    data = load(results, "resharding")
+    header = ["variant"]
+    for name in SECTIONS.values():
+        header += [f"{name}: time / L", "x vs global all-gather"]
+    rows = []
+    for variant, label in VARIANTS.items():
+        row = [label]
+        for section in SECTIONS:
+            got = data["summary"][section].get(variant)
+            row += [f"{got['over_limit']:.2f}", f"{got['speedup_vs_global_allgather']:.2f}"] if got else ["-", "-"]
+        rows.append(row)
+    setup = f"{data['tensor_mib']:g} MiB, median of {data['repeats']}"
+    return markdown(header, rows) + f"\n\nNIC {nic(data, data['nic_rate'])}, {setup}. Machine: {machine(data)}."
+
+
+def pipeline_cases(results: Path) -> str:
+    """bench/README.md: every pipeline case, its schedules against 1F1B and the signal bound."""
+    data = load(results, "pipeline")
+    by_case: dict[tuple[str, int, float], dict[str, dict[str, Any]]] = {}
+    for row in data["rows"]:
+        by_case.setdefault((row["model"], row["stages_count"], row["comm_fraction"]), {})[row["variant"]] = row
+    rows = []
+    for (model, stages, share), variants in sorted(by_case.items(), key=str):
+        base, eager, delayed = variants["1f1b"], variants["eager-1f1b"], variants["eager-1f1b+wdelay"]
+        predicted = [v["predicted_over_measured"] for v in variants.values()]
+        rows.append(
+            [
+                MODELS.get(model, model),
+                str(stages),
+                f"{share:.0%} ({rate(base['nic_rate'])})",
+                f"{base['vs_signal']:.2f}",
+                f"{eager['vs_1f1b']:.2f}",
+                f"{delayed['vs_1f1b']:.2f}",
+                f"{delayed['vs_signal']:.2f}",
+                f"{delayed['max_vs_signal']:.2f}",
+                f"{min(predicted):.2f}-{max(predicted):.2f}",
+            ]
+        )
+    header = [
+        "model",
+        "stages",
+        "comm / compute (NIC)",
+        "1f1b / signal",
+        "eager-1f1b / 1f1b",
+        "eager-1f1b+wdelay / 1f1b",
+        "eager-1f1b+wdelay / signal",
+        "step bound / signal",
+        "predicted / measured",
+    ]
+    return markdown(header, rows) + f"\n\nNICs at the rate shown ({emulation(data)}). Machine: {machine(data)}."
+
+
+TABLES: dict[str, dict[str, Table]] = {
+    "README.md": {"results": headline},
+    "bench/README.md": {"resharding": resharding_variants, "pipeline": pipeline_cases},
+}
+
+
+def fill(text: str, name: str, table: str) -> str:
+    """text with the table between its markers; an error naming the marker when it is missing."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"no '{begin}' ... '{end}' markers")
+    return text[: start + len(begin)] + "\n" + table + "\n" + text[stop:]
+
+
+def generated(root: Path = ROOT) -> dict[Path, str]:
+    """Each file's text with its tables as the JSON under root/bench/results say."""
+    results = root / "bench" / "results"
+    out = {}
+    for name, tables in TABLES.items():
+        text = (root / name).read_text()
+        for marker, table in tables.items():
+            text = fill(text, marker, table(results))
+        out[root / name] = text
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshjob_bench.readme_tables", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the tables into README.md and bench/README.md")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this checkout)")
+    args = parser.parse_args(argv)
+    if not args.write:
+        for tables in TABLES.values():
+            for marker, table in tables.items():
+                print(f"<!-- {marker} -->\n{table(args.root / 'bench' / 'results')}\n")
+        return 0
+    for path, text in generated(args.root).items():
+        if path.read_text() != text:
+            path.write_text(text)
+            print(f"updated {path.relative_to(args.root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
