@@ -507,22 +507,28 @@ def test_case_text_that_names_no_case_is_refused_with_the_option_and_value():
         main(args)
 
 
-def test_only_the_ranks_a_transfer_uses_sleep_until_its_common_start(tmp_path):
+def test_only_the_ranks_a_transfer_uses_sleep_until_its_common_start(tmp_path, monkeypatch):
     """A rank the transfer does not use goes on at once (to the next barrier), so it does not wake at the
-    start instant and take the shared cores from the transfer's ranks; a rank it uses starts no sooner."""
+    start instant and take the shared cores from the transfer's ranks; a rank it uses sleeps until it."""
     import time
+    import types
 
     import torch.distributed as dist
 
-    from meshjob_bench.resharding import _common_start
+    from meshjob_bench import resharding
 
+    sleeps: list[float] = []
+    monkeypatch.setattr(resharding, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleeps.append))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         before = time.monotonic()
-        start = _common_start(lead_s=2.0, wait=False)
-        assert time.monotonic() - before < 1.0 and start > time.monotonic()
-        start = _common_start(lead_s=0.2, wait=True)
-        assert time.monotonic() >= start
+        start = resharding._common_start(lead_s=2.0, wait=False)
+        assert sleeps == [] and before + 2.0 <= start <= time.monotonic() + 2.0  # the instant, named lead_s ahead
+        before = time.monotonic()
+        start = resharding._common_start(lead_s=2.0, wait=True)
+        after = time.monotonic()
+        (slept,) = sleeps
+        assert 0.0 <= slept <= 2.0 and before <= start - slept <= after  # from when it asked, until the instant
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -282,20 +281,18 @@ def huge_but_valid_job(tag: str, stages: int = 128) -> dict[str, Any]:
     )
 
 
-def _probe_seconds(url: str) -> float:
+def _probe(url: str) -> int:
     import urllib.request
 
-    started = time.monotonic()
     with urllib.request.urlopen(url, timeout=60) as answer:
-        assert answer.status == 200
-    return time.monotonic() - started
+        return int(answer.status)
 
 
 @pytest.mark.timeout(300)
 async def test_a_huge_but_valid_job_delays_neither_another_jobs_pods_nor_the_liveness_probe(cluster):
     """Planning runs in a child process, not on kopf's event loop: a job created just after a huge one gets
-    its pods, and /healthz answers throughout, in a small fraction of the time the huge job's plan takes
-    (relative times from the same run: a loaded machine slows both)."""
+    its pods before the huge one, and /healthz answers again and again while the huge job is planned. How
+    long each took, as fractions of the huge job's time: `meshjob bench operator`'s JSON, section planning."""
     huge, small = "hugejob", "smalljob"
     for tag in (huge, small):
         await prepare_namespace(cluster, tag)
@@ -303,25 +300,19 @@ async def test_a_huge_but_valid_job_delays_neither_another_jobs_pods_nor_the_liv
     await add_nodes(cluster, small, 2)
     health = f"http://127.0.0.1:{free_port()}/healthz"
     async with running_operator(cluster, liveness=health):
-        started = time.monotonic()
         await cluster.create_job(huge_but_valid_job(huge))
         await cluster.create_job(scenario_job(small))
         await wait_pods(cluster, small, 2, timeout=120)
-        small_s = time.monotonic() - started
-        probes: list[float] = []
+        assert await cluster.pods(huge, huge) == []  # the small job did not wait for the huge one's plan
+        probes: list[int] = []
 
         async def huge_placed() -> list[dict] | None:
-            probes.append(await asyncio.to_thread(_probe_seconds, health))
+            probes.append(await asyncio.to_thread(_probe, health))
             return await cluster.pods(huge, huge) or None
 
         await eventually(huge_placed, timeout=240, interval=0.5, what="the huge job's pods")
-        huge_s = time.monotonic() - started
-        print(
-            f"small job's pods after {small_s:.2f} s, the huge job's after {huge_s:.2f} s; "
-            f"/healthz at most {max(probes):.3f} s over {len(probes)} probes"
-        )
-        assert len(probes) >= 3 and small_s < huge_s / 2, (small_s, huge_s)
-        assert max(probes) < huge_s / 5, (probes, huge_s)
+        # a loop busy planning would answer once, when the plan is done (and its pods with it)
+        assert len(probes) >= 3 and set(probes) == {200}, probes
         for tag in (huge, small):
             await delete_and_wait(cluster, tag)
 

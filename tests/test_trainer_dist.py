@@ -234,8 +234,10 @@ def test_cuda_ranks_get_the_nccl_wire_over_every_pair_connected_at_once(monkeypa
     assert wire.rank == 2 and str(wire.device) == "cuda:1" and wire.groups == {(2, 5): [2, 5], (5, 2): [2, 5]}
 
 
-def test_nccl_completion_is_polled_with_growing_pauses_then_its_errors_are_raised():
-    from meshjob_trainer.wire import wait_polling
+def test_nccl_completion_is_polled_with_growing_pauses_then_its_errors_are_raised(monkeypatch):
+    import types
+
+    from meshjob_trainer import wire as wire_module
 
     class Work:
         polls, waited = 0, False
@@ -247,11 +249,12 @@ def test_nccl_completion_is_polled_with_growing_pauses_then_its_errors_are_raise
         def wait(self):
             self.waited = True
 
+    pauses: list[float] = []
+    monkeypatch.setattr(wire_module, "time", types.SimpleNamespace(sleep=pauses.append))
     work = Work()
-    started = time.perf_counter()
-    wait_polling(work, 0.001, 0.002)
+    wire_module.wait_polling(work, 0.001, 0.002)
     assert work.polls == 4 and work.waited
-    assert time.perf_counter() - started >= 0.001 + 0.002 + 0.002
+    assert pauses == [0.001, 0.002, 0.002]  # doubling, at most the longest
 
 
 def test_without_cuda_the_backend_is_gloo():
@@ -346,9 +349,8 @@ def test_one_failing_rank_takes_the_gang_down():
             raise ValueError("rank one broke")
         time.sleep(60)
 
-    started = time.monotonic()
     result = launch(3, target, timeout_s=30, kill_grace_s=0.5)
-    assert time.monotonic() - started < 10
+    assert not result.timed_out  # taken down by rank 1's failure, not at the timeout
     by_rank = {r.rank: r for r in result.ranks}
     assert by_rank[1].exit_code == 1 and "rank one broke" in by_rank[1].error
     assert by_rank[0].exit_code < 0 and by_rank[2].exit_code < 0

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.errors import FieldError, SpecError
 from meshjob_bench.resharding_cases import MAIN_BALANCER, Variant
 from meshjob_bench.resimulate import TOLERANCE, read_run
 
@@ -149,9 +153,6 @@ def columns(summaries: Sequence[RunSummary]) -> list[RunSummary]:
 
 
 def print_comparison(cols: Sequence[RunSummary]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if Console().is_terminal else 160)
     table = Table(
         title="recorded resharding runs side by side (time / L: broadcast K=auto greedy, geometric mean "
@@ -174,6 +175,7 @@ def print_comparison(cols: Sequence[RunSummary]) -> None:
 
 
 def plot(cols: Sequence[RunSummary], path: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,8 +215,6 @@ def plot(cols: Sequence[RunSummary], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from meshjob.errors import FieldError, SpecError
-
     summaries, problems = [], []
     for path in args.runs:
         try:

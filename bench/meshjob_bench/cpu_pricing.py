@@ -15,6 +15,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from meshjob_bench.resharding_cases import ALPA_DEFAULT
 
 
@@ -43,9 +46,6 @@ def cpu_pricing(rows: Sequence[Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def print_cpu_pricing(pricing: dict[str, dict[str, dict[str, float]]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     if not pricing:
         return
     console = Console(width=None if Console().is_terminal else 150)

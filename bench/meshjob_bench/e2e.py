@@ -24,13 +24,21 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_cost, emulated_costs
 from meshjob.costs.devices import ComputeMode, parse_compute
+from meshjob.network.model import emulated_network
+from meshjob.plan.build import build_plan
+from meshjob.simulate.steady import plan_period_s
 from meshjob.spec.api import API_VERSION, KIND
 from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob.units import parse_rate
 from meshjob_bench import parsed_arguments
 from meshjob_bench.machine import machine, transport_here
-from meshjob_bench.pipeline import TBF_BURST_BYTES, TCP_PAYLOAD_PER_FRAME_BYTE
+from meshjob_bench.pipeline import TBF_BURST_BYTES, TCP_PAYLOAD_PER_FRAME_BYTE, emulated_device
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 
@@ -96,10 +104,6 @@ def cost_model(job: TrainingJob, device, nic_bytes_per_s: float):
     """The plan's and the simulator's costs: the device's modelled compute and the emulated cluster's
     network (tc rate `nic_bytes_per_s`, of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE, tbf's
     bucket, and the messages' work on the machine's shared cores)."""
-    from meshjob.costs.compute import CostModel
-    from meshjob.costs.device_costs import emulated_costs
-    from meshjob.network.model import emulated_network
-
     network = replace(
         emulated_network(nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE, os.cpu_count() or 1), burst_bytes=TBF_BURST_BYTES
     )
@@ -109,13 +113,12 @@ def cost_model(job: TrainingJob, device, nic_bytes_per_s: float):
 def planned(job: TrainingJob, compute: ComputeMode, nic_rate: str):
     """The plan every rank runs and the simulator predicts: planned for the NICs and devices it runs on
     (transfer order, receives posted ahead, W delay), and its costs."""
-    from meshjob.plan.build import build_plan
-
     cost = cost_model(job, compute.device, parse_rate(nic_rate))
     return build_plan(job, cost=cost, network=cost.network), cost
 
 
 def _rank_main(job: TrainingJob, plan, compute: ComputeMode, ctx: RankContext) -> dict:
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     from meshjob_trainer.train import train_rank
 
     result = train_rank(ctx.env, job, timeout_s=180.0, compute=compute, plan=plan)
@@ -152,8 +155,6 @@ def run(
     """Median step time of the slowest rank over the timed steps, and the cluster's description. The
     ranks run `plan` (default: each builds build_plan(job)); `records`, when given, gets each rank's
     record (its step times and last step's timeline)."""
-    from meshjob.plan.build import build_plan
-
     ranks_plan, plan = plan, plan or build_plan(job)
     hosts = [plan.placement.host_of(r) for r in range(plan.placement.world_size)]
     with warnings.catch_warnings():
@@ -190,18 +191,12 @@ def predicted_step_s(job: TrainingJob, plan, cost, compute: ComputeMode) -> floa
     """The simulator's steady-state step period for the plan that ran (meshjob.simulate.steady: steps run over
     and over, as measured), on the same NICs and costs, each stage's optimizer step after its last
     action of each step (the ranks wait it too)."""
-    from meshjob.costs.device_costs import emulated_cost
-    from meshjob.simulate.steady import plan_period_s
-
     return plan_period_s(
-        plan, cost, {i: emulated_cost(job, i, compute.device).optimizer_s for i in range(len(job.stages))}
+        plan, cost, {i: emulated_cost(job, i, emulated_device(compute)).optimizer_s for i in range(len(job.stages))}
     )
 
 
 def print_table(rows: list[Row], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(
         "model",
         "config",
@@ -237,6 +232,7 @@ def _delays(r: Row) -> str:
 
 
 def plot(rows: list[Row], path: str, subtitle: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from meshjob.layout.mesh import Mesh
 from meshjob.layout.sharding import ShardingSpec
 from meshjob.network.model import NetworkModel, on_shared_cores
 from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST
@@ -130,8 +131,6 @@ def probe_cases(
 ) -> list[Case]:
     """Per round, one case per link and size, each with a broadcast variant per K, named
     "<link> <MiB> MiB round <r>"."""
-    from meshjob.layout.mesh import Mesh
-
     sender = layout.grid((1, 1), 0)
     neighbour = layout.rank(0, 1)
     targets = {CROSS_HOST: layout.grid((1, 1), 1), INTRA_HOST: Mesh((1, 1), (neighbour,), (0,))}
@@ -234,7 +233,7 @@ def fit_round(samples: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
-    import numpy
+    import numpy  # for this fit only: the module (imported by `meshjob bench resharding`) stays light
 
     coef, *_ = numpy.linalg.lstsq(numpy.array(xs, dtype=float), numpy.array(ys, dtype=float), rcond=None)
     return [float(c) for c in coef]

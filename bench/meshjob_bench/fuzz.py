@@ -47,11 +47,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
+import meshjob.commands.plan  # noqa: F401 - meshjob.cli imports it on first use: here, so no case's time includes it
+from meshjob.cli import main as meshjob_main
 from meshjob.errors import SpecError
 from meshjob.spec.manifest import bounded_fields
 from meshjob.spec.safeyaml import load_documents
 from meshjob_bench import parsed_arguments
+from meshjob_operator.reconcile import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTATIONS = (
@@ -269,11 +274,11 @@ def set_bound(rng: random.Random, doc: dict[str, Any]) -> None:
     places = [(p, c, k) for p, c, k in paths_of(doc) if normalized(p) in BOUNDS]
     path, container, key = rng.choice(places)
     field = BOUNDS[normalized(path)]
-    if field.max_length is not None and field.type in ("string", "int-or-string") and field.maximum is None:
-        container[key] = "x" * (field.max_length + rng.choice([0, 1, 1000]))
-    else:
+    if field.maximum is not None:
         top = int(field.maximum)
         container[key] = rng.choice([top, top + 1, top * 2, top * 1000, 2**63, -1, top // 2])
+    elif field.max_length is not None:  # a string's length is its only bound
+        container[key] = "x" * (field.max_length + rng.choice([0, 1, 1000]))
 
 
 def valid_tweak(rng: random.Random, doc: dict[str, Any]) -> None:
@@ -458,11 +463,9 @@ def timed(case: Case, path: str, budget_s: float, call: Callable[[], tuple[str, 
 
 def plan_file(path: str) -> tuple[str, str]:
     """`meshjob plan PATH --json` in this process: (outcome, first line of stderr)."""
-    from meshjob.cli import main
-
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["plan", path, "--json"])
+        code = meshjob_main(["plan", path, "--json"])
     message = err.getvalue().strip()
     if code == 0 and out.getvalue().strip():
         return "ok", ""
@@ -472,8 +475,6 @@ def plan_file(path: str) -> tuple[str, str]:
 
 
 def validate_body(body: Any) -> tuple[str, str]:
-    from meshjob_operator.reconcile import validate
-
     try:
         validate(body)
     except SpecError as err:
@@ -495,9 +496,6 @@ def run_case(case: Case, budget_s: float, folder: str) -> list[Result]:
 
 
 def run_cases(cases: Iterator[Case], budget_s: float, progress: Callable[[int], None] | None = None) -> list[Result]:
-    import meshjob.commands.plan  # noqa: F401  (imports before the clock starts: time the work, not them)
-    import meshjob_operator.reconcile  # noqa: F401
-
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="meshjob-fuzz-") as folder:
         for n, case in enumerate(cases):
@@ -541,9 +539,6 @@ def summarize(results: Sequence[Result], key: Callable[[Result], str]) -> list[d
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str, first: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     for col in (first, "cases", "ok", "clear errors", "tracebacks", "overruns", "p50 ms", "p99 ms", "max ms"):
         table.add_column(col, justify="left" if col == first else "right")
@@ -563,11 +558,12 @@ def print_table(rows: Sequence[dict[str, Any]], title: str, first: str) -> None:
 
 
 def plot(results: Sequence[Result], path: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    import numpy as np  # with matplotlib: only the plot needs it
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     times = [max(r.seconds, 1e-5) for r in results]
@@ -575,7 +571,7 @@ def plot(results: Sequence[Result], path: str) -> None:
     for name in PATHS:
         mine = [max(r.seconds, 1e-5) * 1e3 for r in results if r.path == name]
         if mine:
-            ax.hist(mine, bins=bins * 1e3, alpha=0.6, label=f"{name} ({len(mine)})")
+            ax.hist(mine, bins=(bins * 1e3).tolist(), alpha=0.6, label=f"{name} ({len(mine)})")
     ax.set_xscale("log")
     ax.set_xlabel("time per case (ms, log scale)")
     ax.set_ylabel("cases")

@@ -13,6 +13,7 @@ from typing import Any
 
 def gpu_visible() -> bool:
     """Whether torch sees a GPU, asking NVML: safe in a process that forks ranks afterwards."""
+    # torch only when called: the module imports without it (`meshjob bench --help` imports every benchmark)
     import torch
 
     return torch.cuda.device_count() > 0
@@ -25,6 +26,7 @@ def transport_here() -> str:
 
 def machine(named: bool = True) -> dict[str, Any]:
     """torch's version, the cores, and with a GPU their number, the first one's name (`named`) and NCCL's version."""
+    # torch only when called: the module imports without it (`meshjob bench --help` imports every benchmark)
     import torch
 
     out: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}

@@ -36,12 +36,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from meshjob.plan.build import build_plan
 from meshjob.spec.api import API_VERSION, KIND
 from meshjob.spec.manifest import ModelSpec, TrainingJob, parse_job
+from meshjob_trainer.launch import launch
 
 FLOAT32 = 4
 VARIANTS = [
@@ -70,7 +74,9 @@ class LiveBytes(TorchDispatchMode):
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -148,7 +154,7 @@ def _tensor_bytes(tensors: Any) -> int:
 
 def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
     """One rank: a warm-up step (AdamW creates its state), then the measured step."""
-    from meshjob.plan.build import build_plan
+    # the trainer (seconds to import) only where a variant runs: `meshjob bench --help` imports every benchmark
     from meshjob_trainer.dist import WorkerContext, init_distributed, shutdown_distributed
     from meshjob_trainer.parallel import tie_gradients
     from meshjob_trainer.reshard import ReshardExecutor
@@ -187,6 +193,7 @@ def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
 def activation_parts(job: TrainingJob) -> dict[str, int]:
     """A_block and A_rest (see the module docstring) for one microbatch of one rank, and the block
     input (one (rows, seq, hidden) fp32 tensor), measured in this process."""
+    # the trainer (seconds to import) only where a variant runs: `meshjob bench --help` imports every benchmark
     from meshjob_trainer.families import build_stage
     from meshjob_trainer.numerics import Numerics
 
@@ -233,8 +240,6 @@ def _parameter_tensors(m: ModelSpec) -> int:
 
 
 def run_variant(precision: str, recompute: str, zero: int, dp: int, quick: bool) -> Row:
-    from meshjob_trainer.launch import launch
-
     job = bench_job(precision, recompute, zero, dp, quick)
     ranks = launch(dp, lambda ctx: measure_rank(ctx.env, job), timeout_s=600).raise_on_failure().values
     measured = {key: max(r[key] for r in ranks) for key in ("parameters", "optimizer", "activations", "stashed")}
@@ -278,9 +283,6 @@ def targets(rows: list[Row], dp: int) -> dict[str, float]:
 
 
 def print_table(rows: list[Row], goals: dict[str, float], dp: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"Memory per rank (Llama, one stage, DP {dp}, GPipe, MiB; measured / expected)")
     for col in (
         "precision",
@@ -321,6 +323,7 @@ def print_table(rows: list[Row], goals: dict[str, float], dp: int) -> None:
 
 
 def plot(rows: list[Row], path: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,13 +22,27 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.errors import FieldError, SpecError
 from meshjob.units import parse_rate, parse_size
 from meshjob_bench.machine import machine
+from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_trainer.launch import launch
 
 LINKS = {"network": 1, "local": 2}  # link -> receiving rank (rank 0 sends)
 RANK_HOSTS = [0, 1, 0]
+
+
+class LinkSummary(TypedDict):
+    """One link's fitted per-message cost: the median over rounds, each round's, and the fit's intercept."""
+
+    message_s: float
+    message_s_rounds: list[float]
+    intercept_over_bytes_at_nic_rate: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +71,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def _send(dist: Any, flat: Any, k: int, dst: int, in_flight: int) -> None:
-    pending = []
+    pending: list[Any] = []  # torch.distributed Work handles, oldest first
     for i, piece in enumerate(flat.tensor_split(k)):
         if len(pending) >= in_flight:
             pending.pop(0).wait()
@@ -73,6 +87,7 @@ def _receive(dist: Any, flat: Any, k: int, src: int) -> None:
 
 def _rank_main(nbytes: int, chunks: list[int], repeats: int, rounds: int, in_flight: int, ctx: Any) -> list[dict]:
     """One rank: every round, link, repeat and K in turn; returns the transfers it timed."""
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     import torch
     import torch.distributed as dist
 
@@ -121,6 +136,7 @@ def _median_round(round_fits: list[dict[str, tuple[float, float]]]) -> int:
 
 
 def plot(medians: dict[str, dict[int, float]], fits: dict[str, tuple[float, float]], path: str, title: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,10 +158,6 @@ def plot(medians: dict[str, dict[int, float]], fits: dict[str, tuple[float, floa
 
 
 def main(args: argparse.Namespace) -> int:
-    from meshjob.errors import FieldError, SpecError
-    from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
-    from meshjob_trainer.launch import launch
-
     size_text, chunk_text, repeats, rounds = args.size, args.chunks, args.repeats, args.rounds
     if args.quick:
         size_text, chunk_text, repeats, rounds = "256KiB", "1,16,64", 2, 1
@@ -198,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
         for link in LINKS
         for k in chunks
     ]
-    summary = {
+    summary: dict[str, LinkSummary] = {
         link: {
             "message_s": statistics.median(f[link][1] for f in round_fits),
             "message_s_rounds": [f[link][1] for f in round_fits],
@@ -238,10 +250,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(rows: list[dict], summary: dict[str, dict[str, float]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def _print(rows: list[dict], summary: dict[str, LinkSummary], title: str) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("link", "K", "fastest ms", "fit ms"):
         table.add_column(col, justify="left" if col == "link" else "right")

@@ -24,6 +24,7 @@ from meshjob.plan.build import plan_boundary
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob.spec.manifest import ReshardingSpec
 from meshjob_bench.machine import machine
+from meshjob_trainer.launch import launch
 
 SRC, DST = Mesh.grid((2, 4), 0, 0), Mesh.grid((2, 4), 8, 2)
 CASES = {"S0R -> RR": ("S0R", "RR"), "RS1 -> S1R": ("RS1", "S1R"), "S01R -> RS01": ("S01R", "RS01")}  # (send, recv)
@@ -64,6 +65,7 @@ def measure(env: Any, shape: tuple[int, int], chunks: int, repeats: int, transpo
     """One rank: every (case, strategy) on each transport in turn (nccl: CUDA tensors, gloo: CPU ones);
     each repetition starts after a barrier and ends when this rank's part is done. Returns this rank's
     seconds per run."""
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     import torch
     import torch.distributed as dist
 
@@ -139,8 +141,8 @@ def summarise(per_rank: list[dict[str, Any]], shape: tuple[int, int], chunks: in
     by = {(r["case"], r["strategy"], r["transport"]): r["median_s"] for r in rows}
     for r in rows:
         r["over_broadcast"] = r["median_s"] / by[(r["case"], "broadcast", r["transport"])]
-        pair = [by.get((r["case"], r["strategy"], t)) for t in ("nccl", "gloo")]
-        r["nccl_over_gloo"] = pair[0] / pair[1] if None not in pair else None
+        nccl, gloo = (by.get((r["case"], r["strategy"], t)) for t in ("nccl", "gloo"))
+        r["nccl_over_gloo"] = nccl / gloo if nccl is not None and gloo is not None else None
     return {
         "shape": list(shape),
         "bytes": shape[0] * shape[1] * 4,
@@ -165,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: nccl (needs a GPU), gloo or tcp (CPU tensors over that wire)",
     )
     args = parser.parse_args(argv)
-    from meshjob_trainer.launch import launch
 
     cols = 4096
     shape = (args.mib * 2**20 // 4 // cols, cols)

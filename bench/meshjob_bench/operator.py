@@ -3,7 +3,10 @@
   - latency: one job of H hosts (H = 1..64; one device per host, one data-parallel stage), from the
     create request until H pods exist; reported per size and as a ratio to the 1-host job;
   - throughput: N concurrent 2-host jobs created at once, until every one has its pods: jobs/s,
-    and the ratio of the batch time to N x the single 2-host job latency (below 1 = concurrency pays).
+    and the ratio of the batch time to N x the single 2-host job latency (below 1 = concurrency pays);
+  - planning: a huge but valid job (seconds of CPU to plan) and a small one created just after it: the
+    small job's pods and the liveness probe's answers as fractions of the time until the huge job's pods
+    (planning runs in a child process, not on kopf's event loop: targets below 1/2 and 1/5).
 Against the real kube-apiserver of KUBEBUILDER_ASSETS (or ../shared/envtest) when present, else
 kmock. The operator runs in this process (its own thread and event loop) with its real handlers.
 Absolute times on a shared 2-core machine are noise: compare the ratios.
@@ -20,6 +23,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "envtest", "kmock"),
         default="auto",
         help="API server: the real one when available (auto), or force one",
+    )
+    parser.add_argument(
+        "--huge-stages",
+        type=int,
+        default=128,
+        help="stages of the planning section's huge job (128: the spec's bounds; 0: no planning section)",
     )
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
 
@@ -89,7 +99,8 @@ async def _until_pods(c: h.Cluster, namespace: str, jobs: dict[str, int], timeou
         counts: dict[str, int] = {}
         for pod in (found or {}).get("items") or []:
             job = (pod["metadata"].get("labels") or {}).get("meshjob.io/job-name")
-            counts[job] = counts.get(job, 0) + 1
+            if job is not None:
+                counts[job] = counts.get(job, 0) + 1
         if all(counts.get(job, 0) >= n for job, n in jobs.items()):
             return
         await asyncio.sleep(0.02)
@@ -125,8 +136,71 @@ async def _throughput(c: h.Cluster, count: int) -> float:
     return time.perf_counter() - started
 
 
-async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str) -> dict[str, Any]:
-    async with _cluster(server) as c, h.running_operator(c):
+def huge_job(name: str, namespace: str, stages: int, resource: str) -> dict[str, Any]:
+    """Every count within the spec's bounds, and seconds of CPU to plan: `stages` stages of 2x8 devices on 2 hosts
+    of 1024 devices, 128 microbatches (at 128 stages the schedule's 16384 cells are its bound)."""
+    body = h.job_body(
+        name,
+        namespace,
+        hosts=2,
+        devices_per_host=1024,
+        model={"kind": "gpt", "layers": stages, "hidden": 64, "heads": 8, "vocab": 64, "seqLen": 16},
+        training={"steps": 3, "globalBatch": 256, "microbatches": 128},
+        stages=[{"layers": [i, i + 1], "mesh": [2, 8], "tensorParallelDim": 1} for i in range(stages)],
+        resharding={"strategy": "broadcast", "balancer": "greedy", "budgetSeconds": 1},
+        schedule={"kind": "1f1b", "weightGradDelay": "auto"},
+    )
+    body["spec"]["topology"]["deviceResource"] = resource
+    return body
+
+
+def _probe_seconds(url: str) -> float:
+    started = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        if answer.status != 200:
+            raise RuntimeError(f"liveness probe {url}: HTTP {answer.status}")
+    return time.perf_counter() - started
+
+
+async def _planning(c: h.Cluster, stages: int, liveness: str) -> dict[str, Any]:
+    """A huge job, then a small one at once: until each one's pods, and the liveness probe meanwhile."""
+    huge, small = "plan-huge", "plan-small"
+    for ns, devices in ((huge, 1024), (small, 2)):
+        await c.create_namespace(ns)
+        for i in range(2):
+            await c.add_node(f"{ns}-n{i}", devices, resource=f"example.com/{ns}")
+    small_body = h.job_body("job", small, hosts=2, devices_per_host=2)
+    small_body["spec"]["topology"]["deviceResource"] = f"example.com/{small}"
+    started = time.perf_counter()
+    await c.create_job(huge_job("job", huge, stages, f"example.com/{huge}"))
+    await c.create_job(small_body)
+    await _until_pods(c, small, {"job": 2})
+    small_s = time.perf_counter() - started
+    probes: list[float] = []
+    deadline = time.monotonic() + 600
+    while not await c.pods("job", huge):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the huge job's pods not created within 600 s")
+        probes.append(await asyncio.to_thread(_probe_seconds, liveness))
+        await asyncio.sleep(0.5)
+    huge_s = time.perf_counter() - started
+    for ns in (huge, small):
+        await c.delete_job("job", ns)
+    return {
+        "huge_job": {"stages": stages, "microbatches": 128, "devices": 2 * 1024},
+        "small_job_seconds": round(small_s, 3),
+        "huge_job_seconds": round(huge_s, 3),
+        "small_over_huge": round(small_s / huge_s, 4),
+        "probes_before_huge_placed": len(probes),
+        "max_probe_seconds": round(max(probes), 4) if probes else None,
+        "max_probe_over_huge": round(max(probes) / huge_s, 4) if probes else None,
+        "targets": {"small_over_huge": "< 0.5", "max_probe_over_huge": "< 0.2"},
+    }
+
+
+async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str, huge_stages: int = 0) -> dict[str, Any]:
+    liveness = f"http://127.0.0.1:{h.free_port()}/healthz"
+    async with _cluster(server) as c, h.running_operator(c, liveness=liveness):
         kind = "kube-apiserver v1.20 (envtest)" if c.real else "kmock (in-memory)"
         latency: dict[int, float] = {}
         for hosts in sizes:
@@ -134,6 +208,7 @@ async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str) -> d
             latency[hosts] = times[len(times) // 2]
         single_2 = latency.get(2) or sorted([await _latency(c, 2, r) for r in range(repeats)])[repeats // 2]
         batch = await _throughput(c, jobs)
+        planning = await _planning(c, huge_stages, liveness) if huge_stages > 0 else None
     base = latency[min(sizes)]
     return {
         "server": kind,
@@ -153,6 +228,7 @@ async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str) -> d
             "jobs_per_second": round(jobs / batch, 2),
             "ratio_to_sequential": round(batch / (jobs * single_2), 3),
         },
+        "planning": planning,
         "note": "median of repeats; ratios are the result, absolute times are noise on a shared 2-core machine",
     }
 
@@ -168,10 +244,17 @@ def print_table(result: dict[str, Any]) -> None:
         f"{t['jobs_per_second']:.1f} jobs/s, "
         f"{t['ratio_to_sequential']:.2f} x the time of one job after another"
     )
+    p = result.get("planning")
+    if p:
+        print(
+            f"a {p['huge_job']['stages']}-stage job planning: a small job's pods after {p['small_over_huge']:.3f} x "
+            f"its time, /healthz at most {p['max_probe_over_huge']} x it over {p['probes_before_huge_placed']} probes"
+        )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Create->all-pods time and ms per pod against the host count (log scale)."""
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,9 +278,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.jobs < 1 or args.repeats < 1:
-        raise SystemExit(f"--jobs={args.jobs} / --repeats={args.repeats} are invalid: both must be >= 1")
-    result = asyncio.run(run_bench(_sizes(args.sizes), args.jobs, args.repeats, args.server))
+    if args.jobs < 1 or args.repeats < 1 or args.huge_stages < 0:
+        raise SystemExit(
+            f"--jobs={args.jobs} / --repeats={args.repeats} / --huge-stages={args.huge_stages} are invalid: "
+            "jobs and repeats >= 1, huge stages >= 0"
+        )
+    result = asyncio.run(run_bench(_sizes(args.sizes), args.jobs, args.repeats, args.server, args.huge_stages))
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

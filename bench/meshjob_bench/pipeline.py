@@ -25,6 +25,8 @@ no schedule of the plan's transfers finishes a step sooner; max_vs_signal = sign
 over it, the most of signal any schedule can reach); the issue's targets,
 checked on the measured rows; a table, JSON, a timeline PNG per model like figure 4 and a bar chart
 like figure 9 (the targets, the table and the figures: meshjob_bench.pipeline_report).
+Under emulated compute the JSON's `emulated_compute` also checks the device's waits themselves: one rank, no
+network, its measured step and forward over the modelled ones (target: within 5%).
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshjob.costs.devices import ComputeMode, parse_compute
+from meshjob.costs.compute import CostModel
+from meshjob.costs.device_costs import emulated_cost, emulated_costs
+from meshjob.costs.devices import ComputeMode, DeviceProfile, parse_compute, parse_device
 from meshjob.errors import FieldError, SpecError
+from meshjob.network.model import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
+from meshjob.plan.build import build_plan
+from meshjob.simulate.simulator import simulate_plan
+from meshjob.simulate.steady import plan_period_s
+from meshjob.simulate.step_bound import nic_bytes, step_bound
 from meshjob.spec.api import API_VERSION, KIND
-from meshjob.spec.manifest import TrainingJob, parse_job
+from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob_bench import parsed_arguments
 from meshjob_bench.machine import machine, transport_here
 from meshjob_bench.pipeline_report import check_targets, plot_bars, plot_timelines, print_table, print_targets
-from meshjob_bench.pipeline_rows import Config, Measured
+from meshjob_bench.pipeline_rows import Config, Measured, StageMeasured
 from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
@@ -131,6 +140,13 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
     return parse_job(doc)
 
 
+def emulated_device(compute: ComputeMode) -> DeviceProfile:
+    """The device whose modelled time emulated compute waits (parse_compute gives it one)."""
+    if compute.device is None:
+        raise ValueError(f"{compute.kind} compute models no device")
+    return compute.device
+
+
 def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: bool = True):
     """The plan's and the simulator's costs: the device's modelled compute, the emulated NICs (tc rate
     `nic_bytes_per_s`, of which TCP payload gets TCP_PAYLOAD_PER_FRAME_BYTE, and tbf's bucket), and
@@ -139,10 +155,6 @@ def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: 
     and tbf's bucket does not shorten it. Measured: U-Transformer, 4 stages, comm fraction 1.0, 1 MiB in
     4 messages of 256 KiB: a held send's next one was issued 0.28-0.33 ms (median) after its bytes could
     have left)."""
-    from meshjob.costs.compute import CostModel
-    from meshjob.costs.device_costs import emulated_costs
-    from meshjob.network.model import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
-
     network = NetworkModel(
         nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
         burst_bytes=TBF_BURST_BYTES if emulated_nics else 0.0,
@@ -156,10 +168,6 @@ def cost_model(job: TrainingJob, device, nic_bytes_per_s: float, emulated_nics: 
 
 def busiest_link_bytes(job: TrainingJob) -> float:
     """Bytes through the busiest NIC direction in one microbatch (every boundary, forward and backward)."""
-    from meshjob.network.model import NetworkModel
-    from meshjob.plan.build import build_plan
-    from meshjob.simulate.step_bound import nic_bytes
-
     plan = build_plan(job)
     per_link: dict = {}
     for b in plan.boundaries:
@@ -171,13 +179,12 @@ def busiest_link_bytes(job: TrainingJob) -> float:
 def nic_rate_for(job: TrainingJob, device, comm_fraction: float) -> float:
     """Bytes/s at which the busiest link's bytes of a microbatch take `comm_fraction` of a stage's
     compute of one microbatch (F + I + W, the slowest stage)."""
-    from meshjob.costs.device_costs import emulated_costs
-
     compute = max(c.forward_s + c.backward_s for c in emulated_costs(job, device))
     return busiest_link_bytes(job) / (comm_fraction * compute)
 
 
 def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -> dict:
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     from meshjob_trainer.train import train_rank
 
     result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute, plan=plan)
@@ -196,7 +203,9 @@ def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -
     }
 
 
-def run_variant(job: TrainingJob, plan, config: Config, use_netns: bool, compute: ComputeMode) -> tuple[Measured, str]:
+def run_variant(
+    job: TrainingJob, plan, config: Config, variant: str, use_netns: bool, compute: ComputeMode
+) -> tuple[Measured, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with EmulatedCluster(len(job.stages), config.nic_rate, use_netns=use_netns) as cluster:
@@ -210,49 +219,49 @@ def run_variant(job: TrainingJob, plan, config: Config, use_netns: bool, compute
             )
     if not result.ok:
         raise RuntimeError(f"{job.name}: {result.first_failure.describe() if result.first_failure else 'failed'}")
-    return measure(job, result.values), network
+    return measure(job, result.values, config, variant), network
 
 
-def measure(job: TrainingJob, records: list[dict]) -> Measured:
+def measure(job: TrainingJob, records: list[dict], config: Config, variant: str) -> Measured:
     # Step 0 warms up (allocations, first sends). Ranks are not synchronised between steps (no
     # collective ends a step here): a later stage starts its next step while the first one drains,
     # so one step's durations differ across ranks by their skew, while every rank's mean over the
     # timed steps tends to the pipeline's period
     step_s = statistics.median(statistics.mean(r["step_seconds"][1:]) for r in records)
-    stages: dict[int, dict[str, float]] = {}
+    stages: dict[int, StageMeasured] = {}
     timelines: dict[int, tuple[float, list]] = {}
+    origin = min(r["origin"] for r in records)
     for r in records:  # one device per stage in the bench jobs; several would be averaged here
         busy = sum(r["step_seconds"])
+        o = r["origin"]
         stages[r["stage"]] = {
             "bubble": max(0.0, 1.0 - r["compute_s"] / busy) if busy else 0.0,
             "overlap": max(0.0, 1.0 - r["wait_s"] / r["comm_s"]) if r["comm_s"] > 0 else 1.0,
             "peak_stashed": r["peak_stashed"],
             "compute_s_per_step": r["compute_s"] / max(1, r["steps"]),
+            # compute actions from the earliest rank's step start
+            "timeline": [
+                (name, round(o - origin + a, 6), round(o - origin + b, 6))
+                for name, a, b in r["timeline"]
+                if name != "wait"
+            ],
         }
-        timelines[r["stage"]] = (r["origin"], r["timeline"])
-    origin = min(o for o, _ in timelines.values())
-    for stage, (o, timeline) in timelines.items():  # compute actions from the earliest rank's step start
-        stages[stage]["timeline"] = [
-            [name, round(o - origin + a, 6), round(o - origin + b, 6)] for name, a, b in timeline if name != "wait"
-        ]
+        timelines[r["stage"]] = (o, r["timeline"])
     losses = [x for r in records for x in r["losses"]]
     tokens = job.training.global_batch * job.model.seq_len
     return Measured(
-        None,
-        "",
+        config,
+        variant,
         step_s,
         tokens / step_s,
         stages,
-        timelines,  # type: ignore[arg-type]
+        timelines,
         losses[-1] if losses else float("nan"),
     )
 
 
 def calibrated_cost(job: TrainingJob, m: Measured, nic_bytes_per_s: float, emulated_nics: bool):
     """Real compute: the formula's costs with its one constant taken from this run's measured compute."""
-    from meshjob.costs.compute import CostModel
-    from meshjob.network.model import NetworkModel
-
     base = CostModel(
         network=NetworkModel(
             nic_bytes_per_s=nic_bytes_per_s * TCP_PAYLOAD_PER_FRAME_BYTE,
@@ -274,14 +283,9 @@ def predict(job: TrainingJob, plan, m: Measured, config: Config, compute: Comput
     the steady-state period (meshjob.simulate.steady: steps run over and over, as measured); one isolated step
     beside it, and the step bound (meshjob.simulate.step_bound) on the same costs: no schedule of this plan's
     transfers runs one step faster."""
-    from meshjob.costs.device_costs import emulated_cost
-    from meshjob.simulate.simulator import simulate_plan
-    from meshjob.simulate.steady import plan_period_s
-    from meshjob.simulate.step_bound import step_bound
-
     if compute.emulated:
         cost = cost_model(job, compute.device, config.nic_bytes_per_s, emulated_nics)
-        optimizer = [emulated_cost(job, i, compute.device).optimizer_s for i in range(len(job.stages))]
+        optimizer = [emulated_cost(job, i, emulated_device(compute)).optimizer_s for i in range(len(job.stages))]
     else:
         cost, optimizer = calibrated_cost(job, m, config.nic_bytes_per_s, emulated_nics), [0.0] * len(job.stages)
     result = simulate_plan(plan, cost)
@@ -348,8 +352,6 @@ def run_config(
     model: str, stages: int, fractions: list[float], variants: list[str], args, compute: ComputeMode, steps: int
 ) -> tuple[list[Measured], list[dict], str]:
     """Every variant at every fraction of one model and stage count (signal once: it sends 1 byte)."""
-    from meshjob.plan.build import build_plan
-
     device = compute.device or parse_compute("emulated", None).device
     measured, rows, network = [], [], ""
     signal = None
@@ -367,12 +369,12 @@ def run_config(
             cost = cost_model(job, device, config.nic_bytes_per_s)
             # planned for the NICs it runs on: transfer order, receives posted ahead, W delay
             plan = build_plan(job, cost=cost, network=cost.network)
-            m, network = run_variant(job, plan, config, not args.no_netns, compute)
-            m.config, m.variant = config, variant
+            m, network = run_variant(job, plan, config, variant, not args.no_netns, compute)
             measured.append(m)
             rows.append(row(job, plan, m, compute, predict(job, plan, m, config, compute, "namespaces" in network)))
             if variant == "signal":
                 signal = rows[-1]
+    assert signal is not None, "parse_sweep always runs signal"
     for r in rows:  # ratios at the same fraction; signal's is the same at every fraction
         base = next(b for b in rows if b["variant"] == "1f1b" and b["comm_fraction"] == r["comm_fraction"])
         r["vs_1f1b"] = r["tokens_per_s"] / base["tokens_per_s"]
@@ -388,8 +390,6 @@ def run_config(
 
 def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: dict) -> dict:
     """One JSON row: the exact configuration, the measurement and the simulator's prediction."""
-    from meshjob.spec.manifest import job_to_dict
-
     st = m.stages
     out = {
         "model": m.config.model,
@@ -412,6 +412,74 @@ def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: d
     if not compute.emulated:
         out["final_loss"] = m.final_loss
     return out
+
+
+# The emulated device's own check: one rank of one stage, no network, so a step is M x (F + B) + the optimizer
+# step of waits plus the executor's own time between them (about fixed: ~25 ms a step on a slow shared machine).
+# At 2 TFLOP/s each F waits ~0.12 s, long enough that this time is a few percent of the step.
+EMULATED_CHECK_DEVICE = "2"
+EMULATED_CHECK_STEPS = 4
+
+
+def emulated_compute_job(microbatches: int = 4, samples: int = 2, steps: int = EMULATED_CHECK_STEPS) -> TrainingJob:
+    """One stage of a 2-layer GPT on one device: the job of the emulated-compute check."""
+    return parse_job(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": "one-rank"},
+            "spec": {
+                "model": {"kind": "gpt", "layers": 2, "hidden": 1024, "heads": 8, "vocab": 512, "seqLen": 1024},
+                "training": {
+                    "steps": steps,
+                    "globalBatch": samples * microbatches,
+                    "microbatches": microbatches,
+                    "learningRate": 1e-3,
+                    "seed": 0,
+                },
+                "topology": {"devicesPerHost": 1},
+                "stages": [{"layers": [0, 2], "mesh": [1, 1]}],
+                "schedule": {"kind": "1f1b", "weightGradDelay": 0},
+            },
+        }
+    )
+
+
+def _emulated_compute_rank(
+    job: TrainingJob, device: DeviceProfile, ctx: RankContext
+) -> tuple[list[float], list[float]]:
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
+    from meshjob_trainer.train import train_rank
+
+    result = train_rank(ctx.env, job, compute=ComputeMode("emulated", device))
+    forwards = [end - start for name, start, end in result.stats.timeline if name.startswith("F")]
+    return result.step_seconds, forwards
+
+
+def emulated_compute_check() -> dict[str, Any]:
+    """How long the emulated device's waits take against the modelled time, as measured/modelled ratios: the
+    median timed step against M x (F + B) + the optimizer step, the median forward against F."""
+    job, device = emulated_compute_job(), parse_device(EMULATED_CHECK_DEVICE)
+    cost = emulated_cost(job, 0, device)
+    result = launch(1, lambda ctx: _emulated_compute_rank(job, device, ctx), timeout_s=120)
+    if not result.ok:
+        raise RuntimeError(f"emulated compute: {result.first_failure.describe() if result.first_failure else 'failed'}")
+    step_seconds, forwards = result.values[0]
+    modelled_step_s = job.training.microbatches * (cost.stage.forward_s + cost.stage.backward_s) + cost.optimizer_s
+    step_s, forward_s = statistics.median(step_seconds[1:]), statistics.median(forwards)
+    return {
+        "device": device.to_json(),
+        "microbatches": job.training.microbatches,
+        "timed_steps": len(step_seconds) - 1,
+        "modelled_step_s": modelled_step_s,
+        "measured_step_s": step_s,
+        "step_over_modelled": step_s / modelled_step_s,
+        "modelled_forward_s": cost.stage.forward_s,
+        "measured_forward_s": forward_s,
+        "forward_over_modelled": forward_s / cost.stage.forward_s,
+        "note": "one rank, no network: the median timed step over M x (F + B) + the optimizer step and the "
+        "median F over the modelled F; above 1 by the executor's own time between the waits (target: within 5%)",
+    }
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
@@ -446,6 +514,12 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     print_targets(targets)
     pngs = plot_timelines(measured, args.out, subtitle) + [plot_bars(rows, args.out, subtitle)]
     errors = [abs(r["predicted_over_measured"] - 1) for r in rows]
+    check = emulated_compute_check() if compute.emulated else None
+    if check is not None:
+        print(
+            f"emulated compute on one rank: step {check['step_over_modelled']:.3f} x modelled, "
+            f"forward {check['forward_over_modelled']:.3f} x modelled"
+        )
     out = {
         "compute": compute.to_json(),
         "network": network,
@@ -460,6 +534,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         "targets": targets,
         "plots": pngs,
         "simulator": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
+        "emulated_compute": check,
         "note": "throughput = global-batch tokens / the steady-state step period (over ranks, the median of "
         "each rank's mean timed step); vs_signal = fraction "
         "of the 1-byte-transfer bound; comm_fraction = the busiest NIC direction's bytes of one "

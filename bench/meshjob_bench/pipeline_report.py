@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 
+from rich.console import Console
+from rich.table import Table
+
 from meshjob.units import format_rate
 from meshjob_bench.pipeline_rows import Measured
 
@@ -17,9 +20,6 @@ INF = float("inf")
 
 
 def print_table(rows: list[dict], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(
         "model",
         "S",
@@ -118,6 +118,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def _plt():
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,22 @@ class Config:
         return f"{max(1, round(self.nic_bytes_per_s * 8 / 1e3))}kbit"
 
 
+class StageMeasured(TypedDict):
+    """One stage of a measured run."""
+
+    bubble: float  # the share of its steps' time it did not compute
+    overlap: float  # the share of its communication hidden behind compute
+    peak_stashed: int  # microbatches forwarded and not yet backwarded at once, at most
+    compute_s_per_step: float
+    timeline: list[tuple[str, float, float]]  # its last step's compute actions, from the earliest rank's step start
+
+
 @dataclass
 class Measured:
     config: Config
     variant: str
     step_s: float  # the steady-state period: over ranks, the median of each one's mean timed step
     tokens_per_s: float
-    stages: dict[int, dict[str, float]]
+    stages: dict[int, StageMeasured]
     timelines: dict[int, tuple[float, list]]  # stage -> (origin, last step's timeline)
     final_loss: float

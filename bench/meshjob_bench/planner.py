@@ -38,13 +38,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from meshjob.layout.mesh import Mesh
 from meshjob.layout.sharding import ShardingSpec
 from meshjob.network.host_task import HostTask
 from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan, host_task
 from meshjob.resharding.balance import BALANCERS, Schedule, balance, list_schedule
 from meshjob.resharding.strategies import STRATEGIES
 from meshjob.resharding.tasks import decompose
+from meshjob.resharding.window import separately_balanced, with_shares
+from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 from meshjob_bench import parsed_arguments
 
 ITEMSIZE = 4
@@ -132,8 +138,6 @@ def random_tasks(seed: int, n: int = 20, hosts: int = 4) -> list[HostTask]:
 
 def host_tasks(case: Case) -> list[HostTask]:
     """Decompose the case and lift its unit tasks to hosts."""
-    from meshjob.plan.build import host_task
-
     if case.name.startswith("random"):
         return random_tasks(0)
     src = Mesh.grid(case.src_shape)
@@ -203,8 +207,6 @@ def u_pair_job(hidden: int = 256, seq_len: int = 64, **resharding: Any) -> Any:
     activation, so three tensors and their gradients cross the same pair. Stage 0 is tensor
     parallel across 2 hosts (every tensor replicated on both: either may send), stage 1 data
     parallel over 3 hosts."""
-    from meshjob.spec.manifest import parse_job
-
     doc = copy.deepcopy(U_PAIR)
     doc["spec"]["model"].update({"hidden": hidden, "seqLen": seq_len})
     doc["spec"]["resharding"].update(resharding)
@@ -215,8 +217,6 @@ def u_four_stages_job(**resharding: Any) -> Any:
     """A paper-scale U-Transformer on four (2, 4) / (4, 2) meshes, 4 devices per host: the (2, 4)
     stages are tensor parallel across their 2 hosts (activations replicated on both), the (4, 2)
     ones data parallel over their 4 hosts."""
-    from meshjob.spec.manifest import parse_job
-
     tp_across = {"mesh": [2, 4], "tensorParallelDim": 0, "dataParallelDim": 1}
     dp_across = {"mesh": [4, 2], "dataParallelDim": 0, "tensorParallelDim": 1}
     doc = copy.deepcopy(U_PAIR)
@@ -235,7 +235,6 @@ def u_four_stages_job(**resharding: Any) -> Any:
 
 def window_jobs() -> list[tuple[str, Any]]:
     """(case name, builder of the job for a balancer)."""
-    from meshjob.spec.manifest import job_to_dict, load_job, parse_job
 
     def example(name: str) -> Any:
         def build(balancer: str) -> Any:
@@ -263,9 +262,6 @@ def window_jobs() -> list[tuple[str, Any]]:
 
 def per_boundary(plan: Any) -> list[Schedule]:
     """Each window of the plan, its boundaries balanced alone and then run together."""
-    from meshjob.plan.build import host_task
-    from meshjob.resharding.window import separately_balanced
-
     spec = plan.job.resharding
     tasks = [[host_task(t, plan.placement.host_of) for t in b.tasks] for b in plan.boundaries]
     return [
@@ -285,9 +281,6 @@ def per_boundary(plan: Any) -> list[Schedule]:
 
 def on_network(plan: Any, network: NetworkModel) -> list[Schedule]:
     """Each window's joint plan (senders, order) re-timed on another network model."""
-    from meshjob.plan.build import host_task
-    from meshjob.resharding.window import with_shares
-
     spec, out = plan.job.resharding, []
     for w in plan.windows:
         tasks = with_shares(
@@ -298,8 +291,6 @@ def on_network(plan: Any, network: NetworkModel) -> list[Schedule]:
 
 
 def bench_window(name: str, build: Any, network: NetworkModel) -> list[WindowRow]:
-    from meshjob.plan.build import build_plan
-
     rows = []
     for balancer in BALANCERS:
         job = build(balancer)
@@ -353,9 +344,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def print_tables(rows: Sequence[Row], windows: Sequence[WindowRow], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=150)
     table = Table(title=f"{title} — part 1: makespan / lower bound, full vs half duplex")
     for col in (
@@ -426,6 +414,7 @@ def gmean(xs: Sequence[float]) -> float:
 
 
 def plot(rows: Sequence[Row], windows: Sequence[WindowRow], path: str, title: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -467,7 +456,7 @@ def plot(rows: Sequence[Row], windows: Sequence[WindowRow], path: str, title: st
 def _parse(args: argparse.Namespace) -> tuple[int | str, NetworkModel]:
     chunks: int | str = args.chunks if args.chunks == "auto" else int(args.chunks) if args.chunks.isdigit() else -1
     if (
-        chunks != "auto"
+        isinstance(chunks, int)
         and chunks < 1
         or args.nic_gbit <= 0
         or args.budget < 0

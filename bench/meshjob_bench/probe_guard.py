@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,8 +81,6 @@ def machine_busy_s(proc_stat: str, ticks_per_s: float) -> float:
 
 
 def cpu_snapshot() -> CpuSnapshot:
-    import resource
-
     with open("/proc/stat") as f:
         busy = machine_busy_s(f.read(), os.sysconf("SC_CLK_TCK"))
     own = sum(

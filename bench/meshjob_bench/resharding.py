@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import time
 import warnings
@@ -34,6 +35,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.errors import FieldError, SpecError
+from meshjob.layout.sharding import tile, to_index
 from meshjob.network.model import NetworkModel
 from meshjob.units import parse_rate
 from meshjob_bench import engine_costs, probe_guard
@@ -121,6 +127,7 @@ def measure_engine(
 
 
 def _expected(shape: tuple[int, ...]) -> Any:
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     import torch
 
     return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
@@ -132,6 +139,7 @@ def _common_start(lead_s: float = 0.03, wait: bool = True, group: Any = None) ->
     releases ranks milliseconds apart on two cores, and the spread would be timed as transfer.
     `wait` False (a rank the transfer does not use): no sleep; it goes on to the next barrier at once, so
     it does not wake with the transfer's ranks and take the shared cores from them at their start."""
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     import torch
     import torch.distributed as dist
 
@@ -147,12 +155,11 @@ def _common_start(lead_s: float = 0.03, wait: bool = True, group: Any = None) ->
 def _minor_faults() -> int:
     """This process's minor page faults so far: a transfer that faults its buffers' pages in pays ~1 µs of
     CPU per 4 KiB on the shared cores (meshjob_trainer.heap)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _case_routes(case: Case, network: NetworkModel | None) -> list[Any]:
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     from meshjob_trainer.route import make_routes
 
     return make_routes(case.boundaries, {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv}, network)
@@ -170,10 +177,10 @@ def _rank_main(
     `network`: the model the cases were planned on (each rank's program and its NIC window follow it).
     `transport` tcp or gloo: CPU tiles, the wire between hosts (meshjob_trainer.wire.wire_for); nccl: the tiles
     live on the GPU and cross over NCCL; the common starts stay on gloo."""
+    # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     import torch
     import torch.distributed as dist
 
-    from meshjob.layout.sharding import tile, to_index
     from meshjob_trainer.dist import device_sync, init_distributed, shutdown_distributed
     from meshjob_trainer.heap import release_freed_memory
     from meshjob_trainer.reshard import ReshardExecutor
@@ -200,7 +207,7 @@ def _rank_main(
             inside = rank in case.src_mesh.ranks or rank in case.dst_mesh.ranks
             full = _expected(case.shape) if inside else None
             local = None
-            if rank in case.src_mesh.ranks:
+            if full is not None and rank in case.src_mesh.ranks:  # a source rank is inside: full is its data
                 local = (
                     full[to_index(tile(case.send, case.src_mesh.shape, case.shape, case.src_mesh.index_of(rank)))]
                     .contiguous()
@@ -227,7 +234,7 @@ def _rank_main(
                         sync()
                     t1, c1, f1 = time.monotonic(), time.process_time(), _minor_faults()
                     ok = True
-                    if rep == 0 and out is not None and variant.strategy != "signal":
+                    if rep == 0 and out is not None and full is not None and variant.strategy != "signal":
                         want = full[
                             to_index(tile(case.recv, case.dst_mesh.shape, case.shape, case.dst_mesh.index_of(rank)))
                         ]
@@ -317,7 +324,10 @@ def collect(cases: list[Case], events: list[dict]) -> list[Row]:
     return rows
 
 
-def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
+Summary = dict[str, dict[str, dict[str, float]]]  # section -> variant label -> geometric means over its cases
+
+
+def summarize(rows: list[Row]) -> Summary:
     """Per section and strategy (main balancer, broadcast at each K): geometric means over the
     cases of time / L and of the speed-ups, the one-line answer to "how much faster"."""
 
@@ -325,7 +335,7 @@ def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
         xs = [x for x in xs if x > 0 and math.isfinite(x)]
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
-    out: dict[str, dict[str, float]] = {}
+    out: Summary = {}
     for section in SECTIONS:
         sec = [r for r in rows if r.section == section and r.balancer == MAIN_BALANCER]
         for label in dict.fromkeys(r.label for r in sec):
@@ -338,10 +348,7 @@ def summarize(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
-def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def print_summary(summary: Summary, title: str) -> None:
     console = Console(width=None if Console().is_terminal else 150)
     table = Table(title=f"{title} — geometric means over cases", title_justify="left")
     for col in ("section", "variant", "time / L", "x vs global_allgather", "x vs send_recv"):
@@ -359,9 +366,6 @@ def print_summary(summary: dict[str, dict[str, dict[str, float]]], title: str) -
 
 
 def print_table(rows: list[Row], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if Console().is_terminal else 150)
     for section in SECTIONS:
         table = Table(title=f"{title} — {section.replace('_', '-')}", title_justify="left")
@@ -408,6 +412,7 @@ def _bars(
     rows: list[Row], series: Callable[[Row], str], names: Sequence[str], title: str, path: str, legend: dict[str, Any]
 ) -> str:
     """One grouped bar chart of time / L: a group per case, a bar per series name."""
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -477,8 +482,6 @@ def _finite(value: Any) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    from meshjob.errors import FieldError, SpecError
-
     quick = bool(getattr(args, "quick", False))
     size_mib = args.size_mib if args.size_mib is not None else (1.0 if quick else 16.0)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
@@ -489,8 +492,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         errors.append(FieldError("--nic-rate", args.nic_rate, str(err).split("is invalid: ", 1)[-1]))
     try:
-        chunks = [k if k == "auto" else int(k) for k in chunk_text.split(",")]
-        if any(k != "auto" and k < 1 for k in chunks):
+        chunks: list[int | str] = [k if k == "auto" else int(k) for k in chunk_text.split(",")]
+        if any(isinstance(k, int) and k < 1 for k in chunks):
             raise ValueError
     except ValueError:
         errors.append(

@@ -19,6 +19,7 @@ from meshjob.layout.mesh import Mesh
 from meshjob.layout.sharding import ShardingSpec
 from meshjob.network.model import NetworkModel
 from meshjob.plan.build import Boundary, plan_boundary
+from meshjob.plan.comm_order import TransferOrder
 from meshjob.resharding.balance import BALANCERS as BALANCER_REGISTRY
 from meshjob.resharding.tasks import UnitTask, decompose
 from meshjob.schedule.boundary import BoundaryKey
@@ -163,6 +164,7 @@ def executed_steps(case: Case, boundary: Boundary) -> list[Any]:
     """Every message the executor sends for `boundary`: the plan's steps, then its all-gather inside the
     destination (when the boundary's layout shards more than the case's), each gather step after what
     its sender receives."""
+    # the trainer's routes import torch: only when called (`meshjob bench --help` imports every benchmark)
     from meshjob_trainer.route import make_routes
 
     (route,) = make_routes([boundary], {0: case.src_mesh, 1: case.dst_mesh}, {0: case.send, 1: case.recv})
@@ -211,7 +213,9 @@ def build_cases(
                 ShardingSpec.parse("RR"),
             )
         )
-    pairs = (MANY_TO_MANY[:3] if quick else MANY_TO_MANY) if "many_to_many" in sections else ()
+    pairs: Sequence[tuple[str, str]] = (
+        (MANY_TO_MANY[:3] if quick else MANY_TO_MANY) if "many_to_many" in sections else ()
+    )
     for send, recv in pairs:
         cases.append(
             Case(
@@ -279,8 +283,6 @@ def case_order(case: Case, reps: int) -> Any:
     repetition of the variants that happened to run then; the comparisons between variants are what
     the benchmark reports. Planned, so the ranks of a host take their turns on its NIC links as the
     plan orders them (meshjob_trainer.board)."""
-    from meshjob.plan.comm_order import TransferOrder
-
     return TransferOrder(tuple((b.key, rep) for rep in range(reps) for b in case.boundaries))
 
 

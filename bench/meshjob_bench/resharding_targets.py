@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from meshjob_bench.pipeline import TCP_PAYLOAD_PER_FRAME_BYTE
 from meshjob_bench.resharding_cases import ALPA_DEFAULT, MAIN_BALANCER, Case, Row, balancer_chunks
 
@@ -179,9 +182,6 @@ def check_paper_targets(rows: list[Row], cases: Sequence[Case]) -> list[Target]:
 
 
 def print_targets(targets: list[Target]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if Console().is_terminal else 150)
     table = Table(title="Targets (issue 9; paper scale: issue 10)", title_justify="left")
     for col in ("target", "limit", "worst", "met", "misses", "bounded", "met where allowed"):

@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.errors import FieldError, SpecError
 from meshjob.network.model import NetworkModel
+from meshjob.simulate.simulator import simulate_transfer
+from meshjob.units import parse_rate
+from meshjob_bench.resharding_cases import Layout, build_cases, executed_steps, variant_boundary
 
 TOLERANCE = 0.10  # issue 10: |simulated / measured - 1| <= 10% on every case
 TERMS = tuple(f.name for f in dataclasses.fields(NetworkModel) if f.type in ("float", float))
@@ -58,14 +65,14 @@ class Change:
     set: dict[str, float]
 
     def apply(self, model: NetworkModel) -> NetworkModel:
-        values = {term: getattr(model, term) * factor for term, factor in self.scale.items()}
-        return dataclasses.replace(model, **values, **self.set)
+        # the terms are named at run time (parse_change admits only TERMS, the model's float fields)
+        changed: dict[str, Any] = {term: getattr(model, term) * factor for term, factor in self.scale.items()}
+        changed.update(self.set)  # a Change scales or sets, never both
+        return dataclasses.replace(model, **changed)
 
 
 def parse_change(text: str, scale: bool, option: str) -> Change:
     """`TERM=NUMBER[,TERM=NUMBER]` as a Change; a SpecError names the option, the text and what is allowed."""
-    from meshjob.errors import FieldError, SpecError
-
     values: dict[str, float] = {}
     for part in text.split(","):
         term, _, number = part.partition("=")
@@ -106,9 +113,6 @@ class Agreement:
 
 def rebuild(run: dict[str, Any]) -> tuple[list[Any], Any, NetworkModel]:
     """The run's cases and layout, and the model its plans were made on."""
-    from meshjob.units import parse_rate
-    from meshjob_bench.resharding_cases import Layout, build_cases
-
     layout = Layout()
     chunks = [k if k == "auto" else int(k) for k in run["chunks"]]
     sections = sorted({r["section"] for r in run["rows"]})
@@ -121,9 +125,6 @@ def rebuild(run: dict[str, Any]) -> tuple[list[Any], Any, NetworkModel]:
 def resimulate(run: dict[str, Any], changes: Sequence[Change]) -> tuple[list[Agreement], int]:
     """Per model (the run's, then each change): its agreement with the run's measured rows (signal left out).
     Also how many rows' plans no longer simulate to what the run recorded."""
-    from meshjob.simulate.simulator import simulate_transfer
-    from meshjob_bench.resharding_cases import executed_steps, variant_boundary
-
     cases, layout, model = rebuild(run)
     measured = {(r["section"], r["case"], r["label"]): r for r in run["rows"]}
     models = [("run's model", model)] + [(c.name, c.apply(model)) for c in changes]
@@ -157,9 +158,6 @@ def resimulate(run: dict[str, Any], changes: Sequence[Change]) -> tuple[list[Agr
 
 
 def print_agreements(agreements: Sequence[Agreement], replanned: int, path: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if Console().is_terminal else 150)
     table = Table(
         title=f"{path}: its plans simulated again against its measurements (|error| <= {TOLERANCE:.0%} is within)",
@@ -195,8 +193,6 @@ def read_run(path: str) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from meshjob.errors import FieldError, SpecError
-
     changes = [parse_change(text, True, "--scale") for text in args.scale]
     changes += [parse_change(text, False, "--set") for text in args.set]
     try:

@@ -28,9 +28,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from meshjob.costs.device_costs import emulated_cost
+from meshjob.costs.devices import parse_compute
 from meshjob.errors import FieldError, SpecError
+from meshjob.plan.build import build_plan
+from meshjob.plan.comm_order import fastest_order
+from meshjob.schedule.actions import ScheduleError, generate, peak_stashed, stash_bound, validate, warmup_forwards
+from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_plan, transfer_costs
+from meshjob.simulate.steady import plan_period_s, steady_period_s
+from meshjob.simulate.step_bound import step_bound
+from meshjob.spec.manifest import job_to_dict
 from meshjob_bench import parsed_arguments
-from meshjob_bench.pipeline import MODELS, bench_job, cost_model, nic_rate_for, one_step_s
+from meshjob_bench.pipeline import MODELS, bench_job, cost_model, emulated_device, nic_rate_for, one_step_s
 
 Point = tuple[tuple[int, ...], tuple[int, ...]]  # (warm-up forwards per stage, W's delayed per stage)
 SEED = 0
@@ -141,15 +153,6 @@ def order_moves(
 
 def search_case(model: str, stages: int, fraction: float, device, budget: int) -> dict:
     """One (model, stages, communication fraction) of bench pipeline: the plans' periods and the best found."""
-    from meshjob.costs.device_costs import emulated_cost
-    from meshjob.plan.build import build_plan
-    from meshjob.plan.comm_order import fastest_order
-    from meshjob.schedule.actions import ScheduleError, generate, peak_stashed, stash_bound, validate, warmup_forwards
-    from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_plan, transfer_costs
-    from meshjob.simulate.steady import plan_period_s, steady_period_s
-    from meshjob.simulate.step_bound import step_bound
-    from meshjob.spec.manifest import job_to_dict
-
     rate_bytes = nic_rate_for(bench_job(model, "1f1b", 3, False, stages), device, fraction)
     plans = {}
     for variant in ("1f1b", "eager-1f1b+wdelay", "signal"):
@@ -194,7 +197,9 @@ def search_case(model: str, stages: int, fraction: float, device, budget: int) -
     single_s = search.best_s
     pair_moves(search, microbatches, 2 * budget // 3)
     pair_s = search.best_s
-    lists, order = schedule(search.best)  # the best was rated, so it is a schedule
+    best = schedule(search.best)
+    assert best is not None, "the best was rated, so it is a schedule"
+    lists, order = best
 
     def rate_order(transfer_order: Sequence) -> float:
         try:
@@ -280,9 +285,6 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], int, list[float], int
 
 
 def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(
         "model",
         "S",
@@ -317,6 +319,7 @@ def print_table(rows: list[dict]) -> None:
 def plot(rows: list[dict], path: str) -> None:
     """Per case, the best simulated throughput found against schedules rated: over 1F1B (target 1.3x) and
     over signal (target 0.9; dashed: the step bound, which no schedule of the plan's transfers passes)."""
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,11 +348,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
-    from meshjob.costs.devices import parse_compute
-
     args = parsed_arguments(args, "meshjob bench schedule-search", __doc__, add_arguments)
     models, stages, fractions, budget = _checked(args)
-    device = parse_compute("emulated", args.device).device
+    device = emulated_device(parse_compute("emulated", args.device))
     rows = [search_case(m, stages, f, device, budget) for m in models for f in fractions]
     print_table(rows)
     os.makedirs(args.out, exist_ok=True)

@@ -33,20 +33,32 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
+from meshjob.costs.device_costs import emulated_costs
 from meshjob.costs.devices import ComputeMode, DeviceProfile, parse_compute
 from meshjob.errors import UsageError
 from meshjob.network.model import NetworkModel
+from meshjob.plan.build import build_plan
+from meshjob.search.algorithm import Candidate, Problem, default_space, search
 from meshjob.search.cluster import Cluster, GiB, TuneDevice
+from meshjob.search.gradient_sync import stage_hosts, tail_ends
+from meshjob.search.inputs import base_job, read_fixed
+from meshjob.search.stage_model import job_figures
+from meshjob.simulate.simulator import CostModel, simulate_plan
 from meshjob.spec.api import API_VERSION, KIND
 from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob.units import parse_rate
+from meshjob_bench import e2e
 from meshjob_bench.pipeline import TBF_BURST_BYTES
+from meshjob_trainer.emulate.netns import cleanup_stale
 
 MODELS = ("gpt", "utransformer")
 EXAMPLES = {"gpt": "examples/gpt-demo.yaml", "utransformer": "examples/utransformer-demo.yaml"}
@@ -253,9 +265,6 @@ def search_cluster(setting: Setting) -> Cluster:
 
 def tune(doc: Mapping[str, Any], setting: Setting) -> tuple[dict[str, Any], Any]:
     """The search's manifest for `doc` on the setting's cluster, and the search's result."""
-    from meshjob.search.algorithm import Problem, default_space, search
-    from meshjob.search.inputs import base_job, read_fixed
-
     cluster = search_cluster(setting)
     fixed = read_fixed(doc)
     job = base_job(doc, cluster.devices_per_host)
@@ -271,18 +280,12 @@ def stage_tail_s(job: TrainingJob, stage: int, setting: Setting) -> float:
     """What an emulated step adds after a stage's last action when no other stage shares its NICs: its
     gradient all-reduce (meshjob.search.gradient_sync's ring model on the prediction network) and its optimizer
     step (the emulated device's wait)."""
-    from meshjob.search.stage_model import job_figures
-
     return job_figures(job, prediction_cluster(setting))[stage].tail_s
 
 
 def planned(job: TrainingJob, setting: Setting):
     """(plan, costs): the plan the ranks run and the simulator predicts, made with the emulated devices'
     costs on the emulated cluster (so its W delay and transfer order are those of the run)."""
-    from meshjob.costs.device_costs import emulated_costs
-    from meshjob.plan.build import build_plan
-    from meshjob.simulate.simulator import CostModel
-
     network = prediction_network(setting)
     cost = CostModel(network=network, stages=emulated_costs(job, emulated_device(setting)), measured=True)
     return build_plan(job, nic_bytes_per_s=network.nic_bytes_per_s, cost=cost), cost
@@ -292,10 +295,6 @@ def predicted_step_s(job: TrainingJob, setting: Setting, plan_and_cost=None) -> 
     """The simulator's step for the job's plan on the emulated cluster: every stage's last action, then its
     tail (meshjob.search.gradient_sync: stages on the same hosts share their NICs); the last tail's end. The plan is
     `planned(job, setting)` unless given."""
-    from meshjob.search.gradient_sync import stage_hosts, tail_ends
-    from meshjob.search.stage_model import job_figures
-    from meshjob.simulate.simulator import simulate_plan
-
     plan, cost = plan_and_cost or planned(job, setting)
     result = simulate_plan(plan, cost)
     syncs = [f.sync for f in job_figures(job, prediction_cluster(setting))]
@@ -307,20 +306,20 @@ def predicted_step_s(job: TrainingJob, setting: Setting, plan_and_cost=None) -> 
 def search_step_s(doc: Mapping[str, Any], setting: Setting) -> float:
     """The search's own objective (what `meshjob tune` prints as the predicted step) for a written manifest,
     on the cluster model the search plans on."""
-    from meshjob.search.algorithm import Candidate, Problem, default_space
-    from meshjob.search.inputs import base_job, read_fixed
-
     cluster = search_cluster(setting)
     fixed = read_fixed(doc)
     job = base_job(doc, cluster.devices_per_host)
     problem = Problem(doc, job, cluster, fixed, default_space(job, fixed, cluster))
     written = parse_job(doc)
+    meshes = tuple(f.choice for f in fixed.per_stage if f.choice is not None)
+    if not fixed.per_stage or len(meshes) != len(fixed.per_stage):
+        raise ValueError(f"{doc['metadata']['name']}: a written manifest, every stage's mesh given")
     candidate = Candidate(
         written.training.microbatches,
         written.schedule.kind,
         str(written.schedule.weight_grad_delay),
         tuple(b - a for a, b in (s.layers for s in written.stages)),
-        tuple(f.choice for f in fixed.per_stage),
+        meshes,
         written.resharding.strategy,
         written.resharding.balancer,
     )
@@ -359,8 +358,6 @@ def describe(job: TrainingJob) -> str:
 
 
 def hosts_used(job: TrainingJob) -> int:
-    from meshjob.plan.build import build_plan
-
     placement = build_plan(job).placement
     return len({placement.host_of(r) for r in range(placement.world_size)})
 
@@ -409,12 +406,7 @@ def configurations(model: str, setting: Setting) -> tuple[dict[str, dict[str, An
 
 def measure(models: list[str], setting: Setting, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every configuration of every model; the JSON part `measured` of tune.json."""
-    import time
-
     import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
-
-    from meshjob_bench.e2e import run
-    from meshjob_trainer.emulate.netns import cleanup_stale
 
     compute = ComputeMode("emulated", emulated_device(setting))
     cleanup_stale()
@@ -431,7 +423,7 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
                 raise RuntimeError(f"{model}/{config}: needs {used} hosts, the setting has {setting.hosts}")
             log(f"{model}/{config}: {describe(job)}")
             plan_and_cost = planned(job, setting)  # the ranks run the plan the prediction simulates
-            step_s, network = run(job, setting.nic_rate, compute, plan=plan_and_cost[0])
+            step_s, network = e2e.run(job, setting.nic_rate, compute, plan=plan_and_cost[0])
             predicted = predicted_step_s(job, setting, plan_and_cost)
             searched = result.best.step_s if config == "tuned" else search_step_s(doc, setting)
             tokens = job.training.global_batch * job.model.seq_len
@@ -465,9 +457,6 @@ def measure(models: list[str], setting: Setting, log: Callable[[str], None] = pr
 
 
 def print_table(part: Mapping[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     s = part["setting"]
     t = Table(
         "model",
@@ -516,6 +505,7 @@ def print_table(part: Mapping[str, Any]) -> None:
 
 
 def plot(part: Mapping[str, Any], path: str) -> None:
+    # plotting only: matplotlib is slow to import, and `meshjob bench` imports every benchmark for its --help
     import matplotlib
 
     matplotlib.use("Agg")

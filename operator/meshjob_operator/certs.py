@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -33,6 +32,7 @@ def self_signed_certificate(hostnames: Collection[str], password: str | None = N
 
     As kopf's own builder: the first DNS name (else the first IP) is the common name; unspecified
     addresses such as 0.0.0.0 are left out; the certificate is its own CA (it goes into caBundle)."""
+    # here, not at the top: without `cryptography` the operator still starts (can_self_sign says why no webhook)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -103,7 +103,7 @@ def can_self_sign() -> str | None:
 
 
 def webhook_server(
-    *, addr: str, port: int, host: str | None, cert: str | None, key: str | None, ca: str | None, logger: logging.Logger
+    *, addr: str, port: int, host: str | None, cert: str | None, key: str | None, ca: str | None, logger: kopf.Logger
 ) -> kopf.WebhookServer | None:
     """The server kopf runs the admission webhook on; None when it cannot run (logged as a warning).
 

@@ -99,15 +99,16 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    # here, not at the top: `meshjob operator --help` and bad flags need neither kopf (a second to import) nor
+    # the handlers (importing them registers them with kopf)
     import kopf
 
     from meshjob_operator.handlers import STATE, OperatorConfig
+    from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     if args.allowed_image:  # read by validate() in the webhook and the reconciler
-        from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
-
         os.environ[ALLOWED_IMAGES_ENV] = ",".join(args.allowed_image)
     STATE.config = OperatorConfig(
         metrics_port=args.metrics_port or None,

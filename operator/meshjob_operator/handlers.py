@@ -11,7 +11,7 @@ import asyncio
 import datetime
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_
 from meshjob_operator.planning import Planner
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
 from meshjob_operator.status import is_true
-from meshjob_operator.wakeups import Wakeups, wait_any
+from meshjob_operator.wakeups import Key, Wakeups, wait_any
 
 NODES_KEY = "nodes"
 RESYNC_S = 60.0  # a periodic re-check even without events (missed watch events, clock-based policies)
@@ -71,7 +71,7 @@ class State:
     wakeups: Wakeups = field(default_factory=Wakeups)
     reconciler: Reconciler | None = None
     metrics_served: bool = False
-    node_index: Any = None  # kopf's index of Nodes (filled before any job handler runs)
+    node_index: kopf.Index[str, dict[str, Any]] | None = None  # kopf's index of Nodes (filled before job handlers run)
 
     def cached_nodes(self) -> list[dict[str, Any]]:
         return list(self.node_index.get(NODES_KEY, [])) if self.node_index is not None else []
@@ -80,12 +80,18 @@ class State:
 STATE = State()
 
 
+def _job_key(namespace: str | None, name: str) -> Key:
+    """(namespace, name) of a TrainingJob or its pod: both are namespaced, so kopf never passes None here."""
+    assert namespace is not None, f"{name}: a namespaced resource without a namespace"
+    return (namespace, name)
+
+
 def _emit(body: Any, type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1000])
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+async def startup(*, settings: kopf.OperatorSettings, logger: kopf.Logger, **_: Any) -> None:
     cfg = STATE.config
     settings.posting.level = logging.WARNING  # kopf's own log lines as Events: only problems
     settings.persistence.finalizer = "meshjob.io/operator"
@@ -134,7 +140,7 @@ async def cleanup(**_: Any) -> None:
 @kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)
 @kopf.on.update(names.GROUP, names.VERSION, names.PLURAL, field="spec")
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
-def check_spec(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str, **_: Any) -> None:
+def check_spec(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, **_: Any) -> None:
     """Invalid spec: condition Failed/InvalidSpec, a Warning Event, and no retries."""
     try:
         validate(body)
@@ -143,7 +149,7 @@ def check_spec(body: kopf.Body, patch: kopf.Patch, namespace: str, name: str, **
         patch.status.update(invalid_status(body.get("status") or {}, err, now))
         kopf.warn(body, reason="InvalidSpec", message=str(err)[:1000])
         raise kopf.PermanentError(f"invalid spec: {err}") from err
-    STATE.wakeups.wake((namespace, name))
+    STATE.wakeups.wake(_job_key(namespace, name))
 
 
 class NoWebhookServer:
@@ -168,12 +174,12 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.validate(
     names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE"], ignore_failures=False, persistent=True
 )
-async def authorize(body: kopf.Body, userinfo: dict[str, Any], **_: Any) -> None:
+async def authorize(*, body: kopf.Body, userinfo: kopf.UserInfo, **_: Any) -> None:
     """The admission webhook's check that creating this job is no way around RBAC."""
     await _check_requester(body, userinfo)
 
 
-async def _check_requester(body: kopf.Body, userinfo: dict[str, Any]) -> None:
+async def _check_requester(body: kopf.Body, userinfo: Mapping[str, Any]) -> None:
     namespace = body.get("metadata", {}).get("namespace") or "default"
     reconciler = STATE.reconciler
     assert reconciler is not None, "startup() creates the reconciler"
@@ -197,12 +203,14 @@ async def _check_requester(body: kopf.Body, userinfo: dict[str, Any]) -> None:
 # (the requester may create pods) while the operator is up; give update on trainingjobs only to those
 # who may create pods (the chart's aggregated edit role does).
 @kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
-async def admit(body: kopf.Body, operation: str, old: kopf.Body | None, userinfo: dict[str, Any], **_: Any) -> None:
+async def admit(*, body: kopf.Body, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
     """The admission webhook: `kubectl apply` itself shows what is wrong with the spec, and refuses an
     edit of a started job beside spec.runPolicy (the operator refuses it too, should the webhook be down).
 
     Updates that leave the spec alone (finalizers, annotations) always pass: a job that is invalid
     already must still be deletable."""
+    operation: str | None = kwargs.get("operation")  # kopf passes these two beside its WebhookFn's arguments
+    old: kopf.Body | None = kwargs.get("old")
     if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
         return
     try:  # bounded (the spec's limits), but off the event loop all the same
@@ -224,12 +232,17 @@ async def admit(body: kopf.Body, operation: str, old: kopf.Body | None, userinfo
 
 @kopf.daemon(names.GROUP, names.VERSION, names.PLURAL, cancellation_timeout=2.0)
 async def run_job(
-    namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, node_index: kopf.Index, **_: Any
+    *,
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    **kwargs: Any,
 ) -> None:
     """The job's reconcile loop. It never stops on an API error: errors that pass by themselves are
     retried with backoff; the others also show as condition Blocked, an Event and a metric."""
-    STATE.node_index = node_index
-    key = (namespace, name)
+    STATE.node_index = kwargs["node_index"]  # kopf passes each index by its name, beside its DaemonFn's arguments
+    key = _job_key(namespace, name)
     wakeup = STATE.wakeups.register(key)
     reconciler = STATE.reconciler
     assert reconciler is not None, "startup() creates the reconciler"
@@ -238,14 +251,14 @@ async def run_job(
         while not stopped:
             wakeup.clear()
             try:
-                recheck = await reconciler.reconcile(namespace, name)
+                recheck = await reconciler.reconcile(*key)
                 failures = 0
             except ApiError as err:
                 failures += 1
                 recheck = backoff_s(failures)
                 logger.warning(f"{err}; retrying in {recheck:.0f} s")
                 if not err.temporary:
-                    await _report_blocked(reconciler, namespace, name, err, logger)
+                    await _report_blocked(reconciler, *key, err, logger)
             if key in reconciler.unschedulable:
                 STATE.wakeups.waiting_for_nodes.add(key)
             else:
@@ -262,7 +275,7 @@ def backoff_s(failures: int) -> float:
 
 
 async def _report_blocked(
-    reconciler: Reconciler, namespace: str, name: str, err: ApiError, logger: logging.Logger
+    reconciler: Reconciler, namespace: str, name: str, err: ApiError, logger: kopf.Logger
 ) -> None:
     try:
         await reconciler.blocked(namespace, name, err)
@@ -271,22 +284,22 @@ async def _report_blocked(
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.PLURAL)
-def job_event(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+def job_event(*, body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
     """Spec changes (suspend, resume, ...) wake the loop; our own status writes do not."""
     observed = (body.get("status") or {}).get("observedGeneration")
     if observed != body.get("metadata", {}).get("generation"):
-        STATE.wakeups.wake((namespace, name))
+        STATE.wakeups.wake(_job_key(namespace, name))
 
 
 @kopf.on.event("", "v1", "pods", labels={names.JOB_LABEL: kopf.PRESENT})
-def pod_event(body: kopf.Body, namespace: str, type: str | None, **_: Any) -> None:
-    STATE.wakeups.wake((namespace, body["metadata"]["labels"][names.JOB_LABEL]))
+def pod_event(*, body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
+    STATE.wakeups.wake(_job_key(namespace, body["metadata"]["labels"][names.JOB_LABEL]))
     if type == "DELETED" or (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         STATE.wakeups.wake_waiting_for_nodes()  # its devices are free: jobs waiting for room try again
 
 
 @kopf.index("", "v1", "nodes")
-def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+def node_index(*, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """A watch-fed cache of what placement reads from Nodes (kopf fills it before job handlers start)."""
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
     return {
@@ -304,6 +317,6 @@ def node_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_event(node_index: kopf.Index, **_: Any) -> None:
-    STATE.node_index = node_index
+def node_event(**kwargs: Any) -> None:
+    STATE.node_index = kwargs["node_index"]  # kopf passes each index by its name, beside its WatchingFn's arguments
     STATE.wakeups.wake_waiting_for_nodes()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+import kubernetes  # only for reading the credentials, as kopf does
 
 from meshjob_operator import names
 
@@ -43,10 +45,6 @@ def load_configuration(kubeconfig: str | None = None) -> Any:
 
     An explicit `kubeconfig` (or $KUBECONFIG read now, not at import) wins over in-cluster.
     """
-    import os
-
-    import kubernetes  # only for reading the credentials, as kopf does
-
     config = kubernetes.client.Configuration()
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
@@ -94,19 +92,19 @@ def _auth_headers(config: Any) -> dict[str, str]:
 @dataclass
 class Connection:
     server: str
-    ssl_context: ssl.SSLContext | bool | None
+    ssl_context: ssl.SSLContext | bool  # aiohttp's ssl=: True its default (and plain http), else this context
     headers: Callable[[], dict[str, str]]  # per request: tokens rotate
 
     @classmethod
     def load(cls, kubeconfig: str | None = None) -> Connection:
         config = load_configuration(kubeconfig)
-        context: ssl.SSLContext | bool | None = None
+        context: ssl.SSLContext | bool = True
         if config.host.startswith("https"):
-            if not config.verify_ssl:
-                context = False
-            else:
-                context = ssl.create_default_context(cafile=config.ssl_ca_cert)
-            if context and config.cert_file:
+            context = ssl.create_default_context(cafile=config.ssl_ca_cert if config.verify_ssl else None)
+            if not config.verify_ssl:  # insecure-skip-tls-verify: no check of the server (a client cert still goes)
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            if config.cert_file:
                 context.load_cert_chain(config.cert_file, config.key_file)
         return cls(server=config.host.rstrip("/"), ssl_context=context, headers=lambda: _auth_headers(config))
 
@@ -137,9 +135,7 @@ class Kube:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                ssl=self._conn.ssl_context if self._conn.ssl_context is not None else None, limit=64
-            )
+            connector = aiohttp.TCPConnector(ssl=self._conn.ssl_context, limit=64)
             self._session = aiohttp.ClientSession(
                 base_url=None, connector=connector, timeout=aiohttp.ClientTimeout(total=30)
             )

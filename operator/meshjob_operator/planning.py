@@ -14,8 +14,11 @@ import dataclasses
 import multiprocessing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from meshjob.cluster import auto_stages
 from meshjob.cluster.nodes import HostPod, host_pods, plan_on_nodes
@@ -44,7 +47,7 @@ class PlanningFailed(Exception):
 class Planned:
     files: dict[str, str]  # the ConfigMap's plan files beside job.yaml (hosts.yaml, plan.json)
     pods: tuple[HostPod, ...]  # one per host
-    placement: dict[str, Any]  # Placement.to_json()
+    placement: list[dict[str, Any]]  # Placement.to_json(): one row per mesh
     chosen: TrainingJob | None = None  # spec.stages: auto: the job the search chose (what runs)
     tuned: dict[str, Any] | None = None  # ... and status.tuned
     tuned_message: str = ""  # ... and the StagesChosen Event's message
@@ -61,8 +64,6 @@ def plan_job(
     placement, as `meshjob plan --cluster` makes it), or on the hosts its running pods already hold.
     With `search` (a `stages: auto` manifest; `job` its placeholder) the stages are chosen first, on
     those same hosts (meshjob.cluster.auto_stages)."""
-    from kubernetes.utils.quantity import parse_quantity
-
     if search is not None:
         tuned = auto_stages.tune_on_nodes(job, search, nodes, parse_quantity, DEFAULT_NIC_BYTES_PER_S, pods, hosts)
         chosen = dataclasses.replace(tuned.job(), image=job.image)
@@ -109,8 +110,6 @@ class Planner:
 
     async def start(self) -> None:
         """Start the fork server now (it imports the plan layer: seconds), not when the first job is planned."""
-        from multiprocessing import forkserver
-
         await asyncio.to_thread(forkserver.ensure_running)
 
     async def plan(

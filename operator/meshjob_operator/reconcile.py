@@ -13,7 +13,7 @@ import datetime
 import fnmatch
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +182,7 @@ class Reconciler:
     clock: Callable[[], datetime.datetime] = utcnow
     unschedulable: set[tuple[str, str]] = field(default_factory=set)  # jobs to re-check when Nodes change
     # the Nodes as a watch-fed cache (kopf index); None: list them from the API on each placement
-    nodes: Callable[[], list[Mapping[str, Any]]] | None = None
+    nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None
     scraper: progress.Scraper = field(default_factory=progress.Scraper)  # trainers' metrics endpoints
     planner: Planner = field(default_factory=Planner)  # plans in a child process, within a time limit
     _placing: asyncio.Lock = field(default_factory=asyncio.Lock)  # fresh placements check and create one at a time
@@ -541,7 +541,7 @@ class Reconciler:
         job: TrainingJob,
         pods: list[PodView],
         planned: Planned,
-        nodes: list[Mapping[str, Any]],
+        nodes: Sequence[Mapping[str, Any]],
         fresh: bool,
         now: datetime.datetime,
     ) -> bool:

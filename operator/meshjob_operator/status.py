@@ -52,7 +52,7 @@ def get_condition(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mappin
 
 def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
     cond = get_condition(conditions, type_)
-    return bool(cond) and cond.get("status") == "True"
+    return cond is not None and cond.get("status") == "True"
 
 
 def set_condition(

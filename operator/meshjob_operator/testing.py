@@ -28,13 +28,17 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import kopf
 import yaml
 
 from meshjob.spec.crd import crd_yaml
 from meshjob_operator import names
 from meshjob_operator.kube import MERGE_PATCH, ApiError, Connection, Kube
+
+if TYPE_CHECKING:  # kmock is optional (meshjob-operator[testing]): imported where a kmock cluster starts
+    import kmock
 
 JOBS = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{{ns}}/{names.PLURAL}"
 AUDIT_POLICY = {
@@ -252,6 +256,7 @@ class Cluster:
 
 class KmockCluster(Cluster):
     forbidden: set[str]  # namespaces where pod creation is refused (forbid_pods)
+    emulator: kmock.KubernetesEmulator  # fault injection in tests
 
     async def forbid_pods(self, namespace: str) -> str:
         """kmock stores even a create it answers with an error, so the listing is what is refused here."""
@@ -313,7 +318,7 @@ def _kubeconfig(server: str) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def kmock_cluster() -> AsyncIterator[KmockCluster]:
     """kmock's in-memory API server, served over HTTP in this event loop."""
-    import kmock
+    import kmock  # here, not at the top: an optional dependency (meshjob-operator[testing]); envtest needs none
 
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         for res, kind, namespaced, subresources in KMOCK_RESOURCES:
@@ -333,7 +338,7 @@ async def kmock_cluster() -> AsyncIterator[KmockCluster]:
         cluster.kubeconfig = tmp / "kubeconfig"
         cluster.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(str(server.url).rstrip("/"))))
         cluster.kube = Kube(Connection.load(str(cluster.kubeconfig)))
-        cluster.emulator = emulator  # type: ignore[attr-defined]  (fault injection in tests)
+        cluster.emulator = emulator
         cluster.forbidden = set()
         emulator[cluster._refused] << kmock.KubernetesError(status=403, reason="Forbidden", message=KMOCK_REFUSAL)
         try:
@@ -356,7 +361,11 @@ class Envtest:
     controller_manager: bool = True
     service_account_admission: bool = True
     audit: bool = False
-    kubeconfig: Path | None = None
+
+    @property
+    def kubeconfig(self) -> Path:
+        """Written by start.sh when the API server is up."""
+        return self.workdir / "run" / "kubeconfig"
 
     def _env(self) -> dict[str, str]:
         env = {
@@ -403,7 +412,6 @@ class Envtest:
         if result.returncode != 0:
             self.stop()
             raise RuntimeError(f"envtest did not start:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-        self.kubeconfig = self.workdir / "run" / "kubeconfig"
         if self.service_account_admission:
             self.wait_for_default_service_account("default")
         return self
@@ -582,8 +590,6 @@ class OperatorThread:
         self.thread = threading.Thread(target=self._main, name="kopf-operator", daemon=True)
 
     def _main(self) -> None:
-        import kopf
-
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.task = self.loop.create_task(
@@ -604,6 +610,7 @@ class OperatorThread:
             self.loop.close()
 
     async def start(self) -> None:
+        # here, not at the top: importing the handlers registers them with kopf, which only a started operator wants
         from meshjob_operator.handlers import STATE, OperatorConfig
 
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
