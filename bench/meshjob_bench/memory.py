@@ -173,6 +173,7 @@ def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
         with LiveBytes(exclude=params + [p.grad for p in params]) as live:
             _, stats = rt.executor.run_step(_batches(rt, rt.data, 1))
         tie_gradients(rt.module.tied_weights(), rt.groups)
+        assert rt.optimizer is not None, "a stage that trains has an optimizer"
         rt.optimizer.reduce_gradients()
         rt.optimizer.step()
         optimizer_state = [t for state in rt.optimizer.optimizer.state.values() for t in state.values()]

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshjob.network.model import Link
+from meshjob.network.host_task import Link
 from meshjob.plan.host_order import BoardEntry, HostLinkOrder
 from meshjob_trainer.procs import pid_alive
 
@@ -81,7 +81,8 @@ def may_start(
         return True
     if in_flight >= window:
         return (
-            in_flight < small_window
+            overlap_bytes is not None
+            and in_flight < small_window
             and packs(nbytes, small_window, overlap_bytes)
             and in_flight_bytes + nbytes <= overlap_bytes
         )

@@ -17,17 +17,27 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from meshjob.costs.compute import CostModel, StageCost
+from meshjob.layout.sharding import ShardingSpec, slice_shape, tile
+from meshjob.plan.build import Plan, build_plan
+from meshjob.schedule.actions import stage_actions
+from meshjob.schedule.boundary import BoundaryKey
+from meshjob.spec.manifest import TrainingJob, natural_layout
+from meshjob_trainer.data import Batch
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.numerics import Numerics
+from meshjob_trainer.parallel import build_groups
+from meshjob_trainer.pipeline import PipelineExecutor
+from meshjob_trainer.step_clock import clock_for
 
 PROFILED_MICROBATCHES = 3  # timed, after one that warms up allocators and kernels
 
 
-def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
+def measure_costs(job: TrainingJob, repeats: int = 3) -> dict[str, float]:
     """{"layer_forward_s": forward seconds per layer per sample, "backward_factor": backward / forward}."""
     torch.set_num_threads(1)
     config = job.model
@@ -51,7 +61,7 @@ def measure_costs(job: Any, repeats: int = 3) -> dict[str, float]:
     return {"layer_forward_s": f / (config.layers * samples), "backward_factor": b / f}
 
 
-def needs_calibration(plan: Any) -> bool:
+def needs_calibration(plan: Plan) -> bool:
     """Only weightGradDelay: auto reads compute costs, and only when some stage sends gradients."""
     return plan.job.schedule.weight_grad_delay == "auto" and plan.split_backward
 
@@ -73,32 +83,22 @@ class _Synthetic:
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.shape, self.device = shape, device
 
-    def start(self, key: Any, mb: int, local: torch.Tensor | None) -> _Synthetic._Done:
+    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> _Synthetic._Done:
         return self._Done(None if local is not None else torch.randn(self.shape, device=self.device))
 
 
-def natural_shape(plan: Any, stage: int, rank: int) -> tuple[int, ...]:
+def natural_shape(plan: Plan, stage: int, rank: int) -> tuple[int, ...]:
     """This rank's tile of an activation in its stage's natural layout (what its stage sends and receives)."""
-    from meshjob.layout.sharding import ShardingSpec, slice_shape, tile
-    from meshjob.spec.manifest import natural_layout
-
     mesh, shape = plan.mesh(stage), plan.job.activation_shape()
     spec = ShardingSpec.parse(natural_layout(plan.job.stages[stage]), len(shape))
     return slice_shape(tile(spec, mesh.shape, shape, mesh.index_of(rank)))
 
 
 def profile_stage(
-    plan: Any, rank: int, device: torch.device | str = "cpu", microbatches: int = PROFILED_MICROBATCHES
-) -> Any:
-    """This rank's stage: median F, I and W seconds of one microbatch (meshjob.costs.compute.StageCost).
+    plan: Plan, rank: int, device: torch.device | str = "cpu", microbatches: int = PROFILED_MICROBATCHES
+) -> StageCost:
+    """This rank's stage: median F, I and W seconds of one microbatch.
     Collective: every rank of the job calls it (process groups are created, stages profile at once)."""
-    from meshjob.costs.compute import StageCost
-    from meshjob.schedule.actions import stage_actions
-    from meshjob_trainer.data import Batch
-    from meshjob_trainer.parallel import build_groups
-    from meshjob_trainer.pipeline import PipelineExecutor
-    from meshjob_trainer.step_clock import clock_for
-
     job, device = plan.job, torch.device(device)
     stage = plan.placement.stage_of(rank)
     groups = build_groups(job.stages, [plan.mesh(s) for s in range(len(job.stages))], rank)
@@ -122,29 +122,22 @@ def profile_stage(
     return StageCost(*(statistics.median(seconds[k]) for k in ("F", "I", "W")))
 
 
-def agree(cost: Any, stage: int, num_stages: int) -> tuple[Any, ...]:
+def agree(cost: StageCost, stage: int, num_stages: int) -> tuple[StageCost, ...]:
     """Every stage's figures, the same on every rank: the slowest rank of each stage (all-reduce of the
     maximum over the job; a CPU tensor, so gloo carries it whatever the device)."""
-    import torch.distributed as dist
-
-    from meshjob.costs.compute import StageCost
-
     table = torch.zeros(num_stages, 3, dtype=torch.float64)
     table[stage] = torch.tensor([cost.forward_s, cost.input_grad_s, cost.weight_grad_s], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     return tuple(StageCost(*(float(v) for v in row)) for row in table)
 
 
-def calibrated_plan(plan: Any, costs: Sequence[Any]) -> Any:
+def calibrated_plan(plan: Plan, costs: Sequence[StageCost]) -> Plan:
     """The plan re-built with measured per-stage costs (only its weight-gradient delays can change)."""
-    from meshjob.costs.compute import CostModel
-    from meshjob.plan.build import build_plan
-
     cost = CostModel(network=plan.network, stages=tuple(costs), measured=True)
     return build_plan(plan.job, plan.placement.hosts, network=plan.network, cost=cost)
 
 
-def calibrate(plan: Any, rank: int, device: torch.device | str = "cpu") -> Any:
+def calibrate(plan: Plan, rank: int, device: torch.device | str = "cpu") -> Plan:
     """Profile this rank's stage, agree with every rank, re-plan. Collective."""
     stage = plan.placement.stage_of(rank)
     costs = agree(profile_stage(plan, rank, device), stage, len(plan.job.stages))

@@ -45,7 +45,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from meshjob.spec.manifest import ModelSpec, TrainingJob
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MAGIC = "meshjob-checkpoint"
@@ -66,7 +68,15 @@ class Unloadable(Exception):
     """Why one rank's file of one step cannot be loaded (a sentence naming the file)."""
 
 
-def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
+class Stateful(Protocol):
+    """What a checkpoint holds the state of: the stage's module, its optimizer."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+def spec_fingerprint(job: TrainingJob, world_size: int) -> dict[str, Any]:
     """The spec fields that shape this job's tensors and their placement on ranks."""
     m = job.model
     fp: dict[str, Any] = {
@@ -89,7 +99,7 @@ def spec_fingerprint(job: Any, world_size: int) -> dict[str, Any]:
     return fp
 
 
-def _model_shape_fields(m: Any) -> dict[str, Any]:
+def _model_shape_fields(m: ModelSpec) -> dict[str, Any]:
     """Model fields beyond the original six that shape tensors, only where they differ from their
     defaults, so the checkpoints of jobs that leave them unset keep their fingerprint."""
     fields = {
@@ -101,7 +111,7 @@ def _model_shape_fields(m: Any) -> dict[str, Any]:
     return {key: value for key, (value, default) in fields.items() if value != default}
 
 
-def optimizer_layout_fields(job: Any) -> dict[str, Any]:
+def optimizer_layout_fields(job: TrainingJob) -> dict[str, Any]:
     """How optimizer state is split over ranks: ZeRO-1 shards it over each stage's data-parallel ranks
     (a checkpoint written one way cannot be read the other way). Absent for the default (zeroStage 0)."""
     stage = job.training.optimizer.zero_stage
@@ -222,7 +232,7 @@ class Checkpointer:
         return [s for s in self.steps() if self.is_complete(s)]
 
     # -- writing ---------------------------------------------------------------------------
-    def save(self, step: int, module: Any, optimizer: Any, extra: Mapping[str, Any] | None = None) -> Path:
+    def save(self, step: int, module: Stateful, optimizer: Stateful, extra: Mapping[str, Any] | None = None) -> Path:
         """Write this rank's part of the checkpoint after `step` steps (data position = step), then,
         once every rank has written it (collective under a process group), prune. Every rank
         calls it at the same step."""
@@ -231,9 +241,9 @@ class Checkpointer:
         self.prune()
         return path
 
-    def write(self, step: int, module: Any, optimizer: Any, extra: Mapping[str, Any] | None = None) -> Path:
+    def write(self, step: int, module: Stateful, optimizer: Stateful, extra: Mapping[str, Any] | None = None) -> Path:
         """This rank's file of `step`, then its marker."""
-        import torch
+        import torch  # torch only in a rank: `meshjob worker` and `meshjob run` import this module before it
 
         state = {
             "step": step,
@@ -263,7 +273,7 @@ class Checkpointer:
     def wait_for_every_rank(self, step: int) -> None:
         """Return once every rank has written `step` (its marker exists): an all-reduce under a
         process group, so each rank prunes seeing the step complete; nothing without one."""
-        if _process_group() is not None:
+        if _in_process_group():
             _all_reduce_min([step])
 
     def prune(self) -> None:
@@ -367,7 +377,7 @@ class Checkpointer:
         """The newest step every rank can load: propose, take the minimum, repeat until all agree.
         Without a process group (a single process) this rank's own choice stands."""
         step = propose(None)
-        if _process_group() is None:
+        if not _in_process_group():
             return step
         while True:
             mine = -1 if step is None else step
@@ -397,9 +407,9 @@ class Checkpointer:
             )
         return step
 
-    def restore(self, module: Any, optimizer: Any) -> int | None:
+    def restore(self, module: Stateful, optimizer: Stateful) -> int | None:
         """Load the newest checkpoint all ranks can load; returns its step (None: start fresh)."""
-        import torch
+        import torch  # torch only in a rank: `meshjob worker` and `meshjob run` import this module before it
 
         step = self.resume_step()
         if step is None:
@@ -444,17 +454,17 @@ def survey(directory: Path | str, world_size: int) -> Survey:
 
 
 # ---------------------------------------------------------------------------- collectives
-def _process_group() -> Any:
-    """torch.distributed when a process group is up, else None."""
-    import torch.distributed as dist
+def _in_process_group() -> bool:
+    """Whether a torch.distributed process group is up."""
+    import torch.distributed as dist  # torch only in a rank: the CLI imports this module before it
 
-    return dist if dist.is_available() and dist.is_initialized() else None
+    return dist.is_available() and dist.is_initialized()
 
 
 def _all_reduce_min(values: list[int]) -> list[int]:
     """The element-wise minimum over all ranks. A CPU tensor goes through gloo under both "gloo"
     and "cpu:gloo,cuda:nccl"."""
-    import torch
+    import torch  # torch only in a rank: the CLI imports this module before it
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.int64, device="cpu")

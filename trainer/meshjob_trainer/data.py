@@ -25,6 +25,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from meshjob.spec.manifest import TrainingJob
+
 TRAIN, VAL = 0, 1  # streams of batches
 # torch's CPU generator (mt19937) keeps only the low 32 bits of a seed: streams half a period apart
 # never meet for one job's seed, since steps and evaluation batches stay below 2^31.
@@ -45,9 +47,12 @@ def batch_seed(seed: int, stream: int, step: int) -> int:
 
 
 class Dataset(Protocol):
-    global_batch: int
+    @property
+    def global_batch(self) -> int: ...
 
     def batch(self, step: int) -> Batch: ...
+
+    def microbatch(self, step: int, index: int, microbatches: int, dp_rank: int = 0, dp_size: int = 1) -> Batch: ...
 
 
 def microbatch(data: Dataset, step: int, index: int, microbatches: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
@@ -136,7 +141,7 @@ class BigramData:
         return microbatch(self, step, index, microbatches, dp_rank, dp_size)
 
 
-def make_data(job, stream: int = TRAIN) -> TokenData | BigramData:
+def make_data(job: TrainingJob, stream: int = TRAIN) -> TokenData | BigramData:
     """The training (TRAIN) or validation (VAL) data of a meshjob.spec.manifest.TrainingJob."""
     m, t, d = job.model, job.training, job.data
     if d.kind == "tokens":

@@ -19,14 +19,20 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from meshjob.costs.devices import ComputeMode
+from meshjob.plan.build import Plan
 from meshjob.spec.api import MASTER_PORT
-from meshjob_trainer.events import Fanout
+from meshjob.spec.manifest import TrainingJob
+from meshjob_trainer.checkpoint import Checkpointer
+from meshjob_trainer.events import Fanout, MetricsSink
 
-if TYPE_CHECKING:  # the plan layer and the trainer's other parts; imported lazily at run time
-    from meshjob.plan.build import Plan
-    from meshjob.spec.manifest import TrainingJob
+if TYPE_CHECKING:  # torch, and reshard which imports it: this module loads with the CLI, before torch
+    import torch
+    import torch.distributed as dist
+
+    from meshjob_trainer.reshard import ReshardExecutor
 
 DEFAULT_TIMEOUT_S = 300.0
 RENDEZVOUS_PREFIX = "meshjob/rendezvous"
@@ -139,7 +145,7 @@ class WorkerSettings:
     checkpoint_dir: str = ""  # MESHJOB_CHECKPOINT_DIR: overrides spec.training.checkpoint.path
     metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
     step_log: bool = False  # a line per step from the first rank of each stage (`meshjob worker`: the pod's log)
-    compute: Any = None  # meshjob.costs.devices.ComputeMode (`meshjob run --compute`); None: real
+    compute: ComputeMode | None = None  # `meshjob run --compute`; None: real
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -166,13 +172,13 @@ def check_world_size(env: WorkerEnv, plan_world_size: int, job_name: str = "") -
         )
 
 
-def _rendezvous(env: WorkerEnv, timeout_s: float) -> Any:
+def _rendezvous(env: WorkerEnv, timeout_s: float) -> dist.TCPStore:
     """Every rank sets its key on rank 0's TCPStore, then waits for all keys (polling gently).
 
     Rank 0 decides a timeout: it lists the missing ranks, publishes that verdict on the store and
     gives the waiting ranks a moment to read it, so every rank that came reports the same
     missing ranks (instead of a bare "connection closed" when rank 0 exits)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only once a rank runs: this module loads with the CLI
 
     deadline = time.monotonic() + timeout_s
     where = f"{env.master_addr}:{env.master_port}"
@@ -245,7 +251,7 @@ def backend_for_device(cuda_available: bool | None = None) -> str:
     CPU objects ranks still exchange (the plan's digest, calibration figures) go over gloo in the
     same group, which plain NCCL could not carry."""
     if cuda_available is None:
-        import torch
+        import torch  # torch only once a rank runs: this module loads with the CLI
 
         cuda_available = torch.cuda.is_available()
     return GLOO_AND_NCCL if cuda_available else GLOO
@@ -261,17 +267,17 @@ def device_for_backend(backend: str) -> str:
     CUDA tensors, else the CPU."""
     if not uses_cuda(backend):
         return "cpu"
-    import torch
+    import torch  # torch only once a rank runs: this module loads with the CLI
 
     return f"cuda:{torch.cuda.current_device()}"
 
 
-def device_sync(device: Any) -> Callable[[], None] | None:
+def device_sync(device: torch.device) -> Callable[[], None] | None:
     """What makes a timed region's end its device's (a torch.device): CUDA's synchronize (its kernels run
     after their launch returns), None on the CPU."""
     if device.type != "cuda":
         return None
-    import torch
+    import torch  # torch only once a rank runs: this module loads with the CLI
 
     return lambda: torch.cuda.synchronize(device)
 
@@ -307,7 +313,7 @@ def init_distributed(
     expected_world_size: int | None = None,
 ) -> str:
     """Join the default process group (gloo on CPU, gloo+NCCL when CUDA is present); returns the backend."""
-    import torch
+    import torch  # torch only once a rank runs: this module loads with the CLI
     import torch.distributed as dist
 
     if expected_world_size is not None:
@@ -336,15 +342,8 @@ def init_distributed(
     return backend
 
 
-def dist_up() -> bool:
-    """Whether this process is in a torch.distributed process group (and its store) now."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def shutdown_distributed() -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only once a rank runs: this module loads with the CLI
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -358,11 +357,11 @@ class WorkerContext:
     job: TrainingJob
     plan: Plan
     stage: int  # this rank's pipeline stage
-    reshard: Any  # meshjob_trainer.reshard.ReshardExecutor for this rank
-    events: Any = field(default_factory=Fanout)  # meshjob_trainer.events.MetricsSink: every listener of this rank
-    checkpoints: Any = None  # meshjob_trainer.checkpoint.Checkpointer, or None when checkpoints are off
+    reshard: ReshardExecutor  # this rank's
+    events: MetricsSink = field(default_factory=Fanout)  # every listener of this rank
+    checkpoints: Checkpointer | None = None  # None when checkpoints are off
     device: str = "cpu"
-    compute: Any = None  # meshjob.costs.devices.ComputeMode; None: real
+    compute: ComputeMode | None = None  # None: real
 
     @property
     def rank(self) -> int:

@@ -72,17 +72,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from meshjob.network.model import Link
+from meshjob.network.host_task import Link
 from meshjob.plan.comm_order import TransferOrder
+from meshjob.plan.host_order import check_subsequence
 from meshjob.schedule.boundary import BoundaryKey
-from meshjob_trainer.board import link_clock_after, may_start, packs
+from meshjob_trainer.board import HostBoard, link_clock_after, may_start, packs
 from meshjob_trainer.engine_job import Handle, Job, Memory, Message, MessageSpec
 from meshjob_trainer.landing import LandingProbe
 from meshjob_trainer.wire import Wire
 
 Entry = tuple[BoundaryKey, int, int]  # (boundary, microbatch, message index): one message of one transfer
+# what the engine thread takes: a started job, a wake-up ("board" or "tick"), a message done (with its error)
+_Item = (
+    tuple[Literal["job"], Job]
+    | tuple[Literal["wake"], str]
+    | tuple[Literal["done"], Job, Message, BaseException | None]
+)
 TRACE_ENV = "MESHJOB_ENGINE_TRACE"  # a folder: each engine writes there, on close, every message's times
 _ENGINES = itertools.count()  # engines built by this process (names its trace file)
 
@@ -109,7 +116,7 @@ class _Sequence:
             self.entries.append(entry)
 
 
-BoardFor = Callable[[TransferOrder, Callable[[str], None]], Any]  # (order, wake) -> a HostBoard or None
+BoardFor = Callable[[TransferOrder, Callable[[str], None]], HostBoard | None]  # (order, wake) -> the host's board
 
 
 class CommEngine:
@@ -148,17 +155,18 @@ class CommEngine:
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
         self._link_clock: dict[Link, int] = {}  # NIC links off the board: when their bytes are through (ns)
         self.memory = Memory()
-        self._board_for, self.board = board_for, None
+        self._board_for = board_for
+        self.board: HostBoard | None = None
         self._blocked_since: float | None = None  # when a message first waited on the board for its turn
-        self._sends: dict[Link, _Sequence] = {}
+        self._sends: dict[Link | None, _Sequence] = {}
         self._recvs: dict[Link | None, _Sequence] = {}
-        self._in_flight: dict[Link, int] = collections.defaultdict(int)  # sends issued, not done
+        self._in_flight: dict[Link | None, int] = collections.defaultdict(int)  # sends issued, not done
         self._posted: dict[Link | None, int] = collections.defaultdict(int)  # receives posted, not landed
         self._bytes: dict[Link | None, int] = collections.defaultdict(int)  # their bytes, per link
         self._landing: dict[Link | None, list[tuple[Job, Message]]] = collections.defaultdict(list)  # with markers
         self._watched: list[tuple[Link, int, Message]] = []  # marked receives the host's next rank waits on
         self._jobs: dict[tuple[BoundaryKey, int], collections.deque[Job]] = collections.defaultdict(collections.deque)
-        self._inbox: list[tuple[Any, ...]] = []
+        self._inbox: list[_Item] = []
         self._cond = threading.Condition()
         self._waiters: dict[tuple[int, bool], _Waiter] = {}
         self._error: BaseException | None = None
@@ -175,7 +183,7 @@ class CommEngine:
         self._thread.start()
 
     def _plan_sequences(self, order: TransferOrder) -> None:
-        sends: dict[Link, list[Entry]] = collections.defaultdict(list)
+        sends: dict[Link | None, list[Entry]] = collections.defaultdict(list)
         recvs: dict[Link | None, list[Entry]] = collections.defaultdict(list)
         for key, mb in order.transfers:
             for spec in self.specs.get(key, ()):
@@ -186,10 +194,8 @@ class CommEngine:
         self._sends = {link: _Sequence(entries) for link, entries in sends.items()}
         self._recvs = {link: _Sequence(entries) for link, entries in recvs.items()}
 
-    def _use_board(self, board: Any) -> None:
+    def _use_board(self, board: HostBoard | None) -> None:
         """Follow `board` (None: none) from now on; its turns must be this rank's own sequences."""
-        from meshjob.plan.host_order import check_subsequence
-
         if board is not None:
             try:
                 for link in board.links:
@@ -250,13 +256,13 @@ class CommEngine:
         if self.board is not None:
             self.board.close()
         if self._trace_dir is not None and self._trace:
-            self._write_trace()
+            self._write_trace(self._trace_dir)
 
-    def _write_trace(self) -> None:
+    def _write_trace(self, folder: str) -> None:
         """Every message's times (time.monotonic: one clock for every process of the machine) as JSON lines:
         its job's start, when only its link's window or the board held it back, its issue, when the wire
         reported it, its completion."""
-        path = os.path.join(self._trace_dir, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
+        path = os.path.join(folder, f"engine-r{self.rank}-{os.getpid()}-{self.serial}.jsonl")
         names = (
             "key",
             "mb",
@@ -281,12 +287,13 @@ class CommEngine:
         return self._error
 
     # -- the engine thread ---------------------------------------------------------------------
-    def _post(self, item: tuple[Any, ...]) -> None:
+    def _post(self, item: _Item) -> None:
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
 
     def _main(self) -> None:
+        item: _Item | None = None
         with self.wire.engine_stream():
             while True:
                 with self._cond:
@@ -304,12 +311,13 @@ class CommEngine:
                     self._issue()
                 except BaseException as err:  # noqa: BLE001 - a broken wire fails every job, not the thread
                     self._fail_all(err)
-                items = item = None  # hold no job while waiting for the next
+                items.clear()  # hold no job while waiting for the next
+                item = None
 
     def _active(self) -> bool:
         return any(self._jobs.values())
 
-    def _take(self, item: tuple[Any, ...]) -> None:
+    def _take(self, item: _Item) -> None:
         if item[0] == "job":
             job = item[1]
             if self._error is not None:
@@ -382,40 +390,45 @@ class CommEngine:
         (`clock_s` from now), or, with this rank's large receives of the same transfer as the next one
         (`job`) in flight there, the later of the clock and what their buffers show (landing markers,
         meshjob_trainer.landing). Also whether markers were read."""
-        landing = [m for j, m in self._landing.get(link, ()) if j is job]
-        if not landing:
+        rate = self.nic_bytes_per_s
+        probes = [m.landing for j, m in self._landing.get(link, ()) if j is job and m.landing is not None]
+        if not probes or not rate:  # markers are placed only with a NIC rate
             return clock_s, False
-        due = max(m.landing.due_in_s(self.nic_bytes_per_s) for m in landing)
+        due = max(p.due_in_s(rate) for p in probes)
         return (max(clock_s, due) if clock_s < math.inf else due), True
 
     def _mark_landing(self, link: Link | None, job: Job, message: Message) -> None:
         """A large receive on a NIC in-link gets landing markers, where the lead is on (see above)."""
+        rate = self.nic_bytes_per_s
         if (
             self.lead_s > 0
-            and self.nic_bytes_per_s
+            and rate
             and self.overlap_bytes is not None
             and link is not None
             and link[1] == "in"
             and message.nbytes > self.overlap_bytes
+            and message.tensor is not None
         ):
-            message.landing = LandingProbe.place(message.tensor, int(self.lead_s * self.nic_bytes_per_s))
-            if message.landing is not None:
+            probe = message.landing = LandingProbe.place(message.tensor, int(self.lead_s * rate))
+            if probe is not None:
                 self._landing[link].append((job, message))
                 if self.board is not None and link in self.board.links:
                     number = self.board.watch(link)
                     if number is not None:
                         self._watched.append((link, number, message))
-                        self._wake_for(message.landing.due_in_s(self.nic_bytes_per_s), True)
+                        self._wake_for(probe.due_in_s(rate), True)
 
     def _watch_landings(self) -> None:
         """Tell the host's next rank on a board in-link when this rank's watched receive is within the lead
         of landing (meshjob_trainer.board: it cannot read the markers); look again when it may be."""
         watching = []
+        rate = self.nic_bytes_per_s  # set: markers are placed only with a NIC rate
         for link, number, message in self._watched:
-            if message.landing is None:
+            if message.landing is None or not rate:
                 continue  # landed: its completion woke the next rank
-            due_in_s = message.landing.due_in_s(self.nic_bytes_per_s)
+            due_in_s = message.landing.due_in_s(rate)
             if due_in_s <= self.lead_s:
+                assert self.board is not None  # only the links of a board are watched
                 self.board.landed_soon(link, number)
                 continue
             watching.append((link, number, message))
@@ -548,9 +561,11 @@ class CommEngine:
         self._bytes[spec.link] -= message.nbytes
         if self.board is not None and spec.link in self.board.links:
             self.board.completed(spec.link, message.nbytes)
+        tensor = message.tensor
+        assert tensor is not None  # what it was issued with
         if spec.send:
             self._in_flight[spec.link] -= 1
-            job.sent(spec, message.tensor)
+            job.sent(spec, tensor)
             message.tensor = None
             job.sends_left -= 1
         else:
@@ -558,7 +573,7 @@ class CommEngine:
             if message.landing is not None:
                 self._landing[spec.link] = [e for e in self._landing[spec.link] if e[1] is not message]
                 message.landing = None
-            job.landed(spec, message.tensor)
+            job.landed(spec, tensor)
             message.tensor = None
             job.recvs_left -= 1
         self._settle(job)
@@ -588,7 +603,7 @@ class _Waiter:
 
     def __init__(self, engine: CommEngine, peer: int, send: bool) -> None:
         self.engine = engine
-        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[Job, Message] | None] = queue.SimpleQueue()
         kind = "sends to" if send else "receives from"
         self.thread = threading.Thread(target=self._main, daemon=True, name=f"rank {engine.rank} {kind} rank {peer}")
         self.thread.start()
@@ -612,4 +627,4 @@ class _Waiter:
             except BaseException as err:  # noqa: BLE001 - reported to the engine, which fails the jobs
                 error = err
             self.engine._post(("done", job, message, error))
-            item = job = message = None  # hold no job while blocked on the next
+            del item, job, message  # hold no job while blocked on the next

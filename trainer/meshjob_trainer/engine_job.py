@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from meshjob.network.model import Link
+from meshjob.network.host_task import Link
 from meshjob.schedule.boundary import BoundaryKey
+from meshjob_trainer.landing import LandingProbe
 from meshjob_trainer.wire import Wire
 
 
@@ -39,7 +40,7 @@ class MessageSpec:
 class Message:
     spec: MessageSpec
     tensor: torch.Tensor | None = None
-    work: Any = None
+    work: Any = None  # what the wire's isend/irecv returned: the wire's own kind of work
     issued: bool = False
     done: bool = False
     nbytes: int = 0  # what it counts in flight on its link
@@ -48,7 +49,7 @@ class Message:
     done_s: float = 0.0
     wire_s: float = 0.0  # when the wire reported it done (a send: its bytes are in the kernel's socket buffer)
     floor_s: float = 0.0  # a large send on a NIC out-link: the earliest its bytes can have left the host
-    landing: Any = None  # a large receive on a NIC in-link: its LandingProbe (meshjob_trainer.landing)
+    landing: LandingProbe | None = None  # a large receive on a NIC in-link: its markers (meshjob_trainer.landing)
 
 
 class Job:
@@ -61,13 +62,20 @@ class Job:
         self.recvs_left = sum(not s.send for s in specs)
         self.sends_left = len(specs) - self.recvs_left
         self.receives = self.recvs_left > 0  # its result is ready when they land (else: when its sends are done)
-        self.handle = Handle(self)
+        self._handle: Handle | None = Handle(self)
         self.held = 0  # bytes of buffers this job allocated and still counts
         self.result_bytes = 0  # of them, those the result lives in: the compute owns them once it takes it
         self.memory: Memory | None = None  # the engine's tally, set when submitted
         self._lock = threading.Lock()
         self.started_s = time.perf_counter()
         self.source_mark: Any = None  # what the engine must wait for before reading the source tile
+
+    @property
+    def handle(self) -> Handle:
+        """The job's handle, until the job is retired."""
+        if self._handle is None:
+            raise RuntimeError(f"{self.key}#{self.mb}: the job is done and has let go of its handle")
+        return self._handle
 
     def name(self, spec: MessageSpec) -> str:
         return f"{self.key}#{self.mb}/{spec.step}"
@@ -102,7 +110,7 @@ class Job:
         compute; without this the job and its handle, which refer to each other, would keep every
         buffer of the transfer until Python's cyclic collector next ran (the payloads of hundreds of
         transfers, on a rank that allocates few Python objects)."""
-        self.handle = None  # type: ignore[assignment]
+        self._handle = None
         for message in self.messages.values():
             message.work = message.tensor = None
 

@@ -17,7 +17,7 @@ that names the field, the value and what is allowed than a silent NaN on a dashb
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -85,7 +85,7 @@ def fraction(name: str, value: float) -> None:
         raise ValueError(f"{name}={value!r}: must be a fraction in [0, 1]")
 
 
-def one_of(name: str, value: str, allowed: Sequence[str]) -> None:
+def one_of(name: str, value: str, allowed: Collection[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
 

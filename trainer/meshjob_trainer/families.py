@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from meshjob.errors import SpecError
-from meshjob.spec.manifest import ModelSpec
+from meshjob.spec.manifest import ModelSpec, TrainingJob
 from meshjob.spec.tokens import check_data_files
+from meshjob_trainer.custom import CustomStage, check_custom
+from meshjob_trainer.llama import LlamaStage
 from meshjob_trainer.model import PipelineStage, StageModule
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import TPGroup
@@ -16,12 +18,8 @@ def build_stage(
 ) -> PipelineStage:
     """Layers [first, last) of the model (the whole model when first=0, last=layers)."""
     if model.kind == "llama":
-        from meshjob_trainer.llama import LlamaStage
-
         return LlamaStage(model, first, last, seed, tp, numerics)
     if model.kind == "custom":
-        from meshjob_trainer.custom import CustomStage
-
         if tp.size > 1:
             raise ValueError(
                 f"a custom model runs without tensor parallelism; got a tensor-parallel group of {tp.size}"
@@ -30,13 +28,11 @@ def build_stage(
     return StageModule(model, first, last, seed, tp, numerics)
 
 
-def check_inputs(job) -> None:
+def check_inputs(job: TrainingJob) -> None:
     """SpecError naming the field when a token file is bad or the custom model does not load, build
     and run on one sequence: what `meshjob run` and `meshjob worker` check before any rank starts."""
     problems = check_data_files(job)
     if problems:
         raise SpecError(problems)
     if job.model.kind == "custom":
-        from meshjob_trainer.custom import check_custom
-
         check_custom(job.model, job.training.seed)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from typing import Any
 
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -61,7 +63,7 @@ def release_freed_memory() -> bool:
 
 
 @functools.cache  # find_library runs ldconfig in a subprocess; bench resharding's ranks release after every case
-def _libc_function(name: str):
+def _libc_function(name: str) -> Callable[..., Any] | None:
     """The C library's function `name`, or None where there is no such library or function."""
     library = ctypes.util.find_library("c")
     try:

@@ -107,7 +107,7 @@ class EventPipe:
     def __init__(self, fd: int, rank: int):
         self.fd, self.rank = fd, rank
 
-    def emit(self, event: Any) -> None:
+    def emit(self, event: object) -> None:
         payload = pickle.dumps((self.rank, event))
         frame = _FRAME.pack(len(payload)) + payload
         if len(frame) > select.PIPE_BUF:

@@ -15,6 +15,8 @@ both by rank keeps every group on one rank.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -162,10 +164,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         logits: torch.Tensor,
         targets: torch.Tensor,
-        group: dist.ProcessGroup,  # type: ignore[override]
+        group: dist.ProcessGroup,
         start: int,
     ) -> torch.Tensor:
         logits32 = logits.float()
@@ -184,7 +186,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return total.log() - picked
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local, outside = ctx.saved_tensors
         hit = (~outside).to(softmax.dtype)
         grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))

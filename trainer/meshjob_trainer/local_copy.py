@@ -135,6 +135,9 @@ class _Mailbox:
     SIZE = _HEAD + SLOTS * _FIELDS * 8
 
     def __init__(self, path: str, create: bool) -> None:
+        if _FUTEX is None:
+            raise OSError(f"local copy: no futex system call known on {platform.machine()}")
+        self._futex = ctypes.c_long(_FUTEX)
         self.path = path
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -166,7 +169,8 @@ class _Mailbox:
     def header(self, seq: int) -> tuple[int, int, int, int]:
         """(tag, pid, address, nbytes) of posted header `seq`."""
         base = self._cell(seq, 0)
-        return tuple(self.cells[base + 1 : base + 5])  # type: ignore[return-value]
+        tag, pid, address, nbytes = self.cells[base + 1 : base + 5]
+        return tag, pid, address, nbytes
 
     def answer(self, seq: int, state: int) -> None:
         self.cells[self._cell(seq, 5)] = state
@@ -180,7 +184,7 @@ class _Mailbox:
         with self._lock:  # the engine thread and a waiter may both post
             self.words[word] = (self.words[word] + 1) & 0xFFFFFFFF
         _SYSCALL(
-            ctypes.c_long(_FUTEX),
+            self._futex,
             ctypes.c_void_p(ctypes.addressof(self.words) + 4 * word),
             ctypes.c_int(_FUTEX_WAKE),
             ctypes.c_int(1 << 30),
@@ -199,7 +203,7 @@ class _Mailbox:
             if ready():
                 return
             _SYSCALL(
-                ctypes.c_long(_FUTEX),
+                self._futex,
                 address,
                 ctypes.c_int(_FUTEX_WAIT),
                 ctypes.c_uint32(seen),
@@ -240,7 +244,7 @@ class _Send:
     tag: int
     written: bool  # its header is in the ring (else: the ring was full when issued, the wait writes it)
     hello: torch.Tensor | None = None
-    hello_work: Any = None
+    hello_work: dist.Work | None = None
 
 
 @dataclass
@@ -251,13 +255,13 @@ class _Recv:
     peer: int
     tag: int
     hello: torch.Tensor | None = None
-    hello_work: Any = None
+    hello_work: dist.Work | None = None
 
 
 class LocalCopyWire(HostSide):
     """Wraps a CPU wire (GlooWire); messages to and from `local_peers` move by one memory copy."""
 
-    def __init__(self, inner: Any, local_peers: Iterable[int], group: Any = None) -> None:
+    def __init__(self, inner: Any, local_peers: Iterable[int], group: dist.ProcessGroup | None = None) -> None:
         self.inner, self.local_peers, self.group = inner, frozenset(local_peers), group
         self.device = inner.device
         self._out: dict[int, _Out] = {}
@@ -331,12 +335,13 @@ class LocalCopyWire(HostSide):
         refused = box.state(send.seq) == REFUSED
         box.release(send.seq)
         if refused:  # the receiver may not read us: the payload goes over the inner wire
-            dist.isend(send.payload, send.peer, group=self.group, tag=send.tag + FALLBACK_TAG).wait()
+            dist.send(send.payload, send.peer, group=self.group, tag=send.tag + FALLBACK_TAG)
 
     def _wait_recv(self, recv: _Recv) -> None:
         inbox = recv.inbox
         if recv.hello_work is not None:
             recv.hello_work.wait()
+            assert recv.hello is not None  # posted with its work
             pid, name = (int(v) for v in recv.hello.tolist())
             path = self._path(pid, name)
             inbox.box, inbox.sender = _Mailbox(path, create=False), pid
@@ -367,4 +372,4 @@ class LocalCopyWire(HostSide):
             copied = False
         box.answer(recv.seq, COPIED if copied else REFUSED)
         if not copied:
-            dist.irecv(recv.into, recv.peer, group=self.group, tag=recv.tag + FALLBACK_TAG).wait()
+            dist.recv(recv.into, recv.peer, group=self.group, tag=recv.tag + FALLBACK_TAG)

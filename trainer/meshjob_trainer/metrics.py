@@ -24,7 +24,8 @@ from meshjob.spec.api import TRAINER_METRICS_PORT
 from meshjob_trainer.events import STANDARD_EVENTS, Event, Metric
 
 DEFAULT_PORT = TRAINER_METRICS_PORT
-_RECORD: dict[str, Callable[[Any, float], None]] = {  # how each kind of series takes a value
+Series = Counter | Gauge | Histogram
+_RECORD: dict[str, Callable[[Any, float], None]] = {  # how each kind of series takes a value (by its kind)
     "counter": lambda series, value: series.inc(value),
     "gauge": lambda series, value: series.set(value),
     "histogram": lambda series, value: series.observe(value),
@@ -52,14 +53,12 @@ class TrainerMetrics:
     host: str
     stage: int
     namespace: str = "default"  # the TrainingJob's: same-named jobs of two namespaces stay apart
-    registry: CollectorRegistry | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _server: WSGIServer | None = field(default=None, init=False, repr=False)
-    _series: dict[str, tuple[Metric, Any]] = field(default_factory=dict, init=False, repr=False)
+    _series: dict[str, tuple[Metric, Series]] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.registry is None:
-            self.registry = CollectorRegistry()
         self.info = Info(
             "meshjob",
             "Job configuration: strategy, schedule, balancer, mesh shapes",
@@ -70,7 +69,7 @@ class TrainerMetrics:
             for metric in kind.METRICS:
                 self._declare(metric)
 
-    def _declare(self, metric: Metric) -> Any:
+    def _declare(self, metric: Metric) -> Series:
         """The series of `metric`, created on first use (resharding threads emit concurrently)."""
         with self._lock:
             known = self._series.get(metric.name)
@@ -79,6 +78,7 @@ class TrainerMetrics:
                     raise ValueError(f"metric {metric.name} is declared twice, differently: {known[0]} and {metric}")
                 return known[1]
             labels = ["trainingjob", "namespace", *metric.labels]
+            series: Series
             if metric.kind == "counter":
                 series = Counter(metric.name, metric.help, labels, registry=self.registry)
             elif metric.kind == "gauge":

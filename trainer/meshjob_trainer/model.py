@@ -22,6 +22,7 @@ a sharded model computes what the single-process model does.
 from __future__ import annotations
 
 import zlib
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +150,8 @@ class PipelineStage(nn.Module):
     recomputation (numerics.Numerics) apply to every family alike.
     """
 
+    blocks: nn.ModuleDict  # the family's layers [first, last), keyed by str(layer index)
+
     def __init__(self, config: ModelSpec, first: int, last: int, numerics: Numerics = Numerics()):
         super().__init__()
         if not 0 <= first < last <= config.layers:
@@ -232,7 +235,8 @@ class StageModule(PipelineStage):
 
     def tied_weights(self) -> list[nn.Parameter]:
         cut = (self.is_first or self.is_last) and not (self.is_first and self.is_last)
-        return [self.wte.weight] if cut and self.tied else []
+        # torch types nn.Embedding.weight as a Tensor: here it is the Parameter sharded() made
+        return [cast(nn.Parameter, self.wte.weight)] if cut and self.tied else []
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from meshjob.spec.manifest import TrainingJob
+
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -32,7 +34,7 @@ class Numerics:
             )
 
     @classmethod
-    def of(cls, job, stage: int) -> Numerics:
+    def of(cls, job: TrainingJob, stage: int) -> Numerics:
         """The numerics of one stage of a meshjob.spec.manifest.TrainingJob."""
         return cls(job.training.precision, job.recompute(stage) == "full")
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshjob.spec.manifest import TrainingSpec
 from meshjob_trainer.checkpoint import CheckpointMismatch
 from meshjob_trainer.parallel import StageGroups, shard_info
 
@@ -42,7 +43,7 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, foreach=False)
 
 
-def lr_at(step: int, training: Any) -> float:
+def lr_at(step: int, training: TrainingSpec) -> float:
     """The learning rate of 0-based step `step` (meshjob.spec.manifest.TrainingSpec): constant, or with
     spec.training.lrSchedule a linear warm-up to learningRate over warmupSteps, then a cosine decay
     that reaches minLr at the last step (nanoGPT's schedule)."""
@@ -188,6 +189,7 @@ class StageOptimizer:
         """The squares of the gradient elements this rank counts (float64, on the CPU)."""
         if self.zero:
             grad = self.shard.grad
+            assert grad is not None, "reduce_gradients() gives the shard its gradient first"
             total = grad.double().pow(2)[self.shard_counted].sum()
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
@@ -197,9 +199,9 @@ class StageOptimizer:
         return total.cpu()
 
     def scale_gradients(self, factor: float) -> None:
-        grads = [self.shard.grad] if self.zero else [p.grad for p in self.params if p.grad is not None]
-        for grad in grads:
-            grad.mul_(factor)
+        for p in [self.shard] if self.zero else self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def step(self) -> None:
         self.optimizer.step()

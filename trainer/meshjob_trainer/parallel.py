@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,19 +79,18 @@ def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int)
     tie_group, tie_members = None, len(meshes[stage].ranks)
     last = len(meshes) - 1
     if last > 0:
-        members = sorted(meshes[0].ranks + meshes[last].ranks)
-        group = dist.new_group(members)
+        group = dist.new_group(sorted(meshes[0].ranks + meshes[last].ranks))
         if stage in (0, last):
             tie_group = group
     return StageGroups(
-        tp,
-        dp_group,
-        dp_rank,
-        dp_size,
-        tie_group,
-        tie_members,
-        _replica_rank(stages[stage], meshes[stage], rank),
-        stage == 0,
+        tp=tp,
+        dp_group=dp_group,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        tie_group=tie_group,
+        tie_members=tie_members,
+        replica_rank=_replica_rank(stages[stage], meshes[stage], rank),
+        is_first_stage=stage == 0,
     )
 
 
@@ -116,22 +116,22 @@ def all_reduce_fp32(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_reduce_fp32(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return all_reduce_fp32(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -165,7 +165,7 @@ def take_shard(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 def sharded(full: torch.Tensor, info: ShardInfo) -> nn.Parameter:
     """A parameter holding this rank's shard; it remembers its ShardInfo for reassembly."""
     param = nn.Parameter(take_shard(full, info))
-    param.shard = info  # type: ignore[attr-defined]
+    param.shard = info  # type: ignore[attr-defined]  # torch's Parameter has no such attribute: ours (shard_info)
     return param
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -91,7 +91,7 @@ class _Stash:
     inputs: dict[str, torch.Tensor]  # the stage inputs that need a gradient (leaves)
     outputs: dict[str, torch.Tensor]
     split_done: bool = False  # I has run
-    param_groups: list[dict] | None = None  # what I kept for W (None: W runs the whole backward)
+    param_groups: list[dict[str, Any]] | None = None  # what I kept for W (None: W runs the whole backward)
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -151,7 +151,7 @@ class _StepRun:
         self.unposted: dict[BoundaryKey, collections.deque[Action]] = collections.defaultdict(collections.deque)
         # what the step's clock marked, in order, and what each (name, start, end) pair of marks was: a compute
         # action or a "wait"; read into stats at the step's end, when the device (if any) has run it all
-        self.marks: list = []
+        self.marks: list[Any] = []  # the clock's own kind of mark (StepClock.mark)
         self.spans: list[tuple[str, int, int]] = []
         self.stats.timeline_origin = ex.clock.start()
 
@@ -255,14 +255,18 @@ class _StepRun:
         leaves: dict[str, torch.Tensor] = {}
         for name in module.input_names():
             if name == "tokens":
+                assert batch is not None  # the first stage's
                 inputs[name] = batch.tokens
                 continue
             received = self.recv_f.pop((name, mb), None)
             if received is None:
                 raise self.fail(action, f"input {name!r} of microbatch {mb} was never received (no RECV_F before F)")
             value = self._take(received)
+            if value is None:
+                raise self.fail(action, f"input {name!r} of microbatch {mb}: its receive delivered nothing")
             leaves[name] = inputs[name] = value.detach().requires_grad_(True)
         if module.is_last:
+            assert batch is not None  # the last stage's
             inputs["targets"] = batch.targets
         outputs = self.ex.compute.forward(inputs)
         if module.is_last:
@@ -284,9 +288,11 @@ class _StepRun:
                     f"gradient of output {name!r} of microbatch {action.mb} was never "
                     "received (no RECV_B before the backward)",
                 )
-            total = None
+            total: torch.Tensor | None = None
             for received in handles:  # one per consumer stage; they add up
                 grad = self._take(received)
+                if grad is None:
+                    raise self.fail(action, f"gradient of output {name!r} of microbatch {action.mb}: delivered nothing")
                 total = grad if total is None else total + grad
             roots.append(output)
             grads.append(total)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from meshjob.spec.manifest import TrainingJob, TrainingSpec
 from meshjob_trainer.data import TRAIN, VAL, Dataset, make_data
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.model import PipelineStage
@@ -48,7 +48,7 @@ def batch_loss(model: PipelineStage, data: Dataset, step: int, microbatches: int
 def train_reference(
     model: PipelineStage,
     data: Dataset,
-    training: Any,
+    training: TrainingSpec,
     val_data: Dataset | None = None,
 ) -> ReferenceResult:
     """Train `model` (the whole model as one stage) as meshjob.spec.manifest.TrainingSpec `training` says."""
@@ -71,7 +71,7 @@ def train_reference(
     return result
 
 
-def reference_for_job(job) -> ReferenceResult:
+def reference_for_job(job: TrainingJob) -> ReferenceResult:
     """The reference of a TrainingJob (meshjob.spec.manifest): its model, data, steps, numerics and optimizer."""
     t = job.training
     model = build_stage(job.model, 0, job.model.layers, t.seed, numerics=Numerics(t.precision))

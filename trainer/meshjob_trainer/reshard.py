@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from meshjob.layout.sharding import Slice, relative, slice_shape, to_index
-from meshjob.network.model import HANDOVER_LEAD_S, Link, NetworkModel, overlap_bytes
+from meshjob.network.host_task import Link
+from meshjob.network.model import HANDOVER_LEAD_S, NetworkModel, overlap_bytes
+from meshjob.plan.build import Plan
 from meshjob.plan.comm_order import TransferOrder, recv_depths
 from meshjob.plan.host_order import HostLinkOrder, host_link_orders
 from meshjob.resharding.tasks import CROSS_HOST
 from meshjob.schedule.boundary import BoundaryKey
-from meshjob_trainer.dist import dist_up
+from meshjob_trainer.board import HostBoard
 from meshjob_trainer.engine import CommEngine
 from meshjob_trainer.engine_job import Handle, Job, MessageSpec
 from meshjob_trainer.events import LowerBoundRatio, MetricsSink, NicBandwidth, Resharded, UnitTasks
@@ -45,6 +48,7 @@ from meshjob_trainer.route import GATHER_TASK, ReshardError, Route, local_peers,
 from meshjob_trainer.wire import Wire, close_wire, wire_for
 
 SIGNAL_BYTES = 1
+K = TypeVar("K")
 _BOARDS = itertools.count()  # boards built by this process: every rank of a host counts them alike
 
 
@@ -62,7 +66,7 @@ class ReshardStats:
     task_bytes: dict[int, int] = field(default_factory=dict)  # task -> bytes this rank received of it
 
 
-def _add(table: dict[Any, int], key: Any, nbytes: int) -> None:
+def _add(table: dict[K, int], key: K, nbytes: int) -> None:
     table[key] = table.get(key, 0) + nbytes
 
 
@@ -245,7 +249,7 @@ class ReshardExecutor:
 
     def __init__(
         self,
-        plan: Any,
+        plan: Plan | None,
         rank: int,
         events: MetricsSink | None = None,
         *,
@@ -264,7 +268,10 @@ class ReshardExecutor:
         self.rank, self.events, self.dtype = rank, events, dtype
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
+        if isinstance(order, str) and order != "plan":
+            raise ValueError(f'order {order!r} is invalid: a TransferOrder, "plan" or None')
         network = routes[0].network if routes else NetworkModel()
+        self.order = None if isinstance(order, str) else order  # explicit routes: no plan to take an order from
         if routes is None:
             if plan is None:
                 raise ReshardError("ReshardExecutor needs a plan or explicit routes")
@@ -272,12 +279,10 @@ class ReshardExecutor:
             host = host or plan.placement.hosts[plan.placement.host_of(rank)].name
             network = plan.network
             if order == "plan":
-                order = plan.transfer_order  # computed once per plan (meshjob.plan.build)
-            if order is not None:
-                self.recv_depth = recv_depths(plan.schedules, order).get(plan.placement.stage_of(rank), {})
-        order = None if order == "plan" else order  # explicit routes: no plan to take an order from
-        assert order is None or isinstance(order, TransferOrder)
-        self.order = order
+                self.order = plan.transfer_order  # computed once per plan (meshjob.plan.build)
+            if self.order is not None:
+                self.recv_depth = recv_depths(plan.schedules, self.order).get(plan.placement.stage_of(rank), {})
+        order = self.order
         self.routes: dict[BoundaryKey, Route] = {}
         for r in routes:
             if r.boundary.key in self.routes:  # start() finds a boundary by its key
@@ -306,18 +311,18 @@ class ReshardExecutor:
         )
         self.network = network
         self.board_timeout_s = board_timeout_s
-        use_board = order is not None and (dist_up() if board is None else board)
+        use_board = order is not None and ((dist.is_available() and dist.is_initialized()) if board is None else board)
         self.engine = CommEngine(
             rank,
             self.wire,
             self.specs,
-            self.in_flight_per_link,
-            order,
-            self._board_for if use_board else None,
-            overlap_bytes(network),
-            network.nic_bytes_per_s,
-            HANDOVER_LEAD_S,
-            self.small_in_flight_per_link,
+            in_flight_per_link=self.in_flight_per_link,
+            order=order,
+            board_for=self._board_for if use_board else None,
+            overlap_bytes=overlap_bytes(network),
+            nic_bytes_per_s=network.nic_bytes_per_s,
+            lead_s=HANDOVER_LEAD_S,
+            small_in_flight_per_link=self.small_in_flight_per_link,
         )
 
     def host_link_orders(self, order: TransferOrder) -> dict[int, HostLinkOrder]:
@@ -325,11 +330,9 @@ class ReshardExecutor:
         sides = {k: r.planned_sides() for k, r in self.routes.items()}
         return host_link_orders(order.transfers, sides)
 
-    def _board_for(self, order: TransferOrder, wake: Any) -> Any:
+    def _board_for(self, order: TransferOrder, wake: Callable[[str], None]) -> HostBoard | None:
         """This rank's host board for `order`, or None when it shares no NIC link on its host. Every rank
         calls it at the same points (the serial number names the board in the store)."""
-        from meshjob_trainer.board import HostBoard
-
         serial = next(_BOARDS)
         host = next(
             (
@@ -342,8 +345,6 @@ class ReshardExecutor:
         mine = self.host_link_orders(order).get(host) if host is not None else None
         if mine is None or self.rank not in mine.ranks:
             return None
-        import torch.distributed as dist
-
         store = dist.distributed_c10d._get_default_store()
         return HostBoard(
             mine,
@@ -403,7 +404,7 @@ class ReshardExecutor:
         total = 0
         for key, depth in self.recv_depth.items():
             total += depth * self.routes[key].receive_bytes(self.rank, self.dtype)
-        largest: dict[Link, int] = {}
+        largest: dict[Link | None, int] = {}
         for key, specs in self.specs.items():
             route = self.routes[key]
             for spec in specs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -30,11 +29,13 @@ from meshjob.layout.sharding import (
     tile,
     to_index,
 )
-from meshjob.network.model import Link, NetworkModel
-from meshjob.plan.build import ITEMSIZE, Boundary
+from meshjob.network.host_task import Link
+from meshjob.network.model import NetworkModel
+from meshjob.plan.build import ITEMSIZE, Boundary, Plan
 from meshjob.plan.host_order import Side
 from meshjob.plan.program import RankProgram, in_link, out_link, planned_keys, rank_programs
 from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST, Step
+from meshjob.spec.manifest import natural_layout
 from meshjob_trainer.engine_job import MessageSpec
 
 
@@ -388,9 +389,7 @@ def one_feeder_pairs(routes: Iterable[Route]) -> set[tuple[int, int]]:
     return {(a, b) for a, b, receiver in cross if len(feeders[receiver]) == 1}
 
 
-def routes_from_plan(plan: Any) -> list[Route]:
-    from meshjob.spec.manifest import natural_layout
-
+def routes_from_plan(plan: Plan) -> list[Route]:
     naturals: dict[int, ShardingSpec] = {}
     routes = []
     for b in plan.boundaries:

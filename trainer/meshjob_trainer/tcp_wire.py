@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from meshjob_trainer.dist import dist_up
 from meshjob_trainer.host_side import HostSide, OrderError
 
 HEADER = struct.Struct("<qq")  # a message's tag and payload bytes
@@ -82,7 +82,7 @@ class TcpWire(HostSide):
         self,
         rank: int,
         pairs: Iterable[tuple[int, int]],
-        store: Any = None,
+        store: dist.Store | None = None,
         skip: Iterable[int] = (),
         timeout_s: float = CONNECT_TIMEOUT_S,
         ungranted: Iterable[tuple[int, int]] = (),
@@ -105,13 +105,11 @@ class TcpWire(HostSide):
         self.connections = 0  # made or accepted so far (close() keeps the count)
         self._accept_error: BaseException | None = None
         self._closed = False
-        if self.recvs_from and (store is not None or dist_up()):
+        if self.recvs_from and (store is not None or (dist.is_available() and dist.is_initialized())):
             self._listen()  # senders may connect as soon as they have a message
 
-    def _store_now(self) -> Any:
+    def _store_now(self) -> dist.Store:
         if self._store is None:
-            import torch.distributed as dist
-
             self._store = dist.distributed_c10d._get_default_store()
         return self._store
 
@@ -317,7 +315,7 @@ def _checked(tensor: torch.Tensor, message: str) -> torch.Tensor:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:

@@ -14,24 +14,35 @@ forward actions of the same list over spec.training.evalBatches validation batch
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from meshjob.costs.devices import REAL
+from meshjob.costs.device_costs import emulated_cost
+from meshjob.costs.devices import REAL, ComputeMode
+from meshjob.plan.build import Plan, build_plan
+from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
+from meshjob.spec.manifest import EdgeSpec, TrainingJob
+from meshjob_trainer.calibrate import natural_shape
+from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
+from meshjob_trainer.compute import EmulatedCompute, StageCompute
 from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
+from meshjob_trainer.dist import WorkerContext, WorkerEnv, device_for_backend, init_distributed, shutdown_distributed
+from meshjob_trainer.engine_job import Handle
 from meshjob_trainer.events import (
     CheckpointRestored,
     CheckpointWritten,
     Evaluated,
     GradientNorm,
+    MetricsSink,
     PayloadMemory,
     PipelineFractions,
     StepFinished,
@@ -41,7 +52,7 @@ from meshjob_trainer.model import PipelineStage, local_shards
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.optim import StageOptimizer
 from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups
-from meshjob_trainer.pipeline import Handle, PipelineExecutor, StageStats
+from meshjob_trainer.pipeline import PipelineExecutor, StageStats
 from meshjob_trainer.reshard import ReshardExecutor
 from meshjob_trainer.step_clock import HostClock, clock_for
 
@@ -69,7 +80,7 @@ class ReshardTransport:
     def __init__(self, reshard: ReshardExecutor):
         self.reshard = reshard
         self.comm_s = 0.0
-        self._handles: list[Any] = []
+        self._handles: list[Handle] = []
 
     def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle:
         handle = self.reshard.start(key, mb, local)
@@ -84,7 +95,7 @@ class ReshardTransport:
         return seconds
 
 
-def check_edges(module: PipelineStage, stage: int, edges: Sequence[Any]) -> None:
+def check_edges(module: PipelineStage, stage: int, edges: Sequence[EdgeSpec]) -> None:
     """The plan's edges must carry exactly the tensors this stage's layers consume and produce."""
     incoming = sorted(e.tensor for e in edges if e.dst == stage)
     outgoing = sorted({e.tensor for e in edges if e.src == stage})
@@ -110,11 +121,11 @@ class StageRuntime:
     transport: ReshardTransport
     data: Dataset
     val_data: Dataset | None  # None: no evaluation
-    job: Any  # meshjob.spec.manifest.TrainingJob
+    job: TrainingJob
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def build_runtime(ctx: Any) -> StageRuntime:
+def build_runtime(ctx: WorkerContext) -> StageRuntime:
     job, plan, stage = ctx.job, ctx.plan, ctx.stage
     t = job.training
     torch.manual_seed(t.seed)
@@ -150,11 +161,20 @@ def build_runtime(ctx: Any) -> StageRuntime:
     )
     val = make_data(job, VAL) if t.eval_every > 0 else None
     return StageRuntime(
-        stage, module, groups, optimizer, executor, transport, make_data(job, TRAIN), val, job, torch.device(ctx.device)
+        stage=stage,
+        module=module,
+        groups=groups,
+        optimizer=optimizer,
+        executor=executor,
+        transport=transport,
+        data=make_data(job, TRAIN),
+        val_data=val,
+        job=job,
+        device=torch.device(ctx.device),
     )
 
 
-def _stage_and_compute(ctx: Any, groups: StageGroups) -> tuple[PipelineStage, Any]:
+def _stage_and_compute(ctx: WorkerContext, groups: StageGroups) -> tuple[PipelineStage, StageCompute | None]:
     """This rank's stage, and the compute strategy when it is not the module's own (None): under
     emulated compute a stage without weights (its input and output names) and EmulatedCompute on the
     stage's natural activation tile."""
@@ -166,10 +186,8 @@ def _stage_and_compute(ctx: Any, groups: StageGroups) -> tuple[PipelineStage, An
         return build_stage(job.model, first, last, job.training.seed, groups.tp, Numerics.of(job, stage)).to(
             ctx.device
         ), None
-    from meshjob.costs.device_costs import emulated_cost
-    from meshjob_trainer.calibrate import natural_shape
-    from meshjob_trainer.compute import EmulatedCompute
-
+    if mode.device is None:
+        raise ValueError("emulated compute needs a device profile (meshjob.costs.devices.parse_compute)")
     module = PipelineStage(job.model, first, last)
     shape = natural_shape(ctx.plan, stage, ctx.rank)
     return module, EmulatedCompute(
@@ -185,7 +203,7 @@ def global_loss(rt: StageRuntime, local: float) -> float:
     return float(value.item())
 
 
-def _batches(rt: StageRuntime, data: Dataset, step: int) -> Any:
+def _batches(rt: StageRuntime, data: Dataset, step: int) -> Callable[[int], Batch]:
     """local_batch(mb) for the executor: this rank's rows of microbatch mb of `step`'s global batch."""
     g, microbatches = rt.groups, rt.job.training.microbatches
 
@@ -214,9 +232,9 @@ def evaluate(rt: StageRuntime) -> float:
     return global_loss(rt, local) if rt.module.is_last else math.nan
 
 
-def _restore(ctx: Any, rt: StageRuntime) -> int:
+def _restore(ctx: WorkerContext, rt: StageRuntime) -> int:
     """The step to start from: after the newest complete checkpoint, else 0."""
-    if ctx.checkpoints is None:
+    if ctx.checkpoints is None or rt.optimizer is None:  # no optimizer: emulated compute, nothing to restore
         return 0
     restored = ctx.checkpoints.restore(rt.module, rt.optimizer)
     if restored is None:
@@ -225,17 +243,17 @@ def _restore(ctx: Any, rt: StageRuntime) -> int:
     return int(restored)
 
 
-def _save(ctx: Any, rt: StageRuntime, steps_done: int) -> None:
+def _save(ctx: WorkerContext, rt: StageRuntime, steps_done: int) -> None:
     every = ctx.job.training.checkpoint.every
-    if ctx.checkpoints is None or every <= 0 or steps_done % every:
+    if ctx.checkpoints is None or rt.optimizer is None or every <= 0 or steps_done % every:
         return
     start = time.perf_counter()
     ctx.checkpoints.save(steps_done, rt.module, rt.optimizer)
     ctx.events.emit(CheckpointWritten(rt.stage, steps_done, time.perf_counter() - start))
 
 
-def train(ctx: Any) -> TrainResult:
-    """Run the job's training steps on this rank (ctx: meshjob_trainer.dist.WorkerContext)."""
+def train(ctx: WorkerContext) -> TrainResult:
+    """Run the job's training steps on this rank."""
     rt = build_runtime(ctx)
     job = ctx.job
     start_step = _restore(ctx, rt)
@@ -274,23 +292,23 @@ def train(ctx: Any) -> TrainResult:
     gc.unfreeze()  # the caller's objects are its collector's again (in-process tests call this function)
     ctx.reshard.close()  # the last forwards of a chain may still be on their way to a peer
     return TrainResult(
-        ctx.rank,
-        rt.stage,
-        losses,
-        local_shards(rt.module),
-        total,
-        start_step,
-        job.training.steps,
-        rt.transport.comm_s,
-        step_seconds,
-        val_losses,
-        norms,
-        peak,
-        bound,
+        rank=ctx.rank,
+        stage=rt.stage,
+        losses=losses,
+        params=local_shards(rt.module),
+        stats=total,
+        start_step=start_step,
+        steps=job.training.steps,
+        comm_s=rt.transport.comm_s,
+        step_seconds=step_seconds,
+        val_losses=val_losses,
+        grad_norms=norms,
+        payload_peak_bytes=peak,
+        payload_bound_bytes=bound,
     )
 
 
-def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: list[tuple[int, float]]) -> None:
+def _maybe_evaluate(ctx: WorkerContext, rt: StageRuntime, steps_done: int, val_losses: list[tuple[int, float]]) -> None:
     every = rt.job.training.eval_every
     if every <= 0 or steps_done % every:
         return
@@ -301,26 +319,20 @@ def _maybe_evaluate(ctx: Any, rt: StageRuntime, steps_done: int, val_losses: lis
 
 
 def train_rank(
-    env: Any,
-    job: Any,
-    schedules: dict[int, Sequence[Any]] | None = None,
+    env: WorkerEnv,
+    job: TrainingJob,
+    schedules: dict[int, Sequence[Action]] | None = None,
     timeout_s: float = 60.0,
     checkpoint_dir: str | None = None,
-    events: Any = None,
-    compute: Any = REAL,
-    plan: Any = None,
+    events: MetricsSink | None = None,
+    compute: ComputeMode = REAL,
+    plan: Plan | None = None,
 ) -> TrainResult:
     """One rank of a local run without the worker's extras (no metrics, no pod status): join the
     process group, build the plan (optionally with other action lists), train, leave; its events go
     to `events` (a MetricsSink) when given; `compute` a meshjob.costs.devices.ComputeMode; `plan` the plan to run
     (default: build_plan(job)). For tests and benchmarks that launch ranks with
     meshjob_trainer.launch."""
-    import dataclasses
-
-    from meshjob.plan.build import build_plan
-    from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
-    from meshjob_trainer.dist import WorkerContext, device_for_backend, init_distributed, shutdown_distributed
-
     plan = plan or build_plan(job)
     if schedules is not None:
         plan = dataclasses.replace(plan, schedules={s: tuple(a) for s, a in schedules.items()})
@@ -330,7 +342,7 @@ def train_rank(
         checkpoints = (
             None
             if checkpoint_dir is None or compute.emulated
-            else Checkpointer(checkpoint_dir, env.rank, env.world_size, spec_fingerprint(job, env.world_size))
+            else Checkpointer(Path(checkpoint_dir), env.rank, env.world_size, spec_fingerprint(job, env.world_size))
         )
         ctx = WorkerContext(
             env=env,

@@ -14,9 +14,17 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from meshjob.costs.device_costs import emulated_costs
+from meshjob.costs.devices import ComputeMode
+from meshjob.plan import rendered
+from meshjob.plan.build import Plan
+from meshjob.plan.placement import load_hosts
+from meshjob.schedule.actions import peak_stashed, stash_bound
 from meshjob.spec.api import MASTER_PORT
+from meshjob.spec.manifest import TrainingJob, load_job
+from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
 from meshjob_trainer.dist import (
     DEFAULT_TIMEOUT_S,
     DistError,
@@ -31,25 +39,27 @@ from meshjob_trainer.dist import (
     shutdown_distributed,
     uses_cuda,
 )
-from meshjob_trainer.events import Fanout, MetricsSink
+from meshjob_trainer.events import Fanout, MetricsSink, WeightDelay
 from meshjob_trainer.heap import keep_freed_memory
-from meshjob_trainer.steplog import print_line
+from meshjob_trainer.launch import LaunchResult, RankContext, launch
+from meshjob_trainer.metrics import TrainerMetrics
+from meshjob_trainer.steplog import StepLog, print_line
+
+if TYPE_CHECKING:  # it imports torch, which this module must not load (the CLI imports it before torch)
+    from meshjob_trainer.train import TrainResult
 
 
 @dataclass(frozen=True)
 class JobSetup:
-    job: Any  # meshjob.spec.manifest.TrainingJob
-    plan: Any  # meshjob.plan.build.Plan
+    job: TrainingJob
+    plan: Plan
 
 
 def load_setup(settings: WorkerSettings) -> JobSetup:
     """Parse the job and check what it reads here (SpecError names bad fields: the manifest, its token
     files, its custom model) and build its plan; DistError when the plan is not the one the operator
     rendered, or the rendered plan it names is missing."""
-    from meshjob.plan import rendered
-    from meshjob.plan.placement import load_hosts
-    from meshjob.spec.manifest import load_job
-    from meshjob_trainer.families import check_inputs
+    from meshjob_trainer.families import check_inputs  # torch: this module loads with the CLI, before torch
 
     if not settings.job_path:
         raise DistError("no job: pass --job job.yaml or set MESHJOB_JOB")
@@ -68,11 +78,11 @@ def load_setup(settings: WorkerSettings) -> JobSetup:
     return JobSetup(inputs.job, plan)
 
 
-def agree_on_plan(plan: Any, rank: int) -> None:
+def agree_on_plan(plan: Plan, rank: int) -> None:
     """Every rank must run the same plan (a time-budgeted balancer could differ between ranks)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only in a rank: this module loads with the CLI, before torch
 
-    digests: list[Any] = [None] * dist.get_world_size()
+    digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, plan.digest())
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
@@ -82,17 +92,20 @@ def agree_on_plan(plan: Any, rank: int) -> None:
         )
 
 
-def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, compute: Any = None) -> JobSetup:
+def calibrated(
+    setup: JobSetup, rank: int, device: str, events: MetricsSink, compute: ComputeMode | None = None
+) -> JobSetup:
     """weightGradDelay auto: every rank profiles its stage, all agree on the figures and re-plan
     (meshjob_trainer.calibrate), and check that they hold the same plan; under emulated compute the
     device profile's modelled costs are the figures (nothing to profile). Then the delay each stage runs
     with is reported (an event; rank 0 also prints every stage's). Collective."""
+    # torch: this module loads with the CLI, before torch
     from meshjob_trainer.calibrate import calibrate, calibrated_plan, needs_calibration
 
     if needs_calibration(setup.plan):
         if compute is not None and compute.emulated:
-            from meshjob.costs.device_costs import emulated_costs
-
+            if compute.device is None:
+                raise DistError("emulated compute needs a device profile (meshjob.costs.devices.parse_compute)")
             plan = calibrated_plan(setup.plan, emulated_costs(setup.job, compute.device))
         else:
             plan = calibrate(setup.plan, rank, device)
@@ -106,29 +119,26 @@ def calibrated(setup: JobSetup, rank: int, device: str, events: MetricsSink, com
     return setup
 
 
-def weight_delays(plan: Any) -> dict[int, Any]:
+def weight_delays(plan: Plan) -> dict[int, WeightDelay]:
     """Per stage, the WeightDelay event of `plan`."""
-    from meshjob.schedule.actions import peak_stashed, stash_bound
-    from meshjob_trainer.events import WeightDelay
-
     peaks = peak_stashed(plan.schedules)
     bound = stash_bound(len(plan.job.stages), plan.job.training.microbatches)
     return {
         s: WeightDelay(
-            s,
-            plan.weight_delay.get(s, 0),
-            c.forward_s,
-            c.input_grad_s,
-            c.weight_grad_s,
-            peaks[s],
-            bound,
-            plan.costs_measured,
+            stage=s,
+            delay=plan.weight_delay.get(s, 0),
+            forward_s=c.forward_s,
+            input_grad_s=c.input_grad_s,
+            weight_grad_s=c.weight_grad_s,
+            peak_stash=peaks[s],
+            stash_bound=bound,
+            measured=plan.costs_measured,
         )
         for s, c in sorted(plan.stage_costs.items())
     }
 
 
-def describe_delays(plan: Any, delays: dict[int, Any]) -> str:
+def describe_delays(plan: Plan, delays: dict[int, WeightDelay]) -> str:
     """One line for the log: how the delays were sized, and each stage's delay, W time and peak stash."""
     how = "measured at start" if plan.costs_measured else "planner's formula"
     stages = "; ".join(
@@ -140,10 +150,8 @@ def describe_delays(plan: Any, delays: dict[int, Any]) -> str:
     return f"meshjob: weightGradDelay {mode} (costs: {how}, stash bound {bound}): {stages}"
 
 
-def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> Any:
+def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> TrainerMetrics:
     """This rank's Prometheus exporter, serving on MESHJOB_METRICS_PORT + LOCAL_RANK when that is set."""
-    from meshjob_trainer.metrics import TrainerMetrics
-
     job, plan = setup.job, setup.plan
     host = plan.placement.hosts[plan.placement.host_of(env.rank)].name
     metrics = TrainerMetrics(
@@ -170,8 +178,7 @@ def serve_metrics(env: WorkerEnv, settings: WorkerSettings, setup: JobSetup) -> 
 def make_context(
     env: WorkerEnv, settings: WorkerSettings, setup: JobSetup, events: MetricsSink, device: str = "cpu"
 ) -> WorkerContext:
-    from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
-    from meshjob_trainer.reshard import ReshardExecutor
+    from meshjob_trainer.reshard import ReshardExecutor  # torch: this module loads with the CLI, before torch
 
     job, plan = setup.job, setup.plan
     directory = settings.checkpoint_dir or job.training.checkpoint.path
@@ -202,12 +209,11 @@ def run_worker(
     setup: JobSetup,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     listeners: Sequence[MetricsSink] = (),
-) -> Any:
+) -> TrainResult:
     """One rank: returns what the training loop returns (meshjob_trainer.train.TrainResult). Its events
     go to its Prometheus exporter, to a log line per step (the first rank of each stage, with
     settings.step_log) and to `listeners`."""
-    from meshjob_trainer.steplog import StepLog
-    from meshjob_trainer.train import train
+    from meshjob_trainer.train import train  # torch: this module loads with the CLI, before torch
 
     check_world_size(env, setup.plan.placement.world_size, setup.job.name)
     keep_freed_memory()  # each step reuses the last one's tensor pages (meshjob_trainer.heap)
@@ -233,12 +239,12 @@ def run_worker(
 def _gpus(backend: str) -> int:
     if not uses_cuda(backend):
         return 0
-    import torch
+    import torch  # torch only in a rank: this module loads with the CLI, before torch
 
     return torch.cuda.device_count()
 
 
-def host_ranks(plan: Any, node_rank: int) -> tuple[int, ...]:
+def host_ranks(plan: Plan, node_rank: int) -> tuple[int, ...]:
     """Global ranks on the node_rank-th host the job uses (the operator's pod index)."""
     used = plan.placement.hosts_used()
     if not 0 <= node_rank < len(used):
@@ -255,10 +261,8 @@ def run_host(
     nproc: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pre_exec: Callable[[int], None] | None = None,
-) -> Any:
+) -> LaunchResult:
     """Fork this host's ranks (meshjob_trainer.launch) and wait; returns the LaunchResult."""
-    from meshjob_trainer.launch import launch
-
     ranks: Sequence[int] = host_ranks(setup.plan, node.node_rank)
     if nproc is not None and nproc != len(ranks):
         raise DistError(
@@ -271,7 +275,7 @@ def run_host(
     single_host = len(setup.plan.placement.hosts_used()) == 1
     port = node.master_port or (None if single_host else MASTER_PORT)  # one host: any free port will do
 
-    def target(ctx: Any) -> None:
+    def target(ctx: RankContext) -> None:
         run_worker(ctx.env, settings, setup, timeout_s)  # the result stays in the child: the CLI needs the exit code
 
     return launch(

@@ -24,12 +24,21 @@ from typing import Any
 
 from rich.console import Console
 
-from meshjob.errors import UsageError
+from meshjob.costs.devices import ComputeMode, parse_compute
+from meshjob.errors import FieldError, SpecError, UsageError
+from meshjob.plan.build import Plan
+from meshjob.plan.placement import default_hosts, load_hosts
+from meshjob.plan.rendered import PlanInputs
+from meshjob.spec.manifest import TrainingJob, load_job
 from meshjob.units import parse_rate
+from meshjob_trainer.checkpoint import survey
+from meshjob_trainer.dist import WorkerSettings
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
 from meshjob_trainer.emulate.progress import ProgressView, RunStats, summary_table
 from meshjob_trainer.events import Event, StepFinished
 from meshjob_trainer.launch import LaunchResult, RankContext, launch_with_restarts
+from meshjob_trainer.metrics import TrainerMetrics
+from meshjob_trainer.worker import JobSetup, run_worker
 
 HELP = "run a TrainingJob on this machine on an emulated cluster"
 
@@ -78,19 +87,16 @@ def add_compute_arguments(parser: argparse.ArgumentParser, default: str = "real"
 
 @dataclass
 class RunSetup:
-    job: Any  # meshjob.spec.manifest.TrainingJob
-    plan: Any  # meshjob.plan.build.Plan, built once here and inherited by the forked ranks
+    job: TrainingJob
+    plan: Plan  # built once here and inherited by the forked ranks
     checkpoint_dir: str
     rank_hosts: list[int]  # emulated host of each rank
-    compute: Any = None  # meshjob.costs.devices.ComputeMode
+    compute: ComputeMode | None = None
 
 
 def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
     """In a forked rank, inside its host's namespace: the trainer's worker; its events also go to the
     launcher's event pipe."""
-    from meshjob_trainer.dist import WorkerSettings
-    from meshjob_trainer.worker import JobSetup, run_worker
-
     run_worker(
         ctx.env,
         WorkerSettings(checkpoint_dir=setup.checkpoint_dir, compute=setup.compute),
@@ -100,10 +106,7 @@ def _rank_main(setup: RunSetup, ctx: RankContext) -> None:
 
 
 def _validate_args(args: argparse.Namespace) -> None:
-    from meshjob.costs.devices import parse_compute
-    from meshjob.errors import FieldError, SpecError
-
-    errors = []
+    errors: list[FieldError] = []
     try:
         parse_rate(args.nic_rate, "--nic-rate")
     except ValueError as err:
@@ -128,9 +131,7 @@ class MetricsFeed:
     report, so the launcher's endpoint shows the same hosts a pod's would. Ranks forked while it
     serves close their copy of its listening socket (TrainerMetrics.serve registers that)."""
 
-    def __init__(self, job: Any, plan: Any, port: int):
-        from meshjob_trainer.metrics import TrainerMetrics
-
+    def __init__(self, job: TrainingJob, plan: Plan, port: int) -> None:
         last = len(job.stages) - 1
         placement = plan.placement
         hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
@@ -163,11 +164,7 @@ class MetricsFeed:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob.costs.devices import parse_compute
-    from meshjob.plan.placement import default_hosts, load_hosts
-    from meshjob.plan.rendered import PlanInputs
-    from meshjob.spec.manifest import load_job
-    from meshjob_trainer.families import check_inputs
+    from meshjob_trainer.families import check_inputs  # imports torch: `meshjob run --help` must not
 
     _validate_args(args)
     compute = parse_compute(args.compute, args.device)
@@ -190,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
     if compute.emulated:
         checkpoint_dir = ""  # no weights under emulated compute: nothing to checkpoint or resume
     setup = RunSetup(
-        job, plan, os.path.abspath(checkpoint_dir) if checkpoint_dir else "", [compact[h] for h in rank_hosts], compute
+        job=job,
+        plan=plan,
+        checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
+        rank_hosts=[compact[h] for h in rank_hosts],
+        compute=compute,
     )
 
     console = Console(stderr=True)
@@ -298,8 +299,6 @@ def _resume_step(console: Console, directory: str, world_size: int) -> int:
     resume_step is what the ranks report they restored."""
     if not directory:
         return 0
-    from meshjob_trainer.checkpoint import survey
-
     found = survey(directory, world_size)
     if found.corrupt:
         raise UsageError(
@@ -319,7 +318,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def _describe_delays(delays: dict) -> str:
+def _describe_delays(delays: dict[str, dict[str, Any]]) -> str:
     """Each stage's delay, sized by which costs, and its peak stash against the bound."""
     how = "costs measured at start" if all(d["measured"] for d in delays.values()) else "planner's cost formula"
     per_stage = ", ".join(f"{d['delay']}" for d in delays.values())
@@ -328,7 +327,7 @@ def _describe_delays(delays: dict) -> str:
     return f"stages {per_stage} ({how}); peak stash {peaks} (bound {bound})"
 
 
-def _print_summary(console: Console, s: dict) -> None:
+def _print_summary(console: Console, s: dict[str, Any]) -> None:
     rows = [
         ("result", "[green]succeeded[/]" if s["ok"] else f"[red]failed[/]: {s['failure']}"),
         ("cluster", f"{s['world_size']} ranks, {s['network']}"),

@@ -11,10 +11,10 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from meshjob_trainer.dist import WorkerSettings
+from meshjob_trainer import worker
+from meshjob_trainer.checkpoint import CheckpointCorrupt
+from meshjob_trainer.dist import DistError, NodeEnv, WorkerEnv, WorkerSettings
 
 HELP = "one trainer process per device (what a trainer pod runs)"
 
@@ -46,18 +46,12 @@ def _bad(flag: str, value: object, allowed: str) -> int:
 
 
 def _settings(args: argparse.Namespace, environ: dict[str, str]) -> WorkerSettings:
-    from meshjob_trainer.dist import WorkerSettings
-
     flags = {"job_path": args.job, "hosts_path": args.hosts, "checkpoint_dir": args.checkpoint_dir}
     settings = WorkerSettings.from_env(environ)
     return dataclasses.replace(settings, **{k: os.path.abspath(v) for k, v in flags.items() if v})
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshjob_trainer.checkpoint import CheckpointCorrupt
-    from meshjob_trainer.dist import DistError, NodeEnv, WorkerEnv
-    from meshjob_trainer.worker import load_setup, run_host, run_worker
-
     if args.nproc is not None and args.nproc < 1:
         return _bad("--nproc", args.nproc, "an integer >= 1")
     if args.node_rank is not None and args.node_rank < 0:
@@ -69,14 +63,14 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args, environ)
         if not settings.job_path:
             return _bad("--job", args.job, "a TrainingJob YAML file (or set MESHJOB_JOB)")
-        setup = load_setup(settings)  # SpecError: exit 2
+        setup = worker.load_setup(settings)  # SpecError: exit 2
         if args.nproc is None and NodeEnv.has_rank(environ):
-            run_worker(WorkerEnv.from_env(environ), settings, setup, args.timeout)
+            worker.run_worker(WorkerEnv.from_env(environ), settings, setup, args.timeout)
             return 0
         node = NodeEnv.from_env(environ)
         if args.node_rank is not None:
             node = dataclasses.replace(node, node_rank=args.node_rank)
-        result = run_host(setup, settings, node, args.nproc, args.timeout)
+        result = worker.run_host(setup, settings, node, args.nproc, args.timeout)
     except (DistError, CheckpointCorrupt) as err:  # said plainly, not as a traceback
         print(f"meshjob worker: {err}", file=sys.stderr)
         return 1
