@@ -17,23 +17,25 @@ RUN groupadd --gid 10001 meshjob \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin meshjob
 WORKDIR /app
 
-# ---- build: the meshjob wheel (one distribution: meshjob, meshjob_operator, meshjob_trainer) ----
+# ---- build: one wheel per distribution: meshjob (plan layer), meshjob-operator, meshjob-trainer ----
 FROM base AS build
 RUN pip install setuptools==84.2.1 wheel==0.45.1
 COPY pyproject.toml README.md ./
 COPY meshjob/ meshjob/
 COPY operator/ operator/
 COPY trainer/ trainer/
-RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . ./operator ./trainer
 
 # ---- operator: `meshjob operator` (kopf), no torch ----
-# cryptography: the admission webhook's self-signed serving certificate (meshjob_operator/certs.py)
+# Third-party packages come from the index, pinned, in a layer of their own (a code change rebuilds only the
+# last one); meshjob's own wheels only from the build stage (--no-index), so no name of ours is ever looked up
+# on a public index. cryptography: the webhook's self-signed certificate.
 FROM base AS operator
-COPY --from=build /wheels /wheels
-RUN pip install --find-links /wheels meshjob==0.1.0 meshjob-operator==0.1.0 \
-      kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 cryptography==48.0.0 aiohttp==3.14.5 \
-      pyyaml==6.0.3 rich==15.0.0 \
- && rm -rf /wheels
+RUN pip install kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 cryptography==48.0.0 \
+      aiohttp==3.14.5 pyyaml==6.0.3 rich==15.0.0
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-operator==0.1.0 \
+ && pip check
 USER 10001:10001
 EXPOSE 9401 8080
 ENTRYPOINT ["meshjob"]
@@ -44,11 +46,11 @@ CMD ["operator"]
 FROM base AS trainer
 # The CPU-only wheel index: torch from the default index pulls the multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
- && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
-      torch==2.13.0 numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
- && rm -rf /wheels
+ && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
+ && pip check
 # The README job's token files (spec.data.path examples/data/..., relative to this WORKDIR): 400 KB.
 # A real corpus goes on a volume mounted into the pods instead (spec.data.path: /data/train.bin).
 COPY examples/data/shakespeare-train.bin examples/data/shakespeare-val.bin examples/data/
@@ -68,11 +70,11 @@ CMD ["worker"]
 # NVIDIA container runtime mounts it). Another CUDA build: --build-arg TORCH_CUDA_INDEX_URL=.../whl/cu128.
 FROM base AS trainer-cuda
 ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
-COPY --from=build /wheels /wheels
 RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" torch==2.13.0 \
- && pip install --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 \
-      torch==2.13.0 numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0 \
- && rm -rf /wheels
+ && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
+ && pip check
 USER 10001:10001
 EXPOSE 9400
 ENTRYPOINT ["meshjob"]

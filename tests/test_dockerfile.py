@@ -108,11 +108,19 @@ def exec_form(args: str) -> list[str]:
     return value
 
 
+def command_words(command: str) -> list[str]:
+    """A shell command of a RUN line as words, without RUN's own leading options (--mount=...)."""
+    words = shlex.split(command)
+    while words and words[0].startswith("--mount="):
+        words.pop(0)
+    return words
+
+
 def pip_requirements(run: str) -> list[str]:
     """Requirement specifiers of every `pip install` in a RUN line (options and paths dropped)."""
     found: list[str] = []
     for command in re.split(r"&&|;", run):
-        words = shlex.split(command)
+        words = command_words(command)
         if words[:2] != ["pip", "install"]:
             continue
         skip_next = False
@@ -157,6 +165,27 @@ def test_pinned_meshjob_version_is_the_project_version(dockerfile):
         r for s in stages.values() for run in s.all("RUN") for r in pip_requirements(run) if r.startswith("meshjob")
     ]
     assert pins and all(r.endswith(f"=={version}") for r in pins), pins
+
+
+def test_meshjobs_own_distributions_come_only_from_the_built_wheels(dockerfile):
+    """No name of ours is ever looked up on a public index (a dependency-confusion hazard)."""
+    _, stages = dockerfile
+    ours = 0
+    for stage in stages.values():
+        for run in stage.all("RUN"):
+            for command in re.split(r"&&|;", run):
+                words = command_words(command)
+                if words[:2] == ["pip", "install"] and any(w.startswith("meshjob") for w in words):
+                    ours += 1
+                    assert "--no-index" in words and "/wheels" in words, command
+                    assert "--mount=type=bind,from=build,source=/wheels,target=/wheels" in run, run
+    assert ours == 3  # operator, trainer, trainer-cuda
+
+
+def test_the_build_stage_makes_a_wheel_of_every_distribution_the_images_install(dockerfile):
+    _, stages = dockerfile
+    (command,) = [c for run in stages["build"].all("RUN") for c in re.split(r"&&|;", run) if "pip wheel" in c]
+    assert {".", "./operator", "./trainer"} <= set(shlex.split(command))
 
 
 def project(folder: str = "") -> dict:
@@ -245,6 +274,16 @@ def test_target_runs_as_numeric_non_root_user(dockerfile, target):
     uid = users[-1].split(":")[0]
     # Kubernetes' runAsNonRoot can only verify a numeric UID.
     assert uid.isdigit() and int(uid) != 0, f"target {target} runs as {users[-1]!r}"
+
+
+def test_the_trainer_pods_the_operator_renders_run_as_the_trainer_images_user(dockerfile):
+    """The image's files and the pod's volumes (fsGroup) belong to one user: the one the image declares."""
+    from meshjob_operator.render import RUN_AS_USER
+
+    _, stages = dockerfile
+    for target in ("trainer", "trainer-cuda"):
+        users = [u for s in reversed(chain(stages, target)) for u in s.all("USER")]
+        assert users[-1] == f"{RUN_AS_USER}:{RUN_AS_USER}", target
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from meshjob.spec.manifest import TrainingJob
 from meshjob.spec.safeyaml import dump_yaml
 from meshjob_operator import names, podtemplate
 
-RUN_AS_USER = 1000
+RUN_AS_USER = 10001  # the trainer image's user (the Dockerfile's USER): its files, its volumes' group
 DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"
 
 
