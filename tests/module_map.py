@@ -18,6 +18,7 @@ PACKAGES = (
     ROOT / "meshjob",
     ROOT / "operator" / "meshjob_operator",
     ROOT / "trainer" / "meshjob_trainer",
+    ROOT / "cluster" / "meshjob_cluster",
     ROOT / "bench" / "meshjob_bench",
 )
 

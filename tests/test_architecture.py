@@ -14,7 +14,7 @@ import pytest
 from module_map import DOC, with_map
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("meshjob", "meshjob_operator", "meshjob_trainer", "meshjob_bench")
+PACKAGES = ("meshjob", "meshjob_operator", "meshjob_trainer", "meshjob_bench", "meshjob_cluster")
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -102,7 +102,8 @@ def violated(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_import_linter_refuses_an_executor_import_and_an_upward_import(violated: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{violated}:{ROOT / 'operator'}:{ROOT / 'trainer'}:{ROOT / 'bench'}"}
+    paths = [violated] + [ROOT / d for d in ("operator", "trainer", "bench", "cluster")]
+    env = {**os.environ, "PYTHONPATH": ":".join(str(p) for p in paths)}
     done = subprocess.run(
         ["lint-imports", "--no-cache", "--config", str(ROOT / "pyproject.toml")],
         cwd=violated,
