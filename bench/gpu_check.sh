@@ -6,7 +6,7 @@
 # CUDA over NCCL wherever a GPU is visible. Logs and JSON go to $OUT. Every step has its own time limit
 # (TESTS_S, RUN_S, RESHARD_S, BENCH_S; 0 skips a step), so one slow step leaves the others their time;
 # CPU_S (opt-in) runs the resharding bench on this machine's cores, over gloo and over the TCP wire.
-# Still open from the first GPU run (bench/RUNS.md): whole jobs over NCCL; with RUN_S=0 RESHARD_S=0
+# Still open: whole training jobs over NCCL (7-rank ones have not finished on one GPU); with RUN_S=0 RESHARD_S=0
 # BENCH_S=0 and pytest's -k "trains or timed" after the script's name, only those (a two-rank job first, then
 # the 7-rank ones; a hung gang reports each rank's stacks) and the device-clock check run; if the 7-rank ones
 # time out again, the same with MPS=1 (below).
@@ -23,7 +23,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # Opt-in (MPS=1): CUDA MPS for this script's ranks, so that their kernels run side by side on the one GPU
 # instead of taking turns. A guess to test, not a finding: without MPS an NCCL kernel that waits for a peer
 # holds the GPU for its whole time slice while the peer's kernel waits for its own, which would make a job of
-# many NCCL steps crawl (the 7-rank training jobs of stop 40 did not finish). A daemon, not a setting of the
+# many NCCL steps crawl (the 7-rank training jobs above have not finished). A daemon, not a setting of the
 # GPU: it is stopped when the script exits.
 if [ "${MPS:-0}" != 0 ]; then
   if command -v nvidia-cuda-mps-control > /dev/null; then
@@ -66,8 +66,8 @@ if [ "${BENCH_S:-90}" != 0 ]; then
 fi
 # Opt-in (CPU_S=600, each wire): the resharding bench on this machine's CPU cores over each CPU wire (CPU_WIRES:
 # gloo, then the TCP wire), by default its paper-scale section (CPU_ARGS): this project's 2-core machines bound
-# several issue targets by their cores (bench/RUNS.md); here 16 cores carry the same ranks. Emulated NICs need
-# root, ip and tc (env.txt says).
+# several issue targets by their cores (docs/benchmarks.md, "The machine's limits"); here 16 cores carry the same
+# ranks. Emulated NICs need root, ip and tc (env.txt says).
 if [ "${CPU_S:-0}" != 0 ]; then
   for wire in ${CPU_WIRES:-gloo tcp}; do
     timeout "${CPU_S:-0}" python3 -m meshjob.cli bench resharding --transport "$wire" \

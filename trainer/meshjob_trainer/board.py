@@ -142,7 +142,9 @@ class _Turns:
 
 
 class HostBoard:
-    """One rank's view of its host's board for one pass order (`order`: the host's link orders)."""
+    """One rank's view of its host's board for one pass order (`order`: the host's link orders). `clock_ns`:
+    the host's clock, which the board's link clocks count in (time.monotonic_ns: one clock for every process
+    of the machine; tests pass one whose time they set)."""
 
     def __init__(
         self,
@@ -157,11 +159,13 @@ class HostBoard:
         nic_bytes_per_s: float | None = None,
         lead_s: float = 0.0,
         small_window: int = 0,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.order, self.rank, self.window, self.overlap_bytes = order, rank, window, overlap_bytes
         self.small_window = small_window
         self.nic_bytes_per_s, self.lead_s = nic_bytes_per_s, lead_s
         self.timeout_s, self._on_wake = timeout_s, on_wake
+        self._clock_ns = clock_ns  # the host's clock: every rank of the host must read the same one
         self.ranks = order.ranks
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} has no message on host {order.host}'s shared links")
@@ -238,7 +242,7 @@ class HostBoard:
         """How long until the host's messages issued on `link` are through by its clock (inf: no clock)."""
         if not self.nic_bytes_per_s:
             return math.inf
-        return (self._cells[self.turns[link].due] - time.monotonic_ns()) * 1e-9
+        return (self._cells[self.turns[link].due] - self._clock_ns()) * 1e-9
 
     def watch(self, link: Link) -> int | None:
         """This rank's next message on `link`, a receive with landing markers, is about to be issued: when
@@ -278,7 +282,7 @@ class HostBoard:
         return 0.0 if self._cells[cell + 1] else math.inf
 
     def issued(self, link: Link, nbytes: int, now_ns: int | None = None) -> int | None:
-        """This rank's next message on `link` is issued (at `now_ns`, time.monotonic_ns; default: now): count
+        """This rank's next message on `link` is issued (at `now_ns`, the board's clock; default: now): count
         its bytes, advance the host's link clock and hand the turn on. Returns that clock (ns: when the
         host's bytes issued on the link so far are through; None: no NIC rate)."""
         t = self.turns[link]
@@ -286,7 +290,7 @@ class HostBoard:
         self._cells[mine] = self._cells[mine] + nbytes
         clock_ns = None
         if self.nic_bytes_per_s:  # the host's link clock (only the rank whose turn it is writes it)
-            now_ns = time.monotonic_ns() if now_ns is None else now_ns
+            now_ns = self._clock_ns() if now_ns is None else now_ns
             clock_ns = self._cells[t.due] = link_clock_after(self._cells[t.due], now_ns, nbytes, self.nic_bytes_per_s)
         self._cells[t.base] = t.target() + 1  # the next message's turn: written last
         t.advance()

@@ -94,6 +94,25 @@ TRACE_ENV = "MESHJOB_ENGINE_TRACE"  # a folder: each engine writes there, on clo
 _ENGINES = itertools.count()  # engines built by this process (names its trace file)
 
 
+class Clock:
+    """Where the engine reads the time and waits on it: time.monotonic (its link clocks in time.monotonic_ns,
+    as the host's board's) and real waits. Tests pass one whose time they move themselves, to check the
+    instants the engine chooses exactly (tests/test_host_board.py)."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def wait(self, cond: threading.Condition, timeout_s: float | None) -> None:
+        """Wait on `cond` (held by the caller) until it is notified or `timeout_s` has passed (None: no limit)."""
+        cond.wait(timeout_s)
+
+
 class EngineError(RuntimeError):
     """A job the engine cannot run (not in the step's order, or the engine is closed)."""
 
@@ -124,7 +143,8 @@ class CommEngine:
     order, receives in their sender's); `order`: the step's transfer order, or None (start order).
     `board_for(order, wake)`: the host's board for a planned order (meshjob_trainer.board), or None
     when this rank shares no NIC link with another rank of its host; `overlap_bytes`: on NIC links,
-    how many bytes in flight still let another message join them (None: the window alone)."""
+    how many bytes in flight still let another message join them (None: the window alone); `clock`: its
+    time (a board's must read the same)."""
 
     def __init__(
         self,
@@ -138,6 +158,7 @@ class CommEngine:
         nic_bytes_per_s: float | None = None,
         lead_s: float = 0.0,
         small_in_flight_per_link: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if in_flight_per_link < 1:
             raise ValueError(f"in_flight_per_link {in_flight_per_link!r} is invalid: an integer >= 1")
@@ -148,6 +169,7 @@ class CommEngine:
                 f"({in_flight_per_link})"
             )
         self.rank, self.wire, self.specs, self.order = rank, wire, specs, order
+        self.clock = Clock() if clock is None else clock
         self.in_flight_per_link = in_flight_per_link
         # on NIC links small messages pack beyond the window, within overlap_bytes (board.may_start)
         self.small_in_flight_per_link = small if overlap_bytes is not None else in_flight_per_link
@@ -300,10 +322,10 @@ class CommEngine:
                     while not self._inbox:
                         if self._closing and not self._active():
                             return  # closing, nothing under way
-                        timeout = None if self._wake_at is None else self._wake_at - time.monotonic()
+                        timeout = None if self._wake_at is None else self._wake_at - self.clock.now()
                         if timeout is not None and timeout <= 0:
                             break  # a held message's lead has come: issue again
-                        self._cond.wait(timeout)
+                        self.clock.wait(self._cond, timeout)
                     items, self._inbox = self._inbox, []
                 try:
                     for item in items:
@@ -330,7 +352,7 @@ class CommEngine:
             return
         if item[0] == "wake":
             if item[1] == "tick" and self._blocked_since is not None and self.board is not None:
-                self.board.check(time.monotonic() - self._blocked_since)
+                self.board.check(self.clock.now() - self._blocked_since)
             return
         _, job, message, error = item
         if error is not None:
@@ -369,7 +391,7 @@ class CommEngine:
             return False
         if link is None or link[1] == "local":
             return True
-        clock_s = (self._link_clock[link] - time.monotonic_ns()) * 1e-9 if link in self._link_clock else math.inf
+        clock_s = (self._link_clock[link] - self.clock.now_ns()) * 1e-9 if link in self._link_clock else math.inf
         due_in_s, landing = self._in_link_due_s(link, clock_s, job)
         if may_start(
             count,
@@ -441,7 +463,7 @@ class CommEngine:
         receive's markers, whose bytes may be anywhere short of the next one: look again no sooner than
         an eighth of the lead (meshjob_trainer.landing)."""
         if self.lead_s > 0 and self.lead_s < due_in_s < math.inf:
-            at = time.monotonic() + max(due_in_s - self.lead_s, self.lead_s / 8 if landing else 0.0)
+            at = self.clock.now() + max(due_in_s - self.lead_s, self.lead_s / 8 if landing else 0.0)
             self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
     def _within_window(self, link: Link | None, count: int, nbytes: int) -> bool:
@@ -470,7 +492,7 @@ class CommEngine:
                 message.nbytes = job.nbytes(message.spec)
                 if not self._within_window(link, self._posted[link], message.nbytes):
                     break
-                message.ready_s = message.ready_s or time.monotonic()
+                message.ready_s = message.ready_s or self.clock.now()
                 if not self._may_start(link, self._posted[link], message.nbytes, job):
                     break
                 message.tensor = job.target(message.spec)
@@ -489,7 +511,7 @@ class CommEngine:
                 message.nbytes = job.nbytes(message.spec)
                 if not self._within_window(link, self._in_flight[link], message.nbytes):
                     break
-                message.ready_s = message.ready_s or time.monotonic()
+                message.ready_s = message.ready_s or self.clock.now()
                 if not self._may_start(link, self._in_flight[link], message.nbytes):
                     break
                 if job.source_mark is not None:
@@ -502,11 +524,11 @@ class CommEngine:
         if not self._board_waits:
             self._blocked_since = None
         elif self._blocked_since is None:
-            self._blocked_since = time.monotonic()
+            self._blocked_since = self.clock.now()
 
     def _start(self, job: Job, message: Message, issue: Callable[..., Any]) -> None:
         spec = message.spec
-        now_ns = time.monotonic_ns()
+        now_ns = self.clock.now_ns()
         message.issued_s = now_ns * 1e-9
         message.work = issue(message.tensor, spec.peer, job.tag_base + spec.index, job.name(spec))
         message.issued = True
@@ -617,12 +639,13 @@ class _Waiter:
     def _main(self) -> None:
         while (item := self.queue.get()) is not None:
             job, message = item
+            clock = self.engine.clock
             try:
                 self.engine.wire.wait(message.work)
-                message.wire_s = time.monotonic()
-                if (late := message.floor_s - time.monotonic()) > 0:
-                    time.sleep(late)  # a send is done for its link once its bytes can have left the NIC
-                message.done_s = time.monotonic()
+                message.wire_s = clock.now()
+                if (late := message.floor_s - clock.now()) > 0:
+                    clock.sleep(late)  # a send is done for its link once its bytes can have left the NIC
+                message.done_s = clock.now()
                 error = None
             except BaseException as err:  # noqa: BLE001 - reported to the engine, which fails the jobs
                 error = err

@@ -4,8 +4,8 @@ Why not gloo's point-to-point: between two emulated hosts of this machine a 16 K
 gloo costs about 200 µs of CPU on each side (a receive-ready notice back to the sender, then the
 payload, each handed between gloo's device thread and the caller); over a plain TCP socket it costs
 6-7 µs. Through the communication engine this wire costs 1.7x less CPU per message than gloo, yet on
-two shared cores the resharding bench measures alike over both (bench/RUNS.md, stop 42: the engine's
-own threads are then the rest of a message's cost), so it is opt-in: `cpu_wire="tcp"`.
+two shared cores the resharding bench measures alike over both (`meshjob bench resharding --transport tcp`
+against gloo: the engine's own threads are then the rest of a message's cost), so it is opt-in: `cpu_wire="tcp"`.
 
 No tags are needed: the communication engine (meshjob_trainer.engine) issues every message in an
 order both ranks derive from the plan (the discipline NCCL needs, meshjob.plan.comm_order), so the k-th

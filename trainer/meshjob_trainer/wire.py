@@ -19,11 +19,13 @@ keeps the engine's device work apart from the compute stream. Four of them:
   `accept`). NCCL creates a communicator on its first message, blocking until the peer does too;
   issued from one engine thread in whatever order transfers come, two ranks could wait on each
   other's first messages, so `connect` initialises every pair at setup, in one global order.
-  Run on one lent GPU (bench/gpu_check.sh; ranks sharing it each an NCCL host of their own): see the README.
+  Run on one lent GPU by bench/gpu_check.sh (ranks sharing it, each an NCCL host of its own): it checks the
+  NCCL path's correctness and order, not its speed (docs/benchmarks.md).
 - TcpWire (CPU tensors between hosts, `cpu_wire="tcp"`; meshjob_trainer.tcp_wire): a TCP connection per
   directed pair, messages matched by the order both ranks issue them, as NCCL matches them, each sent
   once its receive is posted where several hosts feed the receiving host; less CPU per message than
-  gloo's point-to-point, not faster on two shared cores (the README's engine section, bench/RUNS.md).
+  gloo's point-to-point, not faster on two shared cores (`meshjob bench resharding --transport tcp`;
+  trainer/ENGINE.md, "The TCP wire").
   Inside a host the memory copy (meshjob_trainer.local_copy) wraps it as it wraps gloo.
 - CheckedWire (tests): wraps a wire and fails on any message issued out of order, as NCCL would
   pair them wrongly: the k-th message a sender issues to a receiver must be the k-th that receiver
