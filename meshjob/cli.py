@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("meshjob_trainer.commands.worker", "meshjob-trainer"),
     "bench": ("meshjob_bench.cli", "meshjob-bench"),
     "operator": ("meshjob_operator.cli", "meshjob-operator"),
+    "cluster": ("meshjob_cluster.cli", "meshjob-cluster"),
 }
 HELPS: dict[str, str] = {
     "plan": "show the plan for a TrainingJob: placement, resharding tasks, schedules",
@@ -39,6 +40,7 @@ HELPS: dict[str, str] = {
     "data": "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]",
     "worker": "one trainer process per device (what a trainer pod runs)",
     "operator": "the Kubernetes operator (kopf)",
+    "cluster": "a local Kubernetes cluster where meshjob's pods run: up, down, status",
 }
 
 

@@ -45,6 +45,10 @@ class ContainerRun:
     read_only_root: bool = False
     workdir: str = "/"
     hosts_file: Path | None = None  # bind-mounted over /etc/hosts
+    hostname: str = ""  # the pod's, in a UTS namespace of its own (empty: this machine's)
+    # folders made traversable and readable in the container's root (its overlay; this machine's stay as they
+    # are): where this machine's interpreter lives, when pods run on its files as another user
+    opened: tuple[str, ...] = ()
     netns: str | None = None  # a network namespace under /var/run/netns to run in
     scratch: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
 
@@ -93,6 +97,10 @@ def setup_script(run: ContainerRun, root: Path, upper: Path, work: Path) -> str:
             lines.append(f"mkdir -p {q(os.path.dirname(path))} && touch {q(path)}")
         else:
             lines.append(f"mkdir -p {q(path)}")
+    for folder in run.opened:
+        parts = Path(folder).parts
+        for i in range(2, len(parts) + 1):
+            lines.append(f"chmod o+rx {q(str(root) + '/' + '/'.join(parts[1:i]))}")
     if run.read_only_root:
         lines.append(f"mount -o remount,ro {q(str(root))}")
     lines += [
@@ -109,6 +117,8 @@ def setup_script(run: ContainerRun, root: Path, upper: Path, work: Path) -> str:
             lines.append(f"mount -o remount,bind,ro {target}")
     if run.hosts_file is not None:
         lines.append(f"mount --bind {q(str(run.hosts_file))} {q(str(root))}/etc/hosts")
+    if run.hostname:
+        lines.append(f"hostname {q(run.hostname)}")
     env = [f"{k}={v}" for k, v in run.env.items()]
     groups = ",".join(str(g) for g in run.groups) or str(run.gid)
     user = f"--userspec={run.uid}:{run.gid} --groups={groups}"
@@ -129,6 +139,7 @@ def start(run: ContainerRun, log: Path) -> tuple[subprocess.Popen[bytes], Path]:
         *prefix,
         "unshare",
         "--mount",
+        "--uts",
         "--propagation",
         "private",
         "/bin/sh",

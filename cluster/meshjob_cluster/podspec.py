@@ -131,7 +131,8 @@ def container_run(
     uid, gid = _user(pod, container, image)
     fs_group = (pod.get("spec", {}).get("securityContext") or {}).get("fsGroup")
     env = image_env(image.env, environment(pod, container, place, read_key))
-    env.setdefault("HOSTNAME", pod.get("spec", {}).get("hostname") or pod.get("metadata", {}).get("name", ""))
+    hostname = pod.get("spec", {}).get("hostname") or pod.get("metadata", {}).get("name", "")
+    env.setdefault("HOSTNAME", hostname)
     return ContainerRun(
         argv=tuple(argv),
         env=env,
@@ -143,6 +144,7 @@ def container_run(
         read_only_root=bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem")),
         workdir=container.get("workingDir") or image.workdir or ("/" if str(lower) != "/" else os.getcwd()),
         hosts_file=place.hosts_file,
+        hostname=hostname,
         netns=place.netns,
         scratch=place.scratch,
     )

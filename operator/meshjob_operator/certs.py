@@ -11,15 +11,39 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-from collections.abc import Collection
-from typing import Any
+import urllib.parse
+from collections.abc import AsyncIterator, Collection
+from typing import Any, cast
 
 import kopf
+from kopf._cogs.structs.reviews import WebhookClientConfig, WebhookFn  # kopf's types, not re-exported
 
 VALIDITY_DAYS = 365  # a fresh certificate is made at every operator start
 
 
-class SelfSignedWebhookServer(kopf.WebhookServer):
+def service_reference(config: dict[str, Any]) -> dict[str, Any]:
+    """A webhook URL naming a Service (`https://NAME.NAMESPACE.svc:PORT/PATH`) as a service reference, which the
+    API server resolves through the Service's endpoints: it often cannot resolve in-cluster DNS names, and the
+    Kubernetes API asks for `service` rather than a `url` into the cluster. Any other URL is left as it is."""
+    url = urllib.parse.urlsplit(str(config.get("url", "")))
+    labels = (url.hostname or "").split(".")
+    if len(labels) < 3 or labels[2] != "svc" or labels[3:] not in ([], ["cluster", "local"]):
+        return config
+    service = {"name": labels[0], "namespace": labels[1], "port": url.port or 443}
+    if url.path.strip("/"):
+        service["path"] = url.path
+    return {**{k: v for k, v in config.items() if k != "url"}, "service": service}
+
+
+class ServiceWebhookServer(kopf.WebhookServer):
+    """kopf's WebhookServer, registered by service reference when its host names a Service."""
+
+    async def __call__(self, fn: WebhookFn) -> AsyncIterator[WebhookClientConfig]:
+        async for config in super().__call__(fn):
+            yield cast(WebhookClientConfig, service_reference(dict(config)))
+
+
+class SelfSignedWebhookServer(ServiceWebhookServer):
     """kopf's WebhookServer with a certificate builder that needs no `certbuilder`."""
 
     @staticmethod
@@ -109,7 +133,7 @@ def webhook_server(
 
     Given files win (e.g. from cert-manager); otherwise a self-signed certificate made at start-up."""
     if cert and key:
-        return kopf.WebhookServer(addr=addr, port=port, host=host, certfile=cert, pkeyfile=key, cafile=ca)
+        return ServiceWebhookServer(addr=addr, port=port, host=host, certfile=cert, pkeyfile=key, cafile=ca)
     problem = can_self_sign()
     if problem is not None:
         logger.warning(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 
 from meshjob.spec.api import OPERATOR_METRICS_PORT
 
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     # here, not at the top: `meshjob operator --help` and bad flags need neither kopf (a second to import) nor
     # the handlers (importing them registers them with kopf)
     import kopf
+    from kopf._core.engines.peering import Identity  # the type of kopf.operator's identity (not re-exported)
 
     from meshjob_operator.handlers import STATE, OperatorConfig
     from meshjob_operator.reconcile import ALLOWED_IMAGES_ENV
@@ -132,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
             peering_name=args.peering,
             priority=args.priority,
             standalone=True if args.standalone else None,
+            # its pod's name: kopf's default looks the user up in the passwd database, which has no entry
+            # for a uid the cluster chose (runAsUser) and then fails to start
+            identity=Identity(f"{socket.gethostname()}-{os.getpid()}"),
         )
     )
     return 0
