@@ -326,6 +326,7 @@ class _Container:
     last_exit: int | None = None  # the exit code of its last run
     finished: bool = False  # exited, and is not restarted
     next_try: float = 0.0  # monotonic time of its next (re)start
+    log_offset: int = 0  # where its current run's output starts in its log
 
     @property
     def name(self) -> str:
@@ -439,6 +440,16 @@ class PodWorker:
             changed.cancel()
         self.changed.clear()
 
+    def _log_tail(self, c: _Container) -> str:
+        """A kubelet's fallback termination message: the last 80 lines (2 KiB at most) of this run's output."""
+        try:
+            with open(self.agent.log_path(self.namespace, self.name, c.name), "rb") as log:
+                log.seek(c.log_offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-80:])[-2048:]
+
     def _collect_exits(self) -> None:
         for c in self.containers:
             if c.exit_task is None or not c.exit_task.done() or c.proc is None:
@@ -467,6 +478,8 @@ class PodWorker:
                 "containerID": c.container_id,
             }
         }
+        if code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            c.state["terminated"]["message"] = self._log_tail(c)
         c.last_exit = code
         if c.scratch is not None:
             ctr.remove_scratch(c.scratch)
@@ -504,7 +517,9 @@ class PodWorker:
         else:
             raise PodSpecError(f"container {c.name}: the objects it reads keep changing")
         self.agent.logs.mkdir(parents=True, exist_ok=True)
-        proc, scratch = ctr.start(run, self.agent.log_path(self.namespace, self.name, c.name))
+        log_file = self.agent.log_path(self.namespace, self.name, c.name)
+        c.log_offset = log_file.stat().st_size if log_file.exists() else 0
+        proc, scratch = ctr.start(run, log_file)
         pids = self.dir / "pids"
         pids.mkdir(parents=True, exist_ok=True)
         (pids / c.name).write_text(f"{proc.pid} {_proc_start_time(proc.pid)}\n")

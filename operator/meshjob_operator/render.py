@@ -257,6 +257,9 @@ def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[Hos
             *metrics_ports(job, host_pod.devices),
         ],
         "resources": resources(job, host_pod.devices),
+        # a failed worker's last lines (what was invalid, which rank died) become the container's termination
+        # message, which the job's Failed condition quotes
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
         "securityContext": {
             "runAsNonRoot": True,

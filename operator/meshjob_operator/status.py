@@ -159,6 +159,8 @@ def _failure_message(pod_status: Mapping[str, Any]) -> str:
         term = (cs.get("state") or {}).get("terminated") or {}
         if term:
             parts.append(f"container {cs.get('name')} exited {term.get('exitCode')} {term.get('reason', '')}".strip())
+            if term.get("message"):  # its termination message: the worker's last lines
+                parts.append(str(term["message"]).strip()[-1000:])
     return "; ".join(p for p in parts if p)
 
 
