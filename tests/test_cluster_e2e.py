@@ -107,9 +107,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         (helm,) = [c for c in readme_commands() if c[0] == "helm"]
         _install_chart(local, helm)
         local.wait(
-            "the operator Running",
+            "the operator ready",
             lambda: any(
-                p["status"].get("phase") == "Running"
+                all(c.get("ready") for c in p["status"].get("containerStatuses") or [{}])
                 for p in local.json("get", "pods", "-n", "meshjob-system")["items"]
             ),
             180,

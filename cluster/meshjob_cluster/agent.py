@@ -596,9 +596,15 @@ class PodWorker:
         for key, value in self.agent.service_env().items():
             if key not in declared:
                 env[key] = value
-        # on this machine's files as another user: its interpreter and the folder pods start in must be readable
-        opened = () if self.agent.images else (sys.prefix, sys.base_prefix, run.workdir)
-        return replace(run, env=env, opened=opened)
+        if self.agent.images:
+            return replace(run, env=env)
+        # On this machine's files as another user: its interpreter and the folder pods start in must be readable,
+        # and stay visible under the pod's volumes (an emptyDir at /tmp would hide a checkout or venv there).
+        opened = tuple(dict.fromkeys(p for p in (sys.prefix, sys.base_prefix, run.workdir) if p != "/"))
+        through = tuple(
+            ctr.Mount(Path(p), p, read_only=True) for p in opened if p not in {m.target for m in run.mounts}
+        )
+        return replace(run, env=env, opened=opened, mounts=run.mounts + through)
 
     async def _terminate(self, grace: float) -> None:
         """SIGTERM to each container's process group, `grace` seconds, then SIGKILL."""
