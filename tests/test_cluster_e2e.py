@@ -254,7 +254,7 @@ def test_a_killed_trainer_fails_its_pod_restarts_the_gang_and_resumes_to_the_sam
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)
     assert job["status"].get("restarts", 0) >= 1, json.dumps(job["status"], indent=1)
     events = cluster.kubectl("get", "events", "-n", "team-t", "--field-selector", "involvedObject.name=killed").stdout
-    assert "exit code" in events.lower() or "exitcode" in events.lower() or "restart" in events.lower(), events
+    assert re.search(r"pod killed-host-1 failed: container trainer exited [1-9]", events), events  # its exit code
     assert _final_loss(cluster, "killed") == _final_loss(cluster, "steady")
 
 
