@@ -208,6 +208,21 @@ class ControlPlane:
         tail = (self.run / f"{name}.log").read_text(errors="replace")[-2000:]
         raise ControlPlaneError(f"{name} did not become ready; its log ends:\n{tail}")
 
+    def _client_flags(self, binary: str, port: int, certs: str) -> list[str]:
+        """The command line a component that talks to the API server as admin starts with (serving on `port`)."""
+        kcfg = str(self.kubeconfig)
+        return [
+            str(self.assets / binary),
+            f"--kubeconfig={kcfg}",
+            f"--authentication-kubeconfig={kcfg}",
+            f"--authorization-kubeconfig={kcfg}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            "--port=0",
+            f"--cert-dir={self.run / certs}",
+            "--leader-elect=false",
+        ]
+
     def start(self) -> None:
         """etcd, the API server, the controller manager and the scheduler, each waited for."""
         self.run.mkdir(parents=True, exist_ok=True)
@@ -266,20 +281,11 @@ class ControlPlane:
         self.kubeconfig.write_text(kubeconfig_text(pki, f"https://127.0.0.1:{self.api_port}"))
         self.kubeconfig.chmod(0o600)
         self._wait("kube-apiserver", f"https://127.0.0.1:{self.api_port}/readyz")
-        kcfg = str(self.kubeconfig)
         kcm_port, ks_port = free_port(), free_port()
         self._start(
             "kube-controller-manager",
             [
-                str(self.assets / "kube-controller-manager"),
-                f"--kubeconfig={kcfg}",
-                f"--authentication-kubeconfig={kcfg}",
-                f"--authorization-kubeconfig={kcfg}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={kcm_port}",
-                "--port=0",
-                f"--cert-dir={self.run / 'kcm-certs'}",
-                "--leader-elect=false",
+                *self._client_flags("kube-controller-manager", kcm_port, "kcm-certs"),
                 "--use-service-account-credentials=false",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",
@@ -291,15 +297,7 @@ class ControlPlane:
         self._start(
             "kube-scheduler",
             [
-                str(self.assets / "kube-scheduler"),
-                f"--kubeconfig={kcfg}",
-                f"--authentication-kubeconfig={kcfg}",
-                f"--authorization-kubeconfig={kcfg}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={ks_port}",
-                "--port=0",
-                f"--cert-dir={self.run / 'ks-certs'}",
-                "--leader-elect=false",
+                *self._client_flags("kube-scheduler", ks_port, "ks-certs"),
                 "--v=1",
             ],
         )
