@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from meshjob.errors import SpecError
 from meshjob.layout import sharding
+from meshjob.spec.api import MASTER_PORT
 from meshjob.spec.fields import FieldReader
 from meshjob.spec.model import (
     BUILTIN_MODEL_KINDS,
@@ -39,6 +40,7 @@ def check_job(r: FieldReader, job: TrainingJob) -> None:
     _check_training(r, job.training)
     _check_stages(r, job)
     _check_size(r, job)
+    _check_metrics_ports(r, job)
 
 
 def _check_model(r: FieldReader, m: ModelSpec) -> None:
@@ -204,6 +206,31 @@ def _check_size(r: FieldReader, job: TrainingJob) -> None:
             f"at most {MAX_SCHEDULE_CELLS // len(job.stages)} with {len(job.stages)} stages (stages x "
             f"microbatches at most {MAX_SCHEDULE_CELLS})",
         )
+
+
+# Fixed ports of a trainer pod besides the metrics ports: the API refuses a pod whose container ports clash or
+# pass 65535, and the operator would retry creating it forever (meshjob_operator/render.py names them all).
+POD_FIXED_PORTS = {MASTER_PORT: "the trainer pod's rendezvous port (MASTER_PORT)"}
+MAX_PORT = 65535
+
+
+def _check_metrics_ports(r: FieldReader, job: TrainingJob) -> None:
+    """Local rank r serves on spec.metrics.port + r: the whole range, one port per device of a host, must be valid."""
+    if not r.clean("spec.metrics.port", "spec.topology.devicesPerHost"):
+        return
+    first, n = job.metrics.port, job.topology.devices_per_host
+    ranks = f"local rank r serves on spec.metrics.port + r for r in 0..{n - 1} (spec.topology.devicesPerHost is {n})"
+    if first + n - 1 > MAX_PORT:
+        r.fail("spec.metrics.port", first, f"a port in 1..{MAX_PORT - n + 1}: {ranks}, and ports end at {MAX_PORT}")
+        return
+    for port, what in POD_FIXED_PORTS.items():
+        if first <= port <= first + n - 1:
+            r.fail(
+                "spec.metrics.port",
+                first,
+                (f"a port p whose range p..p+{n - 1} leaves out " if n > 1 else "a port other than ")
+                + f"{port}, {what}: at most {port - n} or at least {port + 1}; {ranks}",
+            )
 
 
 def _check_tensor_parallel(r: FieldReader, m: ModelSpec, path: str, degree: int) -> None:

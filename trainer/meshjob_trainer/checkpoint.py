@@ -30,10 +30,16 @@ which no step loads on every rank are an error (CheckpointCorrupt), never a sile
 step 0. Pruning: after every rank has written a step (a collective), each rank removes its own
 files of every step older than the `keep` newest complete ones, complete or not, so no rank's
 pruning can stop another's.
+
+Failures: a save the file system refuses (a full disk, ENOSPC; a read-only volume) is one CheckpointError
+line naming the folder, the step and the OS's reason, which `meshjob worker` quotes as the rank's failure.
+A file (not a folder) with a step folder's name is no checkpoint: listing skips it, and the save of that
+step moves it aside to <name>.not-a-checkpoint, saying so.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -41,6 +47,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,7 +67,11 @@ class CheckpointMismatch(ValueError):
     """A checkpoint written for a different spec; the message lists every differing field."""
 
 
-class CheckpointCorrupt(RuntimeError):
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or resumed from; the message says where and why, for a person."""
+
+
+class CheckpointCorrupt(CheckpointError):
     """Complete checkpoints exist, but no step can be loaded by every rank; the message says why."""
 
 
@@ -218,10 +229,11 @@ class Checkpointer:
         return self.step_dir(step) / f"rank-{self.rank if rank is None else rank:05d}.done"
 
     def steps(self) -> list[int]:
-        """Steps with a checkpoint directory, newest first (complete or not)."""
+        """Steps with a checkpoint directory, newest first (complete or not). A file with a step's
+        name is skipped: it holds no rank's files (looking inside it would fail with ENOTDIR)."""
         if not self.directory.is_dir():
             return []
-        found = (STEP_DIR.match(p.name) for p in self.directory.iterdir())
+        found = (STEP_DIR.match(p.name) for p in self.directory.iterdir() if p.is_dir())
         return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
     def is_complete(self, step: int) -> bool:
@@ -258,8 +270,6 @@ class Checkpointer:
         buf = io.BytesIO()
         torch.save(state, buf)
         data = encode(Identity(step, self.rank, self.world_size), buf.getvalue())
-        self.step_dir(step).mkdir(parents=True, exist_ok=True)
-        atomic_write(self.data_path(step), data)
         marker = {
             "step": step,
             "rank": self.rank,
@@ -267,8 +277,47 @@ class Checkpointer:
             "sha256": hashlib.sha256(data).hexdigest(),
             "fingerprint": self.fingerprint,
         }
-        atomic_write(self.marker_path(step), json.dumps(marker, sort_keys=True).encode())
+        try:
+            self._make_step_dir(step)
+            atomic_write(self.data_path(step), data)
+            atomic_write(self.marker_path(step), json.dumps(marker, sort_keys=True).encode())
+        except OSError as err:  # every rank of a full disk fails alike: one line each, not a traceback's worth
+            raise CheckpointError(self._write_failure(step, err)) from err
         return self.data_path(step)
+
+    def _write_failure(self, step: int, err: OSError) -> str:
+        reason = err.strerror or str(err)
+        name = f" [{errno.errorcode[err.errno]}]" if err.errno is not None and err.errno in errno.errorcode else ""
+        where = f" ({err.filename})" if err.filename else ""
+        fix = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+        return (
+            f"cannot write the checkpoint of step {step} in {self.directory} (rank {self.rank}): "
+            f"{reason}{name}{where}; {fix}, or point spec.training.checkpoint.path (or MESHJOB_CHECKPOINT_DIR) "
+            f"elsewhere"
+        )
+
+    def _make_step_dir(self, step: int) -> None:
+        """The step's folder; a file in its place (not written by a trainer) is moved aside, never removed."""
+        path = self.step_dir(step)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        except FileExistsError:
+            if path.is_dir():  # another rank moved the file aside and made the folder meanwhile
+                return
+        aside = path.with_name(path.name + ".not-a-checkpoint")
+        try:
+            # one fixed name: a rank late to this finds the file gone, or renaming the new folder over
+            # the moved file fails (ENOTDIR), so no rank moves another rank's folder aside
+            os.rename(path, aside)
+            print(
+                f"checkpoint: {path} is a file, not a step folder: moved to {aside} to write step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # another rank moved it
+        path.mkdir(exist_ok=True)
 
     def wait_for_every_rank(self, step: int) -> None:
         """Return once every rank has written `step` (its marker exists): an all-reduce under a

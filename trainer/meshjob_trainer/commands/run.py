@@ -2,7 +2,7 @@
 
 One network namespace per host (tbf at --nic-rate as its NIC), the host's devices as forked
 worker ranks inside it, rendezvous on host 0. A progress bar while it runs, a summary table at
-the end, Prometheus metrics of the aggregated figures on --metrics-port, exit status 1 when the
+the end, Prometheus metrics of the aggregated figures on --metrics-address:--metrics-port, exit status 1 when the
 job fails. With --max-restarts N a dead rank restarts the whole gang from the last checkpoint.
 With --compute emulated --device a100|h100|<TFLOPs> the ranks do no math: each compute waits the time
 the device would need (meshjob.costs.devices), the real tensors still cross the emulated NICs; losses are
@@ -12,6 +12,7 @@ then not meaningful (reported as missing) and no checkpoints are written.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from meshjob_trainer.metrics import TrainerMetrics
 from meshjob_trainer.worker import JobSetup, run_worker
 
 HELP = "run a TrainingJob on this machine on an emulated cluster"
+METRICS_ADDRESS = "127.0.0.1"  # bound and printed alike: the URL printed is the one that answers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="serve Prometheus metrics of the aggregated figures on this port while running",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default=None,
+        help=f"the IP address --metrics-port binds, and the printed URL names (default {METRICS_ADDRESS}: "
+        "this machine only; 0.0.0.0 or :: for every address)",
     )
     parser.add_argument(
         "--max-restarts", type=int, default=0, help="restart the whole gang from the last checkpoint at most N times"
@@ -115,12 +123,38 @@ def _validate_args(args: argparse.Namespace) -> None:
         errors.append(FieldError("--max-restarts", args.max_restarts, "an integer >= 0"))
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         errors.append(FieldError("--metrics-port", args.metrics_port, "a port in [0, 65535]"))
+    if args.metrics_address is not None:
+        if args.metrics_port is None:
+            errors.append(FieldError("--metrics-address", args.metrics_address, "only with --metrics-port"))
+        elif not _is_ip(args.metrics_address):
+            errors.append(
+                FieldError(
+                    "--metrics-address",
+                    args.metrics_address,
+                    f"an IP address of this machine, e.g. {METRICS_ADDRESS} (the default) or 0.0.0.0 (every address)",
+                )
+            )
     try:
         parse_compute(args.compute, args.device)
     except SpecError as err:
         errors.extend(err.errors)
     if errors:
         raise SpecError(errors)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def metrics_url(address: str, port: int) -> str:
+    """The URL of the metrics served on `address`:`port` (an IPv6 address in brackets)."""
+    host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    where = " (every address of this machine)" if ipaddress.ip_address(address).is_unspecified else ""
+    return f"http://{host}:{port}/metrics{where}"
 
 
 class MetricsFeed:
@@ -131,7 +165,7 @@ class MetricsFeed:
     report, so the launcher's endpoint shows the same hosts a pod's would. Ranks forked while it
     serves close their copy of its listening socket (TrainerMetrics.serve registers that)."""
 
-    def __init__(self, job: TrainingJob, plan: Plan, port: int) -> None:
+    def __init__(self, job: TrainingJob, plan: Plan, port: int, address: str = METRICS_ADDRESS) -> None:
         last = len(job.stages) - 1
         placement = plan.placement
         hosts = ",".join(placement.hosts[h].name for h in placement.hosts_used())  # the launcher stands for all
@@ -142,7 +176,14 @@ class MetricsFeed:
             job.resharding.balancer,
             ",".join("x".join(map(str, s.mesh)) for s in job.stages),
         )
-        self.port = self.metrics.serve(port)
+        try:
+            self.port = self.metrics.serve(port, addr=address)
+        except OSError as err:  # in use, or not an address of this machine: one line, not a traceback
+            raise UsageError(
+                f"cannot serve metrics on {address} port {port} (--metrics-address, --metrics-port): {err}"
+            ) from err
+        self.address = address
+        self.url = metrics_url(address, self.port)
         self.stage = last
         self._reported_step = 0
 
@@ -161,6 +202,13 @@ class MetricsFeed:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def serve_metrics(args: argparse.Namespace, job: TrainingJob, plan: Plan, console: Console) -> MetricsFeed:
+    """The run's exporter on --metrics-address:--metrics-port, and its URL printed: the address it binds."""
+    feed = MetricsFeed(job, plan, args.metrics_port, args.metrics_address or METRICS_ADDRESS)
+    console.print(f"metrics: {feed.url}", highlight=False, soft_wrap=True)
+    return feed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,9 +273,8 @@ def run(args: argparse.Namespace) -> int:
                 f"compute {compute.describe()}"
             )
             if args.metrics_port is not None:
-                feed = MetricsFeed(job, plan, args.metrics_port)
+                feed = serve_metrics(args, job, plan, console)
                 feed.restart(stats.resume_step)  # steps a checkpoint holds are not re-reported
-                console.print(f"metrics: http://127.0.0.1:{feed.port}/metrics")
             with ProgressView(stats, console, enabled=not args.quiet) as view:
 
                 def on_event(rank: int, event: Event) -> None:
