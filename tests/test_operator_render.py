@@ -611,7 +611,7 @@ def test_the_host_pin_is_added_to_every_required_node_affinity_term():
             "spec.podTemplate.spec.containers[trainer].resources.requests",
             "spec.topology.deviceResource",
         ),
-        ({"metadata": {"labels": {"replicas": 3}}}, "spec.podTemplate.metadata['replicas']", "a string"),
+        ({"metadata": {"labels": {"replicas": 3}}}, "spec.podTemplate.metadata.labels.replicas", "a string"),
     ],
 )
 def test_a_template_the_merge_cannot_take_is_an_invalid_spec_naming_the_field(template, path, allowed):
@@ -631,7 +631,7 @@ def test_only_the_trainer_container_can_be_templated():
     "volume, allowed",
     [
         ({"hostPath": {"path": "/ckpt"}}, "no hostPath"),
-        ({"emptyDir": {}, "nfs": {"server": "x"}}, "exactly one volume source"),
+        ({"emptyDir": {}, "nfs": {"server": "x", "path": "/ckpt"}}, "exactly one volume source"),
     ],
 )
 def test_a_checkpoint_volume_is_one_source_and_never_a_host_path(volume, allowed):

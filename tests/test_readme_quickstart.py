@@ -125,7 +125,7 @@ def test_the_readmes_own_commands_give_running_pods_in_a_fresh_namespace(tmp_pat
 
         wait_until(lambda: phase() == "Running", 60, "phase Running")
         table = envtest.kubectl(*[a for a in kubectl[-1][1:] if a != "-w"]).stdout.split("\n")[0].split()
-        assert table == ["NAME", "PHASE", "STEP", "PROGRESS", "HOSTS", "RESTARTS", "AGE"]
+        assert table == ["NAME", "PHASE", "STEP", "PROGRESS", "LOSS", "HOSTS", "RESTARTS", "AGE"]
         assert all(p["spec"]["automountServiceAccountToken"] is False for p in created)
         volumes = {v["name"]: v for v in created[0]["spec"]["volumes"]}
         assert volumes["checkpoint"]["persistentVolumeClaim"]["claimName"] == "gpt-demo-checkpoints"

@@ -119,8 +119,13 @@ def build_table(
 class FieldReader:
     """Collects FieldErrors; remembers which paths failed so semantic rules can skip them."""
 
-    def __init__(self, table_of: Callable[[type], tuple[FieldSchema, ...]]) -> None:
+    def __init__(
+        self,
+        table_of: Callable[[type], tuple[FieldSchema, ...]],
+        check_free: Callable[[type, str, Any, str], list[FieldError]] | None = None,
+    ) -> None:
         self.table_of = table_of  # dataclass -> its field table
+        self.check_free = check_free  # (dataclass, attribute, value, path) -> errors of a free mapping's value
         self.errors: list[FieldError] = []
         self.bad: set[str] = set()
 
@@ -157,6 +162,9 @@ class FieldReader:
                 values[f.attr] = copy.deepcopy(f.default)
             else:
                 values[f.attr] = self.read_value(f, node[f.yaml], sub)
+                if self.check_free is not None and self.clean(sub):
+                    for e in self.check_free(cls, f.attr, node[f.yaml], sub):
+                        self.fail(e.path, e.value, e.allowed)
         return values
 
     def read_value(self, f: FieldSchema, value: Any, path: str) -> Any:

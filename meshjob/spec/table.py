@@ -10,9 +10,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from meshjob.errors import FieldError
 from meshjob.resharding.balance import BALANCERS
 from meshjob.resharding.strategies import STRATEGIES
 from meshjob.schedule.actions import SCHEDULE_KINDS
+from meshjob.spec import crd_core_types
 from meshjob.spec.api import JOB_NAME_MAX_LENGTH
 from meshjob.spec.fields import FieldReader, FieldSchema, build_table
 from meshjob.spec.model import (
@@ -316,5 +318,10 @@ def bounded_fields(cls: type = TrainingJob, path: str = "spec") -> Iterator[tupl
 
 
 def field_reader() -> FieldReader:
-    """A reader of documents by this table (meshjob.spec.fields)."""
-    return FieldReader(schema_of)
+    """A reader of documents by this table (meshjob.spec.fields), which checks the free mappings as the CRD does."""
+    return FieldReader(schema_of, _check_free)
+
+
+def _check_free(cls: type, attr: str, value: Any, path: str) -> list[FieldError]:
+    schema = crd_core_types.schema_of_field(cls.__name__, attr)
+    return [] if schema is None else crd_core_types.check(schema, value, path)
