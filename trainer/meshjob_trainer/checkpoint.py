@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshjob.spec.manifest import ModelSpec, TrainingJob
+from meshjob_trainer.errors import TrainerError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MAGIC = "meshjob-checkpoint"
@@ -67,7 +68,7 @@ class CheckpointMismatch(ValueError):
     """A checkpoint written for a different spec; the message lists every differing field."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TrainerError):
     """A checkpoint cannot be written or resumed from; the message says where and why, for a person."""
 
 

@@ -26,6 +26,7 @@ from meshjob.plan.build import Plan
 from meshjob.spec.api import MASTER_PORT
 from meshjob.spec.manifest import TrainingJob
 from meshjob_trainer.checkpoint import Checkpointer
+from meshjob_trainer.errors import TrainerError
 from meshjob_trainer.events import Fanout, MetricsSink
 
 if TYPE_CHECKING:  # torch, and reshard which imports it: this module loads with the CLI, before torch
@@ -38,7 +39,7 @@ DEFAULT_TIMEOUT_S = 300.0
 RENDEZVOUS_PREFIX = "meshjob/rendezvous"
 
 
-class DistError(RuntimeError):
+class DistError(TrainerError):
     """The process group could not be formed; the message says which rank or setting is at fault."""
 
 
@@ -146,6 +147,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # MESHJOB_METRICS_PORT: local rank r serves /metrics on it + r
     step_log: bool = False  # a line per step from the first rank of each stage (`meshjob worker`: the pod's log)
     compute: ComputeMode | None = None  # `meshjob run --compute`; None: real
+    termination_log: str = ""  # MESHJOB_TERMINATION_LOG: the container's terminationMessagePath (a summary at the end)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -159,6 +161,7 @@ class WorkerSettings:
             checkpoint_dir=env.get("MESHJOB_CHECKPOINT_DIR", ""),
             metrics_port=port,
             step_log=True,
+            termination_log=env.get("MESHJOB_TERMINATION_LOG", ""),
         )
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshjob_trainer.dist import WorkerEnv
+from meshjob_trainer.errors import TrainerError
 from meshjob_trainer.heap import keep_freed_memory
 
 PR_SET_PDEATHSIG = 1
@@ -231,6 +232,9 @@ def _run_child(
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         outcome = ("ok", None) if code == 0 else ("error", f"SystemExit({exc.code!r})")
+    except TrainerError as exc:  # its message is the report: one line, not a traceback per rank
+        outcome = ("error", f"{type(exc).__name__}: {exc}")
+        print(f"meshjob: rank {ctx.rank}: {exc}", file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         outcome = ("error", traceback.format_exc())
         traceback.print_exc()
