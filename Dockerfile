@@ -33,9 +33,11 @@ RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . ./operator ./
 FROM base AS operator
 RUN pip install kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 cryptography==48.0.0 \
       aiohttp==3.14.5 pyyaml==6.0.3 rich==15.0.0
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-operator==0.1.0 \
- && pip check
+# COPY, not a RUN bind-mounting the build stage: a COPY layer is cached by the wheels' content, so changed code
+# is installed again (buildah caches such a RUN by its text alone, and fails to mount a stage built from cache).
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-index --find-links /tmp/wheels meshjob==0.1.0 meshjob-operator==0.1.0 \
+ && pip check && rm -rf /tmp/wheels
 USER 10001:10001
 EXPOSE 9401 8080
 ENTRYPOINT ["meshjob"]
@@ -48,9 +50,9 @@ FROM base AS trainer
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
  && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
- && pip check
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-index --find-links /tmp/wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
+ && pip check && rm -rf /tmp/wheels
 # The README job's token files (spec.data.path examples/data/..., relative to this WORKDIR): 400 KB.
 # A real corpus goes on a volume mounted into the pods instead (spec.data.path: /data/train.bin).
 COPY examples/data/shakespeare-train.bin examples/data/shakespeare-val.bin examples/data/
@@ -72,9 +74,9 @@ FROM base AS trainer-cuda
 ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
 RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" torch==2.13.0 \
  && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
- && pip check
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-index --find-links /tmp/wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
+ && pip check && rm -rf /tmp/wheels
 USER 10001:10001
 EXPOSE 9400
 ENTRYPOINT ["meshjob"]

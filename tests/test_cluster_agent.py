@@ -349,6 +349,30 @@ def test_a_container_exiting_non_zero_fails_the_pod(cluster, agent):
     terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 3 and terminated["reason"] == "Error"
     assert "failing" in (agent.state_dir / "logs" / "default_exits-3_main.log").read_text()
+    assert "message" not in terminated  # policy File, nothing written: no message
+
+
+def test_the_termination_message_is_the_file_written_else_the_log_tail_on_failure(cluster, agent):
+    eventually(node_ready(cluster, NODE), "node-1 Ready and untainted")
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    cluster.apply(pod("summary", ["sh", "-c", "echo noise; printf '{\"loss\": 1.5}' > /dev/termination-log"]))
+    cluster.apply(
+        pod(
+            "custom-path", ["sh", "-c", "echo why > /tmp/why; exit 4"], container={"terminationMessagePath": "/tmp/why"}
+        )
+    )
+    cluster.apply(pod("fallback", ["sh", "-c", "echo first; echo last words; exit 5"], container=fallback))
+    cluster.apply(pod("fine", ["sh", "-c", "echo all good"], container=fallback))
+    messages = {}
+    for name in ("summary", "custom-path", "fallback", "fine"):
+        done = eventually(phase_is(cluster, name, "Succeeded", "Failed"), f"pod {name} ended")
+        messages[name] = done["status"]["containerStatuses"][0]["state"]["terminated"].get("message")
+    assert messages == {
+        "summary": '{"loss": 1.5}',
+        "custom-path": "why\n",
+        "fallback": "first\nlast words",
+        "fine": None,  # succeeded: its log is no message
+    }
 
 
 def test_a_deleted_pod_gets_sigterm_then_sigkill_and_its_object_goes(cluster, agent, tmp_path):

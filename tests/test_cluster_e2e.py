@@ -6,20 +6,28 @@ deleting a job leaves no trainer process; `down` leaves no process, namespace or
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helm_python import Chart
+from prometheus_harness import PanelQuery, dashboard_queries, instantiate
 from test_readme_quickstart import helm_values, readme_commands
+
+from meshjob_cluster import chart
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = os.environ.get("KUBEBUILDER_ASSETS") or str(ROOT.parent / "shared" / "envtest")
@@ -34,6 +42,10 @@ pytestmark = [
         shutil.which("prometheus") is None, reason="the cluster's Prometheus: apt-get install prometheus"
     ),
 ]
+
+
+# Grafana's variables: every namespace and job unless a test names them; a rate window of several scrapes (15 s)
+DASHBOARD_VARIABLES = {"namespace": ".*", "trainingjob": ".*", "__rate_interval": "3m", "datasource": "prometheus"}
 
 
 class LocalCluster:
@@ -66,6 +78,36 @@ class LocalCluster:
             f"== {p}\n{p.read_text(errors='replace')[-1500:]}" for p in self.folder.glob("nodes/*/agent.log")
         )
 
+    def prometheus(self, path: str, **params: Any) -> Any:
+        """The cluster's Prometheus HTTP API (`meshjob cluster up` runs it, fed by the chart's monitors)."""
+        port = json.loads((self.folder / "state.json").read_text())["prometheus_port"]
+        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/{path}?{query}", timeout=10) as resp:
+            body = json.load(resp)
+        assert body.get("status") == "success", body
+        return body["data"]
+
+    def last_sample(self, selector: str) -> float:
+        """When the newest sample of `selector` was scraped (its target is gone once its pod ended)."""
+        series = self.prometheus("query", query=f"{selector}[30m]")["result"]
+        stamps = [float(t) for s in series for t, _ in s["values"]]
+        assert stamps, f"Prometheus has no sample of {selector}; targets: {self.prometheus('targets')}"
+        return max(stamps)
+
+    def returns_series(
+        self, query: PanelQuery, variables: dict[str, str], at: float | None = None, since: float | None = None
+    ) -> None:
+        """A dashboard query, its variables filled in as Grafana would, has a finite value at `at`; or, given
+        `since`, somewhere from then to now (the panel drawn over that range, a point per scrape)."""
+        expr = instantiate(query.expr, {**DASHBOARD_VARIABLES, **variables})
+        if since is None:
+            data = self.prometheus("query", query=expr, time=at)
+            values = [float(r["value"][1]) for r in data["result"]]
+        else:
+            data = self.prometheus("query_range", query=expr, start=since, end=time.time(), step=15)
+            values = [float(v) for r in data["result"] for _, v in r["values"]]
+        assert any(math.isfinite(v) for v in values), f"panel {query.panel!r} ({query.ref}): {expr} -> {data}"
+
     def pod_log(self, namespace: str, pod: str) -> str:
         return "".join(p.read_text(errors="replace") for p in self.folder.glob(f"nodes/*/logs/{namespace}_{pod}_*.log"))
 
@@ -77,43 +119,22 @@ def _meshjob(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _install_chart(cluster: LocalCluster, helm: list[str]) -> None:
-    """`helm install NAME CHART -n NS --create-namespace --set ...` as helm does it: the namespace, the chart's
-    CRDs, then its templates."""
-    name, chart, namespace = helm[2], helm[3], helm[helm.index("-n") + 1]
-    with Chart.load(ROOT / chart) as loaded:
-        rendered = loaded.render(helm_values(helm), name=name, namespace=namespace)
-    docs = [
-        d for path, text in sorted(rendered.items()) if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d
-    ]
-    cluster.kubectl("create", "namespace", namespace)
-    cluster.kubectl("apply", "-f", str(ROOT / chart / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.meshjob.io", "--timeout=60s")
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+@contextlib.contextmanager
+def local_cluster(folder: Path, images: bool = False) -> Iterator[LocalCluster]:
+    """The README's local cluster and chart: 4 Nodes of 2 devices (the main job's 4 hosts), pods on this
+    machine's files or, with `images`, in the built images. `down` must leave nothing behind."""
+    up = _meshjob(
+        "cluster", "up", "--nodes", "4", "--devices-per-node", "2", "--dir", str(folder), *(["--images"] * images)
     )
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """The README's local cluster and chart: 4 Nodes of 2 devices (the main job's 4 hosts)."""
-    folder = tmp_path_factory.mktemp("local-cluster")
-    up = _meshjob("cluster", "up", "--nodes", "4", "--devices-per-node", "2", "--dir", str(folder))
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"export KUBECONFIG={folder}/control/run/kubeconfig" in up.stdout
     state = json.loads((folder / "state.json").read_text())
     local = LocalCluster(folder)
     try:
-        (helm,) = [c for c in readme_commands() if c[0] == "helm"]
-        _install_chart(local, helm)
-        local.wait(
-            "the operator ready",
-            lambda: any(
-                all(c.get("ready") for c in p["status"].get("containerStatuses") or [{}])
-                for p in local.json("get", "pods", "-n", "meshjob-system")["items"]
-            ),
-            180,
-        )
+        (helm,) = [c for c in readme_commands() if c[0] == "helm"]  # helm install NAME CHART -n NS ...
+        namespace = helm[helm.index("-n") + 1]
+        chart.install(local.kubeconfig, ROOT / helm[3], helm[2], namespace, helm_values(helm))
+        chart.wait_ready(local.kubeconfig, namespace)
         yield local
     finally:
         down = _meshjob("cluster", "down", "--dir", str(folder))
@@ -127,6 +148,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     ]
     assert str(folder) not in Path("/proc/mounts").read_text()
     assert not folder.exists()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with local_cluster(tmp_path_factory.mktemp("local-cluster")) as local:
+        yield local
 
 
 def _trainer_processes(job: str) -> list[str]:
@@ -144,6 +171,13 @@ def _trainer_processes(job: str) -> list[str]:
 
 
 def test_the_readmes_commands_train_the_main_job_to_succeeded(cluster: LocalCluster):
+    readme_scenario(cluster)
+
+
+def readme_scenario(cluster: LocalCluster) -> None:
+    """The README's kubectl commands as written: gpt-demo reaches Succeeded with its final step and loss in its
+    status; each stage logs a line per step and the loss falls; every trainer panel of the dashboard has series
+    for it in the cluster's Prometheus; deleting it leaves no trainer process."""
     namespace = ""
     for command in [c for c in readme_commands() if c[0] == "kubectl"]:
         args = [a for a in command[1:] if a != "-w"]
@@ -179,6 +213,13 @@ def test_the_readmes_commands_train_the_main_job_to_succeeded(cluster: LocalClus
     ]
     assert len(losses) >= steps  # the last stage's host logs the loss of every step
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5, losses  # it falls, as under `meshjob run`
+    (final,) = {
+        m for log in logs.values() for m in re.findall(rf"^step {steps}/{steps} stage \d+: loss ([0-9.]+)", log, re.M)
+    }
+    assert job["status"]["loss"] == pytest.approx(float(final), abs=1e-4)  # from the pods' summaries
+    at = cluster.last_sample('meshjob_step{trainingjob="gpt-demo"}')
+    for query in [q for q in dashboard_queries() if "meshjob_operator_" not in q.expr]:  # the trainers' panels
+        cluster.returns_series(query, {"namespace": namespace, "trainingjob": "gpt-demo"}, at)
     cluster.kubectl("delete", "tj", "-n", namespace, "gpt-demo", "--wait=true", "--timeout=120s")
     cluster.wait("gpt-demo's pods gone", lambda: not cluster.json("get", "pods", "-n", namespace)["items"], 120)
     assert _trainer_processes("gpt-demo") == []
@@ -215,12 +256,14 @@ CLAIM = {
 }
 
 
-def _tiny(cluster: LocalCluster, name: str, data: str = "examples/data/shakespeare-train.bin") -> None:
-    """A small job of 2 hosts in namespace team-t, its checkpoints on a claim of its own."""
-    if cluster.kubectl("get", "namespace", "team-t", check=False).returncode != 0:
-        cluster.kubectl("create", "namespace", "team-t")
-    cluster.kubectl("apply", "-n", "team-t", "-f", "-", input=json.dumps(CLAIM).replace("NAME", name))
-    cluster.kubectl("apply", "-n", "team-t", "-f", "-", input=TINY.replace("NAME", name).replace("DATA", data))
+def _tiny(
+    cluster: LocalCluster, name: str, data: str = "examples/data/shakespeare-train.bin", namespace: str = "team-t"
+) -> None:
+    """A small job of 2 hosts (namespace team-t unless named), its checkpoints on a claim of its own."""
+    if cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+        cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(CLAIM).replace("NAME", name))
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=TINY.replace("NAME", name).replace("DATA", data))
 
 
 def _finished(cluster: LocalCluster, name: str, timeout: float = 600) -> dict[str, Any]:
@@ -283,3 +326,146 @@ def _trainer_pids(pod: str) -> list[int]:
         if f"MESHJOB_POD_NAME={pod}\0".encode() in env:
             found.append(int(proc.name))
     return sorted(found)
+
+
+def _pods(cluster: LocalCluster, job: str, namespace: str = "team-t") -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = cluster.json("get", "pods", "-n", namespace, "-l", f"meshjob.io/job-name={job}")[
+        "items"
+    ]
+    return found
+
+
+def _condition(job: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in job.get("status", {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def test_a_node_tainted_or_filled_after_the_plan_puts_the_schedulers_own_message_in_the_condition(
+    cluster: LocalCluster,
+):
+    """The scheduler is paused while the operator plans and creates the pods; then one planned Node is tainted
+    and the other filled by a pod bound to it directly. Resumed, the scheduler places them nowhere, and its
+    own words reach the job's Unschedulable condition."""
+    scheduler = int((cluster.folder / "control" / "run" / "kube-scheduler.pid").read_text())
+    nodes = {
+        n["metadata"]["labels"]["kubernetes.io/hostname"]: n["metadata"]["name"]
+        for n in cluster.json("get", "nodes")["items"]
+    }
+    tainted = filled = ""
+    os.killpg(scheduler, signal.SIGSTOP)
+    try:
+        _tiny(cluster, "late")
+        pods = cluster.wait(
+            "late's 2 pods created", lambda: (lambda p: p if len(p) == 2 else None)(_pods(cluster, "late")), 120
+        )
+        assert not any(p["spec"].get("nodeName") for p in pods)  # planned, not yet bound
+        pinned = []
+        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            (host,) = [v for e in terms["nodeSelectorTerms"][0]["matchExpressions"] for v in e["values"]]
+            pinned.append(nodes[host])
+        tainted, filled = pinned
+        cluster.kubectl("taint", "nodes", tainted, "meshjob.io/maintenance=now:NoSchedule")
+        devices = pods[0]["spec"]["containers"][0]["resources"]["requests"]["cpu"]
+        filler = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "filler", "namespace": "team-t"},
+            "spec": {
+                "nodeName": filled,  # bound by hand: the scheduler is paused
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "meshjob/trainer:0.1.0",
+                        "command": ["sleep", "600"],
+                        "resources": {"requests": {"cpu": devices}, "limits": {"cpu": devices}},
+                    }
+                ],
+            },
+        }
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(filler))
+    finally:
+        os.killpg(scheduler, signal.SIGCONT)
+    try:
+        job = cluster.wait(
+            "late Unschedulable with the scheduler's message",
+            lambda: (lambda tj: tj if _condition(tj, "Unschedulable").get("status") == "True" else None)(
+                cluster.json("get", "tj", "-n", "team-t", "late")
+            ),
+            120,
+        )
+        message = _condition(job, "Unschedulable")["message"]
+        # kube-scheduler's words: "0/4 nodes are available: 1 node(s) had taint {meshjob.io/maintenance: now}, that
+        # the pod didn't tolerate, ..." and "1 Insufficient cpu"
+        assert re.search(r"0/4 nodes are available: .*taint \{meshjob.io/maintenance: now\}", message), message
+        assert "Insufficient cpu" in message, message
+        events = cluster.kubectl("get", "events", "-n", "team-t", "--field-selector", "involvedObject.name=late").stdout
+        assert "meshjob.io/maintenance" in events, events
+    finally:
+        cluster.kubectl("delete", "tj", "-n", "team-t", "late", "--wait=true", "--timeout=120s", check=False)
+        cluster.kubectl("delete", "pod", "-n", "team-t", "filler", "--grace-period=0", "--force", check=False)
+        if tainted:
+            cluster.kubectl("taint", "nodes", tainted, "meshjob.io/maintenance-", check=False)
+
+
+def test_deleting_the_jobs_namespace_ends_every_trainer_process_within_the_grace_period(cluster: LocalCluster):
+    _tiny(cluster, "doomed", namespace="team-gone")
+    cluster.wait(
+        "doomed's trainers running", lambda: _trainer_pids("doomed-host-0") and _trainer_pids("doomed-host-1"), 300
+    )
+    grace = _pods(cluster, "doomed", "team-gone")[0]["spec"].get("terminationGracePeriodSeconds", 30)
+    cluster.kubectl("delete", "namespace", "team-gone", "--wait=false")
+    # the agents send SIGTERM, then SIGKILL once the grace period is over: nothing outlives it for long
+    cluster.wait("doomed's trainer processes gone", lambda: not _trainer_processes("doomed"), grace + 60)
+    cluster.wait(
+        "namespace team-gone gone",
+        lambda: cluster.kubectl("get", "namespace", "team-gone", check=False).returncode,
+        180,
+    )
+
+
+def test_every_operator_panel_of_the_dashboard_returns_series_from_the_clusters_prometheus(cluster: LocalCluster):
+    """The operator's panels, drawn from when a job's pods are created and another job's are refused by a
+    ResourceQuota (an API error the operator counts)."""
+    cluster.kubectl("create", "namespace", "team-q")
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pods"},
+        "spec": {"hard": {"pods": "0"}},
+    }
+    cluster.kubectl("apply", "-n", "team-q", "-f", "-", input=json.dumps(quota))
+    cluster.wait(
+        "the quota counted",
+        lambda: cluster.json("get", "resourcequota", "-n", "team-q", "no-pods").get("status", {}).get("used"),
+        60,
+    )
+    cluster.wait(  # the operator scraped before the pods are created: a rate needs a sample before and after
+        "the operator's metrics in Prometheus",
+        lambda: cluster.prometheus("query", query="meshjob_operator_pod_creation_latency_seconds_count")["result"],
+        180,
+    )
+    since = time.time()
+    _tiny(cluster, "refused", namespace="team-q")
+    _tiny(cluster, "panels")
+    try:
+        cluster.wait("panels' pods created", lambda: len(_pods(cluster, "panels")) == 2, 120)
+        queries = [q for q in dashboard_queries() if "meshjob_operator_" in q.expr]
+        assert queries
+
+        def all_return_series() -> bool:
+            try:
+                for query in queries:
+                    cluster.returns_series(query, {}, since=since)
+            except AssertionError:
+                return False
+            return True
+
+        deadline = time.monotonic() + 240  # the operator is scraped every 30 s, a refused job retried with backoff
+        while not all_return_series() and time.monotonic() < deadline:
+            time.sleep(5)
+        for query in queries:  # said panel by panel where one has none
+            cluster.returns_series(query, {}, since=since)
+    finally:
+        cluster.kubectl("delete", "namespace", "team-q", "--wait=false", check=False)
+        cluster.kubectl("delete", "tj", "-n", "team-t", "panels", "--wait=true", "--timeout=120s", check=False)

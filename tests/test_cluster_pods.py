@@ -164,3 +164,30 @@ def test_the_container_sees_its_volumes_as_its_user_on_a_read_only_root(tmp_path
     assert "10001 10001 hello" in log
     assert "data: Read-only file system" in log and "root: Read-only file system" in log
     assert (out / "written").read_text() == "ok" and (out / "written").stat().st_uid == 10001
+
+
+def test_the_container_has_a_dev_of_its_own_and_a_file_mounted_there_stays_inside(tmp_path):
+    message = tmp_path / "message"
+    message.write_bytes(b"")
+    os.chown(message, 10001, 10001)
+    probe = (
+        "import os; open('/dev/termination-log', 'w').write('done');"
+        "print(sorted(n for n in ('null', 'zero', 'urandom', 'shm', 'fd') if os.path.exists('/dev/' + n)));"
+        "print(len(os.urandom(4)), open('/dev/null').read() == '')"
+    )
+    run = ContainerRun(
+        argv=("python3", "-c", probe),
+        env={"PATH": os.environ["PATH"]},
+        mounts=(Mount(message, "/dev/termination-log"),),
+        uid=10001,
+        gid=10001,
+        read_only_root=True,
+        scratch=tmp_path,
+    )
+    proc, scratch = start(run, tmp_path / "log")
+    assert proc.wait(60) == 0, (tmp_path / "log").read_text()
+    remove_scratch(scratch)
+    log = (tmp_path / "log").read_text()
+    assert "['fd', 'null', 'shm', 'urandom', 'zero']" in log and "4 True" in log, log
+    assert message.read_text() == "done"
+    assert not Path("/dev/termination-log").exists()  # the mount point was made in the container's own /dev

@@ -8,12 +8,14 @@ serves /healthz."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,25 @@ def images() -> dict[str, str]:
     assert built == [f"localhost/meshjob/operator:{VERSION}", f"localhost/meshjob/trainer:{VERSION}"], done.stdout
     assert "trainer-cuda built up to its torch layer only" in done.stderr
     return {"operator": built[0], "trainer": built[1]}
+
+
+def test_the_images_hold_this_trees_code(images):
+    """A rebuild after a code change installs the changed code (the wheels' layer is not cached by its text)."""
+    sources = {"meshjob": ROOT / "meshjob", "meshjob_operator": ROOT / "operator" / "meshjob_operator"}
+    sources["meshjob_trainer"] = ROOT / "trainer" / "meshjob_trainer"
+    for target, packages in (
+        ("operator", ("meshjob", "meshjob_operator")),
+        ("trainer", ("meshjob", "meshjob_trainer")),
+    ):
+        root, _ = image_root(images[target])
+        (site,) = root.glob("usr/local/lib/python3*/dist-packages")
+        for package in packages:
+            stale = [
+                str(path.relative_to(sources[package]))
+                for path in sources[package].rglob("*.py")
+                if (site / package / path.relative_to(sources[package])).read_bytes() != path.read_bytes()
+            ]
+            assert not stale, f"{target} image: {package} differs from this tree in {stale[:5]}"
 
 
 def _free_port() -> int:
@@ -212,9 +233,30 @@ def test_the_trainer_image_trains_the_operators_pod_to_the_end_and_writes_a_chec
     run = container_run(pod, container, prepared, place, lambda *_: None, lower=root, image=config)
     assert (run.uid, run.read_only_root, run.workdir) == (10001, True, "/app")
     assert {m.target for m in run.mounts} == {m["mountPath"] for m in container["volumeMounts"]}
+    message = tmp_path / "termination-log"  # what a kubelet mounts at the container's terminationMessagePath
+    message.write_bytes(b"")
+    os.chown(message, 10001, 10001)
+    run = replace(run, mounts=(*run.mounts, Mount(message, container["terminationMessagePath"])))
     code, log = _run(run, tmp_path / "log", 600)
     assert code == 0, log[-4000:]
     assert "step 4/4" in log, log[-4000:]
+    summary = json.loads(message.read_text())  # the operator's status.step and status.loss come from it
+    assert summary["step"] == 4 and summary["loss"] > 0, summary
     written = sorted(p.relative_to(claims) for p in claims.rglob("*") if p.is_file())
     assert written, f"no checkpoint on the claim; log:\n{log[-3000:]}"
     assert all((claims / p).stat().st_uid == 10001 for p in written)
+
+
+@pytest.mark.skipif(envtest_assets() is None, reason="KUBEBUILDER_ASSETS names no kube-apiserver")
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="the cluster's Prometheus: apt-get install prometheus")
+def test_the_readmes_commands_train_the_main_job_on_a_cluster_whose_pods_run_in_the_images(images, tmp_path):
+    """`meshjob cluster up --images`: the operator's pod runs in the operator image, the trainers' in the trainer
+    image (as uid 10001 on read-only roots), and the README's first scenario passes as it does on this machine's
+    files (tests/test_cluster_e2e.py)."""
+    from test_cluster_e2e import local_cluster, readme_scenario
+
+    with local_cluster(tmp_path / "cluster", images=True) as cluster:
+        readme_scenario(cluster)
+        (operator,) = cluster.json("get", "pods", "-n", "meshjob-system")["items"]
+        image_id = operator["status"]["containerStatuses"][0]["imageID"]
+        assert image_id.startswith(f"{images['operator']}@sha256:"), image_id  # it ran from the built image

@@ -129,10 +129,13 @@ async def test_running_pods_report_progress_then_success_cleans_up_and_ttl_delet
         <= 60
     )  # 3 steps of 2 s from about now
     assert set(status["pods"].values()) == {"Running"}
-    for pod in pods:
-        await cluster.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag)
+    summaries = ['{"step": 10}\n', '{"step": 10, "loss": 2.25}\n']  # the last stage's host knows the loss
+    for pod, summary in zip(pods, summaries):
+        await cluster.set_pod_phase(pod["metadata"]["name"], "Succeeded", tag, message=summary)
     status = await wait_status(cluster, tag, lambda s: s.get("phase") == "Succeeded", "Succeeded")
     assert status["completionTime"] and condition(status, "Succeeded")["reason"] == "AllPodsSucceeded"
+    assert status["step"] == 10 and status["loss"] == 2.25
+    assert "final loss 2.2500" in condition(status, "Succeeded")["message"]
     assert condition(status, "Running")["status"] == "False" and status["progress"]["percent"] == 100
     await wait_pods(cluster, tag, 0)  # cleanPodPolicy All
     await eventually(lambda: job_gone(cluster, tag), timeout=20, what="job deleted by ttlSecondsAfterFinished")

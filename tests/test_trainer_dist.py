@@ -548,3 +548,12 @@ def test_the_step_log_has_a_line_per_evaluation_from_the_stage_that_holds_the_lo
 
 def test_meshjob_worker_logs_steps_and_meshjob_run_does_not():
     assert WorkerSettings.from_env({}).step_log and not WorkerSettings().step_log
+
+
+def test_a_hosts_summary_is_the_step_its_ranks_reached_and_the_last_stages_loss():
+    from meshjob_trainer.worker import RankSummary, host_summary
+
+    last_stage = [RankSummary(rank=6, stage=3, step=150, loss=2.47), RankSummary(rank=7, stage=3, step=150, loss=2.47)]
+    assert host_summary(last_stage) == {"step": 150, "loss": 2.47}
+    first_stage = [RankSummary(rank=0, stage=0, step=150, loss=None), RankSummary(rank=1, stage=0, step=150, loss=None)]
+    assert host_summary(first_stage) == {"step": 150}  # no loss on a host without the last stage

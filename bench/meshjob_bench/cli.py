@@ -1,5 +1,5 @@
 """`meshjob bench <benchmark>`: dispatch to the benchmark modules of this package (resharding, resimulate,
-compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune).
+compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune, cluster).
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "memory": "memory per rank: parameters, optimizer, activations for fp32/bf16, recompute, ZeRO 0/1",
     "e2e": "end to end on emulated devices: meshjob against Alpa's defaults and the signal bound",
     "tune": "meshjob tune's search against exhaustive enumeration, and its time on 64 hosts x 8 devices",
+    "cluster": "the local cluster where pods run: apply -> pods Running -> first step, API requests per job",
 }
 
 

@@ -50,6 +50,8 @@ CONFIG_ERROR = "CreateContainerConfigError"
 AGENT_RESTARTED = "NodeAgentRestarted"
 MIN_GRACE_S = 2  # a kubelet's minimum grace period (a forced deletion still gets it)
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"  # a kubelet's default terminationMessagePath
+TERMINATION_MESSAGE_MAX = 4096  # bytes of it a kubelet reports
 
 # pod -> where it runs (its address, network namespace, hosts file); sync or async
 PodNetwork = Callable[[Mapping[str, Any]], "PodPlace | Awaitable[PodPlace]"]
@@ -327,6 +329,7 @@ class _Container:
     finished: bool = False  # exited, and is not restarted
     next_try: float = 0.0  # monotonic time of its next (re)start
     log_offset: int = 0  # where its current run's output starts in its log
+    image_id: str = ""  # the built image its current run started from (empty: this machine's files)
 
     @property
     def name(self) -> str:
@@ -341,7 +344,7 @@ class _Container:
             "started": self.proc is not None,
             "restartCount": self.restarts,
             "image": self.spec.get("image", ""),
-            "imageID": "",
+            "imageID": self.image_id,
         }
         if self.container_id:
             out["containerID"] = self.container_id
@@ -450,6 +453,27 @@ class PodWorker:
             return ""
         return "\n".join(text.splitlines()[-80:])[-2048:]
 
+    def _termination_file(self, c: _Container, run: ctr.ContainerRun) -> ctr.Mount:
+        """A kubelet's termination message file: empty at each start, writable by the container's user,
+        seen at its terminationMessagePath."""
+        path = self.dir / "termination" / c.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        os.chown(path, run.uid, run.gid)
+        return ctr.Mount(path, str(c.spec.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH))
+
+    def _termination_message(self, c: _Container, code: int) -> str:
+        """What the container wrote to its termination message file (4 KiB at most, as a kubelet reads it);
+        with FallbackToLogsOnError and nothing written, the tail of its log when it failed."""
+        try:
+            with open(self.dir / "termination" / c.name, "rb") as f:
+                written = f.read(TERMINATION_MESSAGE_MAX).decode(errors="replace")
+        except OSError:
+            written = ""
+        if not written and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            return self._log_tail(c)
+        return written
+
     def _collect_exits(self) -> None:
         for c in self.containers:
             if c.exit_task is None or not c.exit_task.done() or c.proc is None:
@@ -478,8 +502,9 @@ class PodWorker:
                 "containerID": c.container_id,
             }
         }
-        if code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
-            c.state["terminated"]["message"] = self._log_tail(c)
+        message = self._termination_message(c, code)
+        if message:
+            c.state["terminated"]["message"] = message
         c.last_exit = code
         if c.scratch is not None:
             ctr.remove_scratch(c.scratch)
@@ -516,6 +541,7 @@ class PodWorker:
                 objects.update(await self.agent.fetch_objects({missing.ref}))
         else:
             raise PodSpecError(f"container {c.name}: the objects it reads keep changing")
+        run = replace(run, mounts=(*run.mounts, self._termination_file(c, run)))
         self.agent.logs.mkdir(parents=True, exist_ok=True)
         log_file = self.agent.log_path(self.namespace, self.name, c.name)
         c.log_offset = log_file.stat().st_size if log_file.exists() else 0
@@ -526,6 +552,9 @@ class PodWorker:
         if c.last_exit is not None:  # a restart: its last run stays as lastState
             c.restarts += 1
         c.proc, c.scratch, c.started_at = proc, scratch, now()
+        if self.agent.images:  # the image it runs from, by digest (as a kubelet reports it)
+            name = str(c.spec["image"])
+            c.image_id = f"{image_store.local_name(name)}@{(await self.agent.image(name))[1].digest}"
         c.container_id = f"meshjob://{proc.pid}"
         c.exit_task = asyncio.ensure_future(wait_exit(proc))
         c.state = {"running": {"startedAt": c.started_at}}

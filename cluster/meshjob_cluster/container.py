@@ -20,6 +20,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# A container runtime's /dev (runc's defaults): a private tmpfs holding this machine's basic devices, so a
+# mount under /dev (a termination message file) never creates anything in this machine's /dev.
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+DEV_TREES = ("pts", "shm", "mqueue")
+DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+    "ptmx": "pts/ptmx",
+}
 
 
 @dataclass(frozen=True)
@@ -103,10 +114,8 @@ def setup_script(run: ContainerRun, root: Path, upper: Path, work: Path) -> str:
             lines.append(f"chmod o+rx {q(str(root) + '/' + '/'.join(parts[1:i]))}")
     if run.read_only_root:
         lines.append(f"mount -o remount,ro {q(str(root))}")
-    lines += [
-        f"mount -t proc proc {q(str(root))}/proc",
-        f"mount --rbind /dev {q(str(root))}/dev",
-    ]
+    lines.append(f"mount -t proc proc {q(str(root))}/proc")
+    lines += _dev_lines(f"{root}/dev")
     # Outer mounts first: a mount inside another volume gets its mount point in that volume, as a kubelet's.
     for m in sorted(mounts, key=lambda m: m.target.rstrip("/").count("/")):
         target = q(f"{root}{m.target}")
@@ -125,6 +134,21 @@ def setup_script(run: ContainerRun, root: Path, upper: Path, work: Path) -> str:
     inner = " ".join(q(a) for a in ("/usr/bin/env", "-i", *env, *run.argv))
     lines.append(f"exec chroot {user} {q(str(root))} /bin/sh -c {q(f'cd {q(run.workdir)} && exec {inner}')}")
     return "\n".join(lines)
+
+
+def _dev_lines(dev: str) -> list[str]:
+    """The container's /dev at `dev`: a tmpfs, this machine's basic devices (and GPUs) bound into it."""
+    q = shlex.quote
+    lines = [f"mount -t tmpfs -o nosuid,mode=755,size=65536k tmpfs {q(dev)}"]
+    gpus = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia")) if os.path.isdir("/dev") else []
+    for name in (*DEV_NODES, *gpus):
+        if os.path.exists(f"/dev/{name}") and not os.path.isdir(f"/dev/{name}"):
+            lines.append(f"touch {q(f'{dev}/{name}')} && mount --bind {q(f'/dev/{name}')} {q(f'{dev}/{name}')}")
+    for name in DEV_TREES:
+        if os.path.isdir(f"/dev/{name}"):
+            lines.append(f"mkdir {q(f'{dev}/{name}')} && mount --rbind {q(f'/dev/{name}')} {q(f'{dev}/{name}')}")
+    lines += [f"ln -s {q(target)} {q(f'{dev}/{name}')}" for name, target in DEV_LINKS.items()]
+    return lines
 
 
 def start(run: ContainerRun, log: Path) -> tuple[subprocess.Popen[bytes], Path]:

@@ -36,17 +36,23 @@ def container_name(image: str) -> str:
 def image_root(image: str) -> tuple[Path, ImageConfig]:
     """The mounted root filesystem of `image` and its config; made once, reused after."""
     name = container_name(image)
-    existing = _buildah("containers", "--format", "{{.ContainerName}}")
-    if name not in existing.split():
+    inspected = json.loads(_buildah("inspect", "--type", "image", local_name(image)))
+    listed = _buildah("containers", "--format", "{{.ContainerName}} {{.ImageID}}")
+    existing = dict(line.split()[:2] for line in listed.splitlines() if len(line.split()) >= 2)
+    if name in existing and existing[name] != inspected["FromImageID"]:
+        _buildah("rm", name)  # made from an older build of the tag: its root is stale
+        del existing[name]
+    if name not in existing:
         _buildah("from", "--name", name, "--pull-never", local_name(image))
     root = Path(_buildah("mount", name))
-    config = json.loads(_buildah("inspect", "--type", "image", local_name(image)))["OCIv1"].get("config", {})
+    config = inspected["OCIv1"].get("config", {})
     return root, ImageConfig(
         env=tuple(config.get("Env") or ()),
         entrypoint=tuple(config.get("Entrypoint") or ()),
         cmd=tuple(config.get("Cmd") or ()),
         workdir=config.get("WorkingDir") or "",
         user=config.get("User") or "",
+        digest=inspected.get("FromImageDigest") or "",
     )
 
 

@@ -33,6 +33,7 @@ class ImageConfig:
     cmd: tuple[str, ...] = ()
     workdir: str = ""
     user: str = ""
+    digest: str = ""  # the image's, as a container status' imageID names it (empty: this machine's files)
 
 
 @dataclass(frozen=True)

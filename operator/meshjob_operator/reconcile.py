@@ -57,6 +57,7 @@ MANAGED = (
     "disruptions",
     "restartPending",
     "step",
+    "loss",
     "checkpointStep",
     "progress",
     "startTime",
@@ -263,11 +264,15 @@ class Reconciler:
             draft["phase"] = SUCCEEDED
             steps = job.training.steps  # every step is done: the trainers exit only then
             draft["step"], draft["progress"] = steps, {"step": steps, "total": steps, "percent": 100}
+            losses = [p.final_loss for p in pods if p.final_loss is not None]
+            if losses:  # from the last stage's pods' summaries (all the same global-batch mean)
+                draft["loss"] = losses[0]
             draft["completionTime"] = timestamp(now)
-            draft.condition("Succeeded", True, "AllPodsSucceeded", f"all {expected} host pod(s) succeeded", now)
+            ended = f"all {expected} host pod(s) succeeded" + (f", final loss {losses[0]:.4f}" if losses else "")
+            draft.condition("Succeeded", True, "AllPodsSucceeded", ended, now)
             draft.clear("Running", "Succeeded", "the job has finished", now)
             draft.clear("Restarting", "Succeeded", "the job has finished", now)
-            self.emit(body, "Normal", "Succeeded", f"all {expected} host pod(s) succeeded")
+            self.emit(body, "Normal", "Succeeded", ended)
             return await self._finished(meta, body, draft, job, pods, now)
 
         deadline_left = lifecycle.seconds_left(parse_time(draft["startTime"]), policy.active_deadline_seconds, now)

@@ -21,6 +21,7 @@ from meshjob.spec.safeyaml import dump_yaml
 from meshjob_operator import names, podtemplate
 
 RUN_AS_USER = 10001  # the trainer image's user (the Dockerfile's USER): its files, its volumes' group
+TERMINATION_LOG = "/dev/termination-log"  # the Kubernetes default terminationMessagePath, named for the worker
 DEFAULT_GANG_SCHEDULER = "scheduler-plugins-scheduler"
 
 
@@ -134,6 +135,7 @@ def environment(meta: JobMeta, job: TrainingJob, pod: HostPod, pods: tuple[HostP
         "MESHJOB_HOSTS": f"{names.CONFIG_DIR}/hosts.yaml",
         "MESHJOB_PLAN": f"{names.CONFIG_DIR}/plan.json",
         "MESHJOB_METRICS_PORT": str(job.metrics.port),
+        "MESHJOB_TERMINATION_LOG": TERMINATION_LOG,  # the worker's summary: final step and loss
     }
     if job.training.checkpoint.path:
         plain["MESHJOB_CHECKPOINT_DIR"] = job.training.checkpoint.path
@@ -260,6 +262,7 @@ def _own_pod(meta: JobMeta, job: TrainingJob, host_pod: HostPod, pods: tuple[Hos
         # a failed worker's last lines (what was invalid, which rank died) become the container's termination
         # message, which the job's Failed condition quotes
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "terminationMessagePath": TERMINATION_LOG,
         "volumeMounts": mounts,
         "securityContext": {
             "runAsNonRoot": True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,7 @@ class PodView:
     disrupted: bool = False  # evicted or preempted (status.reason, or condition DisruptionTarget)
     exit_code: int | None = None  # of the trainer container, once it terminated
     unschedulable: str = ""  # the scheduler's message while it finds no node for the pod
+    final_loss: float | None = None  # from the trainer's summary, once it succeeded on a last-stage host
 
     @classmethod
     def of(cls, pod: Mapping[str, Any], index: int) -> PodView:
@@ -130,6 +132,7 @@ class PodView:
             disrupted=disrupted,
             exit_code=_exit_code(st),
             unschedulable=_unschedulable(st),
+            final_loss=_final_loss(st),
         )
 
 
@@ -150,6 +153,22 @@ def _exit_code(pod_status: Mapping[str, Any]) -> int | None:
         terminated = (cs.get("state") or {}).get("terminated") or {}
         if cs.get("name") == "trainer" and "exitCode" in terminated:
             return int(terminated["exitCode"])
+    return None
+
+
+def _final_loss(pod_status: Mapping[str, Any]) -> float | None:
+    """The loss in the trainer's summary (meshjob_trainer.commands.worker.write_summary): its termination
+    message once it exited 0, a line of JSON."""
+    for cs in pod_status.get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        if cs.get("name") != "trainer" or terminated.get("exitCode") != 0:
+            continue
+        try:
+            summary = json.loads(terminated.get("message") or "")
+        except ValueError:
+            return None
+        loss = summary.get("loss") if isinstance(summary, dict) else None
+        return float(loss) if isinstance(loss, (int, float)) else None
     return None
 
 

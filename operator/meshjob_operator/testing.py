@@ -202,8 +202,10 @@ class Cluster:
         ip: str | None = None,
         exit_code: int = 1,
         reason: str | None = None,
+        message: str | None = None,
     ) -> None:
-        """Play the kubelet: report a pod's phase (and its IP, where its metrics endpoint is)."""
+        """Play the kubelet: report a pod's phase (and its IP, where its metrics endpoint is); a Succeeded pod
+        given a `message` reports it as its trainer's termination message."""
         status: dict[str, Any] = {"phase": phase}
         if ip:
             status["podIP"], status["podIPs"] = ip, [{"ip": ip}]
@@ -218,6 +220,18 @@ class Cluster:
                     "image": "x",
                     "imageID": "",
                     "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}},
+                }
+            ]
+        if phase == "Succeeded" and message is not None:
+            ended = {"exitCode": 0, "reason": "Completed", "message": message}
+            status["containerStatuses"] = [
+                {
+                    "name": "trainer",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "x",
+                    "imageID": "",
+                    "state": {"terminated": ended},
                 }
             ]
         path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"

@@ -50,6 +50,35 @@ if TYPE_CHECKING:  # it imports torch, which this module must not load (the CLI 
 
 
 @dataclass(frozen=True)
+class RankSummary:
+    """What a rank hands back to its host's launcher: the end of its run, not its tensors."""
+
+    rank: int
+    stage: int
+    step: int  # steps done when it ended
+    loss: float | None  # the last step's loss (ranks of the last stage; else None)
+
+
+def summarize(result: TrainResult) -> RankSummary:
+    return RankSummary(
+        rank=result.rank,
+        stage=result.stage,
+        step=result.start_step + len(result.step_seconds),
+        loss=result.losses[-1] if result.losses else None,
+    )
+
+
+def host_summary(ranks: Sequence[RankSummary]) -> dict[str, float | int]:
+    """One host's end of training, as its pod's termination message says it: the step all its ranks
+    reached and, where the host holds last-stage ranks, the final loss."""
+    out: dict[str, float | int] = {"step": min(r.step for r in ranks)}
+    losses = [r.loss for r in ranks if r.loss is not None]
+    if losses:
+        out["loss"] = losses[0]  # every last-stage rank holds the same global-batch mean
+    return out
+
+
+@dataclass(frozen=True)
 class JobSetup:
     job: TrainingJob
     plan: Plan
@@ -275,8 +304,8 @@ def run_host(
     single_host = len(setup.plan.placement.hosts_used()) == 1
     port = node.master_port or (None if single_host else MASTER_PORT)  # one host: any free port will do
 
-    def target(ctx: RankContext) -> None:
-        run_worker(ctx.env, settings, setup, timeout_s)  # the result stays in the child: the CLI needs the exit code
+    def target(ctx: RankContext) -> RankSummary:
+        return summarize(run_worker(ctx.env, settings, setup, timeout_s))  # its tensors stay in the child
 
     return launch(
         world_size,

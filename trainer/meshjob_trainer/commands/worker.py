@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
 from meshjob_trainer import worker
-from meshjob_trainer.checkpoint import CheckpointCorrupt
+from meshjob_trainer.checkpoint import CheckpointError
 from meshjob_trainer.dist import DistError, NodeEnv, WorkerEnv, WorkerSettings
 
 HELP = "one trainer process per device (what a trainer pod runs)"
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         if args.node_rank is not None:
             node = dataclasses.replace(node, node_rank=args.node_rank)
         result = worker.run_host(setup, settings, node, args.nproc, args.timeout)
-    except (DistError, CheckpointCorrupt) as err:  # said plainly, not as a traceback
+    except (DistError, CheckpointError) as err:  # said plainly, not as a traceback
         print(f"meshjob worker: {err}", file=sys.stderr)
         return 1
     for failure in result.failures():
@@ -80,4 +81,17 @@ def run(args: argparse.Namespace) -> int:
             f"{failure.error.strip().splitlines()[-1] if failure.error.strip() else ''}",
             file=sys.stderr,
         )
+    if result.ok and settings.termination_log:
+        write_summary(settings.termination_log, worker.host_summary(result.values))
     return 0 if result.ok else 1
+
+
+def write_summary(path: str, summary: dict[str, float | int]) -> None:
+    """The host's end of training as its container's termination message (a line of JSON): the operator
+    reads the final step and loss from the pod's status once the pod has ended. Best effort: the run
+    itself succeeded."""
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(summary) + "\n")
+    except OSError as err:
+        print(f"meshjob worker: cannot write the summary to {path}: {err}", file=sys.stderr)
