@@ -15,7 +15,7 @@ import pytest
 from meshjob_bench import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-USED = ("resharding", "pipeline", "e2e")
+USED = ("resharding", "pipeline", "e2e", "cluster")
 
 
 @pytest.fixture

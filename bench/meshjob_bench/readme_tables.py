@@ -178,9 +178,29 @@ def pipeline_cases(results: Path) -> str:
     return markdown(header, rows) + f"\n\nNICs at the rate shown ({emulation(data)}). Machine: {machine(data)}."
 
 
+def cluster_sizes(results: Path) -> str:
+    """`bench cluster`: apply -> pods Running -> first step, and API requests per job, per Node count."""
+    data = load(results, "cluster")
+    rows = [
+        [
+            str(r["nodes"]),
+            f"{r['apply_to_running_s']:.1f} s ({r['apply_to_running_over_smallest']:.2f}x)",
+            f"{r['apply_to_first_step_s']:.1f} s ({r['apply_to_first_step_over_smallest']:.2f}x)",
+            f"{r['apply_to_succeeded_s']:.1f} s",
+            f"{r['api_requests_per_job']} ({r['api_requests_per_job_over_smallest']:.2f}x)",
+        ]
+        for r in data["rows"]
+    ]
+    header = ["Nodes = hosts", "apply -> all pods Running", "apply -> first step", "apply -> Succeeded", "API requests"]
+    return markdown(header, rows) + (
+        f"\n\nOne job of N hosts x 1 device, {data['steps']} steps, pods {data['pods']}; API requests: the API "
+        f"server's count while it ran, less the idle cluster's. Machine: {data['machine']['cpus']} CPUs."
+    )
+
+
 TABLES: dict[str, dict[str, Table]] = {
     "README.md": {"results": headline},
-    "bench/README.md": {"resharding": resharding_variants, "pipeline": pipeline_cases},
+    "bench/README.md": {"resharding": resharding_variants, "pipeline": pipeline_cases, "cluster": cluster_sizes},
 }
 
 
