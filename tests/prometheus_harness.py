@@ -373,9 +373,18 @@ def chart_operator(envtest: Envtest, workdir: Path, values: dict[str, Any]) -> I
     operator = OperatorScenario(envtest, service_account, workdir / "operator.log")
     for crd in sorted((CHART / "crds").glob("*.yaml")):
         envtest.kubectl("apply", "-f", str(crd))
-    envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    envtest.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
-    envtest.apply([d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")])
+    envtest.wait_established("--all")
+    served = (values.get("operator") or {}).get("namespaces") or []  # the chart's Roles are there
+    envtest.apply(
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in [OPERATOR_NAMESPACE, *served]]
+    )
+    roles = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+    envtest.apply([d for d in docs if d["kind"] in roles])
+    peering = [d for d in docs if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "kopf.dev"]
+    if peering:  # its CRD, then (a Helm hook) the peering objects
+        envtest.apply(peering)
+        envtest.wait_established("--all")
+        envtest.apply([d for d in docs if d["kind"] in ("KopfPeering", "ClusterKopfPeering")])
     kubeconfig = envtest.token_kubeconfig(OPERATOR_NAMESPACE, service_account, workdir / "operator.kubeconfig")
     env = {
         **os.environ,

@@ -474,6 +474,7 @@ KUBE_METHODS: dict[str, list[tuple[str, str, str]]] = {
     "list_running_pods": [("", "pods", "list")],  # every namespace: the devices other pods hold
     "delete_pod": [("", "pods", "delete")],
     "list_nodes": [("", "nodes", "list")],
+    "namespace_labels": [("", "namespaces", "get")],  # a job's namespace's Pod Security level
     "may_create_pods": [],  # the admission webhook's SubjectAccessReview: see needed_by_kopf (webhook on)
     "close": [],
 }
@@ -579,8 +580,7 @@ def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return role
 
 
-def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    role = operator_role(docs)
+def rules_of(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
         for rule in role["rules"]
@@ -588,6 +588,19 @@ def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def namespace_roles(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The operator's Roles (operator.namespaces set), by namespace."""
+    return {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-operator")}
+
+
+def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """What the operator may do somewhere: its ClusterRole and its Roles in the namespaces it serves."""
+    return rules_of(operator_role(docs)).union(*(rules_of(r) for r in namespace_roles(docs).values()))
+
+
+WRITES = {"create", "update", "patch", "delete", "deletecollection"}
 
 
 def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -616,6 +629,31 @@ def test_rbac_grants_exactly_what_the_operator_source_calls(values):
     rules = granted(manifests(render(values)))
     assert not needed - rules, f"the operator calls these, the chart forbids them: {sorted(needed - rules)}"
     assert not rules - needed, f"granted but never called (least privilege): {sorted(rules - needed)}"
+
+
+def test_with_namespaces_set_every_write_is_a_role_in_those_namespaces_only():
+    """operator.namespaces: pods, ConfigMaps, Services, PodGroups, Events and the jobs themselves are written
+    through a Role (bound to the operator's account) in each of those namespaces; the ClusterRole keeps what the
+    operator reads across the cluster (nodes, other pods' devices, CRDs, namespaces) and cluster-scoped objects
+    (its webhook configuration, SubjectAccessReviews), no namespaced write at all."""
+    docs = manifests(render(NON_DEFAULT))
+    cluster_wide = rules_of(operator_role(docs))
+    cluster_scoped = {"validatingwebhookconfigurations", "mutatingwebhookconfigurations", "subjectaccessreviews"}
+    assert {(g, r, v) for g, r, v in cluster_wide if v in WRITES and r not in cluster_scoped} == set()
+    assert ("", "pods", "list") in cluster_wide and ("", "nodes", "watch") in cluster_wide
+    roles = namespace_roles(docs)
+    assert set(roles) == {"team-a", "team-b"}
+    writes = {("", "pods", "create"), ("", "configmaps", "patch"), ("meshjob.io", "trainingjobs/status", "patch")}
+    writes |= {("", "events", "create"), ("kopf.dev", "kopfpeerings", "patch")}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding")}
+    for namespace, role in roles.items():
+        assert writes <= rules_of(role)
+        binding = bindings[namespace]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mj-operator"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "meshjob-op", "namespace": "meshjob-system"}]
+    everywhere = manifests(render({}))  # every namespace: the same rules in the ClusterRole, no Role
+    assert not by_kind(everywhere, "Role") and not by_kind(everywhere, "RoleBinding")
+    assert writes - {("kopf.dev", "kopfpeerings", "patch")} <= rules_of(operator_role(everywhere))
 
 
 def test_rbac_rules_name_no_wildcards_and_no_secrets():
@@ -718,9 +756,11 @@ def test_trainingjobs_join_the_standard_edit_and_view_roles_and_grant_nothing_el
 
 def test_the_chart_gives_trainer_pods_no_account_role_or_binding():
     """Trainers report nothing through the API (the operator reads their metrics), and their pods carry no
-    token: the chart creates no Role or RoleBinding at all, one ServiceAccount (the operator's)."""
+    token: the chart's only Roles and RoleBindings are the operator's (operator.namespaces), one ServiceAccount
+    (the operator's)."""
     docs = manifests(render(NON_DEFAULT))
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    assert {r["metadata"]["name"] for r in by_kind(docs, "Role") + by_kind(docs, "RoleBinding")} == {"mj-operator"}
+    assert {s["name"] for b in by_kind(docs, "RoleBinding") for s in b["subjects"]} == {"meshjob-op"}
     (account,) = by_kind(docs, "ServiceAccount")
     (operator,) = by_kind(docs, "Deployment")
     assert account["metadata"]["name"] == operator["spec"]["template"]["spec"]["serviceAccountName"]
@@ -756,6 +796,56 @@ def test_a_real_operator_run_as_the_charts_service_account_is_never_forbidden(tm
 
 
 @pytest.mark.slow
+def test_an_operator_serving_some_namespaces_writes_only_there_with_the_charts_roles(tmp_path):
+    """operator.namespaces [team-a] (and peering): the chart's ClusterRole (cluster-wide reads) and its Role in
+    team-a are all the operator's account holds, and they are enough for a job's life there (placed, pods
+    created, deleted) on a real kube-apiserver: the audit log holds no refused call and no write outside
+    team-a but the cluster-scoped webhook configuration and access reviews."""
+    from prometheus_harness import (
+        SCENARIO_JOB,
+        Envtest,
+        chart_operator,
+        envtest_dir,
+        free_port,
+        ready_nodes,
+        wait_until,
+    )
+
+    assets = envtest_dir()
+    if assets is None:
+        pytest.skip("needs a real kube-apiserver: set KUBEBUILDER_ASSETS (tests/run.sh does)")
+    values = {"operator": {"namespaces": ["team-a"], "peering": {"enabled": True}, "metricsPort": free_port()}}
+    job = {**SCENARIO_JOB, "metadata": {"name": "scenario", "namespace": "team-a"}}
+
+    def pods() -> list[dict[str, Any]]:
+        out = envtest.kubectl("get", "pods", "-n", "team-a", "-o", "json").stdout
+        return json.loads(out)["items"]
+
+    with Envtest(assets, tmp_path) as envtest, chart_operator(envtest, tmp_path, values) as scenario:
+        ready_nodes(envtest, ("host-0", "host-1"))
+        envtest.apply([job])
+        wait_until(lambda: (scenario.check(), len(pods()) == 2)[1], 60, "the job's two host pods in team-a")
+        envtest.kubectl("delete", "trainingjob", "-n", "team-a", "scenario", "--wait=false")
+
+        def deleted() -> bool:
+            scenario.check()
+            return envtest.kubectl("get", "trainingjob", "-n", "team-a", "scenario", check=False).returncode != 0
+
+        wait_until(deleted, 60, "the job's deletion (its finalizer released)", interval_s=0.5)
+    events = scenario.envtest.audited_requests(scenario.username)
+    forbidden = sorted({(e["verb"], e["requestURI"]) for e in events if e["responseStatus"]["code"] == 403})
+    assert not forbidden, f"the chart's RBAC forbids calls the operator makes: {forbidden}"
+    writes = {
+        (e["verb"], e["objectRef"]["resource"], e["objectRef"].get("namespace", ""))
+        for e in events
+        if e["verb"] in WRITES
+    }
+    assert {("create", "pods", "team-a"), ("create", "configmaps", "team-a")} <= writes
+    cluster_scoped = {"validatingwebhookconfigurations", "mutatingwebhookconfigurations", "subjectaccessreviews"}
+    assert {w for w in writes if w[2] != "team-a" and w[1] not in cluster_scoped} == set()
+
+
+@pytest.mark.slow
 def test_rendered_chart_is_accepted_by_a_real_kube_apiserver(tmp_path):
     """Server-side dry run on kube-apiserver v1.20, the chart's oldest supported version (kubeVersion).
     Prometheus Operator kinds are left out: their CRDs are not installed there."""
@@ -776,7 +866,7 @@ def test_rendered_chart_is_accepted_by_a_real_kube_apiserver(tmp_path):
                 for ns in ("meshjob-system", "team-a", "team-b", "team-c")
             ]
         )
-        envtest.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+        envtest.wait_established("--all")
         rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
         result = envtest.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(rest), check=False)
         assert result.returncode == 0, result.stderr

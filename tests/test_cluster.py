@@ -90,6 +90,28 @@ def test_devices_other_pods_hold_or_are_pinned_to_are_not_offered():
     assert "all 2 cpu in use by other pods" in infos[1].problem and not infos[1].usable
 
 
+def test_pending_pods_pinned_by_node_name_or_a_hostname_node_selector_hold_that_nodes_devices():
+    """A pod bound to a node (spec.nodeName) or pinned there by a nodeSelector on kubernetes.io/hostname (or any
+    selector only one node matches) holds its devices there before the scheduler binds it; a selector several
+    nodes match is the scheduler's to place and counts nowhere yet."""
+    nodes = [node_body("n1", 2, labels={"pool": "a"}), node_body("n2", 2, labels={"pool": "b"})]
+    nodes.append(node_body("n3", 2, labels={"pool": "b"}))
+    pinned, bound, pooled, pool_b = (a_pod(2, phase="Pending") for _ in range(4))
+    pinned["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "n2"}
+    bound["spec"]["nodeName"] = "n3"
+    pooled["spec"]["nodeSelector"] = {"pool": "a"}  # only n1 is in pool a
+    pool_b["spec"]["nodeSelector"] = {"pool": "b"}  # n2 or n3: not placed yet
+    assert devices_in_use([pinned, bound, pooled, pool_b], nodes, job(), parse_quantity) == {"n1": 2, "n2": 2, "n3": 2}
+    infos = node_infos(nodes, job(), parse_quantity, [pinned])
+    assert [(i.name, i.devices) for i in infos] == [("n1", 2), ("n2", 0), ("n3", 2)]
+    from meshjob.cluster.nodes import host_pods
+
+    _, plan, _ = plan_on_nodes(job(), nodes, parse_quantity, pods=[pinned])
+    planned = host_pods(plan.placement)
+    assert {p.host for p in planned} == {"n1", "n3"}
+    assert not still_fits(planned, node_infos(nodes, job(), parse_quantity, [pinned, bound]))
+
+
 def test_a_plan_no_longer_fits_once_another_job_took_its_devices():
     nodes = [node_body("n1", 2), node_body("n2", 2), node_body("n3", 2)]
     _, plan, infos = plan_on_nodes(job(), nodes, parse_quantity, pods=[a_pod(2, "n1")])

@@ -293,6 +293,7 @@ def test_status_schema_fields_and_preserved_unknown_fields():
         "pods",
         "observedGeneration",
         "tuned",
+        "configMapDigests",
     }
     assert set(status["properties"]["conditions"]["items"]["properties"]) == {
         "type",

@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from meshjob_operator import testing
+from meshjob_operator.kube import MERGE_PATCH
 
 ASSETS = testing.envtest_assets()
 WEBHOOK_CONFIG = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/trainingjobs.meshjob.io"
@@ -66,9 +67,7 @@ async def test_peered_replicas_never_both_act_and_the_standby_takes_over(cluster
     import sys
 
     await asyncio.to_thread(cluster.kubectl, "apply", "-f", str(h.PEERING_CRDS))
-    await asyncio.to_thread(
-        cluster.kubectl, "wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s"
-    )
+    await asyncio.to_thread(cluster.envtest.wait_established, "clusterkopfpeerings.kopf.dev")
     await cluster.create(
         "/apis/kopf.dev/v1/clusterkopfpeerings",
         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "meshjob-test"}},
@@ -324,6 +323,54 @@ async def test_creating_a_job_needs_the_right_to_create_pods_and_an_allowed_imag
             )
             assert foreign_apply.returncode != 0 and "docker.io/someone/miner:1" in foreign_apply.stderr
             assert "one matching meshjob/trainer:*" in foreign_apply.stderr
+            await h.delete_and_wait(cluster, tag)
+    finally:
+        await cluster.kube.delete(WEBHOOK_CONFIG)
+
+
+async def test_pod_security_is_enforced_at_kubectl_apply_as_the_namespace_labels_say(cluster, tmp_path):
+    """The webhook applies the namespace's Pod Security level as it is at the request: restricted (no label)
+    refuses an nfs volume and an unconfined AppArmor profile, naming both fields; Kubernetes' own label
+    `pod-security.kubernetes.io/enforce: baseline` lets the volume through but not the profile; meshjob's
+    `meshjob.io/pod-security: privileged` takes precedence and lets both through."""
+    import yaml
+
+    tag = "podsecurity"
+    await h.prepare_namespace(cluster, tag)
+    body = h.scenario_job(
+        tag,
+        podTemplate={
+            "metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}},
+            "spec": {"volumes": [{"name": "share", "nfs": {"server": "nas", "path": "/data"}}]},
+        },
+    )
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(body))
+    apply = ("apply", "-f", str(tmp_path / "job.yaml"))
+    annotation = "spec.podTemplate.metadata.annotations[container.apparmor.security.beta.kubernetes.io/trainer]"
+    webhook = {"webhook_addr": "127.0.0.1", "webhook_port": testing.free_port(), "webhook_host": "127.0.0.1"}
+
+    async def label(labels: dict[str, str]) -> None:
+        patch = {"metadata": {"labels": labels}}
+        await cluster.kube.request("PATCH", f"/api/v1/namespaces/{tag}", patch, content_type=MERGE_PATCH)
+
+    try:
+        async with testing.running_operator(cluster, webhook=webhook):
+            await testing.eventually(
+                lambda: _registered(cluster, webhook["webhook_port"]),
+                timeout=30,
+                what="kopf's ValidatingWebhookConfiguration for this server",
+            )
+            refused = await asyncio.to_thread(cluster.kubectl, *apply, check=False)
+            assert refused.returncode != 0 and "denied the request" in refused.stderr, refused.stderr
+            assert "spec.podTemplate.spec.volumes[0].nfs" in refused.stderr and annotation in refused.stderr
+            assert f"namespace {tag} enforces Pod Security 'restricted'" in refused.stderr
+            await label({"pod-security.kubernetes.io/enforce": "baseline"})
+            refused = await asyncio.to_thread(cluster.kubectl, *apply, check=False)
+            assert refused.returncode != 0 and annotation in refused.stderr, refused.stderr
+            assert "volumes[0].nfs" not in refused.stderr and "Pod Security 'baseline'" in refused.stderr
+            await label({"meshjob.io/pod-security": "privileged"})
+            accepted = await asyncio.to_thread(cluster.kubectl, *apply, check=False)
+            assert accepted.returncode == 0, accepted.stderr
             await h.delete_and_wait(cluster, tag)
     finally:
         await cluster.kube.delete(WEBHOOK_CONFIG)

@@ -180,18 +180,20 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
             return config if len(config.get("webhooks") or []) == 2 else None
 
         config = await testing.eventually(both_checks, timeout=20, what="kopf's ValidatingWebhookConfiguration")
-        # two checks: the requester's right to create pods (Fail) and the spec (Ignore)
-        hooks = {hook["failurePolicy"]: hook["clientConfig"] for hook in config["webhooks"]}
-        assert sorted(hooks) == ["Fail", "Ignore"]
-        client_config = hooks["Ignore"]
+        # two checks, both failing closed: the requester's right to create pods (creation) and the spec (creation
+        # and edits: an edit made while the operator is down is refused, not run unchecked)
+        hooks = {"+".join(hook["rules"][0]["operations"]): hook["clientConfig"] for hook in config["webhooks"]}
+        assert sorted(hooks) == ["CREATE", "CREATE+UPDATE"]
+        assert [hook["failurePolicy"] for hook in config["webhooks"]] == ["Fail", "Fail"]
+        client_config = hooks["CREATE+UPDATE"]
         url = urllib.parse.urlsplit(client_config["url"])
         assert url.scheme == "https" and url.port == 9443 and url.hostname in ("localhost", "127.0.0.1")
         context = ssl.create_default_context(cadata=base64.b64decode(client_config["caBundle"]).decode())
 
-        def review(job: dict, operation: str = "CREATE", old: dict | None = None, policy: str = "Ignore") -> dict:
+        def review(job: dict, operation: str = "CREATE", old: dict | None = None, hook: str = "CREATE+UPDATE") -> dict:
             body = json.dumps(_admission_review(job, operation, old)).encode()
             request = urllib.request.Request(
-                hooks[policy]["url"], data=body, headers={"Content-Type": "application/json"}, method="POST"
+                hooks[hook]["url"], data=body, headers={"Content-Type": "application/json"}, method="POST"
             )
             return json.loads(urllib.request.urlopen(request, context=context, timeout=10).read())["response"]
 
@@ -206,14 +208,14 @@ async def test_default_command_line_serves_liveness_and_a_self_signed_webhook(cl
         finalized["metadata"]["finalizers"] = []
         assert (await asyncio.to_thread(review, finalized, "UPDATE", bad))["allowed"] is True
         # kmock has no authorizer to say the requester may create pods: creation is refused (fail closed)
-        assert (await asyncio.to_thread(review, h.scenario_job("selfsigned"), policy="Fail"))["allowed"] is False
+        assert (await asyncio.to_thread(review, h.scenario_job("selfsigned"), hook="CREATE"))["allowed"] is False
         assert "certbuilder" not in log_path.read_text()
-        # a stopped operator leaves only the creation check behind, failing closed (kmock runs in this
-        # loop: wait in a thread)
+        # a stopped operator leaves both checks behind, failing closed: no job is created or edited while it is
+        # away (kmock runs in this loop: wait in a thread)
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 20) == 0
         left = (await cluster.kube.request("GET", config_path))["webhooks"]
-        assert [hook["failurePolicy"] for hook in left] == ["Fail"]
+        assert [hook["failurePolicy"] for hook in left] == ["Fail", "Fail"]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,7 +16,7 @@ from meshjob.plan.build import build_plan
 from meshjob.plan.placement import Host
 from meshjob.plan.rendered import PlanInputs, RenderedDigest
 from meshjob.spec.manifest import parse_job
-from meshjob_operator import lifecycle, names, render
+from meshjob_operator import lifecycle, names, podsecurity, render
 from meshjob_operator.reconcile import Draft, manifest, validate
 from meshjob_operator.render import scale_quantity
 from meshjob_operator.status import PodView, set_condition, status_placement
@@ -658,24 +658,95 @@ def test_checkpoints_go_to_the_volume_the_spec_names_else_an_empty_dir_never_a_h
     "example", sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "examples").glob("*.yaml"))
 )
 def test_every_example_renders_pods_that_pass_pod_security_restricted(example):
-    from pod_security import restricted_violations
-
     doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / example).read_text())
     job = validate(doc)
     plan = build_plan(job)
     pods = host_pods(plan.placement)
     for host_pod in pods:
-        assert restricted_violations(render.pod(render.JobMeta.of(doc), job, host_pod, pods)) == []
+        assert podsecurity.violations(render.pod(render.JobMeta.of(doc), job, host_pod, pods)) == []
 
 
 def test_the_restricted_checks_catch_what_the_profile_forbids():
-    """The checker fails a pod that breaks the profile: a host path, root, a privileged container."""
-    from pod_security import restricted_violations
-
+    """The checker fails a pod that breaks the profile: a host path, root, a privileged container, and each
+    baseline-only or restricted-only control at the level that has it."""
     body, job, plan, pods = _rendered(hosts=2)
     pod = render.pod(META, job, pods[0], pods)
     pod["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}})
     pod["spec"]["securityContext"]["runAsUser"] = 0
     pod["spec"]["containers"][0]["securityContext"]["privileged"] = True
-    found = restricted_violations(pod)
-    assert "volume h: hostPath" in found and "pod: runAsUser 0" in found and "container trainer: privileged" in found
+    found = {v.path for v in podsecurity.violations(pod)}
+    assert {
+        "spec.volumes[h].hostPath",
+        "spec.securityContext.runAsUser",
+        "spec.containers[trainer].securityContext.privileged",
+    } <= found
+    assert "spec.securityContext.runAsUser" not in {v.path for v in podsecurity.violations(pod, podsecurity.BASELINE)}
+    assert "spec.volumes[h].hostPath" in {v.path for v in podsecurity.violations(pod, podsecurity.BASELINE)}
+    assert podsecurity.violations(pod, podsecurity.PRIVILEGED) == []
+
+
+# The issue's pod: a template that Pod Security "restricted" refuses five ways (meshjob's two refusals included).
+INSECURE_TEMPLATE = {
+    "metadata": {"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}},
+    "spec": {
+        "volumes": [
+            {"name": "share", "nfs": {"server": "nas", "path": "/"}},
+            {"name": "code", "gitRepo": {"repository": "https://example.com/x.git"}},
+        ],
+        "priorityClassName": "system-node-critical",
+        "tolerations": [{"operator": "Exists"}],
+    },
+}
+INSECURE_FIELDS = {
+    "spec.podTemplate.metadata.annotations[container.apparmor.security.beta.kubernetes.io/trainer]": "baseline",
+    "spec.podTemplate.spec.volumes[0].nfs": "restricted",
+    "spec.podTemplate.spec.volumes[1].gitRepo": "restricted",
+    "spec.podTemplate.spec.priorityClassName": "baseline",
+    "spec.podTemplate.spec.tolerations[0]": "baseline",
+}
+
+
+@pytest.mark.parametrize("level", ["restricted", "baseline", "privileged"])
+def test_a_template_that_breaks_the_namespaces_pod_security_level_is_an_invalid_spec_naming_each_field(level):
+    """Restricted (the default) refuses all five, naming the field, what is allowed and the namespace label that
+    would allow it; baseline lets the volumes through; privileged everything."""
+    refused = {f for f, lowest in INSECURE_FIELDS.items() if level == "restricted" or lowest == level == "baseline"}
+    body = job_body("demo", "ml", podTemplate=INSECURE_TEMPLATE)
+    if not refused:
+        assert validate(body, level).pod_template.spec.priority_class_name == "system-node-critical"
+        return
+    with pytest.raises(SpecError) as err:
+        validate(body, level)
+    assert {e.path for e in err.value.errors} == refused
+    text = str(err.value)
+    assert f"namespace ml enforces Pod Security {level!r}" in text
+    assert "runtime/default or localhost/<profile>" in text and "a toleration naming the taint's key" in text
+    assert "meshjob.io/pod-security=privileged" in text
+    if level == "restricted":
+        assert "persistentVolumeClaim" in text and "meshjob.io/pod-security=baseline to allow this" in text
+
+
+def test_a_checkpoint_volume_of_a_type_restricted_refuses_is_named_as_the_checkpoint_volume():
+    body = job_body("demo")
+    body["spec"]["training"]["checkpoint"]["volume"] = {"nfs": {"server": "nas", "path": "/ckpt"}}
+    with pytest.raises(SpecError) as err:
+        validate(body)
+    assert [e.path for e in err.value.errors] == ["spec.training.checkpoint.volume.nfs"]
+    assert validate(body, podsecurity.BASELINE).training.checkpoint.volume == {
+        "nfs": {"server": "nas", "path": "/ckpt"}
+    }
+
+
+@pytest.mark.parametrize(
+    "labels, level",
+    [
+        ({}, "restricted"),
+        ({"pod-security.kubernetes.io/enforce": "baseline"}, "baseline"),
+        ({"pod-security.kubernetes.io/enforce": "privileged"}, "privileged"),
+        ({"pod-security.kubernetes.io/enforce": "privileged", "meshjob.io/pod-security": "restricted"}, "restricted"),
+        ({"meshjob.io/pod-security": "baseline"}, "baseline"),
+        ({"meshjob.io/pod-security": "none", "pod-security.kubernetes.io/enforce": "sure"}, "restricted"),
+    ],
+)
+def test_a_namespaces_level_is_its_meshjob_label_else_kubernetes_enforce_label_else_restricted(labels, level):
+    assert podsecurity.namespace_level(labels) == level

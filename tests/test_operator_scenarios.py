@@ -548,7 +548,7 @@ async def test_a_permanent_exit_code_fails_the_job_at_once_and_tells_kueue(clust
 
 
 async def test_an_edit_to_a_started_jobs_stages_is_refused_and_the_job_runs_on(cluster, operator):
-    """Without the webhook (or with it down: failurePolicy Ignore) the operator refuses the edit itself:
+    """Without the webhook (--no-webhook; with it down the API server refuses edits) the operator refuses the edit:
     condition EditRefused and a Warning Event, no restart, the ConfigMap keeps the spec the trainers run;
     spec.runPolicy may still change."""
     tag = "immutable"
@@ -614,9 +614,7 @@ async def install_podgroup_crd(cluster: Cluster) -> None:
         await cluster.create(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json.loads(json.dumps(PODGROUP_CRD))
         )
-        await asyncio.to_thread(
-            cluster.kubectl, "wait", "--for=condition=Established", "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s"
-        )
+        await asyncio.to_thread(cluster.envtest.wait_established, "podgroups.scheduling.x-k8s.io")
 
 
 async def test_gang_scheduling_creates_a_podgroup_and_sets_the_scheduler(cluster, operator):
@@ -764,3 +762,79 @@ async def test_pod_template_tolerations_and_volumes_reach_the_pods_on_tolerated_
         assert {"name": "data", "mountPath": "/data", "readOnly": True} in trainer["volumeMounts"]
         assert {"name": "DATA", "value": "/data"} in trainer["env"]
     await delete_and_wait(cluster, tag)
+
+
+def _series(registry: CollectorRegistry, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for family in registry.collect() for s in family.samples if s.name == name]
+
+
+async def test_deleted_jobs_leave_no_series_behind(cluster, monkeypatch):
+    """Jobs created, blocked (their pods refused) and deleted: every series naming a deleted job goes with it
+    (restarts, API errors), and the jobs-by-phase gauge counts exactly the TrainingJobs that exist, so no
+    alert fires for a job that is gone."""
+    from meshjob_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()  # this operator's own: the module's STATE.metrics holds earlier tests' jobs
+    monkeypatch.setattr(STATE, "metrics", metrics)
+    tag = "series"
+    await prepare_namespace(cluster, tag)
+    await add_nodes(cluster, tag, 2)
+    await cluster.forbid_pods(tag)
+    jobs = [f"{tag}-{i}" for i in range(3)]
+
+    async def existing() -> int:
+        found = await cluster.kube.request("GET", f"/apis/{names.GROUP}/{names.VERSION}/{names.PLURAL}")
+        return len(found.get("items") or [])
+
+    async def counted(expected: set[str]) -> bool:
+        """The gauge counts the jobs there are; the per-job series name exactly `expected` of this namespace."""
+        gauge = sum(value for _, value in _series(metrics.registry, "meshjob_operator_jobs"))
+        named = {
+            labels["trainingjob"]
+            for metric in ("meshjob_operator_restarts_total", "meshjob_operator_api_errors_total")
+            for labels, _ in _series(metrics.registry, metric)
+            if labels["namespace"] == tag
+        }
+        return gauge == await existing() and named == expected
+
+    async with running_operator(cluster):
+        for name in jobs:
+            body = job_body(name, tag, hosts=2, devices_per_host=1)
+            body["spec"]["topology"]["deviceResource"] = f"example.com/{tag}"
+            await cluster.create_job(body)
+        for name in jobs:
+            await eventually(lambda name=name: _blocked(cluster, name, tag), timeout=45, what=f"job {name} Blocked")
+        await eventually(lambda: counted(set(jobs)), what="a series for every job")
+        for name in jobs[:2]:
+            await cluster.delete_job(name, tag)
+            await eventually(lambda name=name: _gone(cluster, name, tag), what=f"job {name} deleted")
+        await eventually(lambda: counted(set(jobs[2:])), what="no series of the deleted jobs")
+        await cluster.delete_job(jobs[2], tag)
+        await eventually(lambda: _gone(cluster, jobs[2], tag), what=f"job {jobs[2]} deleted")
+        await eventually(lambda: counted(set()), what="no series of any job of the namespace")
+    await cluster.allow_pods(tag)
+
+
+async def _blocked(cluster: Cluster, name: str, namespace: str) -> bool:
+    status = ((await cluster.job(name, namespace)) or {}).get("status") or {}
+    return condition(status, "Blocked").get("status") == "True"
+
+
+async def test_pod_security_restricted_is_enforced_unless_the_namespace_opts_out(cluster, operator):
+    """A job whose pods would mount an nfs volume: refused in a namespace without a label (restricted, the
+    default: Failed/InvalidSpec naming the field and the label that allows it, no pod), run in a namespace
+    whose Kubernetes label `pod-security.kubernetes.io/enforce` says baseline."""
+    template = {"spec": {"volumes": [{"name": "share", "nfs": {"server": "nas", "path": "/data"}}]}}
+    for tag, labels in (("psa-restricted", {}), ("psa-baseline", {"pod-security.kubernetes.io/enforce": "baseline"})):
+        await cluster.create_namespace(tag, labels)
+        await add_nodes(cluster, tag, 2)
+        await cluster.create_job(scenario_job(tag, podTemplate=template))
+    status = await wait_status(cluster, "psa-restricted", lambda s: s.get("phase") == "Failed", "Failed/InvalidSpec")
+    failed = condition(status, "Failed")
+    assert failed["reason"] == "InvalidSpec" and "spec.podTemplate.spec.volumes[0].nfs" in failed["message"]
+    assert "Pod Security 'restricted'" in failed["message"] and "meshjob.io/pod-security=baseline" in failed["message"]
+    pods = await wait_pods(cluster, "psa-baseline", 2)
+    assert all(any(v.get("nfs") for v in p["spec"]["volumes"]) for p in pods)
+    assert await cluster.pods("psa-restricted", "psa-restricted") == []
+    for tag in ("psa-restricted", "psa-baseline"):
+        await delete_and_wait(cluster, tag)

@@ -199,8 +199,9 @@ def devices_in_use(
 ) -> dict[str, int]:
     """Devices of the job's resource that pods hold or wait for, per node name: every pod not terminated
     (Succeeded, Failed) but the job's own, on its spec.nodeName, or, not scheduled yet, on the one node its
-    required node affinity allows (the operator pins its pods so); a pending pod any node could take is
-    the scheduler's to place and counts nowhere yet."""
+    nodeSelector and required node affinity allow (the operator pins its pods by affinity; others pin theirs
+    with a nodeSelector on kubernetes.io/hostname); a pending pod more than one node could take is the
+    scheduler's to place and counts nowhere yet."""
     used: dict[str, int] = {}
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
@@ -211,14 +212,26 @@ def devices_in_use(
         devices = _requested(pod, job.topology.device_resource, quantity)
         if not devices:
             continue
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not node:
-            affinity = (pod.get("spec") or {}).get("affinity") or {}
-            allowed = [n for n in nodes if affinity and required_affinity_matches(affinity, n)]
-            node = allowed[0].get("metadata", {}).get("name") if len(allowed) == 1 else None
+        node = (pod.get("spec") or {}).get("nodeName") or _pinned_node(pod, nodes)
         if node:
             used[node] = used.get(node, 0) + devices
     return used
+
+
+def _pinned_node(pod: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the one node a pending pod's nodeSelector and required node affinity allow, if one."""
+    spec = pod.get("spec") or {}
+    selector: Mapping[str, Any] = spec.get("nodeSelector") or {}
+    affinity: Mapping[str, Any] = spec.get("affinity") or {}
+    if not selector and not affinity:
+        return None
+    allowed = [
+        n
+        for n in nodes
+        if all((n.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
+        and required_affinity_matches(affinity, n)
+    ]
+    return str(allowed[0].get("metadata", {}).get("name")) if len(allowed) == 1 else None
 
 
 def still_fits(pods: Sequence[HostPod], infos: Iterable[NodeInfo]) -> bool:

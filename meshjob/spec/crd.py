@@ -217,6 +217,13 @@ def status_schema() -> dict[str, Any]:
                 "description": "pod name -> pod phase",
             },
             "observedGeneration": _integer("metadata.generation the status describes"),
+            "configMapDigests": {
+                "type": "array",
+                "maxItems": 4,
+                "items": {"type": "string", "maxLength": 64},
+                "description": "sha256 of the content of ConfigMap <name>-plan as the operator wrote it (newest "
+                "first; two while it rewrites it): pods are rendered from that ConfigMap only while it holds one",
+            },
             "tuned": {
                 "type": "object",
                 "x-kubernetes-preserve-unknown-fields": True,

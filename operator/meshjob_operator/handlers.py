@@ -27,6 +27,7 @@ from meshjob_operator.lifecycle import immutable_changes
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_S
 from meshjob_operator.planning import Planner
+from meshjob_operator.podsecurity import PRIVILEGED
 from meshjob_operator.reconcile import Reconciler, invalid_status, validate
 from meshjob_operator.status import is_true
 from meshjob_operator.wakeups import Key, Wakeups, wait_any
@@ -140,16 +141,22 @@ async def cleanup(**_: Any) -> None:
 @kopf.on.create(names.GROUP, names.VERSION, names.PLURAL)
 @kopf.on.update(names.GROUP, names.VERSION, names.PLURAL, field="spec")
 @kopf.on.resume(names.GROUP, names.VERSION, names.PLURAL)
-def check_spec(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, **_: Any) -> None:
+async def check_spec(*, body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, **_: Any) -> None:
     """Invalid spec: condition Failed/InvalidSpec, a Warning Event, and no retries."""
+    key = _job_key(namespace, name)
     try:
-        validate(body)
+        await asyncio.to_thread(validate, body, await _reconciler().pod_security(key[0]))
     except SpecError as err:
         now = datetime.datetime.now(datetime.timezone.utc)
         patch.status.update(invalid_status(body.get("status") or {}, err, now))
         kopf.warn(body, reason="InvalidSpec", message=str(err)[:1000])
         raise kopf.PermanentError(f"invalid spec: {err}") from err
-    STATE.wakeups.wake(_job_key(namespace, name))
+    STATE.wakeups.wake(key)
+
+
+def _reconciler() -> Reconciler:
+    assert STATE.reconciler is not None, "startup() creates the reconciler"
+    return STATE.reconciler
 
 
 class NoWebhookServer:
@@ -197,15 +204,17 @@ async def _check_requester(body: kopf.Body, userinfo: Mapping[str, Any]) -> None
         )
 
 
-# failurePolicy Ignore: an operator that is down (or uninstalled, its webhook configuration left
-# behind) must not block finishing or deleting TrainingJobs (finalizers are updates); it validates them
-# anyway, and refuses a started job's edits itself. Edits of a job's spec are checked like creation
-# (the requester may create pods) while the operator is up; give update on trainingjobs only to those
-# who may create pods (the chart's aggregated edit role does).
-@kopf.on.validate(names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=True)
+# Edits of a job's spec are checked like creation (the requester may create pods). failurePolicy Fail and
+# persistent, as `authorize` (and Kubeflow's, JobSet's, Kueue's webhooks): an edit made while the operator is
+# down is refused, not run unchecked later, since managedFields name a client, never a user, to re-check.
+# Deletes and status writes (a subresource) are not matched, so jobs still finish and go; other updates wait
+# for the operator (after uninstalling it, delete the configuration before removing finalizers by hand).
+@kopf.on.validate(
+    names.GROUP, names.VERSION, names.PLURAL, operations=["CREATE", "UPDATE"], ignore_failures=False, persistent=True
+)
 async def admit(*, body: kopf.Body, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
     """The admission webhook: `kubectl apply` itself shows what is wrong with the spec, and refuses an
-    edit of a started job beside spec.runPolicy (the operator refuses it too, should the webhook be down).
+    edit of a started job beside spec.runPolicy (the operator refuses it too, should the webhook be off).
 
     Updates that leave the spec alone (finalizers, annotations) always pass: a job that is invalid
     already must still be deletable."""
@@ -213,15 +222,21 @@ async def admit(*, body: kopf.Body, userinfo: kopf.UserInfo, **kwargs: Any) -> N
     old: kopf.Body | None = kwargs.get("old")
     if operation == "UPDATE" and old is not None and old.get("spec") == body.get("spec"):
         return
+    namespace = body.get("metadata", {}).get("namespace") or "default"
+    try:  # the namespace's Pod Security level as it is now: a label just set applies at once
+        level = await _reconciler().pod_security(namespace, max_age_s=0)
+    except ApiError as err:
+        raise kopf.AdmissionError(f"cannot read namespace {namespace}'s Pod Security level: {err}", code=500) from err
     try:  # bounded (the spec's limits), but off the event loop all the same
-        job = await asyncio.to_thread(validate, body)
+        job = await asyncio.to_thread(validate, body, level)
     except SpecError as err:
         raise kopf.AdmissionError(f"invalid TrainingJob: {err}", code=422) from err
     if operation != "UPDATE" or old is None:
         return
     await _check_requester(body, userinfo)
     if is_true((old.get("status") or {}).get("conditions") or [], "Created"):
-        changed = immutable_changes(job_to_dict(validate(old))["spec"], job_to_dict(job)["spec"])
+        # (the old spec as it was: a level tightened since must not stop the edit that fixes it)
+        changed = immutable_changes(job_to_dict(validate(old, PRIVILEGED))["spec"], job_to_dict(job)["spec"])
         if changed:
             raise kopf.AdmissionError(
                 f"{', '.join(changed)} cannot change once the job has started (spec.runPolicy "
@@ -265,7 +280,8 @@ async def run_job(
                 STATE.wakeups.waiting_for_nodes.discard(key)
             timeout = RESYNC_S if recheck is None else max(0.05, min(RESYNC_S, recheck))
             await wait_any(wakeup, stopped, timeout)
-    finally:
+    finally:  # kopf stops the loop when the job is deleted (before its finalizer goes): its series go with it
+        reconciler.forget(*key)
         STATE.wakeups.unregister(key)
 
 

@@ -25,6 +25,7 @@ import kubernetes  # only for reading the credentials, as kopf does
 from meshjob_operator import names
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 TEMPORARY_CODES = frozenset({409, 429, 500, 502, 503, 504})
 
 
@@ -224,6 +225,16 @@ class Kube:
     async def list_nodes(self) -> list[dict[str, Any]]:
         return ((await self.request("GET", "/api/v1/nodes")) or {}).get("items") or []
 
+    async def namespace_labels(self, name: str) -> dict[str, str]:
+        """A Namespace's labels ({} when there is no such namespace)."""
+        try:
+            found = await self.request("GET", f"/api/v1/namespaces/{name}")
+        except ApiError as err:
+            if err.status == 404:
+                return {}
+            raise
+        return dict(((found or {}).get("metadata") or {}).get("labels") or {})
+
     async def get(self, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
         try:
             return await self.request("GET", self._core(namespace, plural, name))
@@ -244,8 +255,11 @@ class Kube:
                 return False
             raise
 
-    async def patch(self, namespace: str, plural: str, name: str, body: Mapping[str, Any]) -> None:
-        await self.request("PATCH", self._core(namespace, plural, name), body, content_type=MERGE_PATCH)
+    async def patch(
+        self, namespace: str, plural: str, name: str, body: Any, *, content_type: str = MERGE_PATCH
+    ) -> None:
+        """A merge patch (a mapping), or a JSON patch (a list of operations, content_type JSON_PATCH)."""
+        await self.request("PATCH", self._core(namespace, plural, name), body, content_type=content_type)
 
     async def delete(self, path: str, *, propagation: str | None = None) -> bool:
         """DELETE; True when deleted (or being deleted), False when already gone."""

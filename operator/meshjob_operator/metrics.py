@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -16,6 +17,7 @@ RESTART_REASONS = (FAILURE, DISRUPTION)
 class OperatorMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    _error_codes: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # api_errors series of each job
 
     def __post_init__(self) -> None:
         self.jobs = Gauge(
@@ -50,13 +52,22 @@ class OperatorMetrics:
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
 
+    def api_error(self, namespace: str, name: str, code: int) -> None:
+        """Count a refused API call of a job (its series goes when the job does)."""
+        self._error_codes.setdefault((namespace, name), set()).add(str(code))
+        self.api_errors.labels(namespace=namespace, trainingjob=name, code=str(code)).inc()
+
     def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
-        """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
+        """Record a job's phase (None: the job is gone: every series naming it goes too, so no alert fires
+        for a job that no longer exists) and refresh the per-phase gauge."""
         key = (namespace, name)
         if phase is None:
-            if self._phases.pop(key, None) is not None:
-                for reason in RESTART_REASONS:  # a deleted job's series go too
-                    self.restarts.remove(namespace, name, reason)
+            self._phases.pop(key, None)
+            gone = [(self.restarts, reason) for reason in RESTART_REASONS]
+            gone += [(self.api_errors, code) for code in self._error_codes.pop(key, set())]
+            for metric, label in gone:
+                with contextlib.suppress(KeyError):  # a series never made (older prometheus-client raise)
+                    metric.remove(namespace, name, label)
         else:
             if key not in self._phases:  # series from 0, so that increase() counts a job's first restart
                 for reason in RESTART_REASONS:

@@ -22,11 +22,12 @@ from kubernetes.utils.quantity import parse_quantity
 from meshjob.cluster import auto_stages
 from meshjob.cluster.nodes import node_infos, still_fits
 from meshjob.errors import FieldError, PlacementError, SpecError
+from meshjob.plan import rendered
 from meshjob.plan.placement import Host, parse_hosts
 from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob.spec.safeyaml import load_one
-from meshjob_operator import lifecycle, names, progress, render
-from meshjob_operator.kube import ApiError, Kube
+from meshjob_operator import lifecycle, names, podsecurity, progress, render
+from meshjob_operator.kube import JSON_PATCH, ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
 from meshjob_operator.planning import Planned, Planner, PlanningFailed
 from meshjob_operator.status import (
@@ -66,12 +67,15 @@ MANAGED = (
     "pods",
     "observedGeneration",
     "tuned",
+    "configMapDigests",
 )
 RESTART_RECHECK_S = 1.0
+POD_SECURITY_TTL_S = 10.0  # how long a reconcile trusts a namespace's Pod Security level it read (admission: 0)
 POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
 SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
 PLACEMENT_ATTEMPTS = 3  # plans of a job whose devices other jobs took meanwhile, before it waits (Unschedulable)
 NOT_RETRIABLE = {"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "false"}}}
+MAX_DIGESTS = 4  # status.configMapDigests: the content written last, and what a rewrite cut short may have left
 
 EmitFn = Callable[[Mapping[str, Any], str, str, str], None]  # (job body, type, reason, message)
 
@@ -95,20 +99,28 @@ TRAINER_IMAGE_ENV = "MESHJOB_TRAINER_IMAGE"  # the chart's trainer image, for jo
 ALLOWED_IMAGES_ENV = "MESHJOB_ALLOWED_IMAGES"  # comma-separated glob patterns; unset: any image
 
 
-def validate(body: Mapping[str, Any]) -> TrainingJob:
+def validate(body: Mapping[str, Any], pod_security: str = podsecurity.RESTRICTED) -> TrainingJob:
     """parse_job (the operator's spec.scheduling and spec.serviceAccountName included); raises
     SpecError naming every bad field. A `stages: auto` job comes back with one placeholder stage: the
     search replaces it when the job is planned (meshjob.cluster.auto_stages). A job without spec.image runs the
     operator's trainer image;
-    with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused."""
+    with an allow-list ($MESHJOB_ALLOWED_IMAGES), an image it does not match is refused. Its pods must pass
+    `pod_security`, the Pod Security level of its namespace (Reconciler.pod_security)."""
     doc = manifest(body)
     job = auto_stages.read_for_cluster(doc).job
-    render.check_pod_template(job)  # also: spec.resources holds Kubernetes quantities
     default_image = os.environ.get(TRAINER_IMAGE_ENV)
     if default_image and not (body.get("spec") or {}).get("image"):
         job = dataclasses.replace(job, image=default_image)
-    check_image(job.image, allowed_images())
+    check_runnable(job)
+    render.check_pod_security(job, pod_security)
     return job
+
+
+def check_runnable(job: TrainingJob) -> None:
+    """What admission checks of a job besides its model: the pod template (and that spec.resources holds
+    Kubernetes quantities) and the image allow-list. Also run on every job the operator renders pods from."""
+    render.check_pod_template(job)
+    check_image(job.image, allowed_images())
 
 
 def allowed_images() -> tuple[str, ...]:
@@ -128,6 +140,35 @@ def check_image(image: str, allowed: tuple[str, ...]) -> None:
                 )
             ]
         )
+
+
+class PlanAltered(Exception):
+    """The job's ConfigMap holds content the operator did not write: no pod is rendered from it."""
+
+    def __init__(self, configmap: str):
+        super().__init__(
+            f"ConfigMap {configmap} was changed by someone other than the operator (its content is not what the "
+            "operator wrote, status.configMapDigests): no pods are created from it. Delete that ConfigMap to "
+            "re-plan from the job's own spec, or delete and re-create the job"
+        )
+
+
+@dataclass(frozen=True)
+class PlanFiles:
+    """The job's ConfigMap as read: its files, their digest, and whether that digest is one the operator
+    recorded (False only for a job started before digests were recorded)."""
+
+    data: dict[str, str]
+    digest: str
+    recorded: bool
+
+    def started_job(self) -> TrainingJob | None:
+        """The job as it started (job.yaml), if the model reads it."""
+        text = self.data.get(rendered.JOB_FILE)
+        try:
+            return parse_job(load_one(text, rendered.JOB_FILE, "TrainingJob")) if text else None
+        except SpecError:
+            return None
 
 
 def invalid_status(status: Mapping[str, Any], err: Exception, now: datetime.datetime) -> dict[str, Any]:
@@ -171,8 +212,17 @@ class Draft:
         patch: dict[str, Any] = {}
         for key in MANAGED:
             if self.old.get(key) != self.new.get(key):
-                patch[key] = self.new.get(key)  # None deletes the key (merge patch)
+                patch[key] = merge_patch(self.old.get(key), self.new.get(key))
         return patch
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch from `old` to `new`: None deletes; a mapping merges into the one there, so keys
+    gone from it are deleted by name (a bare {} would leave every old key, e.g. status.pods after a restart)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return new
+    gone = {k: None for k in old if k not in new}
+    return {**gone, **{k: merge_patch(old.get(k), v) for k, v in new.items() if old.get(k) != v}}
 
 
 @dataclass
@@ -188,6 +238,7 @@ class Reconciler:
     planner: Planner = field(default_factory=Planner)  # plans in a child process, within a time limit
     _placing: asyncio.Lock = field(default_factory=asyncio.Lock)  # fresh placements check and create one at a time
     _read_at: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> monotonic time of last reading
+    _levels: dict[str, tuple[float, str]] = field(default_factory=dict)  # namespace -> (monotonic time, level)
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
@@ -197,24 +248,43 @@ class Reconciler:
         finally:
             self.metrics.reconcile_duration.observe(time.perf_counter() - started)
 
+    async def pod_security(self, namespace: str, max_age_s: float = POD_SECURITY_TTL_S) -> str:
+        """The Pod Security level the namespace's labels ask for (podsecurity.namespace_level), read again
+        when the one known is older than `max_age_s`."""
+        known = self._levels.get(namespace)
+        if known is None or time.monotonic() - known[0] >= max_age_s:
+            level = podsecurity.namespace_level(await self.kube.namespace_labels(namespace))
+            known = self._levels[namespace] = (time.monotonic(), level)
+        return known[1]
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone (or its loop ends): its metric series and progress readings go too."""
+        self.metrics.job_phase(namespace, name, None)
+        self._read_at.pop((namespace, name), None)
+
     async def _reconcile(self, namespace: str, name: str) -> float | None:
         body = await self.kube.get_job(namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-            self.metrics.job_phase(namespace, name, None)
-            self._read_at.pop((namespace, name), None)
+            self.forget(namespace, name)
             return None
         now = self.clock()
         meta = render.JobMeta.of(body)
         draft = Draft(body.get("status") or {})
+        level = await self.pod_security(namespace)
         try:  # bounded by the spec's limits, but off the event loop all the same
-            job = await asyncio.to_thread(validate, body)
+            job = await asyncio.to_thread(validate, body, level)
         except SpecError as err:  # the spec handler reports it; nothing to run until the spec changes
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             return None
 
         # a `stages: auto` job searches until it has started; then it runs what it started with
         search = manifest(body) if auto_stages.wants_search(manifest(body)) else None
-        job, started = await self._refuse_edits(meta, body, draft, job, now, search)
+        altered: PlanAltered | None = None
+        try:
+            job, started = await self._refuse_edits(meta, body, draft, job, now, search)
+        except PlanAltered as err:  # its pods are followed with the job's own spec; none is created (below)
+            started, altered = True, err
+        self._note_altered(body, draft, altered, now)
         search = None if started else search
         if (
             draft["phase"] == FAILED
@@ -281,6 +351,9 @@ class Reconciler:
             return await self._fail(meta, body, draft, job, pods, "DeadlineExceeded", text, now)
 
         if not pods or not expected or lifecycle.missing_indices(pods, expected):
+            if altered is not None:  # never a pod from content someone else wrote
+                await self._write(meta, body, draft)
+                return None
             created = await self._create_children(meta, body, draft, job, pods, now, search)
             if not created:
                 return None
@@ -451,13 +524,19 @@ class Reconciler:
         in its ConfigMap): an edit beside spec.runPolicy is refused (condition EditRefused, a Warning Event)
         and the job runs on as it was, with the edited runPolicy. A `stages: auto` job (`search`, its
         manifest) started with what the search chose then: the fields it left to the search are compared
-        with those. Returns the job to run and whether it is the started one."""
-        started = await self._started_job(meta) if is_true(draft.conditions, "Created") else None
-        if started is None:
+        with those. Returns the job to run and whether it is the started one; PlanAltered when the ConfigMap
+        holds what the operator did not write (no ConfigMap: the job re-plans from its own spec)."""
+        files = await self._plan_files(meta, draft) if is_true(draft.conditions, "Created") else None
+        started = files.started_job() if files is not None else None
+        if files is None or started is None:
             return job, False
         if search is not None:
             job = auto_stages.as_started(job, search, started)
         changed = lifecycle.immutable_changes(job_to_dict(started)["spec"], job_to_dict(job)["spec"])
+        if not files.recorded:  # started before digests were recorded: trusted only as the job's own spec
+            if changed:
+                raise PlanAltered(names.configmap_name(meta.name))
+            draft["configMapDigests"] = [files.digest]
         if not changed:
             draft.clear("EditRefused", "Unchanged", "the spec is the one the job started with", now)
             return (job if search is None else dataclasses.replace(started, run_policy=job.run_policy)), True
@@ -471,24 +550,36 @@ class Reconciler:
             self.emit(body, "Warning", "EditRefused", message)
         return dataclasses.replace(started, run_policy=job.run_policy), True
 
-    async def _configmap_data(self, meta: render.JobMeta) -> dict[str, str]:
-        cm = await self.kube.get(meta.namespace, "configmaps", names.configmap_name(meta.name))
-        return dict((cm or {}).get("data") or {})
-
-    async def _started_job(self, meta: render.JobMeta) -> TrainingJob | None:
-        """The job as it started (its ConfigMap's job.yaml), if its ConfigMap holds one the model reads."""
-        text = (await self._configmap_data(meta)).get("job.yaml")
-        try:
-            return parse_job(load_one(text, "job.yaml", "TrainingJob")) if text else None
-        except SpecError:
+    async def _plan_files(self, meta: render.JobMeta, draft: Draft) -> PlanFiles | None:
+        """The job's ConfigMap, if it exists. Anyone who may patch ConfigMaps can rewrite it, so the operator
+        records the digest of what it wrote in status (which only it writes) and raises PlanAltered for any
+        other content."""
+        name = names.configmap_name(meta.name)
+        cm = await self.kube.get(meta.namespace, "configmaps", name)
+        if cm is None:
             return None
+        digest, recorded = render.configmap_digest(cm), draft["configMapDigests"]
+        if recorded is not None and digest not in recorded:
+            raise PlanAltered(name)
+        return PlanFiles(dict(cm.get("data") or {}), digest, recorded is not None)
 
-    async def _hosts_in_use(self, meta: render.JobMeta) -> tuple[Host, ...] | None:
-        """The hosts the existing pods were placed on (from the job's ConfigMap), if any."""
-        text = (await self._configmap_data(meta)).get("hosts.yaml")
+    async def _hosts_in_use(self, meta: render.JobMeta, draft: Draft) -> tuple[Host, ...] | None:
+        """The hosts the existing pods were placed on (from the job's ConfigMap, if the operator's), if any."""
+        files = await self._plan_files(meta, draft)
+        text = files.data.get("hosts.yaml") if files is not None and files.recorded else None
         if not text:
             return None
         return parse_hosts(load_one(text, "hosts.yaml", "hosts"))
+
+    def _note_altered(
+        self, body: Mapping[str, Any], draft: Draft, altered: PlanAltered | None, now: datetime.datetime
+    ) -> None:
+        """Condition SpecAltered, and a Warning Event when it becomes True, while the job's ConfigMap holds what
+        the operator did not write; cleared once it holds the operator's content again (or is gone)."""
+        if altered is None:
+            draft.clear("SpecAltered", "ConfigMapIntact", "the job's ConfigMap holds what the operator wrote", now)
+        elif draft.condition("SpecAltered", True, "ConfigMapAltered", str(altered), now):
+            self.emit(body, "Warning", "SpecAltered", str(altered))
 
     async def _create_children(
         self,
@@ -503,7 +594,12 @@ class Reconciler:
         nodes = self.nodes() if self.nodes is not None else await self.kube.list_nodes()
         # surviving pods keep their placement; a fresh (re)start places on the nodes there are now,
         # with the function `meshjob plan --cluster` calls
-        hosts = await self._hosts_in_use(meta) if pods else None
+        try:
+            hosts = await self._hosts_in_use(meta, draft) if pods else None
+        except PlanAltered as err:
+            self._note_altered(body, draft, err, now)
+            await self._write(meta, body, draft)
+            return False
         fresh = hosts is None
         try:
             for _ in range(PLACEMENT_ATTEMPTS):
@@ -562,9 +658,12 @@ class Reconciler:
         node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}
         wanted = planned.pods
 
-        cm = render.configmap(meta, job_to_dict(job)["spec"], planned.files)  # the spec that runs
-        if not await self.kube.create_if_absent(cm, "configmaps") and fresh:
-            await self.kube.patch(meta.namespace, "configmaps", cm["metadata"]["name"], {"data": cm["data"]})
+        check_runnable(job)  # every job pods are rendered from, the started one too: as admission checks it
+        have = {p.index for p in pods}
+        missing = [render.pod(meta, job, hp, wanted) for hp in wanted if hp.index not in have]
+        # the very pods to create pass the namespace's Pod Security level, whatever job they are rendered from
+        podsecurity.check(job, missing, await self.pod_security(meta.namespace), meta.namespace)
+        await self._write_configmap(meta, draft, render.configmap(meta, job_to_dict(job)["spec"], planned.files), fresh)
         await self.kube.create_if_absent(render.service(meta, job), "services")
         if job.scheduling.gang:
             pg = render.podgroup(meta, wanted)
@@ -572,10 +671,7 @@ class Reconciler:
                 pg, "podgroups", f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{meta.namespace}/podgroups"
             )
 
-        have = {p.index for p in pods}
-        await asyncio.gather(
-            *(self._create_pod(render.pod(meta, job, hp, wanted)) for hp in wanted if hp.index not in have)
-        )
+        await asyncio.gather(*(self._create_pod(pod) for pod in missing))
         draft["hosts"] = len(wanted)
         draft["placement"] = status_placement(planned.placement, node_of_host)
         draft["pods"] = {**{names.pod_name(meta.name, hp.index): "Pending" for hp in wanted}, **(draft["pods"] or {})}
@@ -595,6 +691,28 @@ class Reconciler:
             )
         return True
 
+    async def _write_configmap(self, meta: render.JobMeta, draft: Draft, cm: dict[str, Any], fresh: bool) -> None:
+        """The ConfigMap with the spec that runs: created, or for a fresh placement its whole content replaced
+        (keys someone else added go too). Its digest goes to status first, beside the ones before it, so an
+        operator stopped between the two writes finds either content recorded."""
+        digest = render.configmap_digest(cm)
+        recorded = list(draft["configMapDigests"] or [])
+        if digest not in recorded:
+            ahead = [digest, *recorded][:MAX_DIGESTS]
+            await self.kube.patch_job_status(meta.namespace, meta.name, {"configMapDigests": ahead})
+            draft["configMapDigests"] = ahead
+        if await self.kube.create_if_absent(cm, "configmaps"):
+            draft["configMapDigests"] = [digest]
+        elif fresh:
+            content = [
+                {"op": "add", "path": "/data", "value": cm["data"]},
+                {"op": "add", "path": "/binaryData", "value": {}},
+            ]
+            await self.kube.patch(
+                meta.namespace, "configmaps", cm["metadata"]["name"], content, content_type=JSON_PATCH
+            )
+            draft["configMapDigests"] = [digest]
+
     async def _create_pod(self, body: dict[str, Any]) -> None:
         started = time.perf_counter()
         if await self.kube.create_if_absent(body, "pods"):
@@ -604,10 +722,11 @@ class Reconciler:
         """A call for the job was refused for a reason that needs someone to act (quota, admission, RBAC, an
         invalid child): condition Blocked with the API's reason and message, a Warning Event when that is
         news, a metric. The job's loop retries with backoff; the next reconcile that gets through clears it."""
-        self.metrics.api_errors.labels(namespace=namespace, trainingjob=name, code=str(err.status)).inc()
         body = await self.kube.get_job(namespace, name)
-        if body is None:
+        if body is None:  # gone: nothing to count it against
+            self.metrics.job_phase(namespace, name, None)
             return
+        self.metrics.api_error(namespace, name, err.status)
         message = f"{err.method} {err.path} refused (HTTP {err.status} {err.reason}): {err.message}"
         draft = Draft(body.get("status") or {})
         old = get_condition(draft.conditions, "Blocked") or {}
@@ -615,6 +734,7 @@ class Reconciler:
         patch = draft.changes()
         if patch:
             await self.kube.patch_job_status(namespace, name, patch)
+        self.metrics.job_phase(namespace, name, draft["phase"] or PENDING)  # a job blocked before its first write
         if old.get("status") != "True" or old.get("message") != message:
             self.emit(body, "Warning", "Blocked", message)
 

@@ -6,6 +6,8 @@ talks to a cluster, so the bodies are unit-tested as data.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -18,7 +20,7 @@ from meshjob.errors import FieldError, SpecError
 from meshjob.plan import rendered
 from meshjob.spec.manifest import TrainingJob
 from meshjob.spec.safeyaml import dump_yaml
-from meshjob_operator import names, podtemplate
+from meshjob_operator import names, podsecurity, podtemplate
 
 RUN_AS_USER = 10001  # the trainer image's user (the Dockerfile's USER): its files, its volumes' group
 TERMINATION_LOG = "/dev/termination-log"  # the Kubernetes default terminationMessagePath, named for the worker
@@ -85,6 +87,12 @@ def configmap(meta: JobMeta, spec: Mapping[str, Any], files: Mapping[str, str]) 
         "metadata": _metadata(meta, names.configmap_name(meta.name)),
         "data": {rendered.JOB_FILE: dump_yaml(manifest, sort_keys=True), **files},
     }
+
+
+def configmap_digest(cm: Mapping[str, Any]) -> str:
+    """sha256 of what a ConfigMap gives the pods that mount it (data and binaryData; empty = absent)."""
+    content = {"data": dict(cm.get("data") or {}), "binaryData": dict(cm.get("binaryData") or {})}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def service(meta: JobMeta, job: TrainingJob) -> dict[str, Any]:
@@ -212,6 +220,13 @@ def check_pod_template(job: TrainingJob) -> None:
         owned_env={e["name"] for e in trainer["env"]},
         owned_resources={k for kind in trainer["resources"].values() for k in kind},
     )
+
+
+def check_pod_security(job: TrainingJob, level: str = podsecurity.RESTRICTED) -> None:
+    """SpecError naming each spec field that makes the job's pods break the Pod Security level of its
+    namespace (meshjob_operator/podsecurity.py), as a trainer pod would be rendered (validate())."""
+    host = HostPod(index=0, host="host", rack="", devices=1, stages=(0,))
+    podsecurity.check(job, [pod(JobMeta(job.name, job.namespace, ""), job, host, (host,))], level, job.namespace)
 
 
 def _pin(job: TrainingJob, host_pod: HostPod) -> dict[str, Any]:

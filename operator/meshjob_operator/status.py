@@ -20,6 +20,7 @@ CONDITION_TYPES = (
     "Unschedulable",
     "Blocked",
     "EditRefused",
+    "SpecAltered",
 )
 
 PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (

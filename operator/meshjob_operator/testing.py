@@ -172,8 +172,8 @@ class Cluster:
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.kube.request("POST", path, self._stamp(body))
 
-    async def create_namespace(self, name: str) -> None:
-        """A namespace as a user finds it: on a real cluster with its `default` ServiceAccount in place."""
+    async def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """A namespace as a user finds it (with `labels`): on a real cluster with its `default` ServiceAccount."""
 
     async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.create(JOBS.format(ns=body["metadata"].get("namespace", "default")), body)
@@ -279,6 +279,14 @@ class KmockCluster(Cluster):
 
     async def allow_pods(self, namespace: str) -> None:
         self.forbidden.discard(namespace)
+
+    async def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """kmock keeps no Namespace (its core cluster-scoped paths do not parse): one with labels is served as is,
+        one without is none (the operator reads no labels then, as of an unlabelled one)."""
+        if labels:
+            body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+            path = f"/api/v1/namespaces/{name}"
+            self.emulator[lambda r: r.method.upper() == "GET" and str(r.url).split("?")[0].endswith(path)] << body
 
     def _refused(self, request: Any) -> bool:
         path = str(request.url).split("?")[0]
@@ -462,6 +470,21 @@ class Envtest:
     def apply(self, docs: list[dict[str, Any]]) -> None:
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
+    def wait_established(self, *crds: str, timeout_s: float = 60) -> None:
+        """Until the CRDs (names, or "--all") are Established; `kubectl wait` fails outright, not waits, while a
+        CRD just applied has no conditions yet."""
+        deadline = time.monotonic() + timeout_s
+        targets = ["crd", "--all"] if crds == ("--all",) else [f"crd/{c}" for c in crds]
+        while True:
+            done = self.kubectl(
+                "wait", "--for=condition=Established", *targets, f"--timeout={timeout_s:g}s", check=False
+            )
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"CRDs {list(crds)} not Established: {done.stderr.strip()}")
+            time.sleep(0.5)
+
     def wait_for_default_service_account(self, namespace: str, timeout_s: float = 30) -> None:
         """The controller manager creates it (and its token) shortly after the namespace: wait, as a user
         never meets a namespace without it."""
@@ -505,8 +528,9 @@ class EnvtestCluster(Cluster):
     real = True
     envtest: Envtest
 
-    async def create_namespace(self, name: str) -> None:
-        await self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    async def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        metadata: dict[str, Any] = {"name": name, **({"labels": labels} if labels else {})}
+        await self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata})
         if self.envtest.service_account_admission:
             await asyncio.to_thread(self.envtest.wait_for_default_service_account, name)
 
@@ -565,9 +589,7 @@ async def envtest_cluster(assets: Path, **options: Any) -> AsyncIterator[Envtest
     try:
         await asyncio.to_thread(envtest.start)
         await asyncio.to_thread(envtest.kubectl, "apply", "-f", "-", input=crd_yaml())
-        await asyncio.to_thread(
-            envtest.kubectl, "wait", "--for=condition=Established", f"crd/{names.PLURAL}.{names.GROUP}", "--timeout=60s"
-        )
+        await asyncio.to_thread(envtest.wait_established, f"{names.PLURAL}.{names.GROUP}")
         cluster = EnvtestCluster()
         cluster.envtest, cluster.kubeconfig = envtest, envtest.kubeconfig
         cluster.kube = Kube(Connection.load(str(cluster.kubeconfig)))

@@ -63,3 +63,37 @@ release: {{ .root.Values.monitoring.release | quote }}
 {{- printf "%s-webhook-tls" (include "meshjob.fullname" .) }}
 {{- end }}
 {{- end }}
+
+{{/* The operator's rules in a namespace whose TrainingJobs it serves: in its ClusterRole when it serves every
+namespace, else in a Role of each of operator.namespaces. */}}
+{{- define "meshjob.jobNamespaceRules" -}}
+# The custom resource: kopf watches it and patches finalizers and progress annotations; the
+# reconciler reads it, writes status, and deletes finished jobs after ttlSecondsAfterFinished.
+- apiGroups: [meshjob.io]
+  resources: [trainingjobs]
+  verbs: [get, list, watch, patch, delete]
+- apiGroups: [meshjob.io]
+  resources: [trainingjobs/status]
+  verbs: [patch]
+# Children: one pod per host (deleted for gang restarts), watched for failures; patched only to mark a
+# failed Kueue pod group not retriable (annotation kueue.x-k8s.io/retriable-in-group).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [watch, create, delete, patch]
+# The plan in a ConfigMap (re-read after an operator restart, refreshed on a new placement).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch]
+# The headless Service for rendezvous; owner references let the garbage collector delete it.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create]
+# Gang scheduling (spec.scheduling.gang): a scheduler-plugins PodGroup per job.
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [create]
+# Events on TrainingJobs (kopf's and the operator's Warning events).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
