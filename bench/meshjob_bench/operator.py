@@ -6,7 +6,13 @@
     and the ratio of the batch time to N x the single 2-host job latency (below 1 = concurrency pays);
   - planning: a huge but valid job (seconds of CPU to plan) and a small one created just after it: the
     small job's pods and the liveness probe's answers as fractions of the time until the huge job's pods
-    (planning runs in a child process, not on kopf's event loop: targets below 1/2 and 1/5).
+    (planning runs in a child process, not on kopf's event loop: targets below 1/2 and 1/5);
+  - crowd: 50 small jobs (2 hosts of 2 devices) created at once on 128 free nodes, where all fit: each job's
+    create-to-pods time (p50, max) and how many went Unschedulable on the way (targets: all placed, none
+    Unschedulable, p50 under 5 s);
+  - large: 16 large jobs (the planning section's huge job, each on nodes of its own) created at once, then a
+    small job: the small job's time to pods, and the p99 of the admission handler (`admit`, run on the
+    operator's event loop as the webhook runs it, without TLS) and of /healthz while they plan (target < 1 s).
 Against the real kube-apiserver of KUBEBUILDER_ASSETS (or ../shared/envtest) when present, else
 kmock. The operator runs in this process (its own thread and event loop) with its real handlers.
 Absolute times on a shared 2-core machine are noise: compare the ratios.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -53,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="stages of the planning section's huge job (128: the spec's bounds; 0: no planning section)",
     )
+    parser.add_argument("--crowd-jobs", type=int, default=50, help="small jobs of the crowd section (0: none)")
+    parser.add_argument("--crowd-nodes", type=int, default=128, help="free nodes of the crowd section")
+    parser.add_argument("--large-jobs", type=int, default=16, help="large jobs of the large section (0: none)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results file")
 
 
@@ -198,9 +208,137 @@ async def _planning(c: h.Cluster, stages: int, liveness: str) -> dict[str, Any]:
     }
 
 
-async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str, huge_stages: int = 0) -> dict[str, Any]:
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def _pods_by_job(c: h.Cluster, namespace: str) -> dict[str, int]:
+    found = await c.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+    counts: dict[str, int] = {}
+    for pod in (found or {}).get("items") or []:
+        job = (pod["metadata"].get("labels") or {}).get("meshjob.io/job-name")
+        if job is not None:
+            counts[job] = counts.get(job, 0) + 1
+    return counts
+
+
+async def _went_unschedulable(c: h.Cluster, namespace: str, jobs: list[str]) -> int:
+    """Jobs whose status holds condition Unschedulable (True now, or False after having been True)."""
+    count = 0
+    for name in jobs:
+        status = ((await c.job(name, namespace)) or {}).get("status") or {}
+        count += any(cond.get("type") == "Unschedulable" for cond in status.get("conditions") or [])
+    return count
+
+
+async def _crowd(c: h.Cluster, count: int, nodes: int, timeout: float = 600) -> dict[str, Any]:
+    """`count` 2-host jobs created at once on `nodes` free nodes of 2 devices: each one's create-to-pods time."""
+    ns, resource = "crowd", "example.com/crowd"
+    await c.create_namespace(ns)
+    for i in range(nodes):
+        await c.add_node(f"{ns}-n{i:03d}", 2, resource=resource)
+    await asyncio.sleep(2.0)  # the operator's node cache catches up (a job placed before that waits Unschedulable)
+    bodies = [h.job_body(f"job-{i:02d}", ns, hosts=2, devices_per_host=2) for i in range(count)]
+    for body in bodies:
+        body["spec"]["topology"]["deviceResource"] = resource
+    started = time.perf_counter()
+    await asyncio.gather(*(c.create_job(b) for b in bodies))
+    placed: dict[str, float] = {}
+    names_ = [b["metadata"]["name"] for b in bodies]
+    deadline = time.monotonic() + timeout
+    while len(placed) < count and time.monotonic() < deadline:
+        counts = await _pods_by_job(c, ns)
+        now = time.perf_counter() - started
+        for name in names_:
+            if name not in placed and counts.get(name, 0) >= 2:
+                placed[name] = now
+        await asyncio.sleep(0.05)
+    unschedulable = await _went_unschedulable(c, ns, names_)
+    for name in names_:
+        await c.delete_job(name, ns)
+    times = list(placed.values())
+    return {
+        "jobs": count,
+        "nodes": nodes,
+        "hosts_per_job": 2,
+        "placed": len(placed),
+        "went_unschedulable": unschedulable,
+        "create_to_pods_p50_seconds": round(_percentile(times, 0.5), 3) if times else None,
+        "create_to_pods_max_seconds": round(max(times), 3) if times else None,
+        "targets": {"placed": f"= {count}", "went_unschedulable": "= 0", "create_to_pods_p50_seconds": "< 5"},
+    }
+
+
+async def _admit_seconds(op: h.OperatorThread, body: dict[str, Any]) -> float:
+    """The admission handler, as the webhook server runs it: on the operator's event loop."""
+    # imported here, as the operator thread does: importing the handlers registers them with kopf
+    handlers = importlib.import_module("meshjob_operator.handlers")
+
+    assert op.loop is not None
+    started = time.perf_counter()
+    call = handlers.admit(body=body, userinfo={"username": "bench"}, operation="CREATE")
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, op.loop))
+    return time.perf_counter() - started
+
+
+async def _large(c: h.Cluster, op: h.OperatorThread, count: int, stages: int, liveness: str) -> dict[str, Any]:
+    """`count` large jobs at once, then a small one: its time to pods, and admission and /healthz meanwhile."""
+    ns = "large"
+    await c.create_namespace(ns)
+    for j in range(count):
+        for i in range(2):
+            await c.add_node(f"{ns}-{j:02d}-n{i}", 1024, resource=f"example.com/{ns}-{j:02d}")
+    for i in range(2):
+        await c.add_node(f"{ns}-small-n{i}", 2, resource=f"example.com/{ns}-small")
+    await asyncio.sleep(2.0)
+    small = h.job_body("small", ns, hosts=2, devices_per_host=2)
+    small["spec"]["topology"]["deviceResource"] = f"example.com/{ns}-small"
+    larges = [huge_job(f"big-{j:02d}", ns, stages, f"example.com/{ns}-{j:02d}") for j in range(count)]
+    await asyncio.gather(*(c.create_job(b) for b in larges))
+    started = time.perf_counter()
+    await c.create_job(small)
+    admissions: list[float] = []
+    probes: list[float] = []
+    small_s: float | None = None
+    candidate = h.job_body("candidate", ns)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        counts = await _pods_by_job(c, ns)
+        if small_s is None and counts.get("small", 0) >= 2:
+            small_s = time.perf_counter() - started
+        if small_s is not None and all(counts.get(b["metadata"]["name"], 0) >= 2 for b in larges):
+            break
+        admissions.append(await _admit_seconds(op, candidate))
+        probes.append(await asyncio.to_thread(_probe_seconds, liveness))
+        await asyncio.sleep(0.2)
+    for name in ["small", *(b["metadata"]["name"] for b in larges)]:
+        await c.delete_job(name, ns)
+    return {
+        "large_jobs": count,
+        "stages": stages,
+        "other_job_to_pods_seconds": round(small_s, 3) if small_s is not None else None,
+        "admission_p99_seconds": round(_percentile(admissions, 0.99), 4) if admissions else None,
+        "admission_max_seconds": round(max(admissions), 4) if admissions else None,
+        "healthz_p99_seconds": round(_percentile(probes, 0.99), 4) if probes else None,
+        "healthz_max_seconds": round(max(probes), 4) if probes else None,
+        "samples": len(probes),
+        "targets": {"other_job_to_pods_seconds": "< 1", "admission_p99_seconds": "< 1", "healthz_p99_seconds": "< 1"},
+    }
+
+
+async def run_bench(
+    sizes: list[int],
+    jobs: int,
+    repeats: int,
+    server: str,
+    huge_stages: int = 0,
+    crowd_jobs: int = 0,
+    crowd_nodes: int = 128,
+    large_jobs: int = 0,
+) -> dict[str, Any]:
     liveness = f"http://127.0.0.1:{h.free_port()}/healthz"
-    async with _cluster(server) as c, h.running_operator(c, liveness=liveness):
+    async with _cluster(server) as c, h.running_operator(c, liveness=liveness) as op:
         kind = "kube-apiserver v1.20 (envtest)" if c.real else "kmock (in-memory)"
         latency: dict[int, float] = {}
         for hosts in sizes:
@@ -209,6 +347,8 @@ async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str, huge
         single_2 = latency.get(2) or sorted([await _latency(c, 2, r) for r in range(repeats)])[repeats // 2]
         batch = await _throughput(c, jobs)
         planning = await _planning(c, huge_stages, liveness) if huge_stages > 0 else None
+        crowd = await _crowd(c, crowd_jobs, crowd_nodes) if crowd_jobs > 0 else None
+        large = await _large(c, op, large_jobs, huge_stages or 128, liveness) if large_jobs > 0 else None
     base = latency[min(sizes)]
     return {
         "server": kind,
@@ -229,6 +369,8 @@ async def run_bench(sizes: list[int], jobs: int, repeats: int, server: str, huge
             "ratio_to_sequential": round(batch / (jobs * single_2), 3),
         },
         "planning": planning,
+        "crowd": crowd,
+        "large": large,
         "note": "median of repeats; ratios are the result, absolute times are noise on a shared 2-core machine",
     }
 
@@ -249,6 +391,23 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"a {p['huge_job']['stages']}-stage job planning: a small job's pods after {p['small_over_huge']:.3f} x "
             f"its time, /healthz at most {p['max_probe_over_huge']} x it over {p['probes_before_huge_placed']} probes"
+        )
+    _print_crowds(result)
+
+
+def _print_crowds(result: dict[str, Any]) -> None:
+    crowd, large = result.get("crowd"), result.get("large")
+    if crowd:
+        print(
+            f"{crowd['jobs']} small jobs on {crowd['nodes']} nodes: {crowd['placed']} placed, "
+            f"{crowd['went_unschedulable']} went Unschedulable, create->pods p50 "
+            f"{crowd['create_to_pods_p50_seconds']} s, max {crowd['create_to_pods_max_seconds']} s"
+        )
+    if large:
+        print(
+            f"{large['large_jobs']} large jobs planning: another job's pods after "
+            f"{large['other_job_to_pods_seconds']} s, admission p99 {large['admission_p99_seconds']} s, "
+            f"/healthz p99 {large['healthz_p99_seconds']} s over {large['samples']} samples"
         )
 
 
@@ -278,12 +437,28 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if min(args.crowd_jobs, args.large_jobs) < 0 or args.crowd_nodes < 2 * args.crowd_jobs:
+        raise SystemExit(
+            f"--crowd-jobs={args.crowd_jobs} / --crowd-nodes={args.crowd_nodes} / --large-jobs={args.large_jobs} "
+            "are invalid: jobs >= 0, and 2 nodes per crowd job at least (they must all fit)"
+        )
     if args.jobs < 1 or args.repeats < 1 or args.huge_stages < 0:
         raise SystemExit(
             f"--jobs={args.jobs} / --repeats={args.repeats} / --huge-stages={args.huge_stages} are invalid: "
             "jobs and repeats >= 1, huge stages >= 0"
         )
-    result = asyncio.run(run_bench(_sizes(args.sizes), args.jobs, args.repeats, args.server, args.huge_stages))
+    result = asyncio.run(
+        run_bench(
+            _sizes(args.sizes),
+            args.jobs,
+            args.repeats,
+            args.server,
+            args.huge_stages,
+            args.crowd_jobs,
+            args.crowd_nodes,
+            args.large_jobs,
+        )
+    )
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

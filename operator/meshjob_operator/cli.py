@@ -71,8 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="SECONDS",
-        help="planning a job runs in a child process; one that takes longer fails with condition "
-        "PlanningTimeout (default 60)",
+        help="planning a job runs in a child process; one that takes longer is stopped, and the job waits "
+        "Pending (condition PlanningDelayed) and is planned again after a backoff, with a longer limit (default 60)",
+    )
+    parser.add_argument(
+        "--plan-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="jobs planned at once, each in its own process; others wait for a place (default: the CPU count)",
     )
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -94,6 +101,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if not args.plan_timeout > 0:
         raise SystemExit(f"meshjob operator: --plan-timeout={args.plan_timeout} is invalid: seconds > 0")
+    if args.plan_concurrency is not None and args.plan_concurrency < 1:
+        raise SystemExit(f"meshjob operator: --plan-concurrency={args.plan_concurrency} is invalid: at least 1")
     if args.peering and args.standalone:
         raise SystemExit("meshjob operator: --peering and --standalone exclude each other")
 
@@ -124,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         peering=args.peering,
         plan_timeout_s=args.plan_timeout,
+        **({"plan_concurrency": args.plan_concurrency} if args.plan_concurrency else {}),
     )
     kopf.configure(verbose=args.verbose)
     asyncio.run(

@@ -25,6 +25,7 @@ from meshjob_operator.certs import webhook_server
 from meshjob_operator.kube import ApiError, Connection, Kube, kopf_connection
 from meshjob_operator.lifecycle import immutable_changes
 from meshjob_operator.metrics import OperatorMetrics
+from meshjob_operator.planning import DEFAULT_CONCURRENCY as DEFAULT_PLAN_CONCURRENCY
 from meshjob_operator.planning import DEFAULT_TIMEOUT_S as DEFAULT_PLAN_TIMEOUT_S
 from meshjob_operator.planning import Planner
 from meshjob_operator.podsecurity import PRIVILEGED
@@ -55,7 +56,8 @@ class OperatorConfig:
     webhook_ca: str | None = field(default_factory=lambda: os.environ.get("MESHJOB_OPERATOR_WEBHOOK_CA"))
     kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
     peering: str | None = None  # set: the peering object must exist (never act alone by mistake)
-    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S  # a job whose planning takes longer fails (PlanningTimeout)
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S  # planning longer: stopped, retried later (PlanningDelayed)
+    plan_concurrency: int = DEFAULT_PLAN_CONCURRENCY  # jobs planned at once (the planner's pool)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -121,8 +123,9 @@ async def startup(*, settings: kopf.OperatorSettings, logger: kopf.Logger, **_: 
     else:
         settings.admission.server = NoWebhookServer()
     kube = Kube(Connection.load(cfg.kubeconfig))
+    planner = Planner(cfg.plan_timeout_s, cfg.plan_concurrency)  # its own threads: none of the default executor's
     STATE.reconciler = Reconciler(
-        kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes, planner=Planner(cfg.plan_timeout_s)
+        kube=kube, metrics=STATE.metrics, emit=_emit, nodes=STATE.cached_nodes, planner=planner
     )
     await STATE.reconciler.planner.start()
     if cfg.metrics_port and not STATE.metrics_served:  # one exporter per process, even across restarts
@@ -134,6 +137,7 @@ async def startup(*, settings: kopf.OperatorSettings, logger: kopf.Logger, **_: 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
     if STATE.reconciler is not None:
+        STATE.reconciler.planner.close()
         await STATE.reconciler.kube.close()
         await STATE.reconciler.scraper.close()
 

@@ -10,10 +10,16 @@ reconciler writes (the ConfigMap's plan files, the host pods, the placement), ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import heapq
+import itertools
+import math
 import multiprocessing
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
@@ -29,10 +35,41 @@ from meshjob.plan.rendered import DEFAULT_NIC_BYTES_PER_S, PlanInputs
 from meshjob.spec.manifest import TrainingJob
 
 DEFAULT_TIMEOUT_S = 60.0  # the largest job the spec allows plans in seconds; a minute is generous
+
+
+def cpu_limit(cgroup: str = "/sys/fs/cgroup") -> int:
+    """Cores this process may use: its CPU affinity, less a container's CPU limit (cgroup v2 cpu.max, v1 quota)."""
+    cores = len(os.sched_getaffinity(0))
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            with open(os.path.join(cgroup, quota_file)) as f:
+                fields = f.read().split()
+            if period_file is not None:
+                with open(os.path.join(cgroup, period_file)) as f:
+                    fields.append(f.read().strip())
+        except OSError:
+            continue
+        if len(fields) == 2 and fields[0] not in ("max", "-1") and int(fields[1]) > 0:
+            cores = min(cores, math.ceil(int(fields[0]) / int(fields[1])))
+        break
+    return max(1, cores)
+
+
+# plans at once: one child per core (more only share the cores, so every plan takes longer and times out sooner;
+# the chart's operator has a limit of 1 CPU, on a node of many)
+DEFAULT_CONCURRENCY = cpu_limit()
 # forkserver: children forked from a small clean process that has these imported (the operator's own
 # process has threads, which fork does not copy safely, and spawning a fresh interpreter per plan is slow)
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload([__name__])
+
+
+# a plan of at most this many rank x stage x microbatch cells takes well under a second: it may take the quick
+# lane, a place beyond the pool's, so a small job never waits behind large plans
+QUICK_WORK = 1 << 16
+QUICK_PLACES = 1
+
+TIMEOUT = "PlanningTimeout"  # PlanningFailed's reason when the time was up: the job retries later, with backoff
 
 
 class PlanningFailed(Exception):
@@ -104,13 +141,107 @@ def _receive(receiver: Connection, timeout_s: float) -> tuple[str, Any]:
         return ("died", None)
 
 
-@dataclass(frozen=True)
+def planning_work(job: TrainingJob, search: Mapping[str, Any] | None = None) -> float:
+    """How much a plan of `job` costs, in rank x stage x microbatch cells (a search: unbounded)."""
+    if search is not None:
+        return math.inf
+    return job.world_size * max(1, len(job.stages)) * job.training.microbatches
+
+
+@dataclass
+class PlanningPlaces:
+    """The planning pool's places: `places` for any plan, `quick` more for plans of at most QUICK_WORK.
+    Waiting plans start cheapest first (then in arrival order), so one large plan never holds up small ones."""
+
+    places: int
+    quick: int = QUICK_PLACES
+    _running: int = 0
+    _waiting: list[tuple[float, int, asyncio.Future[None]]] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
+
+    def _may_start(self, work: float) -> bool:
+        return self._running < self.places or (work <= QUICK_WORK and self._running < self.places + self.quick)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, work: float) -> AsyncIterator[None]:
+        if self._waiting or not self._may_start(work):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (work, next(self._order), waiter))
+            self._wake()
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # given a place as it was cancelled: hand it on
+                    self._running -= 1
+                    self._wake()
+                else:
+                    self._waiting = [w for w in self._waiting if w[2] is not waiter]
+                    heapq.heapify(self._waiting)
+                raise
+        else:
+            self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._wake()
+
+    def _wake(self) -> None:
+        """Start the cheapest waiting plans that may start now (one that may not waits: others keep their turn,
+        except a quick one, which may take the quick lane past it)."""
+        kept: list[tuple[float, int, asyncio.Future[None]]] = []
+        while self._waiting:
+            work, order, waiter = heapq.heappop(self._waiting)
+            if waiter.done():
+                continue
+            if self._may_start(work):
+                self._running += 1
+                waiter.set_result(None)
+            else:
+                kept.append((work, order, waiter))
+        for entry in kept:
+            heapq.heappush(self._waiting, entry)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+
+@dataclass
 class Planner:
+    """Plans in child processes, at most `concurrency` at once, plus the quick lane for small plans (a bounded
+    pool: jobs beyond it wait for a place, cheapest first, and their time limit starts with their child). Its
+    waits run on its own threads, never on the event loop's default executor, so what runs there (admission's
+    validation) never queues behind a plan."""
+
     timeout_s: float = DEFAULT_TIMEOUT_S
+    concurrency: int = DEFAULT_CONCURRENCY
+    _places: PlanningPlaces | None = field(default=None, init=False, repr=False)
+    _threads: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     async def start(self) -> None:
         """Start the fork server now (it imports the plan layer: seconds), not when the first job is planned."""
-        await asyncio.to_thread(forkserver.ensure_running)
+        await self._run(forkserver.ensure_running)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._threads is None:  # a start, a wait and a join per plan, one after the other: one thread each
+            workers = self.concurrency + QUICK_PLACES + 1
+            self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="planner")
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, work: float = math.inf) -> AsyncIterator[None]:
+        """One of the pool's places for a plan of `work` (planning_work): hold it around what the plan reads (the
+        devices in use) and the plan, so that a job waiting for a place reads what the plans before it took."""
+        if self._places is None:
+            self._places = PlanningPlaces(max(1, self.concurrency))
+        async with self._places.hold(work):
+            yield
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
     async def plan(
         self,
@@ -119,9 +250,12 @@ class Planner:
         hosts: tuple[Host, ...] | None,
         pods: Sequence[Mapping[str, Any]] = (),
         search: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
     ) -> Planned:
-        """plan_job in a child process; raises PlacementError, SpecError or PlanningFailed (after timeout_s,
-        when the child dies, or when the search finds no plan that fits: reason Infeasible)."""
+        """plan_job in a child process (the caller holds a `slot()`); raises PlacementError, SpecError or
+        PlanningFailed (after `timeout_s`, by default the planner's, when the child dies, or when the search
+        finds no plan that fits: reason Infeasible)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
         receiver, sender = _CONTEXT.Pipe(duplex=False)
         child = _CONTEXT.Process(
             target=_child,
@@ -130,13 +264,13 @@ class Planner:
             name=f"plan-{job.namespace}-{job.name}",
         )
         try:
-            await asyncio.to_thread(child.start)
+            await self._run(child.start)
             sender.close()
-            kind, value = await asyncio.to_thread(_receive, receiver, self.timeout_s)
+            kind, value = await self._run(_receive, receiver, limit)
         finally:
             if child.is_alive():
                 child.kill()
-            await asyncio.to_thread(child.join, 10)
+            await self._run(child.join, 10)
             receiver.close()
         if kind == "placement":
             raise PlacementError(value)
@@ -146,9 +280,9 @@ class Planner:
             raise PlanningFailed("Infeasible", value)
         if kind == "timeout":
             raise PlanningFailed(
-                "PlanningTimeout",
-                f"planning took longer than {self.timeout_s:g} s (the operator's "
-                "--plan-timeout): fewer stages, devices or microbatches plan faster",
+                TIMEOUT,
+                f"planning took longer than {limit:g} s (the operator's "
+                "--plan-timeout, longer on each retry): fewer stages, devices or microbatches plan faster",
             )
         if kind == "died":
             raise PlanningFailed(

@@ -8,9 +8,11 @@ restarted in the middle neither duplicates pods nor counts a restart twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import fnmatch
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +31,7 @@ from meshjob.spec.safeyaml import load_one
 from meshjob_operator import lifecycle, names, podsecurity, progress, render
 from meshjob_operator.kube import JSON_PATCH, ApiError, Kube
 from meshjob_operator.metrics import OperatorMetrics
-from meshjob_operator.planning import Planned, Planner, PlanningFailed
+from meshjob_operator.planning import TIMEOUT, Planned, Planner, PlanningFailed, planning_work
 from meshjob_operator.status import (
     CREATED,
     FAILED,
@@ -48,6 +50,7 @@ from meshjob_operator.status import (
     status_placement,
     timestamp,
 )
+from meshjob_operator.usage import DeviceUsage
 
 # status fields this module owns (others, e.g. kopf's, are left alone)
 MANAGED = (
@@ -74,6 +77,11 @@ POD_SECURITY_TTL_S = 10.0  # how long a reconcile trusts a namespace's Pod Secur
 POD_UNSCHEDULABLE = "PodUnschedulable"  # reason of condition Unschedulable while the scheduler places a pod nowhere
 SHOWN_PODS = 3  # pods whose scheduler message the condition quotes
 PLACEMENT_ATTEMPTS = 3  # plans of a job whose devices other jobs took meanwhile, before it waits (Unschedulable)
+EXCLUSIVE_PLAN_S = 1.0  # a job that lost its devices to a plan made beside it, and plans in less, re-plans alone
+# (and any job does on its last attempt)
+PLAN_RETRY_S = 2.0  # the first retry after a planning timeout; each next one waits twice as long ...
+PLAN_RETRY_MAX_S = 60.0  # ... up to this
+PLAN_TIMEOUT_GROWTH = 4  # ... and its time limit doubles with each retry, up to this many times --plan-timeout
 NOT_RETRIABLE = {"metadata": {"annotations": {"kueue.x-k8s.io/retriable-in-group": "false"}}}
 MAX_DIGESTS = 4  # status.configMapDigests: the content written last, and what a rewrite cut short may have left
 
@@ -236,9 +244,15 @@ class Reconciler:
     nodes: Callable[[], Sequence[Mapping[str, Any]]] | None = None
     scraper: progress.Scraper = field(default_factory=progress.Scraper)  # trainers' metrics endpoints
     planner: Planner = field(default_factory=Planner)  # plans in a child process, within a time limit
-    _placing: asyncio.Lock = field(default_factory=asyncio.Lock)  # fresh placements check and create one at a time
+    usage: DeviceUsage = field(init=False)  # the devices other pods hold, and what accepted plans reserved
+    _placing: asyncio.Lock = field(default_factory=asyncio.Lock)  # fresh placements are accepted one at a time
+    _timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # job -> planning timeouts in a row
+    _retry_in: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> seconds to its next plan
     _read_at: dict[tuple[str, str], float] = field(default_factory=dict)  # job -> monotonic time of last reading
     _levels: dict[str, tuple[float, str]] = field(default_factory=dict)  # namespace -> (monotonic time, level)
+
+    def __post_init__(self) -> None:
+        self.usage = DeviceUsage(self.kube.list_running_pods)
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Converge one job; returns seconds until a timed re-check is due (deadline, TTL), else None."""
@@ -261,6 +275,9 @@ class Reconciler:
         """The job is gone (or its loop ends): its metric series and progress readings go too."""
         self.metrics.job_phase(namespace, name, None)
         self._read_at.pop((namespace, name), None)
+        self._timeouts.pop((namespace, name), None)
+        self._retry_in.pop((namespace, name), None)
+        self.usage.release((namespace, name))
 
     async def _reconcile(self, namespace: str, name: str) -> float | None:
         body = await self.kube.get_job(namespace, name)
@@ -355,8 +372,8 @@ class Reconciler:
                 await self._write(meta, body, draft)
                 return None
             created = await self._create_children(meta, body, draft, job, pods, now, search)
-            if not created:
-                return None
+            if not created:  # a planning timeout: planned again after a backoff
+                return self._retry_in.pop((namespace, name), None)
 
         expected = int(draft["hosts"] or 0)
         self._report_scheduling(body, draft, pods, now)
@@ -601,24 +618,51 @@ class Reconciler:
             await self._write(meta, body, draft)
             return False
         fresh = hosts is None
+        key = (meta.namespace, meta.name)
+        timeout_s = self.planner.timeout_s * min(PLAN_TIMEOUT_GROWTH, 2 ** self._timeouts.get(key, 0))
         try:
-            for _ in range(PLACEMENT_ATTEMPTS):
-                # a fresh placement counts the devices every other pod holds; planning runs unlocked (it can
-                # take seconds), then, one job at a time, the plan is checked against the pods there are now
-                # and its pods created, so two jobs planned at once never take the same devices
-                others = await self.kube.list_running_pods() if fresh else []
-                planned = await self.planner.plan(job, nodes, hosts, others, search)
-                if not fresh:
-                    return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
-                async with self._placing:
-                    now_running = await self.kube.list_running_pods()
-                    if still_fits(planned.pods, node_infos(nodes, planned.chosen or job, parse_quantity, now_running)):
+            plan_s = math.inf
+            for attempt in range(PLACEMENT_ATTEMPTS):
+                # a fresh placement counts the devices every other pod holds and every accepted plan reserved.
+                # Plans run in the planner's pool, unlocked (one can take seconds); a job waiting for a place
+                # there reads the devices in use only once it has one, so it sees what the plans before it took.
+                # Then, one job at a time, the plan is checked against what is taken now and, if it still fits,
+                # its devices are reserved before the next check: two jobs never take the same devices. A plan
+                # that another one planned at the same time beat to its devices is made again holding the lock
+                # (no plan is accepted meanwhile, so it cannot lose again) when it is quick to make, and on the
+                # last attempt whatever it takes (a slow plan then delays other jobs' acceptance, not its own).
+                last = attempt == PLACEMENT_ATTEMPTS - 1
+                exclusive = fresh and attempt > 0 and (plan_s <= EXCLUSIVE_PLAN_S or last)
+                async with self._placing if exclusive else contextlib.nullcontext():
+                    async with self.planner.slot(planning_work(job, search)):
+                        others = await self.usage.pods() if fresh else []
+                        started = time.perf_counter()
+                        planned = await self.planner.plan(job, nodes, hosts, others, search, timeout_s)
+                        plan_s = time.perf_counter() - started
+                    self._timeouts.pop(key, None)
+                    if not fresh:
                         return await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
+                    if exclusive:
+                        fits = await self._accept(key, planned, nodes, job)
+                if not exclusive:
+                    async with self._placing:
+                        fits = await self._accept(key, planned, nodes, job)
+                if fits:  # created outside the lock: the reservation holds the devices meanwhile
+                    try:
+                        created = await self._create_planned(meta, body, draft, job, pods, planned, nodes, fresh, now)
+                    except BaseException:
+                        self.usage.release(key)
+                        raise
+                    self.usage.created(key)
+                    return created
             raise PlacementError(
                 f"the devices it was planned on were taken by other jobs while it was planned "
                 f"({PLACEMENT_ATTEMPTS} times)"
             )
         except PlanningFailed as err:
+            if err.reason == TIMEOUT:
+                await self._plan_later(meta, body, draft, err, now)
+                return False
             await self._fail(meta, body, draft, job, pods, err.reason, str(err), now)
             return False
         except PlacementError as err:
@@ -633,6 +677,35 @@ class Reconciler:
             await self._write(meta, body, draft, invalid_status(draft.new, err, now))
             self.emit(body, "Warning", "InvalidSpec", str(err))
             return False
+
+    async def _accept(
+        self, key: tuple[str, str], planned: Planned, nodes: Sequence[Mapping[str, Any]], job: TrainingJob
+    ) -> bool:
+        """Whether the plan still fits what other pods hold and other plans reserved now (the caller holds
+        `_placing`); if it does, its devices are reserved for it from now on."""
+        chosen = planned.chosen or job
+        infos = node_infos(nodes, chosen, parse_quantity, await self.usage.pods())
+        if not still_fits(planned.pods, infos):
+            return False
+        node_of_host = {i.host: i.name for i in infos if i.host}
+        self.usage.reserve(key, planned.pods, node_of_host, chosen.topology.device_resource)
+        return True
+
+    async def _plan_later(
+        self, meta: render.JobMeta, body: Mapping[str, Any], draft: Draft, err: PlanningFailed, now: datetime.datetime
+    ) -> None:
+        """Planning ran out of time (a loaded machine, a job near the spec's limits): not a verdict on the job.
+        It stays Pending with condition PlanningDelayed, and is planned again after a backoff (2, 4, 8, ...
+        seconds, at most PLAN_RETRY_MAX_S) with a longer limit (twice, then PLAN_TIMEOUT_GROWTH times
+        --plan-timeout)."""
+        key = (meta.namespace, meta.name)
+        timeouts = self._timeouts[key] = self._timeouts.get(key, 0) + 1
+        delay = self._retry_in[key] = min(PLAN_RETRY_MAX_S, PLAN_RETRY_S * 2 ** (timeouts - 1))
+        message = f"{err}; timed out {timeouts} time(s) in a row, planning again in {delay:g} s"
+        if draft.condition("PlanningDelayed", True, TIMEOUT, message, now):
+            self.emit(body, "Warning", TIMEOUT, message)
+        draft["phase"] = PENDING
+        await self._write(meta, body, draft)
 
     async def _create_planned(
         self,
@@ -655,6 +728,7 @@ class Reconciler:
             draft["tuned"] = planned.tuned
         self.unschedulable.discard((meta.namespace, meta.name))
         draft.clear("Unschedulable", "Scheduled", "the cluster can hold the job", now)
+        draft.clear("PlanningDelayed", "Planned", "the job was planned", now)
         node_of_host = {i.host: i.name for i in node_infos(nodes, job, parse_quantity) if i.host}
         wanted = planned.pods
 

@@ -21,6 +21,7 @@ CONDITION_TYPES = (
     "Blocked",
     "EditRefused",
     "SpecAltered",
+    "PlanningDelayed",
 )
 
 PENDING, CREATED, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = (
