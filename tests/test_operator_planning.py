@@ -203,3 +203,8 @@ async def test_the_default_pool_is_the_containers_cpu_limit(tmp_path, files, cor
         (tmp_path / name).write_text(text)
     affinity = len(os.sched_getaffinity(0))
     assert planning.cpu_limit(str(tmp_path)) == (affinity if cores is None else min(affinity, cores))
+
+
+async def test_a_large_plans_child_yields_the_cores_and_a_small_ones_does_not():
+    assert planning.niceness(planning.planning_work(_job())) == 0
+    assert planning.niceness(planning.QUICK_WORK + 1) == planning.LARGE_PLAN_NICENESS > 0

@@ -68,6 +68,7 @@ _CONTEXT.set_forkserver_preload([__name__])
 # lane, a place beyond the pool's, so a small job never waits behind large plans
 QUICK_WORK = 1 << 16
 QUICK_PLACES = 1
+LARGE_PLAN_NICENESS = 10  # os.nice of a larger plan's child
 
 TIMEOUT = "PlanningTimeout"  # PlanningFailed's reason when the time was up: the job retries later, with backoff
 
@@ -114,6 +115,19 @@ def plan_job(
     return Planned(rendered.render(inputs, plan), host_pods(plan.placement), plan.placement.to_json())
 
 
+def planning_work(job: TrainingJob, search: Mapping[str, Any] | None = None) -> float:
+    """How much a plan of `job` costs, in rank x stage x microbatch cells (a search: unbounded)."""
+    if search is not None:
+        return math.inf
+    return job.world_size * max(1, len(job.stages)) * job.training.microbatches
+
+
+def niceness(work: float) -> int:
+    """The scheduling priority a plan's child takes: a large plan yields the cores to the operator's own
+    process (webhook, /healthz, pod creation) and to quick plans, which would otherwise wait for it."""
+    return 0 if work <= QUICK_WORK else LARGE_PLAN_NICENESS
+
+
 def _child(
     sender: Connection,
     job: TrainingJob,
@@ -122,6 +136,7 @@ def _child(
     pods: Sequence[Mapping[str, Any]],
     search: Mapping[str, Any] | None,
 ) -> None:
+    os.nice(niceness(planning_work(job, search)))
     try:
         answer: tuple[str, Any] = ("planned", plan_job(job, nodes, hosts, pods, search))
     except PlacementError as err:
@@ -139,13 +154,6 @@ def _receive(receiver: Connection, timeout_s: float) -> tuple[str, Any]:
         return receiver.recv() if receiver.poll(timeout_s) else ("timeout", None)
     except EOFError:  # it crashed (out of memory, say)
         return ("died", None)
-
-
-def planning_work(job: TrainingJob, search: Mapping[str, Any] | None = None) -> float:
-    """How much a plan of `job` costs, in rank x stage x microbatch cells (a search: unbounded)."""
-    if search is not None:
-        return math.inf
-    return job.world_size * max(1, len(job.stages)) * job.training.microbatches
 
 
 @dataclass
