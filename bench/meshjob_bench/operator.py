@@ -143,7 +143,21 @@ async def _throughput(c: h.Cluster, count: int) -> float:
     started = time.perf_counter()
     await asyncio.gather(*(c.create_job(b) for b in bodies))
     await _until_pods(c, ns, {b["metadata"]["name"]: 2 for b in bodies}, timeout=600)
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    await _delete_all(c, ns, [b["metadata"]["name"] for b in bodies])
+    return elapsed
+
+
+async def _delete_all(c: h.Cluster, namespace: str, jobs: list[str], timeout: float = 300) -> None:
+    """Delete the jobs and wait until they are gone: the next section starts on an idle operator."""
+    for name in jobs:
+        await c.delete_job(name, namespace)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = await c.kube.request("GET", h.JOBS.format(ns=namespace))
+        if not (found or {}).get("items"):
+            return
+        await asyncio.sleep(0.2)
 
 
 def huge_job(name: str, namespace: str, stages: int, resource: str) -> dict[str, Any]:
@@ -255,8 +269,7 @@ async def _crowd(c: h.Cluster, count: int, nodes: int, timeout: float = 600) -> 
                 placed[name] = now
         await asyncio.sleep(0.05)
     unschedulable = await _went_unschedulable(c, ns, names_)
-    for name in names_:
-        await c.delete_job(name, ns)
+    await _delete_all(c, ns, names_)
     times = list(placed.values())
     return {
         "jobs": count,
@@ -312,8 +325,7 @@ async def _large(c: h.Cluster, op: h.OperatorThread, count: int, stages: int, li
         admissions.append(await _admit_seconds(op, candidate))
         probes.append(await asyncio.to_thread(_probe_seconds, liveness))
         await asyncio.sleep(0.2)
-    for name in ["small", *(b["metadata"]["name"] for b in larges)]:
-        await c.delete_job(name, ns)
+    await _delete_all(c, ns, ["small", *(b["metadata"]["name"] for b in larges)])
     return {
         "large_jobs": count,
         "stages": stages,
