@@ -9,4 +9,4 @@ bash tests/lint.sh
 if [ -z "${KUBEBUILDER_ASSETS:-}" ] && [ -x ../shared/envtest/kube-apiserver ]; then
   export KUBEBUILDER_ASSETS=$(readlink -f ../shared/envtest)
 fi
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
