@@ -127,7 +127,8 @@ async def _latency(c: h.Cluster, hosts: int, run: int) -> float:
     await c.create_job(bench_job("job", ns, hosts, resource))
     await _until_pods(c, ns, {"job": hosts})
     elapsed = time.perf_counter() - started
-    await c.delete_job("job", ns)
+    await _delete_all(c, ns, ["job"])
+    await _delete_nodes(c, [f"{ns}-n{i}" for i in range(hosts)])
     return elapsed
 
 
@@ -145,7 +146,14 @@ async def _throughput(c: h.Cluster, count: int) -> float:
     await _until_pods(c, ns, {b["metadata"]["name"]: 2 for b in bodies}, timeout=600)
     elapsed = time.perf_counter() - started
     await _delete_all(c, ns, [b["metadata"]["name"] for b in bodies])
+    await _delete_nodes(c, [f"{ns}-n{i}" for i in range(2)])
     return elapsed
+
+
+async def _delete_nodes(c: h.Cluster, nodes: list[str]) -> None:
+    """A section's Nodes go with it: every plan reads every Node, so the next section's would grow with them."""
+    for name in nodes:
+        await c.kube.delete(f"/api/v1/nodes/{name}")
 
 
 async def _delete_all(c: h.Cluster, namespace: str, jobs: list[str], timeout: float = 300) -> None:
@@ -156,8 +164,13 @@ async def _delete_all(c: h.Cluster, namespace: str, jobs: list[str], timeout: fl
     while time.monotonic() < deadline:
         found = await c.kube.request("GET", h.JOBS.format(ns=namespace))
         if not (found or {}).get("items"):
-            return
+            break
         await asyncio.sleep(0.2)
+    # and their pods, as the garbage collector would (the bench's API server runs none): a plan reads every pod
+    pods = await c.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+    for pod in (pods or {}).get("items") or []:
+        options = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0}
+        await c.kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}", options)
 
 
 def huge_job(name: str, namespace: str, stages: int, resource: str) -> dict[str, Any]:
@@ -209,7 +222,8 @@ async def _planning(c: h.Cluster, stages: int, liveness: str) -> dict[str, Any]:
         await asyncio.sleep(0.5)
     huge_s = time.perf_counter() - started
     for ns in (huge, small):
-        await c.delete_job("job", ns)
+        await _delete_all(c, ns, ["job"])
+        await _delete_nodes(c, [f"{ns}-n{i}" for i in range(2)])
     return {
         "huge_job": {"stages": stages, "microbatches": 128, "devices": 2 * 1024},
         "small_job_seconds": round(small_s, 3),
