@@ -50,6 +50,8 @@ FROM base AS trainer
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
  && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
+# spec.model.init: Hugging Face weights (a layer of its own: the torch layer above stays cached)
+RUN pip install safetensors==0.8.0
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-index --find-links /tmp/wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
  && pip check && rm -rf /tmp/wheels
@@ -74,6 +76,8 @@ FROM base AS trainer-cuda
 ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
 RUN pip install --index-url "$TORCH_CUDA_INDEX_URL" torch==2.13.0 \
  && pip install numpy==2.4.6 prometheus-client==0.26.0 pyyaml==6.0.3 rich==15.0.0
+# spec.model.init: Hugging Face weights (a layer of its own: the torch layer above stays cached)
+RUN pip install safetensors==0.8.0
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-index --find-links /tmp/wheels meshjob==0.1.0 meshjob-trainer==0.1.0 torch==2.13.0 \
  && pip check && rm -rf /tmp/wheels

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("meshjob.commands.data", "meshjob"),
     "run": ("meshjob_trainer.commands.run", "meshjob-trainer"),
     "worker": ("meshjob_trainer.commands.worker", "meshjob-trainer"),
+    "export": ("meshjob_trainer.commands.export", "meshjob-trainer"),
     "bench": ("meshjob_bench.cli", "meshjob-bench"),
     "operator": ("meshjob_operator.cli", "meshjob-operator"),
     "cluster": ("meshjob_cluster.cli", "meshjob-cluster"),
@@ -39,6 +40,7 @@ HELPS: dict[str, str] = {
     "tune": "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster",
     "data": "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]",
     "worker": "one trainer process per device (what a trainer pod runs)",
+    "export": "export a checkpoint: meshjob export huggingface job.yaml --checkpoint DIR --out DIR",
     "operator": "the Kubernetes operator (kopf)",
     "cluster": "a local Kubernetes cluster where meshjob's pods run: up, down, status",
 }

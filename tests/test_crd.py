@@ -165,6 +165,7 @@ def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
         "scheduling",
         "serviceAccountName",
         "podTemplate",
+        "tunedFor",
     }
     assert set(props["model"]["properties"]) == {
         "kind",
@@ -179,6 +180,7 @@ def test_every_spec_field_of_the_model_appears_with_its_manifest_name():
         "ropeTheta",
         "entrypoint",
         "config",
+        "init",
     }
     assert set(props["data"]["properties"]) == {"kind", "path", "valPath", "dtype"}
     assert {"precision", "recompute", "gradClip", "lrSchedule", "evalEvery", "evalBatches", "optimizer"} <= set(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 
 import pytest
 import torch
@@ -97,7 +96,8 @@ def _rank_recording_waits(job, device):
 
     def target(ctx):
         waits: list[float] = []
-        compute_module.time = types.SimpleNamespace(sleep=waits.append)  # this forked rank's copy of the module
+        # this forked rank's copy of the class: each wait recorded, none slept
+        compute_module.DeadlineClock.wait = lambda clock, seconds: waits.append(seconds)
         result = train_rank(ctx.env, job, compute=ComputeMode("emulated", device))
         return waits, [name for name, _, _ in result.stats.timeline], result.losses
 
@@ -241,3 +241,109 @@ def test_meshjob_run_under_emulated_compute_says_so_and_reports_no_loss(tmp_path
     assert summary["ok"] and summary["steps_completed"] == summary["total_steps"]
     assert summary["compute"] == "emulated" and summary["device"]["name"] == "h100"
     assert summary["final_loss"] is None  # NaN losses: not meaningful, not reported
+
+
+class FakeHost:
+    """A host clock that moves only when slept on, and oversleeps each sleep by `overshoot` (a 2 us
+    time.sleep took 73 us on this machine)."""
+
+    def __init__(self, overshoot: float):
+        self.t, self.overshoot, self.slept = 100.0, overshoot, 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds + self.overshoot
+        self.slept += seconds + self.overshoot
+
+
+def test_waits_go_to_deadlines_so_oversleeping_does_not_add_up():
+    from meshjob_trainer.compute import DeadlineClock
+
+    host = FakeHost(overshoot=73e-6)
+    clock = DeadlineClock(host.now, host.sleep)
+    start, waits = host.t, [2e-6] * 1000 + [1e-3] * 10
+    for seconds in waits:
+        clock.wait(seconds)
+    modelled = math.fsum(waits)
+    assert clock.modelled == pytest.approx(modelled)
+    assert clock.deadline == pytest.approx(start + modelled)  # back to back: each deadline the previous + its time
+    # the whole run ends within one overshoot of the modelled time; one sleep per wait would add 1010 of them
+    assert start + modelled <= host.t <= start + modelled + host.overshoot
+    assert host.slept < modelled + 2 * host.overshoot
+
+
+def test_time_a_rank_spends_between_waits_counts_and_the_overshoot_is_made_up():
+    from meshjob_trainer.compute import DeadlineClock
+
+    host = FakeHost(overshoot=50e-6)
+    clock = DeadlineClock(host.now, host.sleep)
+    clock.wait(1e-3)
+    first = clock.deadline
+    host.t += 5e-3  # the rank waited for a transfer
+    clock.wait(1e-3)
+    # the next compute starts when the rank got to it, less the overshoot the previous wait still owes
+    assert clock.deadline == pytest.approx(first + 5e-3 + 1e-3)
+    assert host.t == pytest.approx(clock.deadline + host.overshoot)
+
+
+def recompute_job(steps: int = 2):
+    doc = {
+        "apiVersion": "meshjob.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "two-stage-recompute"},
+        "spec": {
+            "model": {
+                "kind": "llama",
+                "layers": 4,
+                "hidden": 256,
+                "heads": 8,
+                "kvHeads": 2,
+                "vocab": 512,
+                "seqLen": 256,
+            },
+            "training": {"steps": steps, "globalBatch": 8, "microbatches": 4, "recompute": "full"},
+            "topology": {"devicesPerHost": 2},
+            "stages": [{"layers": [0, 2], "mesh": [1, 1]}, {"layers": [2, 4], "mesh": [1, 1]}],
+            "schedule": {"kind": "eager-1f1b", "weightGradDelay": 1},
+        },
+    }
+    return parse_job(doc)
+
+
+def _rank_timing_waits(job, device):
+    from meshjob_trainer import compute as compute_module
+    from meshjob_trainer.train import train_rank
+
+    def target(ctx):
+        waits: list[tuple[float, float, float]] = []  # (modelled seconds, started, ended) on the host clock
+        real_wait = compute_module.DeadlineClock.wait
+
+        def timed(clock, seconds):
+            started = clock.now()
+            real_wait(clock, seconds)
+            waits.append((seconds, started, clock.now()))
+
+        compute_module.DeadlineClock.wait = timed
+        train_rank(ctx.env, job, compute=ComputeMode("emulated", device))
+        return waits
+
+    return target
+
+
+@pytest.mark.slow
+def test_an_emulated_step_waits_the_modelled_times_with_recompute_and_no_less():
+    """Two stages of llama with full recompute: each stage's waits add up to M x (F + I + W) + the optimizer
+    step per step, I holding the recomputed forward; the rank's waits end no sooner than their sum."""
+    job, device = recompute_job(), parse_device("20")
+    plan = build_plan(job)
+    values = launch(2, _rank_timing_waits(job, device), timeout_s=90).raise_on_failure().values
+    m = job.training.microbatches
+    for rank, waits in enumerate(values):
+        cost = emulated_cost(job, plan.placement.stage_of(rank), device)
+        assert cost.recompute_s > 0
+        step = m * (cost.stage.forward_s + cost.stage.backward_s) + cost.optimizer_s
+        modelled = math.fsum(seconds for seconds, _, _ in waits)
+        assert modelled == pytest.approx(job.training.steps * step)
+        assert waits[-1][2] - waits[0][1] >= modelled  # deadlines: the overshoots are made up, never skipped

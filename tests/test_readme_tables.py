@@ -15,7 +15,7 @@ import pytest
 from meshjob_bench import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-USED = ("resharding", "pipeline", "e2e", "cluster")
+USED = ("resharding", "pipeline", "e2e", "cluster", "memory", "peers", "grad_sync", "operator")
 
 
 @pytest.fixture

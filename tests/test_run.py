@@ -272,6 +272,15 @@ def test_a_step_counts_once_every_rank_reported_it_timed_by_the_slowest_rank():
     assert stats.tokens_per_s == pytest.approx(1000 / 0.5)
 
 
+def test_the_summary_lists_each_steps_loss_once_whatever_the_last_stages_ranks():
+    stats = RunStats(world_size=3, total_steps=2)
+    for step in (1, 2):
+        stats.add(*step_event_of(0, step, 0.1))
+        for rank in (1, 2):  # the last stage's two data-parallel ranks report the same loss
+            stats.add(*step_event_of(rank, step, 0.1, loss=3.0 - step))
+    assert stats.to_json()["losses"] == [(1, 2.0), (2, 1.0)]
+
+
 def test_a_restarted_gang_records_the_step_it_resumed_from():
     stats = RunStats(world_size=1, total_steps=10)
     for step in (1, 2, 3):

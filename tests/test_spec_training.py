@@ -64,10 +64,12 @@ def test_rotary_embeddings_need_an_even_head_size():
     assert "even head size" in fields(llama(hidden=24, heads=8))["spec.model.heads"]
 
 
-def test_tensor_parallel_degree_must_divide_llama_kv_heads_and_vocab():
+def test_tensor_parallel_degree_must_divide_llama_kv_heads_or_be_a_multiple_and_divide_vocab():
     # stage 0 runs tensor parallel 2 (mesh [1, 2], tensorParallelDim 1)
-    assert fields(llama(kvHeads=1)) == {
-        "spec.stages[0].mesh[1]": "a tensor-parallel degree dividing spec.model.kvHeads (1)"
+    assert parse_job(llama(kvHeads=1)).model.kv_heads == 1  # the one key/value head replicated on both ranks
+    assert fields(llama(hidden=240, heads=6, kvHeads=3)) == {
+        "spec.stages[0].mesh[1]": "a tensor-parallel degree dividing spec.model.kvHeads (3) or a multiple of it "
+        "(each key/value head then replicated on degree / 3 ranks)"
     }
     assert "spec.model.vocab (1023)" in fields(llama(vocab=1023))["spec.stages[0].mesh[1]"]
 

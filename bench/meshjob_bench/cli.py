@@ -1,5 +1,6 @@
 """`meshjob bench <benchmark>`: dispatch to the benchmark modules of this package (resharding, resimulate,
-compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune, cluster).
+compare-runs, pipeline, schedule-search, planner, message-cost, operator, fuzz, memory, e2e, tune, cluster,
+grad-sync, peers).
 
 Only the benchmark that runs is imported (the operator benchmark needs kopf, the others torch); an
 import error in it is a real error and surfaces as one.
@@ -30,6 +31,8 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "end to end on emulated devices: meshjob against Alpa's defaults and the signal bound",
     "tune": "meshjob tune's search against exhaustive enumeration, and its time on 64 hosts x 8 devices",
     "cluster": "the local cluster where pods run: apply -> pods Running -> first step, API requests per job",
+    "grad-sync": "data-parallel gradient sync overlapped with the backward against one sync after the step",
+    "peers": "meshjob's schedules against torch.distributed.pipelining's on the same emulated cluster and device",
 }
 
 

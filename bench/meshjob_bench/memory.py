@@ -23,6 +23,11 @@ recompute the peak activations are at most one block's (A_block) per stashed mic
 beside them: what recompute holds beyond its stash, less what the same step holds beyond its stash
 without recompute, in blocks (the recomputed block; its backward's temporaries come at the
 recompute peak, not at the end of the forwards where the peak without recompute is).
+
+Per schedule (gpipe, 1f1b, eager-1f1b, and eager-1f1b with weightGradDelay auto), recompute off and on: a
+3-stage Llama whose stages each run their own action list alone in this process (a loopback stands in for the
+neighbours), measured the same way: the busiest stage's peak activations, the step's compute summed over the
+stages, and the block forwards per block and microbatch (target with recompute: 2, also under the split backward).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import argparse
 import json
 import math
 import os
+import time
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from meshjob.plan.build import build_plan
 from meshjob.spec.api import API_VERSION, KIND
 from meshjob.spec.manifest import ModelSpec, TrainingJob, parse_job
+from meshjob_trainer.calibrate import Arrived
 from meshjob_trainer.launch import launch
 
 FLOAT32 = 4
@@ -113,39 +121,193 @@ def llama_parameters(m: ModelSpec) -> int:
     return m.layers * block + m.vocab * m.hidden + m.hidden
 
 
-def bench_job(precision: str, recompute: str, zero: int, dp: int, quick: bool) -> TrainingJob:
-    hidden, seq, layers = (32, 16, 2) if quick else (128, 64, 4)
+def _llama_job(name: str, size: tuple[int, int, int], training: dict[str, Any], spec: dict[str, Any]) -> TrainingJob:
+    """The benchmark's Llama (hidden, seq, layers = `size`; 4 heads, 2 KV heads) with these training fields
+    and the rest of the spec (topology, stages, schedule)."""
+    hidden, seq, layers = size
+    model = {"kind": "llama", "layers": layers, "hidden": hidden, "heads": 4, "kvHeads": 2, "vocab": 256, "seqLen": seq}
+    training = {"steps": 2, "learningRate": 1e-3, "seed": 0, **training}
     return parse_job(
         {
             "apiVersion": API_VERSION,
             "kind": KIND,
-            "metadata": {"name": "bench-memory"},
-            "spec": {
-                "model": {
-                    "kind": "llama",
-                    "layers": layers,
-                    "hidden": hidden,
-                    "heads": 4,
-                    "kvHeads": 2,
-                    "vocab": 256,
-                    "seqLen": seq,
-                },
-                "training": {
-                    "steps": 2,
-                    "globalBatch": 4 * dp,
-                    "microbatches": 4,
-                    "learningRate": 1e-3,
-                    "seed": 0,
-                    "precision": precision,
-                    "recompute": recompute,
-                    "optimizer": {"zeroStage": zero},
-                },
-                "topology": {"devicesPerHost": dp},
-                "stages": [{"layers": [0, layers], "mesh": [1, dp], "dataParallelDim": 1}],
-                "schedule": {"kind": "gpipe", "weightGradDelay": 0},
-            },
+            "metadata": {"name": name},
+            "spec": {"model": model, "training": training, **spec},
         }
     )
+
+
+def bench_job(precision: str, recompute: str, zero: int, dp: int, quick: bool) -> TrainingJob:
+    hidden, seq, layers = (32, 16, 2) if quick else (128, 64, 4)
+    training = {
+        "globalBatch": 4 * dp,
+        "microbatches": 4,
+        "precision": precision,
+        "recompute": recompute,
+        "optimizer": {"zeroStage": zero},
+    }
+    return _llama_job(
+        "bench-memory",
+        (hidden, seq, layers),
+        training,
+        {
+            "topology": {"devicesPerHost": dp},
+            "stages": [{"layers": [0, layers], "mesh": [1, dp], "dataParallelDim": 1}],
+            "schedule": {"kind": "gpipe", "weightGradDelay": 0},
+        },
+    )
+
+
+SCHEDULES: list[tuple[str, int | str]] = [("gpipe", 0), ("1f1b", 0), ("eager-1f1b", 0), ("eager-1f1b", "auto")]
+PIPELINE_STAGES = 3
+
+
+def pipeline_job(schedule: str, delay: int | str, recompute: str, quick: bool, precision: str = "fp32") -> TrainingJob:
+    """A Llama cut into PIPELINE_STAGES stages of one device: the per-schedule measurement's job."""
+    hidden, seq, layers_per_stage, microbatches = (32, 16, 2, 4) if quick else (128, 64, 2, 8)
+    layers = PIPELINE_STAGES * layers_per_stage
+    stages = [
+        {"layers": [s * layers_per_stage, (s + 1) * layers_per_stage], "mesh": [1, 1]} for s in range(PIPELINE_STAGES)
+    ]
+    training = {
+        "globalBatch": 2 * microbatches,
+        "microbatches": microbatches,
+        "precision": precision,
+        "recompute": recompute,
+    }
+    return _llama_job(
+        "bench-memory-schedules",
+        (hidden, seq, layers),
+        training,
+        {
+            "topology": {"devicesPerHost": 1},
+            "stages": stages,
+            "schedule": {"kind": schedule, "weightGradDelay": delay},
+        },
+    )
+
+
+class Loopback:
+    """A stage's transport without its neighbours: a receive gives a fixed random tensor of the
+    boundary's shape (made before the measured step), a send is dropped or, with `keep`, recorded."""
+
+    def __init__(self, shape: tuple[int, ...], keep: bool = False) -> None:
+        self.shape, self.keep = shape, keep
+        self.sent: dict[tuple[str, int, bool], torch.Tensor] = {}
+        self._received: dict[tuple[str, int, bool], torch.Tensor] = {}
+
+    def start(self, key: Any, mb: int, local: torch.Tensor | None) -> Arrived:
+        at = (key.tensor, mb, key.grad)
+        if local is not None:
+            if self.keep:
+                self.sent[at] = local.detach().clone()
+            return Arrived(None)
+        if at not in self._received:
+            seed = zlib.crc32(f"{key.tensor}:{mb}:{key.grad}".encode())
+            self._received[at] = torch.randn(self.shape, generator=torch.Generator().manual_seed(seed))
+        return Arrived(self._received[at])
+
+
+@dataclass
+class StageRun:
+    module: Any  # the stage (meshjob_trainer.model.PipelineStage) with the measured step's gradients
+    activations: int  # peak bytes, as measure_rank counts them
+    step_s: float  # the fastest of the timed steps
+    forwards: float  # block forwards per block and microbatch in the measured step (recompute: 2)
+    stashed: int
+    sent: dict[tuple[str, int, bool], torch.Tensor]
+
+
+def run_stage(job: TrainingJob, stage: int, timed_steps: int = 2, keep_sent: bool = False) -> StageRun:
+    """One stage of `job` in this process, running its own action list of the plan against a Loopback:
+    a warm-up step, `timed_steps` timed steps, then the measured step (from zeroed gradients)."""
+    from meshjob_trainer.data import Batch
+    from meshjob_trainer.families import build_stage
+    from meshjob_trainer.numerics import Numerics
+    from meshjob_trainer.pipeline import PipelineExecutor
+
+    plan, m, t = build_plan(job), job.model, job.training
+    first, last = job.stages[stage].layers
+    module = build_stage(m, first, last, t.seed, numerics=Numerics.of(job, stage))
+    forwards = [0]
+    for block in module.blocks.values():  # a pre-hook: torch's checkpoint recomputes without the post-hooks
+        block.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    rows = t.microbatch_size
+    loopback = Loopback((rows, m.seq_len, m.hidden), keep=keep_sent)
+    executor = PipelineExecutor(stage, module, plan.schedules[stage], loopback, 1.0 / (t.global_batch * m.seq_len))
+    gen = torch.Generator().manual_seed(0)
+    batches = [Batch(*torch.randint(m.vocab, (2, rows, m.seq_len), generator=gen)) for _ in range(t.microbatches)]
+    times = []
+    for _ in range(1 + timed_steps):
+        module.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        executor.run_step(batches.__getitem__)
+        times.append(time.perf_counter() - start)
+    params = list(module.parameters())
+    for p in params:  # as in measure_rank: what the measured step allocates is activations
+        p.grad = torch.zeros_like(p)
+    forwards[0] = 0
+    loopback.sent.clear()
+    with LiveBytes(exclude=params + [p.grad for p in params]) as live:
+        _, stats = executor.run_step(batches.__getitem__)
+    per_mb = forwards[0] / (len(module.blocks) * t.microbatches)
+    return StageRun(module, live.peak, min(times[1:] or times), per_mb, stats.peak_stashed, dict(loopback.sent))
+
+
+def schedule_rows(quick: bool) -> list[dict[str, Any]]:
+    """Per schedule, recompute off and on: every stage of pipeline_job run alone in this process (real
+    compute, one thread); the peak activations of the busiest stage and the compute of a step summed
+    over the stages."""
+    rows = []
+    for schedule, delay in SCHEDULES:
+        for recompute in ("none", "full"):
+            job = pipeline_job(schedule, delay, recompute, quick)
+            runs = [run_stage(job, s, timed_steps=4) for s in range(PIPELINE_STAGES)]
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "weight_grad_delay": delay,
+                    "delays": {str(s): d for s, d in build_plan(job).weight_delay.items()},
+                    "recompute": recompute,
+                    "activations": max(r.activations for r in runs),
+                    "stage_activations": [r.activations for r in runs],
+                    "step_s": sum(r.step_s for r in runs),
+                    "forwards_per_block_microbatch": max(r.forwards for r in runs),
+                    "stashed": max(r.stashed for r in runs),
+                }
+            )
+    return rows
+
+
+def schedule_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per schedule (`kind` or `kind+wdelay`): recompute's peak activations and step compute over no recompute's."""
+    by = {(r["schedule"], str(r["weight_grad_delay"]), r["recompute"]): r for r in rows}
+    out = {}
+    for schedule, delay in SCHEDULES:
+        full, none = by[(schedule, str(delay), "full")], by[(schedule, str(delay), "none")]
+        name = schedule if delay == 0 else f"{schedule}+wdelay"
+        out[name] = {
+            "activations": full["activations"] / none["activations"],
+            "step": full["step_s"] / none["step_s"],
+            "forwards_per_block_microbatch": full["forwards_per_block_microbatch"],
+        }
+    return out
+
+
+def print_schedules(rows: list[dict[str, Any]]) -> None:
+    table = Table(title=f"Recompute per schedule ({PIPELINE_STAGES} stages in one process each, busiest stage, MiB)")
+    for col in ("schedule", "W delay", "recompute", "activations", "step compute (s)", "forwards / block / mb"):
+        table.add_column(col, justify="left" if col in ("schedule", "recompute") else "right")
+    for r in rows:
+        table.add_row(
+            r["schedule"],
+            str(r["weight_grad_delay"]),
+            r["recompute"],
+            f"{r['activations'] / 2**20:.2f}",
+            f"{r['step_s']:.3f}",
+            f"{r['forwards_per_block_microbatch']:.2f}",
+        )
+    Console(width=160).print(table)
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -167,6 +329,7 @@ def measure_rank(env: Any, job: TrainingJob) -> dict[str, float]:
         ctx = WorkerContext(env=env, job=job, plan=plan, stage=0, reshard=ReshardExecutor(plan, env.rank))
         rt = build_runtime(ctx)
         train_step(rt, 0)
+        rt.executor.gradients = None  # no reduction starts in the measured backward: its buffers are no activations
         params = list(rt.module.parameters())
         for p in params:  # the gradients exist before the measured step: what it allocates is activations
             p.grad = torch.zeros_like(p)
@@ -350,6 +513,8 @@ def main(args: argparse.Namespace) -> int:
     rows = [run_variant(*variant, args.dp, args.quick) for variant in variants]
     goals = targets(rows, args.dp)
     print_table(rows, goals, args.dp)
+    per_schedule = schedule_rows(args.quick)
+    print_schedules(per_schedule)
     os.makedirs(args.out, exist_ok=True)
     doc = {
         "dp": args.dp,
@@ -358,7 +523,14 @@ def main(args: argparse.Namespace) -> int:
         "model": vars(bench_job("fp32", "none", 0, args.dp, args.quick).model),
         "targets": goals,
         "rows": [vars(r) for r in rows],
+        "pipeline": {
+            "stages": PIPELINE_STAGES,
+            "model": vars(pipeline_job("gpipe", 0, "none", args.quick).model),
+            "ratios": schedule_ratios(per_schedule),
+            "rows": per_schedule,
+        },
     }
+    doc["pipeline"]["model"] = {k: v for k, v in doc["pipeline"]["model"].items() if k != "config"}
     doc["model"] = {k: v for k, v in doc["model"].items() if k != "config"}
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(doc, f, indent=2)

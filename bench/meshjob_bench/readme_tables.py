@@ -178,6 +178,37 @@ def pipeline_cases(results: Path) -> str:
     return markdown(header, rows) + f"\n\nNICs at the rate shown ({emulation(data)}). Machine: {machine(data)}."
 
 
+def recompute_schedules(results: Path) -> str:
+    """`bench memory`: full recompute against none per schedule: peak activations and step compute."""
+    data = load(results, "memory")
+    pipeline = data["pipeline"]
+    by = {(r["schedule"], str(r["weight_grad_delay"]), r["recompute"]): r for r in pipeline["rows"]}
+    rows = []
+    for (schedule, delay, recompute), full in by.items():
+        if recompute != "full":
+            continue
+        none = by[(schedule, delay, "none")]
+        name = schedule if delay == "0" else f"{schedule}, W delay {delay}"
+        default = " (default)" if (schedule, delay) == ("eager-1f1b", "auto") else ""
+        rows.append(
+            [
+                name + default,
+                f"{none['activations'] / 2**20:.2f} -> {full['activations'] / 2**20:.2f}",
+                f"{full['activations'] / none['activations']:.2f}",
+                f"{full['step_s'] / none['step_s']:.2f}",
+                f"{full['forwards_per_block_microbatch']:.0f}",
+            ]
+        )
+    header = ["schedule", "peak activations, MiB (none -> full)", "full / none", "step compute full / none", "forwards"]
+    m = pipeline["model"]
+    return markdown(header, rows) + (
+        f"\n\nLlama, hidden {m['hidden']}, {m['layers']} layers in {pipeline['stages']} stages of one device, "
+        f"{len(pipeline['rows'][0]['stage_activations'])} stages each run alone in one process and thread (a "
+        f"loopback for its neighbours): the busiest stage's peak, the step's compute summed over the stages; "
+        f"forwards per block and microbatch with recompute."
+    )
+
+
 def cluster_sizes(results: Path) -> str:
     """`bench cluster`: apply -> pods Running -> first step, and API requests per job, per Node count."""
     data = load(results, "cluster")
@@ -198,9 +229,93 @@ def cluster_sizes(results: Path) -> str:
     )
 
 
+def peer_schedules(results: Path) -> str:
+    """bench/README.md: meshjob's schedules and torch.distributed.pipelining's, side by side (`bench peers`)."""
+    data = load(results, "peers")
+    rows = []
+    for r in data["rows"]:
+        if "error" in r:
+            rows.append([MODELS.get(r["model"], r["model"]), "", r["runtime"], r["schedule"], "failed", "", ""])
+            continue
+        rows.append(
+            [
+                MODELS.get(r["model"], r["model"]),
+                f"{r['comm_fraction']:.0%}",
+                r["runtime"],
+                r["schedule"],
+                f"{r['throughput_over_signal']:.2f}",
+                f"{r['peak_stash']:g}",
+                f"{r['bytes_sent'] / 2**20:.1f}",
+            ]
+        )
+    header = ["model", "comm / compute", "runtime", "schedule", "throughput / signal", "peak stash", "MiB sent"]
+    verdicts = [
+        f"{MODELS.get(t['model'], t['model'])} at {t['comm_fraction']:.0%}: eager-1f1b+wdelay is "
+        f"{t['ours_over_torch_best']:.2f}x torch's best ({t['torch_best']}; target {t['target']:g}x), peak stash "
+        f"{t['peak_stash_ours']:g} against ZBV's {t['peak_stash_zbv'] if t['peak_stash_zbv'] is not None else 'n/a'} "
+        f"(throughput target {'met' if t['throughput_met'] else 'not met'}, stash target "
+        f"{'met' if t['stash_met'] else 'not met'})"
+        for t in data["targets"]
+    ]
+    check = data["loss_check"]
+    worst = max(d for d in check["max_abs_diff"].values() if d is not None)
+    return (
+        markdown(header, rows)
+        + "\n\n"
+        + ". ".join(verdicts)
+        + f". Real compute (a small GPT, every runtime and torch schedule): losses within {worst:.0e} of the "
+        f"reference. {data['steps'] - 1} timed steps. Machine: {machine(data)}."
+    )
+
+
+def grad_sync_modes(results: Path) -> str:
+    """`bench grad-sync`: DP gradient sync overlapped with the backward against one sync after the step."""
+    data = load(results, "grad_sync")
+    after = data["tokens_per_s"]["after the step"]["median"]
+    rows = [
+        [mode, f"{f['median']:,.0f}", f"{f['median'] / after:.2f}x", ", ".join(f"{v:,.0f}" for v in f["runs"])]
+        for mode, f in data["tokens_per_s"].items()
+    ]
+    header = ["gradient sync", "tokens/s (median)", "over after the step", "runs"]
+    return markdown(header, rows) + (
+        f"\n\nGPT, {data['job']['model']['layers']} layers, hidden {data['job']['model']['hidden']}, one stage data "
+        f"parallel over 2 emulated hosts at {rate(data['nic_rate'])}, real compute, {data['steps']} steps, "
+        f"{data['repeats']} runs per mode alternating; equal losses. Machine: {machine(data)}."
+    )
+
+
+def operator_crowds(results: Path) -> str:
+    """`bench operator`: many jobs at once (50 small on 128 nodes; 16 large planning and a small one)."""
+    data = load(results, "operator")
+    crowd, large = data["crowd"], data["large"]
+    rows = [
+        [
+            f"{crowd['jobs']} small jobs at once, {crowd['nodes']} free nodes",
+            f"{crowd['placed']} placed, {crowd['went_unschedulable']} went Unschedulable; create -> pods p50 "
+            f"{crowd['create_to_pods_p50_seconds']:.1f} s, max {crowd['create_to_pods_max_seconds']:.1f} s",
+            "all placed, none Unschedulable, p50 < 5 s",
+        ],
+        [
+            f"{large['large_jobs']} large jobs planning, then a small one",
+            f"its pods after {large['other_job_to_pods_seconds']:.2f} s; admission p99 "
+            f"{large['admission_p99_seconds']:.2f} s, /healthz p99 {large['healthz_p99_seconds']:.2f} s",
+            "each < 1 s",
+        ],
+    ]
+    return markdown(["case", "measured", "target"], rows) + f"\n\nAPI server: {data['server']}."
+
+
 TABLES: dict[str, dict[str, Table]] = {
     "README.md": {"results": headline},
-    "bench/README.md": {"resharding": resharding_variants, "pipeline": pipeline_cases, "cluster": cluster_sizes},
+    "bench/README.md": {
+        "resharding": resharding_variants,
+        "pipeline": pipeline_cases,
+        "recompute": recompute_schedules,
+        "cluster": cluster_sizes,
+        "peers": peer_schedules,
+        "grad-sync": grad_sync_modes,
+        "operator-crowds": operator_crowds,
+    },
 }
 
 

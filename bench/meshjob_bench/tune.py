@@ -2,18 +2,20 @@
 on a large cluster.
 
 Part 1: `--cases` random small models and clusters (seeded; <= 8 devices, <= 6 layers; microbatches 2 or 4,
-two schedules, one strategy and balancer, at most 3 stages: a space exhaustive enumeration can simulate
-whole). Each is searched (meshjob.search.algorithm.search, no evaluation budget) and enumerated
+every schedule, one strategy and balancer, at most 3 stages: a space exhaustive enumeration can simulate
+whole). Each is searched (meshjob.search.algorithm.search, its default budget) and enumerated
 (meshjob.search.algorithm.exhaustive); the target is the same predicted step time on every case. Reported: both step
 times, the candidates each simulated and their times.
 Part 2: the search on `--hosts` x `--devices-per-host` devices (default 64 x 8) and a `--layers`-layer GPT
 (default 96; hidden 1024, 16 heads, global batch 1024) with the default space and budget, as `meshjob tune`
 runs it; target: under 60 s here. Reported: search time, plans simulated, whether the result is proven best,
 and its step against the DP's least lower bound.
+Part 4 (`hand`, meshjob_bench.tune_hand): the tuned plan against about 20 hand-written ones in simulated step time,
+on the paper's GPT and U-Transformer shapes at 8 and 64 hosts.
 Part 3 (meshjob_bench.tune_measure): the tuned manifest against hand-written ones for the same model and
 emulated cluster, measured with emulated device compute, and the simulator's prediction of each; targets:
 tuned throughput >= the best hand-written one's, predictions within 10%. `--quick`: a small GPT, 2 steps.
-`--parts` picks the parts to run (default all three); the parts not run keep what tune.json in `--out`
+`--parts` picks the parts to run (default all four); the parts not run keep what tune.json in `--out`
 already holds.
 Times are wall-clock on a shared 2-core machine: compare, don't quote.
 
@@ -39,10 +41,10 @@ from meshjob.network.model import NetworkModel
 from meshjob.search.algorithm import Problem, default_space, exhaustive, search
 from meshjob.search.cluster import DEVICES, Cluster
 from meshjob.search.inputs import base_job, read_fixed
-from meshjob.search.problem import Candidate, Prediction
-from meshjob_bench import parsed_arguments, tune_measure
+from meshjob.search.problem import SCHEDULES, Candidate, Prediction
+from meshjob_bench import parsed_arguments, tune_hand, tune_measure
 
-PARTS = ("search", "large", "measure")
+PARTS = ("search", "large", "measure", "hand")
 SHAPES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 
 
@@ -58,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(PARTS),
         help="comma separated, from search (small spaces "
         "against exhaustive), large (search time), measure (tuned vs hand-written on the emulated "
-        "cluster); default all",
+        "cluster), hand (tuned vs hand-written plans, simulated); default all",
     )
     parser.add_argument("--quick", action="store_true", help="measure: a small GPT, 2 steps (a smoke run)")
     tune_measure.add_arguments(parser)
@@ -95,7 +97,7 @@ def small_case(seed: int) -> tuple[dict[str, Any], Problem]:
     hidden = rng.choice([64, 128, 256])
     batch, seq = rng.choice([4, 8, 16]), rng.choice([16, 64, 128])
     nic_gbit = rng.choice([0.1, 1.0, 10.0, 100.0])
-    schedules = tuple(rng.sample([("1f1b", 0), ("eager-1f1b", "auto"), ("gpipe", 0), ("1f1b", "auto")], 2))
+    schedules = SCHEDULES  # every schedule of the search's space
     doc = manifest(layers, hidden, 4, batch, seq)
     p = problem(
         doc,
@@ -140,7 +142,7 @@ def run_small(seed: int) -> dict[str, Any]:
     info, small = small_case(seed)
     p = CountingProblem.of(small)
     t0 = time.perf_counter()
-    found = search(p, max_evaluations=10**9)
+    found = search(p)  # the default budget: exact where it says so
     t_search, n_search = time.perf_counter() - t0, p.calls
     t0 = time.perf_counter()
     truth = exhaustive(p)
@@ -152,6 +154,7 @@ def run_small(seed: int) -> dict[str, Any]:
         "exhaustive_step_s": truth.step_s,
         "equal": equal,
         "proven": found.proven,
+        "optimality_gap": found.gap,
         "search_simulations": n_search,
         "exhaustive_simulations": n_all,
         "search_seconds": t_search,
@@ -176,6 +179,7 @@ def run_large(args: argparse.Namespace) -> dict[str, Any]:
         "simulated": r.evaluated,
         "listed": r.listed,
         "proven": r.proven,
+        "optimality_gap": r.gap,
         "step_s": best.step_s,
         "least_lower_bound_s": r.best_bound_s,
         "step_over_bound": best.step_s / r.best_bound_s,
@@ -221,7 +225,8 @@ def print_table(rows: list[dict[str, Any]], large: dict[str, Any]) -> None:
     con.print(
         f"target 2: {large['hosts']} hosts x {large['devices_per_host']} devices, {large['layers']} layers "
         f"(NIC {large['nic_gbit']:g} Gbit/s): searched in {large['search_seconds']:.1f} s, "
-        f"{large['simulated']} plans simulated, {'proven best' if large['proven'] else 'not proven best'}, "
+        f"{large['simulated']} plans simulated, "
+        f"{'proven best' if large['proven'] else 'optimality gap ' + format(large['optimality_gap'], '.1%')}, "
         f"step / least lower bound {large['step_over_bound']:.2f} -> "
         f"{'met' if large['search_seconds'] < 60 else 'MISSED'} (< 60 s)"
     )
@@ -294,6 +299,10 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     if "cases" in doc and "large" in doc and ("search" in parts or "large" in parts):
         print_table(doc["cases"], doc["large"])
         plot(doc["cases"], doc["large"], os.path.join(args.out, "tune.png"))
+    if "hand" in parts:
+        doc["hand_written"] = tune_hand.run()
+        tune_hand.print_table(doc["hand_written"])
+        targets["hand_written"] = doc["hand_written"]["targets"]
     if setting is not None:
         doc["measured"] = tune_measure.measure(models, setting)
         doc["measured"]["plots"] = [os.path.join(args.out, "tune_measured.png")]

@@ -237,4 +237,5 @@ def as_started(job: TrainingJob, doc: Mapping[str, Any], started: TrainingJob) -
         schedule=schedule,
         resharding=resharding,
         topology=topology,
+        tuned_for=started.tuned_for,  # the cluster the search chose for, as the search writes it
     )

@@ -17,12 +17,19 @@ from meshjob.costs.device_costs import emulated_costs
 from meshjob.costs.devices import parse_device
 from meshjob.errors import UsageError
 from meshjob.network.model import DEFAULT_MESSAGE_S, DUPLEX, NetworkModel, emulated_network
+from meshjob.search.cluster import Cluster
+from meshjob.search.settings import DEFAULT_NIC_RATE, resolve
 from meshjob.spec.manifest import TrainingJob
+from meshjob.spec.model import TunedForSpec
 from meshjob.units import parse_rate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nic-rate", default="1gbit", help="NIC rate per host and direction, tc style (default 1gbit)")
+    p.add_argument(
+        "--nic-rate",
+        default=None,
+        help=f"NIC rate per host and direction, tc style (default: spec.tunedFor's, else {DEFAULT_NIC_RATE})",
+    )
     p.add_argument(
         "--duplex",
         default="full",
@@ -64,10 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def network_from_args(args: argparse.Namespace) -> NetworkModel:
-    """The NetworkModel the options describe; a bad value is a UsageError naming the option."""
+def network_from_args(args: argparse.Namespace, tuned: TunedForSpec | None = None) -> NetworkModel:
+    """The NetworkModel the options describe, at --nic-rate, else a tuned manifest's (`tuned`: its
+    spec.tunedFor), else the default; a bad value is a UsageError naming the option or field."""
+    settings = resolve(tuned, nic_rate=args.nic_rate)
     try:
-        nic = parse_rate(args.nic_rate, "--nic-rate")
+        nic = parse_rate(settings.nic_rate, settings.nic_path)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if not (math.isfinite(args.message_us) and args.message_us >= 0):
@@ -105,6 +114,16 @@ def _burst(text: str) -> float:
     if not m:
         raise UsageError(f"--tbf-burst: {text!r} is invalid: a size such as 0, 128kb or 1mb")
     return float(m.group(1)) * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2}[m.group(2)]
+
+
+def tuned_cluster(args: argparse.Namespace, job: TrainingJob, network: NetworkModel) -> Cluster | None:
+    """A tuned manifest (spec.tunedFor) whose compute no flag sets otherwise: the cluster it was tuned for,
+    the flags over it, on `network`; its plan is then predicted as `meshjob tune` predicted it
+    (meshjob.search.job_step). None for any other manifest."""
+    if job.tuned_for is None or args.calibrate or getattr(args, "layer_forward_ms", None) is not None:
+        return None
+    settings = resolve(job.tuned_for, nic_rate=args.nic_rate, device=args.device)
+    return settings.cluster(job.topology.devices_per_host, network)
 
 
 def cost_from_args(args: argparse.Namespace, job: TrainingJob, network: NetworkModel) -> CostModel:

@@ -1,7 +1,9 @@
-"""`meshjob data prepare TEXT --out train.bin [--val-out val.bin]`: a token file from a text file.
+"""`meshjob data prepare TEXT --out train.bin [--val-out val.bin] [--tokenizer tokenizer.json]`: a token file
+from a text file.
 
 The byte-level tokenizer (meshjob.spec.tokens) needs no vocabulary and no download: 256 token ids, so a
 model of spec.model.vocab >= 256 trains on the result with `spec.data: {kind: tokens, path: ...}`.
+--tokenizer takes a local Hugging Face `tokenizers` file instead; spec.model.vocab then covers its ids.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from meshjob.errors import FieldError, SpecError
-from meshjob.spec.tokens import BYTE_VOCAB, TYPECODES, prepare
+from meshjob.spec.tokens import TYPECODES, prepare
 
 HELP = "prepare token files: meshjob data prepare TEXT --out train.bin [--val-out val.bin]"
 
@@ -26,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--val-out", help="also write a validation token file: the text's last --val-fraction")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for --val-out (default 0.1)")
     p.add_argument("--dtype", default="uint16", help="uint16 (default) or uint32 token ids")
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizers file (tokenizer.json, local: no download) instead of the byte-level "
+        "tokenizer; needs the tokenizers package",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -41,11 +48,12 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check(args)
     try:
-        done = prepare(args.text, args.out, args.val_out, args.val_fraction, args.dtype)
+        done = prepare(args.text, args.out, args.val_out, args.val_fraction, args.dtype, args.tokenizer)
     except OSError as err:
         where = args.text if err.filename in (None, args.text) else err.filename
-        field = "TEXT" if where == args.text else ("--out" if where == args.out else "--val-out")
-        wanted = "a readable text file" if field == "TEXT" else "a path where a file can be written"
+        fields = {args.text: "TEXT", args.out: "--out", args.tokenizer: "--tokenizer"}
+        field = fields.get(where, "--val-out")
+        wanted = "a path where a file can be written" if field in ("--out", "--val-out") else "a readable file"
         raise SpecError([FieldError(field, where, f"{wanted} ({err.strerror})")]) from None
     print(
         f"{args.out}: {done.train_tokens:,} {args.dtype} tokens"
@@ -54,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     val = f", valPath: {args.val_out}" if args.val_out else ""
     print(
         f"use: spec.data: {{kind: tokens, path: {args.out}{val}, dtype: {args.dtype}}} "
-        f"with spec.model.vocab >= {BYTE_VOCAB}"
+        f"with spec.model.vocab >= {done.vocab}"
     )
     return 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -30,12 +30,22 @@ from meshjob.cluster.nodes import plan_on_nodes, pods_json
 from meshjob.commands import costs as cost_options
 from meshjob.errors import UsageError
 from meshjob.network.model import NetworkModel
-from meshjob.plan.build import build_plan
-from meshjob.plan.placement import load_hosts
+from meshjob.plan.build import Plan, build_plan
+from meshjob.plan.placement import Host, load_hosts
+from meshjob.schedule import torch_csv
+from meshjob.search.job_step import job_cost
+from meshjob.search.stage_model import job_figures
 from meshjob.spec.inputs import check_jobs_inputs
 from meshjob.spec.manifest import TrainingJob, load_jobs
+from meshjob.units import format_rate
 
 HELP = "show the plan for a TrainingJob: placement, resharding tasks, schedules"
+# --export: the plan's action lists in another runtime's format (torch's _PipelineScheduleRuntime CSV)
+EXPORTS: dict[str, Callable[[Plan], str]] = {
+    torch_csv.FORMAT: lambda plan: torch_csv.csv_text(
+        torch_csv.torch_rows(plan.schedules, plan.job.training.microbatches, plan.transfer_order.depth)
+    )
+}
 MAX_TASK_ROWS = 64  # per boundary in the table; --json always has every task
 
 
@@ -61,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost_options.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (the plan contract)")
     p.add_argument(
+        "--export",
+        choices=sorted(EXPORTS),
+        help="print the stages' action lists instead: torch-csv is the CSV torch's _PipelineScheduleRuntime "
+        "loads (_load_csv(path, format='compute_comms')), one row per pipeline rank",
+    )
+    p.add_argument(
         "--skip-files",
         action="store_true",
         help="don't check spec.data's token files and spec.model.entrypoint's package on this "
@@ -73,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--cluster and --hosts exclude each other: the cluster's Nodes are the hosts")
     if not args.cluster and (args.kubeconfig or args.context):
         raise UsageError("--kubeconfig and --context go with --cluster")
+    if args.cluster and args.export:
+        raise UsageError("--export exports a plan made here: drop --cluster (use --hosts for the cluster's hosts)")
     network = cost_options.network_from_args(args)
     if args.cluster:  # as the operator reads them: `stages: auto` runs its search on the Nodes
         _operator_costs_only(args, network)
@@ -84,17 +102,33 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_files:  # a cluster's pods read their files there, not here
             check_jobs_inputs(jobs, args.job)
         hosts = load_hosts(args.hosts) if args.hosts else None
-        docs = [
-            build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network)).to_json()
-            for job in jobs
-        ]
+        if args.export:
+            for job in jobs:
+                sys.stdout.write(EXPORTS[args.export](_build(args, job, hosts)))
+            return 0
+        docs = [_plan(args, job, hosts) for job in jobs]
     if args.json:
         json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for doc in docs:
-            print_tables(doc, args.nic_rate)
+            print_tables(doc, format_rate(doc["nic_bytes_per_s"]))
     return 0
+
+
+def _plan(args: argparse.Namespace, job: TrainingJob, hosts: Sequence[Host] | None) -> dict[str, Any]:
+    return _build(args, job, hosts).to_json()
+
+
+def _build(args: argparse.Namespace, job: TrainingJob, hosts: Sequence[Host] | None) -> Plan:
+    """The job's plan; a tuned manifest's (spec.tunedFor) on the cluster it was tuned for, with the search's
+    stage model as its compute: the plan `meshjob tune` and `meshjob simulate` predict."""
+    network = cost_options.network_from_args(args, job.tuned_for)
+    cluster = cost_options.tuned_cluster(args, job, network)
+    if cluster is None:
+        return build_plan(job, hosts, network=network, cost=cost_options.cost_from_args(args, job, network))
+    cost = job_cost(cluster.network, job_figures(job, cluster))
+    return build_plan(job, hosts or cluster.host_list(), network=cluster.network, cost=cost)
 
 
 def _operator_costs_only(args: argparse.Namespace, network: NetworkModel) -> None:

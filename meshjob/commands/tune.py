@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -22,15 +21,14 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 
 from meshjob.errors import UsageError
-from meshjob.network.model import NetworkModel
 from meshjob.plan.placement import MAX_CLUSTER_HOSTS
 from meshjob.search.algorithm import Prediction, Problem, Result, default_space, search
 from meshjob.search.algorithm import Progress as SearchProgress
-from meshjob.search.cluster import DEVICES, Cluster
 from meshjob.search.inputs import base_job, read_fixed
+from meshjob.search.settings import DEFAULT_DEVICE, DEFAULT_NIC_RATE, Settings, resolve
 from meshjob.spec.manifest import MAX_DEVICES_PER_HOST, parse_job
+from meshjob.spec.model import TunedForSpec
 from meshjob.spec.safeyaml import load_documents, read_text, source_name
-from meshjob.units import parse_rate, parse_size
 
 HELP = "choose stages, meshes, parallel degrees, microbatches, schedule and resharding for a cluster"
 
@@ -47,9 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="devices per host (default: the manifest's spec.topology.devicesPerHost, else 8)",
     )
-    p.add_argument("--nic-rate", default="100gbit", help="NIC rate per host and direction, tc style (default 100gbit)")
-    p.add_argument("--device", default="h100", help="device profile: h100 or a100 (default h100)")
-    p.add_argument("--memory", default=None, help="memory per device, e.g. 80Gi or 40GiB (default: the profile's)")
+    p.add_argument(
+        "--nic-rate",
+        default=None,
+        help=f"NIC rate per host and direction, tc style (default: spec.tunedFor's, else {DEFAULT_NIC_RATE})",
+    )
+    p.add_argument(
+        "--device", default=None, help=f"device profile: h100 or a100 (default: spec.tunedFor's, else {DEFAULT_DEVICE})"
+    )
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="memory per device, e.g. 80Gi or 40GiB (default: spec.tunedFor's, else the profile's)",
+    )
     p.add_argument("--top", type=int, default=5, help="candidates to rank (default 5)")
     p.add_argument("--max-stages", type=int, default=None, help="most pipeline stages to consider (default 16)")
     p.add_argument(
@@ -68,38 +76,14 @@ def _positive(args: argparse.Namespace, flag: str, value: int | None, most: int 
         raise UsageError(f"--{flag}: {value} is invalid: {allowed}")
 
 
-def cluster_from_args(args: argparse.Namespace, devices_default: int) -> Cluster:
+def settings_from_args(args: argparse.Namespace, tuned: TunedForSpec | None) -> Settings:
+    """The cluster the flags describe, over the manifest's spec.tunedFor (meshjob.search.settings)."""
     _positive(args, "hosts", args.hosts, MAX_CLUSTER_HOSTS)
     _positive(args, "devices-per-host", args.devices_per_host, MAX_DEVICES_PER_HOST)
     _positive(args, "top", args.top)
     _positive(args, "max-stages", args.max_stages)
     _positive(args, "max-evaluations", args.max_evaluations)
-    if args.device not in DEVICES:
-        raise UsageError(f"--device: {args.device!r} is invalid: one of {', '.join(sorted(DEVICES))}")
-    device = DEVICES[args.device]
-    try:
-        nic = parse_rate(args.nic_rate, "--nic-rate")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    memory = None if args.memory is None else _memory(args.memory)
-    network = NetworkModel(nic_bytes_per_s=nic, intra_host_bytes_per_s=device.link_bytes_per_s)
-    return Cluster(args.hosts, args.devices_per_host or devices_default, device, network, memory)
-
-
-def _memory(text: str) -> int:
-    """Kubernetes quantities (80Gi) and byte sizes (80GiB, 64mb)."""
-    quantity = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(Ki|Mi|Gi|Ti)\s*", text)
-    try:
-        n = (
-            int(float(quantity.group(1)) * 2 ** (10 * ("KMGT".index(quantity.group(2)[0]) + 1)))
-            if quantity
-            else parse_size(text)
-        )
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise UsageError(f"--memory: {text!r} is invalid: a positive size such as 80Gi, 80GiB or 40960MiB")
-    return n
+    return resolve(tuned, args.hosts, args.nic_rate, args.device, args.memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
     doc = docs[0]
     fixed = read_fixed(doc)
     topology = (doc.get("spec") or {}).get("topology") or {}
-    cluster = cluster_from_args(args, int(topology.get("devicesPerHost") or 8))
-    job = base_job(doc, cluster.devices_per_host)
+    devices_per_host = args.devices_per_host or int(topology.get("devicesPerHost") or 8)
+    _positive(args, "devices-per-host", devices_per_host, MAX_DEVICES_PER_HOST)
+    job = base_job(doc, devices_per_host)
+    settings = settings_from_args(args, job.tuned_for)
+    cluster = settings.cluster(devices_per_host)
     space = default_space(job, fixed, cluster, **({"max_stages": args.max_stages} if args.max_stages else {}))
-    problem = Problem(doc, job, cluster, fixed, space)
+    problem = Problem(doc, job, cluster, fixed, space, settings)
     t0 = time.perf_counter()
     kwargs = {"max_evaluations": args.max_evaluations} if args.max_evaluations else {}
     result = _with_progress(args, lambda progress: search(problem, top=args.top, progress=progress, **kwargs))
@@ -183,6 +170,7 @@ def summary(problem: Problem, result: Result, seconds: float) -> dict[str, Any]:
         "evaluated": result.evaluated,
         "listed": result.listed,
         "proven_best": result.proven,
+        "optimality_gap": result.gap if result.gap < float("inf") else None,
         "lower_bound_s": result.best_bound_s,
         "threshold_s": result.threshold_s if result.threshold_s < float("inf") else None,
         "ranked": rows,
@@ -202,7 +190,8 @@ def print_tables(out: dict[str, Any], path: str | None) -> None:
         "the best of the space: proven (every candidate that could beat it was simulated)"
         if out["proven_best"]
         else f"[yellow]not proven best[/]: the search stopped at its budget; every candidate not simulated "
-        f"predicts at least {out['threshold_s'] * 1e3:.3f} ms (its lower bound)"
+        f"predicts at least {out['threshold_s'] * 1e3:.3f} ms (its lower bound): optimality gap "
+        + ("unbounded" if out["optimality_gap"] is None else f"{out['optimality_gap']:.1%}")
     )
     t = Table("rank", "step ms", "tokens/s", "memory/device", "bubble", "resharding ms", "plan", title="candidates")
     for row in out["ranked"]:

@@ -64,7 +64,7 @@ from meshjob.schedule.boundary import BoundaryKey
 from meshjob.simulate.simulator import compute_costs, plan_cost, simulate_transfer, transfer_costs
 from meshjob.spec.manifest import ReshardingSpec, TrainingJob
 
-ITEMSIZE = 4  # float32 activations
+ITEMSIZE = 4  # float32 activations: a boundary's default (Boundary.itemsize: the job's training dtype)
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Boundary:
     # message to its last, which overestimates them. None: the schedule's makespan, which the other strategies'
     # executor follows.
     timed_s: float | None = None
+    itemsize: int = ITEMSIZE  # bytes of one element on the wire: TrainingSpec.activation_itemsize
 
     @property
     def src(self) -> int:
@@ -190,7 +191,7 @@ class Plan:
         index = self.boundaries.index(boundary)
         if index not in self._programs:
             plain = replace(self.network, burst_bytes=0.0)
-            self._programs[index] = rank_programs(boundary.steps, self.placement.host_of, plain, ITEMSIZE)
+            self._programs[index] = rank_programs(boundary.steps, self.placement.host_of, plain, boundary.itemsize)
         return self._programs[index].get(rank, RankProgram(rank, (), (), ()))
 
     def host_bytes_per_step(self) -> dict[int, tuple[int, int]]:
@@ -198,7 +199,7 @@ class Plan:
         per microbatch): host index -> (egress, ingress)."""
         total: dict[int, list[int]] = {}
         for b in self.boundaries:
-            for host, (out, into) in nic_bytes(b.steps, self.placement.host_of, ITEMSIZE).items():
+            for host, (out, into) in nic_bytes(b.steps, self.placement.host_of, b.itemsize).items():
                 pair = total.setdefault(host, [0, 0])
                 pair[0] += out * self.job.training.microbatches
                 pair[1] += into * self.job.training.microbatches
@@ -299,21 +300,23 @@ def _decompose(
     src: tuple[Mesh, ShardingSpec],
     dst: tuple[Mesh, ShardingSpec],
     host_of: Callable[[int], int],
+    itemsize: int = ITEMSIZE,
 ) -> _Edge:
     (src_mesh, send), (dst_mesh, recv) = src, dst
-    tasks = tuple(decompose(shape, src_mesh, send, dst_mesh, recv, ITEMSIZE))
+    tasks = tuple(decompose(shape, src_mesh, send, dst_mesh, recv, itemsize))
     return _Edge(key, shape, send, recv, tasks, tuple(host_task(t, host_of) for t in tasks))
 
 
 def _directions(job: TrainingJob, placement: Placement) -> list[_Edge]:
     shape = tuple(job.activation_shape())
+    itemsize = job.training.activation_itemsize
     out: list[_Edge] = []
     for e in job.edges:
         forward = BoundaryKey(e.src, e.dst, e.tensor)
         send, recv = ShardingSpec.parse(e.send, len(shape)), ShardingSpec.parse(e.recv, len(shape))
         src, dst = (placement.mesh(e.src), send), (placement.mesh(e.dst), recv)
-        out.append(_decompose(forward, shape, src, dst, placement.host_of))
-        out.append(_decompose(forward.backward(), shape, dst, src, placement.host_of))
+        out.append(_decompose(forward, shape, src, dst, placement.host_of, itemsize))
+        out.append(_decompose(forward.backward(), shape, dst, src, placement.host_of, itemsize))
     return out
 
 
@@ -351,8 +354,10 @@ def _plan_windows(
     host_of: Callable[[int], int],
     network: NetworkModel,
     seed: int,
+    itemsize: int = ITEMSIZE,
 ) -> tuple[list[Boundary], list[Window]]:
-    """Balance each window of `edges` jointly, then lower every boundary from its share."""
+    """Balance each window of `edges` jointly, then lower every boundary from its share (`itemsize`: the
+    bytes of one element, which the edges' tasks were decomposed with)."""
     spec = resharding
     tasks = [e.host_tasks for e in edges]
     shares: dict[int, bal.Schedule] = {}
@@ -370,7 +375,7 @@ def _plan_windows(
             e = edges[b]
             senders, steps = lower_in_start_order(e.tasks, shares[b], host_of, spec.strategy, load)
             timed = (
-                simulate_transfer(steps, host_of, network).makespan_s
+                simulate_transfer(steps, host_of, network, itemsize).makespan_s
                 if strategies.by_name(spec.strategy).interleaved
                 else None
             )
@@ -388,6 +393,7 @@ def _plan_windows(
                 steps=steps,
                 window=w,
                 timed_s=timed,
+                itemsize=itemsize,
             )
         if strategies.by_name(spec.strategy).interleaved:
             windows[w] = replace(
@@ -415,13 +421,16 @@ def timed_together(
             for i, s in enumerate(boundary.steps)
         ]
     steps = [step for _, _, step in sorted(keyed, key=lambda x: x[:2])]
-    return simulate_transfer(steps, host_of, network).makespan_s
+    itemsize = members[0].itemsize if members else ITEMSIZE
+    return simulate_transfer(steps, host_of, network, itemsize).makespan_s
 
 
 def _boundaries(job: TrainingJob, placement: Placement, network: NetworkModel) -> tuple[list[Boundary], list[Window]]:
     edges = _directions(job, placement)
     groups = window_groups(schedule_kind(job.schedule.kind).forwards_first, [e.key.grad for e in edges])
-    return _plan_windows(edges, groups, job.resharding, placement.host_of, network, job.training.seed)
+    return _plan_windows(
+        edges, groups, job.resharding, placement.host_of, network, job.training.seed, job.training.activation_itemsize
+    )
 
 
 def plan_boundary(

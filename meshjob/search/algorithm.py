@@ -1,33 +1,36 @@
 """`meshjob tune`'s search: stage cuts, submeshes, parallel splits, microbatches, schedule and resharding
 settings that minimise the predicted step time within each device's memory.
 
-Objective (`predict`): the job's plan (meshjob.plan.build) run through meshjob.simulate.simulator's pipeline model with
-each stage's compute from meshjob.search.stage_model (meshjob.costs.device_costs' roofline, tensor-parallel all-reduces
-included), then each stage's tail after its last action (meshjob.search.gradient_sync: its gradient all-reduce,
-sharing NICs with the other stages' on the same hosts, then its optimizer step): step = the last tail's end.
-Constraint: every stage's bytes per device (meshjob.search.memory_model, with the stash its schedule keeps:
-the warm-up forwards, and with split backward eager-1F1B's bound min(M, 2S - 1), the most the weight
-delay may stash) at most the device's memory.
+Objective (`predict`): the candidate's written manifest predicted as `meshjob simulate` predicts it
+(meshjob.search.job_step: its plan simulated with each stage's compute from meshjob.search.stage_model, then each
+stage's gradient all-reduce and optimizer step): step = the last tail's end.
+Constraint: every stage's bytes per device (meshjob.search.memory_model, ZeRO-1's sharded optimizer state
+included) with the microbatches its schedule holds at its peak, counted on the action list (a delayed W keeps its
+microbatch's activations: meshjob.search.tables.stashed before the plan, the plan's own lists after) at most the
+device's memory.
 
-Structure (Alpa's stage construction, then a full simulation to rank):
-1. a lower bound every candidate's simulated step keeps: stage k cannot finish before the forwards of
-   the stages ahead of it reach it and it has computed all M microbatches, so
-   step >= LB = max_k max(sum_{j<k} F_j + M (F_k + B_k) + tail_k, NIC_k), where tail_k (all-reduce with its
-   hosts to itself, optimizer step) only grows when stages share NICs, and NIC_k is the time a
-   stage on whole hosts (they are its own) needs to receive its M inputs and gradients through them;
+Structure (Alpa's stage construction, shallow seeds, then simulation in the order of a bound):
+1. a lower bound every candidate's predicted step keeps (`Problem.bound`): stage k cannot start before
+   microbatch 0's forwards and transfers ahead of it reached it, nor its first backward before that
+   microbatch's round trip through the later stages (their forwards, input gradients and a transfer each way
+   per boundary, each at least one message with its bytes: `Problem.transfer_floor_s`); it computes
+   M (F + B), then its tail (all-reduce with its hosts to itself, optimizer step); and a stage on whole hosts
+   needs its NICs for its M inputs and gradients (NIC_k);
 2. dynamic programming over (stages left, first layer) with the submesh and split enumerated per layer
    range: the fewest devices that cover the remaining layers with every stage's M (F + B) + allreduce
    at most a threshold T. Bisecting T gives, per microbatch count and schedule, the least bottleneck
-   any plan reaches on the cluster's devices;
-3. branch and bound: every candidate (cuts, submeshes, splits, microbatches, schedule, strategy,
-   balancer) whose LB is at most T is listed by a depth-first walk that the DP prunes (the rest must fit
-   the devices left), then simulated in the order of Alpa's estimate (sum of stage times + (M - 1) x the
-   largest, with their NIC time; `Problem.estimate`); a candidate whose LB is not below the best step
-   found is skipped. If the best step exceeds T, T rises to it and the walk repeats, so every candidate
-   that could beat the winner was simulated: the result equals exhaustive enumeration of the same space
-   (`exhaustive`, for tests and `meshjob bench tune`). Large spaces stop at `max_evaluations`
-   simulations, `max_candidates` listed or WALK_NODES stage choices tried per walk, and say so
-   (`Result.proven` False, with the least lower bound of what was not simulated).
+   any plan reaches on the cluster's devices (the floor of every bound);
+3. seeds: per microbatch count and schedule, the most even cut of 1 to SEED_STAGES stages, each stage its
+   best option, simulated least bound first (the DP's bottleneck favours deep pipelines, whose transfers
+   and bubbles it does not see); T starts at the best seed's step;
+4. branch and bound: every candidate (cuts, submeshes, splits, microbatches, schedule, strategy,
+   balancer) whose stage terms fit under T is listed by a depth-first walk that the DP prunes (the rest
+   must fit the devices left), then simulated least bound first until the bound reaches the best step found.
+   If the best step exceeds T, T rises to it and the walk repeats, so every candidate that could beat the
+   winner was simulated: the result equals exhaustive enumeration of the same space (`exhaustive`, for tests
+   and `meshjob bench tune`). Large spaces stop at `max_evaluations` simulations, `max_candidates` listed
+   or WALK_NODES stage choices tried per walk, and say so (`Result.proven` False, `Result.gap`: the best
+   step over the least lower bound of what was not simulated).
 Everything iterates in sorted order and ties break on the candidate's key: the same inputs give the
 same result in every process. The space, its candidates and the objective: meshjob.search.problem; the
 per-stage tables and the DP over them: meshjob.search.tables.
@@ -77,9 +80,11 @@ __all__ = [
 DEFAULT_MAX_EVALUATIONS = 100
 DEFAULT_MAX_CANDIDATES = 20000
 WALK_NODES = 4000  # stage choices one walk (microbatches, schedule, stage count) may try
+SEED_STAGES = 3  # the stage counts of the seeds: shallow pipelines, which the DP's bottleneck overlooks
+SEEDS = 12  # seeds simulated before the listing (the best by bound)
 
 Group = tuple[int, str, int | str]  # (microbatches, schedule kind, weight-gradient delay)
-Listed = tuple[float, int, float, Candidate]  # (estimate, strategy/balancer index, lower bound, candidate)
+Listed = tuple[float, float, int, Candidate]  # (lower bound, estimate, strategy/balancer index, candidate)
 
 
 # ------------------------------------------------------------------------------ the search
@@ -95,6 +100,13 @@ class Result:
     @property
     def best(self) -> Prediction:
         return self.ranked[0]
+
+    @property
+    def gap(self) -> float:
+        """The optimality gap: how much slower the best found may be than the best of the space (0: proven)."""
+        if self.proven or self.threshold_s >= self.best.step_s:
+            return 0.0
+        return self.best.step_s / self.threshold_s - 1 if self.threshold_s > 0 else INF
 
 
 class Infeasible(UsageError):
@@ -117,15 +129,19 @@ def search(
     if not finite:
         raise _infeasible(problem, groups)
     floor = min(finite)
-    threshold = floor * (1 + 1e-9)
     seen: dict[Candidate, Prediction | None] = {}
-    listed, proven = 0, False
+    # shallow, balanced pipelines first: a good step early prunes every deep plan whose bound passes it
+    _evaluate(problem, _seeds(problem, groups), seen, min(max_evaluations, SEEDS), progress)
+    budget_hit = len(seen) >= max_evaluations
+    best = _best(seen)
+    threshold = (best if best < INF else floor) * (1 + 1e-9)
+    listed, proven, complete = 0, False, False  # complete: the last listing had every candidate under T
     listing: list[Listed] = []
-    while True:
+    while not budget_hit:
         listing, complete = _list(problem, groups, best_bounds, threshold, max_candidates)
         listed = max(listed, len(listing))
         budget_hit = _evaluate(problem, listing, seen, max_evaluations, progress)
-        best = min((p.step_s for p in seen.values() if p is not None), default=INF)
+        best = _best(seen)
         if budget_hit or (not complete and best < INF):
             break
         if best <= threshold:
@@ -145,8 +161,44 @@ def search(
             f"{problem.cluster.hosts} hosts x {problem.cluster.devices_per_host} devices within "
             f"{_gib(problem.cluster.memory)} per device: leave more of them to the search"
         )
-    rest = min([lb for _, _, lb, c in listing if c not in seen] + [threshold])
+    # what was not simulated: the listed by their bounds, the unlisted above T (or, where the listing was
+    # cut short, anywhere above the DP's least bottleneck)
+    rest = min([lb for lb, _, _, c in listing if c not in seen] + [threshold if complete else floor])
     return Result(tuple(_distinct(found)[:top]), len(seen), listed, proven, INF if proven else rest, floor)
+
+
+def _best(seen: Mapping[Candidate, Prediction | None]) -> float:
+    return min((p.step_s for p in seen.values() if p is not None), default=INF)
+
+
+def _seeds(problem: Problem, groups: Sequence[Group]) -> list[Listed]:
+    """Per group (microbatches, schedule): the walk's first structure of 1 to SEED_STAGES stages (the most
+    even cut, each stage its best-bound option), and uniform pipelines: every stage count and stage choice,
+    the layers cut evenly, every stage on the same choice (Megatron's layouts among them); each with the
+    first strategy and balancer, sorted by bound, as the search simulates them."""
+    out: dict[Candidate, Listed] = {}
+    n, devices = problem.job.model.layers, problem.cluster.devices
+
+    def add(m: int, kind: str, delay: int | str, layers: Sequence[int], choices: Sequence[StageChoice]) -> None:
+        c = problem.expand(m, kind, delay, layers, choices)[0]
+        if c not in out and max(problem.memory(c)) <= problem.cluster.memory:
+            out[c] = (problem.bound(c), problem.estimate(c), 0, c)
+
+    for m, kind, delay in groups:
+        for stages in problem.stage_counts():
+            if stages > n or stages * m > MAX_SCHEDULE_CELLS:
+                continue
+            if stages <= SEED_STAGES:
+                structure = next(_walk(problem, m, kind, delay, INF, stages), None)
+                if structure is not None:
+                    add(m, kind, delay, structure.layers, structure.choices)
+            if problem.fixed.stages is not None:
+                continue  # uniform layouts ignore the stages the manifest fixed
+            even = [n // stages + (k < n % stages) for k in range(stages)]
+            for choice in problem.tables(m).choices:
+                if stages * choice.devices <= devices:
+                    add(m, kind, delay, even, [choice] * stages)
+    return sorted(out.values())
 
 
 def _distinct(ranked: Sequence[Prediction]) -> list[Prediction]:
@@ -235,8 +287,8 @@ def _option_keys(problem: Problem, m: int) -> list[tuple[int, bool, bool]]:
 def _list(
     problem: Problem, groups: Sequence[Group], best_bounds: Mapping[Group, float], threshold: float, max_candidates: int
 ) -> tuple[list[Listed], bool]:
-    """Every candidate with LB <= threshold (up to max_candidates) as (estimate, strategy/balancer index,
-    LB, candidate), sorted: the order they are simulated in."""
+    """Every candidate with LB <= threshold (up to max_candidates) as (LB, estimate, strategy/balancer
+    index, candidate), sorted: the order they are simulated in, least bound first."""
     out: list[Listed] = []
     complete = True
     live = [g for g in groups if best_bounds[g] <= threshold]
@@ -249,7 +301,7 @@ def _list(
                     break
                 lb, est = problem.bound(structure), problem.estimate(structure)
                 for i, c in enumerate(problem.expand(m, kind, delay, structure.layers, structure.choices)):
-                    out.append((est, i, lb, c))
+                    out.append((lb, est, i, c))
     out.sort()
     return out, complete
 
@@ -262,13 +314,12 @@ def _walk(
     at its budget."""
     t = problem.tables(m)
     n, devices, cap = problem.job.model.layers, problem.cluster.devices, problem.cluster.memory
-    split = delay != 0
     if stages > n or stages * m > MAX_SCHEDULE_CELLS:
         return
     g = t.fewest_devices(kind, threshold, max(problem.stage_counts()))
     if g[stages][0] > devices:
         return
-    per_layer = t.least_per_layer()
+    per_layer, hop = t.least_per_layer(), problem.hop_floor_s()
     tried = [0]
 
     def step(
@@ -285,16 +336,22 @@ def _walk(
             rest = g[left - 1][a + size] if left > 1 else 0
             if used + rest >= devices + 1:
                 continue
-            if left > 1 and prefix + per_layer.forward_s * (n - a - 1) + per_layer.bound_s > threshold:
-                continue  # the last stage's term: the forwards ahead of it, then at least one layer M times
-            stash = stashed(kind, split, k, stages, m)
+            if (
+                left > 1
+                and prefix + per_layer.forward_s * (n - a - 1) + hop * (left - 1) + per_layer.bound_s > threshold
+            ):
+                continue  # the last stage's term: the forwards and transfers ahead of it, then a layer M times
+            stash = stashed(kind, delay, k, stages, m)
             for o in t.options(size, first, last):
                 tried[0] += 1
                 if tried[0] > WALK_NODES:
                     raise _WalkBudget
                 if o.bound_s > threshold:
                     break  # options are sorted by bound_s
-                if o.term_s(prefix) > threshold:
+                x = o.figures.cost  # Problem.bound's term of this stage, the stages after it at their least
+                trip = 2 * hop * (left - 1) + per_layer.forward_s * (n - a - size)
+                head = max(m * x.forward_s, x.forward_s + trip) + m * x.backward_s + o.figures.tail_s
+                if o.term_s(prefix) > threshold or prefix + head > threshold:
                     continue
                 nd = o.choice.devices
                 if used + nd + rest > devices or o.memory(stash) > cap:
@@ -303,7 +360,7 @@ def _walk(
                     continue
                 layers.append(size)
                 chosen.append(o.choice)
-                yield from step(k + 1, a + size, used + nd, prefix + o.figures.cost.forward_s, layers, chosen)
+                yield from step(k + 1, a + size, used + nd, prefix + x.forward_s + hop, layers, chosen)
                 layers.pop()
                 chosen.pop()
 
@@ -324,13 +381,13 @@ def _evaluate(
     max_evaluations: int,
     progress: Progress | None,
 ) -> bool:
-    """Simulate in the listing's order, skipping what cannot beat the best (LB >= best step); True if the
-    budget ran out."""
-    best = min((p.step_s for p in seen.values() if p is not None), default=INF)
-    todo = [(lb, c) for _, _, lb, c in listing if c not in seen]
+    """Simulate in the listing's order (least bound first) until the bound reaches the best step: nothing
+    after it can beat the best. True if the budget ran out."""
+    best = _best(seen)
+    todo = [(lb, c) for lb, _, _, c in listing if c not in seen]
     for i, (lb, c) in enumerate(todo):
         if lb >= best:
-            continue
+            break
         if len(seen) >= max_evaluations:
             return True
         p = problem.predict(c)

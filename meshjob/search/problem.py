@@ -14,17 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshjob.costs.compute import CostModel
 from meshjob.errors import PlacementError, UsageError
-from meshjob.plan.build import build_plan
 from meshjob.resharding.strategies import SEARCHED
+from meshjob.schedule.actions import Action, peak_stashed_stage
 from meshjob.search.cluster import Cluster
-from meshjob.search.gradient_sync import stage_hosts, tail_ends
+from meshjob.search.job_step import job_step
 from meshjob.search.memory_model import FLOAT32
-from meshjob.search.stage_model import StageChoice, StageFigures
+from meshjob.search.settings import Settings
+from meshjob.search.stage_model import StageChoice, StageFigures, stage_figures
 from meshjob.search.tables import INF, Option, Tables, stashed
-from meshjob.simulate.simulator import compute_costs, simulate_pipeline, transfer_costs
 from meshjob.spec.manifest import TrainingJob, parse_job
+from meshjob.units import format_rate
 
 BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, at many times the work
 SCHEDULES = (("gpipe", 0), ("1f1b", 0), ("1f1b", "auto"), ("eager-1f1b", 0), ("eager-1f1b", "auto"))
@@ -171,8 +171,26 @@ class Prediction:
 class Problem:
     """A job, a cluster and the fixed fields: builds candidates' manifests, checks and predicts them."""
 
-    def __init__(self, doc: Mapping[str, Any], job: TrainingJob, cluster: Cluster, fixed: Fixed, space: Space) -> None:
+    def __init__(
+        self,
+        doc: Mapping[str, Any],
+        job: TrainingJob,
+        cluster: Cluster,
+        fixed: Fixed,
+        space: Space,
+        settings: Settings | None = None,
+        simulate_delays: bool = True,
+    ) -> None:
         self.doc, self.job, self.cluster, self.fixed, self.space = doc, job, cluster, fixed, space
+        # what the written manifest records (spec.tunedFor): the settings the cluster was made from
+        self.settings = settings or Settings(
+            cluster.hosts,
+            format_rate(cluster.network.nic_bytes_per_s),
+            cluster.device.name,
+            "" if cluster.memory_bytes is None else str(cluster.memory_bytes),
+        )
+        # False: an auto weight delay by the ratio rule alone (faster; no longer what `meshjob simulate` says)
+        self.simulate_delays = simulate_delays
         self._tables: dict[int, Tables] = {}
 
     def tables(self, microbatches: int) -> Tables:
@@ -191,6 +209,7 @@ class Problem:
         topology = spec.setdefault("topology", {})
         topology["devicesPerHost"] = self.cluster.devices_per_host
         spec["schedule"] = {**spec.get("schedule", {}), "kind": c.kind, "weightGradDelay": c.weight_grad_delay}
+        spec["tunedFor"] = self.settings.to_spec()
         spec["resharding"] = {
             **spec.get("resharding", {}),
             "strategy": c.strategy,
@@ -199,31 +218,69 @@ class Problem:
         }
         return doc
 
-    def memory(self, c: Candidate) -> tuple[int, ...]:
-        """Bytes per device of each stage (the real stash: with split backward, eager-1F1B's bound)."""
+    def memory(self, c: Candidate, schedules: Mapping[int, Sequence[Action]] | None = None) -> tuple[int, ...]:
+        """Bytes per device of each stage, with the microbatches its schedule holds at its peak: counted on
+        the plan's action lists (`schedules`), else on the candidate's own (tables.stashed)."""
         t = self.tables(c.microbatches)
-        split = c.weight_grad_delay != 0
         out = []
         for k, ((a, b), ch) in enumerate(zip(c.ranges, c.choices)):
             opt = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
-            out.append(opt.memory(stashed(c.kind, split, k, len(c.layers), c.microbatches)))
+            stash = (
+                peak_stashed_stage(schedules[k])
+                if schedules is not None
+                else stashed(c.kind, c.weight_grad_delay, k, len(c.layers), c.microbatches)
+            )
+            out.append(opt.memory(stash))
         return tuple(out)
 
     def figures(self, c: Candidate) -> list[StageFigures]:
-        t = self.tables(c.microbatches)
+        """Each stage's figures at its own layers (a U-Transformer's skip adds depend on where a stage sits;
+        the tables cost a range by its ends alone, a lower bound the search's bounds use)."""
+        training = self.tables(c.microbatches).job.training
         return [
-            _find(t.options(b - a, a == 0, b == self.job.model.layers), ch).figures
-            for (a, b), ch in zip(c.ranges, c.choices)
+            stage_figures(self.job.model, training, self.cluster, a, b, ch) for (a, b), ch in zip(c.ranges, c.choices)
         ]
 
     def bound(self, c: Candidate) -> float:
+        """A lower bound of the candidate's predicted step. Stage k cannot start before microbatch 0's forwards
+        and transfers ahead of it reached it (`ahead`), nor its first backward before that microbatch went
+        down the rest of the pipeline and its gradient came back (`trip`: forwards, input gradients and a
+        transfer each way per boundary, each transfer at least transfer_floor_s); it computes M (F + B) in
+        all, then its tail (all-reduce with its hosts to itself, optimizer step) follows its last action."""
         t = self.tables(c.microbatches)
+        m, split = c.microbatches, c.weight_grad_delay != 0
+        opts = [
+            _find(t.options(b - a, a == 0, b == self.job.model.layers), ch) for (a, b), ch in zip(c.ranges, c.choices)
+        ]
+        hops = [self.transfer_floor_s(x, y, m) for x, y in zip(c.choices, c.choices[1:])]  # forward
+        backs = [self.transfer_floor_s(y, x, m) for x, y in zip(c.choices, c.choices[1:])]  # gradient
+        costs = [o.figures.cost for o in opts]
+        back = [x.input_grad_s if split else x.backward_s for x in costs]  # what a gradient waits for per stage
         ahead, out = 0.0, 0.0
-        for (a, b), ch in zip(c.ranges, c.choices):
-            o = _find(t.options(b - a, a == 0, b == self.job.model.layers), ch)
-            out = max(out, o.term_s(ahead))
-            ahead += o.figures.cost.forward_s
+        for k, (o, x) in enumerate(zip(opts, costs)):
+            trip = sum(costs[j].forward_s + back[j] + hops[j - 1] + backs[j - 1] for j in range(k + 1, len(opts)))
+            finish = ahead + max(m * x.forward_s, x.forward_s + trip) + m * x.backward_s
+            out = max(out, finish + o.figures.tail_s, o.nic_s)
+            ahead += x.forward_s + (hops[k] if k < len(hops) else 0.0)
         return out
+
+    def transfer_floor_s(self, src: StageChoice, dst: StageChoice, microbatches: int) -> float:
+        """The least one microbatch's transfer from a stage on `src` to the next on `dst` takes in the
+        simulator: a message with a destination host's share of the activation, through its NIC, or, where
+        both stages may sit on one host (neither on whole hosts), through the host's link if that is less."""
+        net, per_host = self.cluster.network, self.cluster.devices_per_host
+        training, model = self.job.training, self.job.model
+        samples = training.global_batch // microbatches / (dst.mesh[0] if dst.dp_dim == 0 else 1)
+        share = samples * training.activation_itemsize * model.seq_len * model.hidden
+        rate = net.nic_bytes_per_s if net.burst_bytes <= 0 else max(net.nic_bytes_per_s, net.line_bytes_per_s)
+        between = net.message_s + share / rate
+        if src.mesh[1] < per_host and dst.mesh[1] < per_host:
+            return min(between, net.intra_message_s + share / dst.devices / net.intra_host_bytes_per_s)
+        return between
+
+    def hop_floor_s(self) -> float:
+        """The least any transfer takes (transfer_floor_s of any two choices)."""
+        return min(self.cluster.network.message_s, self.cluster.network.intra_message_s)
 
     def estimate(self, c: Candidate) -> float:
         """Alpa's pipeline estimate, the order candidates are simulated in (not a bound): sum of the
@@ -241,38 +298,31 @@ class Problem:
         return sum(times) + (c.microbatches - 1) * max(times) + ar
 
     def predict(self, c: Candidate) -> Prediction | None:
-        """Simulate the candidate's plan; None when its meshes do not fit on the cluster's hosts."""
-        figures = self.figures(c)
+        """The candidate's written manifest on the cluster, as `meshjob simulate` predicts it
+        (meshjob.search.job_step); None when its meshes do not fit on the cluster's hosts, or its plan's
+        schedule holds more than a device's memory."""
         job = parse_job(self.manifest(c))
-        cost = CostModel(network=self.cluster.network, stages=tuple(f.cost for f in figures))
         try:
-            # the ratio rule sizes an auto delay here: simulating delay candidates for every candidate plan would
-            # slow the search many times over; the job's own plan (build_plan) then simulates them, never slower
-            plan = build_plan(
-                job, self.cluster.host_list(), network=self.cluster.network, cost=cost, simulate_delays=False
-            )
+            run = job_step(job, self.cluster, self.figures(c), simulate_delays=self.simulate_delays)
         except PlacementError:
             return None
-        result = simulate_pipeline(plan.schedules, compute_costs(plan, cost), transfer_costs(plan, cost), cost)
-        ends = tail_ends(
-            [result.stages[k].busy_until_s for k in range(len(figures))],
-            [f.sync for f in figures],
-            stage_hosts(plan.placement),
-        )
-        step = max(ends)
+        memory = self.memory(c, run.plan.schedules)
+        if max(memory) > self.cluster.memory:
+            return None
+        result, step = run.pipeline, run.step_s
         tokens = job.training.global_batch * job.model.seq_len
         return Prediction(
             candidate=c,
             step_s=step,
             bound_s=self.bound(c),
             tokens_per_s=tokens / step if step > 0 else INF,
-            bubble=sum(max(0.0, 1 - s.compute_s / step) for s in result.stages.values()) / len(ends),
+            bubble=sum(max(0.0, 1 - s.compute_s / step) for s in result.stages.values()) / len(run.ends),
             resharding_s=sum(result.transfer_s.values()),
             exposed_comm_s=max((s.exposed_comm_s for s in result.stages.values()), default=0.0),
-            allreduce_s=max(f.allreduce_s for f in figures),
+            allreduce_s=max(f.allreduce_s for f in run.figures),
             compute_s=max(s.compute_s for s in result.stages.values()),
-            memory=self.memory(c),
-            weight_delay=dict(plan.weight_delay),
+            memory=memory,
+            weight_delay=dict(run.plan.weight_delay),
         )
 
     def expand(

@@ -23,8 +23,15 @@ from meshjob.costs.compute import StageCost
 from meshjob.costs.device_costs import range_work, work_cost
 from meshjob.search.cluster import Cluster
 from meshjob.search.gradient_sync import GradientSync
-from meshjob.search.memory_model import FLOAT32, stage_memory
-from meshjob.spec.manifest import BUILTIN_MODEL_KINDS, ModelSpec, TrainingJob, TrainingSpec, tensor_parallel_sizes
+from meshjob.search.memory_model import stage_memory
+from meshjob.spec.manifest import (
+    BUILTIN_MODEL_KINDS,
+    ModelSpec,
+    TrainingJob,
+    TrainingSpec,
+    kv_heads_split,
+    tensor_parallel_sizes,
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ def stage_choices(model: ModelSpec, training: TrainingSpec, cluster: Cluster) ->
                 continue
             if c.tp > 1 and (not sizes or any(size % c.tp for size in sizes.values())):
                 continue
+            if c.tp > 1 and model.kind == "llama" and not kv_heads_split(model, c.tp):
+                continue
             out.append(c)
     return sorted(out)
 
@@ -159,12 +168,13 @@ def stage_figures(
     tensor-parallel all-reduces and full recompute's forward;
     the tail: the device's gradients all-reduced, then its optimizer step (device_costs' again)."""
     own = work_cost(range_work(model, training, first, last, choice.dp, choice.tp), cluster.device.profile)
-    act = FLOAT32 * training.microbatch_size / choice.dp * model.seq_len * model.hidden
+    act = training.activation_itemsize * training.microbatch_size / choice.dp * model.seq_len * model.hidden
     tp_s = 2 * (last - first) * _ring_s(act, choice.tp, choice.tp_dim, choice, cluster)
     forward = own.stage.forward_s + tp_s
     recompute = forward if training.recompute == "full" else 0.0
     cost = StageCost(forward, own.stage.input_grad_s + tp_s + recompute, own.stage.weight_grad_s)
-    return StageFigures(cost, gradient_sync(FLOAT32 * own.params, choice, cluster, own.optimizer_s), own.optimizer_s)
+    sync = gradient_sync(training.grad_reduce_itemsize * own.params, choice, cluster, own.optimizer_s)
+    return StageFigures(cost, sync, own.optimizer_s)
 
 
 def job_figures(job: TrainingJob, cluster: Cluster) -> list[StageFigures]:

@@ -11,25 +11,31 @@ construction). Pure: data in, data out.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshjob.schedule.actions import stash_bound, warmup_forwards
+from meshjob.schedule.actions import peak_stashed_stage, stage_actions, warmup_forwards
 from meshjob.search.cluster import Cluster
 from meshjob.search.memory_model import FLOAT32
 from meshjob.search.stage_model import StageChoice, StageFigures, stage_bytes, stage_choices, stage_figures
-from meshjob.spec.manifest import TrainingJob
+from meshjob.spec.manifest import AUTO, TrainingJob
 
 INF = math.inf
 
 
-def stashed(kind: str, split: bool, stage: int, num_stages: int, microbatches: int) -> int:
-    """Microbatches a stage keeps at its peak: its warm-up forwards; with split backward also up to
-    eager-1F1B's bound min(M, 2S - 1), the most meshjob.plan.build lets the weight delay stash."""
-    warm = warmup_forwards(kind, stage, num_stages, microbatches)
-    return max(warm, stash_bound(num_stages, microbatches)) if split else warm
+@functools.cache
+def stashed(kind: str, delay: int | str, stage: int, num_stages: int, microbatches: int) -> int:
+    """Microbatches a stage holds at its peak, counted on its action list: from a microbatch's F to its W (or
+    B), so a delayed W keeps its microbatch's activations. Exact for a fixed weight delay (each stage that
+    sends gradients delays it, as meshjob.plan.build does); for `auto` the undelayed list's, a lower bound: the
+    plan's delays are counted on its own lists once it is built (Problem.predict)."""
+    split = delay != 0
+    delay_w = 0 if delay == AUTO or stage == 0 else min(int(delay), max(0, microbatches - 1))
+    chain = [(i, i + 1, "activation") for i in range(num_stages - 1)]
+    return peak_stashed_stage(stage_actions(kind, stage, num_stages, microbatches, chain, split, delay_w))
 
 
 def _directions(first: bool, last: bool) -> int:

@@ -18,12 +18,15 @@ Two levels, both deterministic and pure:
   a token bucket shortens the busiest link's share); a RECV waits for it. Given the step's transfer
   order (meshjob.plan.comm_order: what the executor issues each link's messages in), a link takes its
   transfers in that order, a sent transfer waiting behind those planned before it. From the timeline:
-  step time, bubble fraction and communication overlap per stage.
+  step time, bubble fraction and communication overlap per stage. `PipelineRun` is its list scheduler:
+  a heap of the stages that can act, each NIC link group booked once per transfer, and more actions run
+  on from where a run ended (meshjob.simulate.steady's later steps).
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -38,7 +41,16 @@ from meshjob.schedule.boundary import BoundaryKey
 from meshjob.spec.manifest import job_to_dict, parse_job
 from meshjob.spec.model import TrainingJob
 
-__all__ = ["CostModel", "Link", "StageCost", "TransferCost", "simulate_transfer", "simulate_pipeline", "simulate_plan"]
+__all__ = [
+    "CostModel",
+    "Link",
+    "PipelineRun",
+    "StageCost",
+    "TransferCost",
+    "simulate_transfer",
+    "simulate_pipeline",
+    "simulate_plan",
+]
 
 
 class Links:
@@ -79,21 +91,6 @@ class Links:
                 tokens = min(self.network.burst_bytes, tokens + (start - at) * self.network.nic_bytes_per_s) - n
                 self.tokens[link] = (tokens, start)  # negative: still owed, refilled at the NIC rate
         return start, end
-
-    def paced(self, per_link: Mapping[Link, float], ready: float, seconds: float, early_s: float) -> float:
-        """A transfer whose every NIC message is held until its bytes can have left at the NIC rate
-        (TransferCost.early_s not None): it holds its links for `seconds` (its makespan on plain links,
-        every message's cost included) from when they are all free. Its last message lands `early_s`
-        before that (its bytes leave faster, from the bucket), freeing the in-links then. Paced at the
-        NIC rate, a bucket is full again by each message's end. Returns when the data has landed."""
-        start = max([ready] + [self.free.get(link, 0.0) for link in per_link])
-        done = start + seconds
-        landed = max(start, done - early_s)
-        for link in per_link:
-            self.free[link] = landed if link[1] == "in" else done
-            if self.network.burst_bytes > 0 and link[1] != "local":
-                self.tokens[link] = (self.network.burst_bytes, done)
-        return landed
 
 
 class TransferCost(NamedTuple):
@@ -279,114 +276,249 @@ def simulate_pipeline(
     None: each link takes its transfers as they are sent (the run that defines the order).
     `pause_s[(stage, i)]`: seconds the stage spends after its i-th action before its next (the optimizer
     step between repeated steps: meshjob.simulate.steady)."""
-    cost = cost or CostModel()
-    pause_s = pause_s or {}
-    stats = {s: StageStats() for s in schedules}
-    pos = {s: 0 for s in schedules}
-    sent: dict[tuple[BoundaryKey, int], float] = {}  # (boundary, mb) -> arrival time
-    links = Links(cost.network)
-    queue = _LinkQueue(transfers, order)
-    remaining = sum(len(v) for v in schedules.values())
-    run: list[tuple[int, Action]] = []
-    started: list[float] = []
+    run = PipelineRun(compute_s, transfers, cost, planned=order is not None)
+    run.extend(schedules, order or (), pause_s)
+    return run.result()
 
-    def book(key: BoundaryKey, mb: int, ready: float) -> None:
-        seconds, per_link, early = TransferCost(*transfers[key])  # a plain (seconds, per_link) pair: not paced
-        if early is not None:  # paced (TransferCost): its links for its plain makespan, the bucket unused
-            end = links.paced(per_link, ready, seconds, early)
-        else:
-            # the busiest link's share goes through the (token-bucket) links; the rest of the
-            # transfer's makespan (chain fill, intra-host hops) is added as it is
-            bottleneck = max(per_link.values(), default=0.0) / cost.nic_bytes_per_s
-            _, end = links.book(list(per_link), list(per_link.values()), ready)
-            end += max(0.0, seconds - bottleneck)
-            for link in per_link:
-                links.free[link] = end
-        sent[(key, mb)] = end
-        stats[key.src].comm_s += end - ready
 
-    while remaining:
-        progressed = False
-        for stage in sorted(schedules, key=lambda s: stats[s].busy_until_s):
-            acts = schedules[stage]
-            if pos[stage] >= len(acts):
-                continue
-            a = acts[pos[stage]]
-            st = stats[stage]
+class PipelineRun:
+    """simulate_pipeline's list scheduler, which can be given more actions once it has run the ones it
+    has (`extend`): meshjob.simulate.steady runs a step, reads it, then runs the steps after it on.
+    With a planned order every time is a function of the times before it (each link takes its transfers
+    in that order), so a step run, then extended, gives the times of the steps run in one go."""
+
+    def __init__(
+        self,
+        compute_s: Mapping[tuple[int, str], float],
+        transfers: Mapping[BoundaryKey, TransferInput],
+        cost: CostModel | None = None,
+        planned: bool = False,
+    ) -> None:
+        self.compute_s = compute_s
+        # boundaries by number: a transfer is (boundary, mb), two ints that hash and compare fast
+        self.keys = list(transfers)
+        self.ids = {key: b for b, key in enumerate(self.keys)}
+        self.transfers = [TransferCost(*transfers[key]) for key in self.keys]  # a plain pair: not paced
+        self.links = _PipelineLinks(self.transfers, cost or CostModel())
+        self.queue = _LinkQueue(self.links.groups_of, len(self.links.free), planned)
+        self.schedules: dict[int, list[Action]] = {}
+        self.stats: dict[int, StageStats] = {}
+        self.pos: dict[int, int] = {}
+        self.sent: dict[tuple[int, int], float] = {}  # (boundary, mb) -> arrival time
+        self.pause_s: dict[tuple[int, int], float] = {}
+        self.order: list[tuple[int, Action]] = []
+        self.started: list[float] = []
+        self.bookings = 0  # transfers booked on the links: the work a run did (tests count it)
+
+    def pause(self, stage: int, seconds: float) -> None:
+        """The stage spends `seconds` after its last action so far (its optimizer step, before the actions
+        `extend` adds)."""
+        self.stats[stage].busy_until_s += seconds
+
+    def extend(
+        self,
+        schedules: Mapping[int, Sequence[Action]],
+        order: Sequence[tuple[BoundaryKey, int]] = (),
+        pause_s: Mapping[tuple[int, int], float] | None = None,
+    ) -> None:
+        """Append each stage's actions to its list, and `order` to the links' planned order, and run them
+        all. pause_s[(stage, i)]: i counts from the stage's first action of the run, not of this call."""
+        for stage, actions in schedules.items():
+            self.schedules.setdefault(stage, []).extend(actions)
+            self.stats.setdefault(stage, StageStats())
+            self.pos.setdefault(stage, 0)
+        self.pause_s.update(pause_s or {})
+        self.queue.plan([(self.ids[key], mb) for key, mb in order])
+        self._run()
+
+    def _run(self) -> None:
+        # A heap of the stages that can run their next action, by (when they are free, their place in
+        # the lists): the stage a stable sort by free time would try first. A stage stopped at the
+        # RECV of a transfer not sent waits aside until its SEND books it.
+        schedules, stats, pos, pause_s, sent = self.schedules, self.stats, self.pos, self.pause_s, self.sent
+        rank = {stage: i for i, stage in enumerate(schedules)}
+        ids: dict[tuple[int, str, int | None, str], int] = {}  # an action's boundary (of_action is slow)
+        ready = [(stats[s].busy_until_s, rank[s], s) for s, acts in schedules.items() if pos[s] < len(acts)]
+        heapq.heapify(ready)
+        waiting: dict[tuple[int, int], int] = {}  # a transfer not sent -> the stage stopped at its RECV
+        while ready:
+            _, _, stage = heapq.heappop(ready)
+            acts, st, i = schedules[stage], stats[stage], pos[stage]
+            a = acts[i]
             now = st.busy_until_s
             if a.kind in ("F", "B", "I", "W"):
-                dur = compute_s[(stage, a.kind)]
+                dur = self.compute_s[(stage, a.kind)]
                 st.timeline.append((str(a), now, now + dur))
                 st.compute_s += dur
                 st.busy_until_s = now + dur
-            elif a.kind in ("SEND_F", "SEND_B"):
-                for key, mb, ready in queue.send(BoundaryKey.of_action(stage, a), a.mb, now):
-                    book(key, mb, ready)
-            else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
-                key = BoundaryKey.of_action(stage, a)
-                if (key, a.mb) not in sent:
-                    continue  # the peer has not sent yet: try another stage first
-                arrival = sent[(key, a.mb)]
-                wait = max(0.0, arrival - now)
-                st.exposed_comm_s += wait
-                st.busy_until_s = now + wait
-            st.busy_until_s += pause_s.get((stage, pos[stage]), 0.0)
-            pos[stage] += 1
-            remaining -= 1
-            run.append((stage, a))
-            started.append(now)
-            progressed = True
-            break
-        if not progressed:
-            blocked = {s: str(schedules[s][pos[s]]) for s in schedules if pos[s] < len(schedules[s])}
+            else:
+                b = ids.get((stage, a.kind, a.peer, a.tensor))
+                if b is None:
+                    key = BoundaryKey.of_action(stage, a)
+                    sends = a.kind in ("SEND_F", "SEND_B")
+                    b = ids[(stage, a.kind, a.peer, a.tensor)] = self.ids[key] if sends else self.ids.get(key, -1)
+                if a.kind in ("SEND_F", "SEND_B"):
+                    for transfer, at in self.queue.send((b, a.mb), now):
+                        self._book(transfer, at)
+                        peer = waiting.pop(transfer, None)
+                        if peer is not None:  # its RECV can run now, from when the peer is free
+                            heapq.heappush(ready, (stats[peer].busy_until_s, rank[peer], peer))
+                else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
+                    arrival = sent.get((b, a.mb))
+                    if arrival is None:
+                        waiting[(b, a.mb)] = stage  # the peer has not sent yet: other stages first
+                        continue
+                    wait = max(0.0, arrival - now)
+                    st.exposed_comm_s += wait
+                    st.busy_until_s = now + wait
+            if pause_s:  # none: no lookup (adding 0.0 changes no time)
+                st.busy_until_s += pause_s.get((stage, i), 0.0)
+            pos[stage] = i + 1
+            self.order.append((stage, a))
+            self.started.append(now)
+            if i + 1 < len(acts):
+                heapq.heappush(ready, (st.busy_until_s, rank[stage], stage))
+        if waiting:
+            blocked = {s: str(acts[pos[s]]) for s, acts in schedules.items() if pos[s] < len(acts)}
             raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
-    step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
-    return PipelineResult(step_s, stats, {k: v[0] for k, v in transfers.items()}, tuple(run), tuple(started))
+
+    def _book(self, transfer: tuple[int, int], ready: float) -> None:
+        end = self.links.book(transfer[0], ready)
+        self.sent[transfer] = end
+        self.stats[self.keys[transfer[0]].src].comm_s += end - ready
+        self.bookings += 1
+
+    def result(self) -> PipelineResult:
+        """The run so far (a copy: extending the run leaves it as it is)."""
+        stats = {s: replace(st, timeline=list(st.timeline)) for s, st in self.stats.items()}
+        step_s = max((s.busy_until_s for s in stats.values()), default=0.0)
+        transfer_s = {key: t.seconds for key, t in zip(self.keys, self.transfers)}
+        return PipelineResult(step_s, stats, transfer_s, tuple(self.order), tuple(self.started))
+
+
+def _link_groups(
+    transfers: Sequence[TransferCost], split: Callable[[Link], object]
+) -> tuple[list[tuple[int, ...]], list[list[Link]]]:
+    """The NIC links in groups, each of the links the same boundaries use (and `split` tells apart): a
+    transfer takes a group whole, so its links keep one state. Per boundary, its groups; per group, its links."""
+    users: dict[Link, list[int]] = {}
+    for b, t in enumerate(transfers):
+        for link in t.per_link:
+            users.setdefault(link, []).append(b)
+    index: dict[tuple[tuple[int, ...], object], int] = {}
+    members: list[list[Link]] = []
+    group_of: dict[Link, int] = {}
+    for link, boundaries in users.items():
+        g = index.setdefault((tuple(boundaries), split(link)), len(members))
+        if g == len(members):
+            members.append([])
+        members[g].append(link)
+        group_of[link] = g
+    return [tuple(dict.fromkeys(group_of[link] for link in t.per_link)) for t in transfers], members
+
+
+class _PipelineLinks:
+    """The NIC links of simulate_pipeline's transfers, booked in groups (_link_groups): without a token
+    bucket the links one transfer frees together share one free time (in-links apart: a paced transfer frees
+    them sooner); with one, each link keeps its tokens, a group of its own. The same times as Links."""
+
+    def __init__(self, transfers: Sequence[TransferCost], cost: CostModel) -> None:
+        self.network = cost.network
+        self.nic_bytes_per_s = cost.nic_bytes_per_s
+        local = next((link for t in transfers for link in t.per_link if link[1] == "local"), None)
+        if local is not None:  # a transfer's hops inside a host are in its seconds, not on a link here
+            raise ValueError(f"link {local!r} is invalid here: a transfer's bytes per NIC link, (host, 'out'|'in')")
+        bucket = self.network.burst_bytes > 0
+        split: Callable[[Link], object] = (lambda link: link) if bucket else (lambda link: link[1] == "in")
+        self.groups_of, members = _link_groups(transfers, split)
+        self.inbound = [group[0][1] == "in" for group in members]
+        self.free = [0.0] * len(members)  # when each group's last booking ends
+        self.tokens: list[tuple[float, float]] = [(self.network.burst_bytes, 0.0)] * len(members)  # (tokens, at)
+        self.transfers = transfers
+        # with a bucket, each group is one link: its bytes per boundary
+        self.nbytes = [
+            tuple(t.per_link[members[g][0]] for g in groups) if bucket else ()
+            for t, groups in zip(transfers, self.groups_of)
+        ]
+        self.top = [max(t.per_link.values(), default=0.0) for t in transfers]  # the busiest link's bytes
+
+    def book(self, b: int, ready: float) -> float:
+        """Book one microbatch's transfer of boundary `b`, sent at `ready`, on its links: when it has landed."""
+        seconds, _, early = self.transfers[b]
+        groups = self.groups_of[b]
+        free = self.free
+        start = max([ready] + [free[g] for g in groups])
+        n = self.network
+        if early is not None:  # paced (TransferCost): its links for its plain makespan, the bucket unused
+            done = start + seconds
+            landed = max(start, done - early)
+            for g in groups:
+                free[g] = landed if self.inbound[g] else done
+                if n.burst_bytes > 0:
+                    self.tokens[g] = (n.burst_bytes, done)
+            return landed
+        # the busiest link's share goes through the (token-bucket) links; the rest of the transfer's
+        # makespan (chain fill, intra-host hops) is added as it is
+        top = self.top[b]
+        if n.burst_bytes <= 0:
+            end = start + top / n.nic_bytes_per_s  # max(m / rate) over the links is (max m) / rate
+        else:
+            wire = 0.0
+            for g, m in zip(groups, self.nbytes[b]):
+                tokens, at = self.tokens[g]
+                tokens = min(n.burst_bytes, tokens + (start - at) * n.nic_bytes_per_s)
+                wire = max(wire, m / n.line_bytes_per_s, (m - tokens) / n.nic_bytes_per_s)
+                self.tokens[g] = (tokens - m, start)  # negative: still owed, refilled at the NIC rate
+            end = start + wire
+        end += max(0.0, seconds - top / self.nic_bytes_per_s)
+        for g in groups:
+            free[g] = end
+        return end
 
 
 class _LinkQueue:
     """Which sent transfers may take their links: all of them at once without a planned order; with one,
-    a transfer once it is first among the unbooked transfers planned on each of its NIC links."""
+    a transfer once it is first among the unbooked transfers planned on each of its NIC links (per link
+    group: the links of a group are planned the same transfers). A transfer: (boundary number, mb)."""
 
-    def __init__(
-        self,
-        transfers: Mapping[BoundaryKey, TransferInput],
-        order: Sequence[tuple[BoundaryKey, int]] | None,
-    ) -> None:
-        self.transfers = transfers
-        self.planned = order is not None
-        self.heads: dict[Link, collections.deque[tuple[BoundaryKey, int]]] = collections.defaultdict(collections.deque)
-        for key, mb in order or ():
-            for link in transfers[key][1]:
-                self.heads[link].append((key, mb))
-        self.ready: dict[tuple[BoundaryKey, int], float] = {}  # sent, waiting for their links
-        self.arrived: dict[tuple[BoundaryKey, int], int] = {}  # when each was sent, as a count
+    def __init__(self, groups_of: Sequence[tuple[int, ...]], groups: int, planned: bool) -> None:
+        self.groups_of = groups_of
+        self.planned = planned
+        self.heads: list[collections.deque[tuple[int, int]]] = [collections.deque() for _ in range(groups)]
+        self.ready: dict[tuple[int, int], float] = {}  # sent, waiting for their links
+        self.arrived: dict[tuple[int, int], int] = {}  # when each was sent, as a count
 
-    def send(self, key: BoundaryKey, mb: int, now: float) -> list[tuple[BoundaryKey, int, float]]:
-        """The transfer (key, mb) is sent at `now`: the transfers that take their links now, in order,
-        each with the time it was sent."""
+    def plan(self, order: Sequence[tuple[int, int]]) -> None:
+        """Append `order` to the links' planned order."""
+        for transfer in order:
+            for g in self.groups_of[transfer[0]]:
+                self.heads[g].append(transfer)
+
+    def send(self, transfer: tuple[int, int], now: float) -> list[tuple[tuple[int, int], float]]:
+        """`transfer` is sent at `now`: the transfers that take their links now, in order, each with the
+        time it was sent."""
         if not self.planned:
-            return [(key, mb, now)]
-        self.ready[(key, mb)] = now
-        self.arrived[(key, mb)] = len(self.arrived)
+            return [(transfer, now)]
+        self.ready[transfer] = now
+        self.arrived[transfer] = len(self.arrived)
         # No other ready transfer was first on all its links (the last call took every one that was), so
         # only this one can start; then only new heads of links just freed: rounds of those, each round
         # the ones first on all their links, in the order they were sent.
         out = []
-        batch = [(key, mb)] if self._first((key, mb)) else []
+        batch = [transfer] if self._first(transfer) else []
         while batch:
-            freed: list[Link] = []
+            freed: list[int] = []
             for t in batch:
-                for link in self.transfers[t[0]][1]:
-                    self.heads[link].popleft()
-                    freed.append(link)
-                out.append((t[0], t[1], self.ready.pop(t)))
-            candidates = {self.heads[link][0] for link in freed if self.heads[link]}
+                for g in self.groups_of[t[0]]:
+                    self.heads[g].popleft()
+                    freed.append(g)
+                out.append((t, self.ready.pop(t)))
+            candidates = {self.heads[g][0] for g in freed if self.heads[g]}
             batch = sorted((t for t in candidates if t in self.ready and self._first(t)), key=self.arrived.__getitem__)
         return out
 
-    def _first(self, transfer: tuple[BoundaryKey, int]) -> bool:
-        return all(self.heads[link] and self.heads[link][0] == transfer for link in self.transfers[transfer[0]][1])
+    def _first(self, transfer: tuple[int, int]) -> bool:
+        return all(self.heads[g] and self.heads[g][0] == transfer for g in self.groups_of[transfer[0]])
 
 
 def compute_costs(plan: PlanView, cost: CostModel) -> dict[tuple[int, str], float]:
@@ -406,13 +538,14 @@ def transfer_costs(plan: PlanView, cost: CostModel) -> dict[BoundaryKey, Transfe
     """Simulate every boundary of the plan once on plain links: its makespan and its bytes per NIC link
     (token buckets act across transfers, in the pipeline simulation), and whether it is paced."""
     plain = replace(cost.network, burst_bytes=0.0)
+    itemsize = plan.job.training.activation_itemsize  # the wire's dtype is the job's, whatever the cost model
     out: dict[BoundaryKey, TransferCost] = {}
     for b in plan.boundaries:
-        res = simulate_transfer(b.steps, plan.placement.host_of, plain, cost.itemsize)
+        res = simulate_transfer(b.steps, plan.placement.host_of, plain, itemsize)
         out[b.key] = TransferCost(
             res.makespan_s,
             dict(res.nic_bytes),
-            paced_early_s(b.steps, plan.placement.host_of, res, cost.network, cost.itemsize),
+            paced_early_s(b.steps, plan.placement.host_of, res, cost.network, itemsize),
         )
     return out
 

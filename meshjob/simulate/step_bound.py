@@ -102,7 +102,8 @@ def step_bound(plan: PlanView, cost: CostModel, optimizer_s: Sequence[float] | N
     opt = list(optimizer_s) if optimizer_s is not None else [0.0] * stages
     net = cost.network
     bucket_s = net.burst_bytes / net.nic_bytes_per_s
-    through = {b.key: nic_bytes(plan, b, net, cost.itemsize) for b in plan.boundaries}
+    itemsize = plan.job.training.activation_itemsize
+    through = {b.key: nic_bytes(plan, b, net, itemsize) for b in plan.boundaries}
 
     def transfer_s(src: int, dst: int, grad: bool) -> float:
         """The chain's activation (or its gradient) between neighbours: at least its busiest link's time."""

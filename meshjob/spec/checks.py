@@ -15,6 +15,7 @@ from meshjob.spec.api import MASTER_PORT
 from meshjob.spec.fields import FieldReader
 from meshjob.spec.model import (
     BUILTIN_MODEL_KINDS,
+    INIT_MODEL_KINDS,
     MAX_JOB_HOSTS,
     MAX_SCHEDULE_CELLS,
     MAX_STAGE_DEVICES,
@@ -25,6 +26,7 @@ from meshjob.spec.model import (
     TrainingJob,
     TrainingSpec,
     default_edges,
+    kv_heads_split,
     tensor_parallel_sizes,
 )
 from meshjob.spec.table import ENTRYPOINT
@@ -46,6 +48,12 @@ def check_job(r: FieldReader, job: TrainingJob) -> None:
 def _check_model(r: FieldReader, m: ModelSpec) -> None:
     if not r.clean("spec.model.kind"):
         return
+    if r.clean("spec.model.init") and m.init is not None and m.kind not in INIT_MODEL_KINDS:
+        r.fail(
+            "spec.model.init",
+            {"kind": m.init.kind, "path": m.init.path},
+            f"unset: spec.model.init loads the weights of spec.model.kind {' or '.join(INIT_MODEL_KINDS)} only",
+        )
     if m.kind == "custom":
         _check_custom_model(r, m)
         return
@@ -246,6 +254,14 @@ def _check_tensor_parallel(r: FieldReader, m: ModelSpec, path: str, degree: int)
     for key, size in tensor_parallel_sizes(m).items():
         if r.clean(f"spec.model.{key}") and size % degree:
             r.fail(path, degree, f"a tensor-parallel degree dividing spec.model.{key} ({size})")
+    if m.kind == "llama" and r.clean("spec.model.kvHeads", "spec.model.heads") and not kv_heads_split(m, degree):
+        kv = m.key_value_heads
+        r.fail(
+            path,
+            degree,
+            f"a tensor-parallel degree dividing spec.model.kvHeads ({kv}) or a multiple of it (each key/value "
+            f"head then replicated on degree / {kv} ranks)",
+        )
 
 
 def resolve_edges(r: FieldReader, job: TrainingJob, raw: Sequence[EdgeSpec] | None) -> tuple[EdgeSpec, ...]:

@@ -1,5 +1,6 @@
 """What a job reads from the machine it runs on, checked before any rank starts: its token files
-(meshjob.spec.tokens) and the package of a custom model's entry point.
+(meshjob.spec.tokens), the Hugging Face config of spec.model.init (meshjob.spec.huggingface) and the
+package of a custom model's entry point.
 
 The plan layer only looks: it finds the entry point's top-level package without importing it,
 because importing runs the user's code (and whatever it imports). The trainer, which runs that
@@ -14,6 +15,7 @@ import importlib.util
 from collections.abc import Sequence
 
 from meshjob.errors import FieldError, SpecError
+from meshjob.spec.huggingface import check_init
 from meshjob.spec.model import ModelSpec, TrainingJob
 from meshjob.spec.tokens import check_data_files
 
@@ -36,8 +38,9 @@ def check_entrypoint_package(model: ModelSpec) -> list[FieldError]:
 
 
 def check_inputs(job: TrainingJob) -> list[FieldError]:
-    """Problems of the token files and the custom model's package (meshjob.spec.manifest.TrainingJob)."""
-    return check_data_files(job) + check_entrypoint_package(job.model)
+    """Problems of the token files, the initial weights' config and the custom model's package
+    (meshjob.spec.manifest.TrainingJob)."""
+    return check_data_files(job) + check_init(job) + check_entrypoint_package(job.model)
 
 
 def check_jobs_inputs(jobs: Sequence[TrainingJob], source: str) -> None:

@@ -16,8 +16,12 @@ from typing import Any
 from meshjob.spec.api import TRAINER_METRICS_PORT
 
 MODEL_KINDS = ("gpt", "utransformer", "llama", "custom")
+INIT_KINDS = ("huggingface",)  # spec.model.init: where a job's starting weights come from
+INIT_MODEL_KINDS = ("llama",)  # the families whose weights spec.model.init loads
+RMS_NORM_EPS = 1e-5  # llama's RMSNorm epsilon (Llama 2 and 3's); a Hugging Face config must agree
 BUILTIN_MODEL_KINDS = ("gpt", "utransformer", "llama")  # the families with tensor parallelism
 DATA_KINDS = ("synthetic", "tokens")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 TOKEN_DTYPES = ("uint16", "uint32")
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "full")
@@ -70,6 +74,15 @@ MAX_ENTRYPOINT = 512  # "package.module:function"
 
 
 @dataclass(frozen=True)
+class InitSpec:
+    """Where a job's starting weights come from instead of the seed: a Hugging Face save_pretrained
+    directory (config.json and model.safetensors) whose config matches spec.model."""
+
+    kind: str = "huggingface"
+    path: str = ""  # the directory (relative paths: to the working directory)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     kind: str = "gpt"
     layers: int = 8
@@ -83,6 +96,7 @@ class ModelSpec:
     rope_theta: float = 10000.0  # YAML: ropeTheta; llama: base of the rotary position embedding
     entrypoint: str = ""  # custom: "package.module:function" returning the model's parts
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)  # custom: handed to the entry point
+    init: InitSpec | None = None  # llama: start from these weights; None: random from spec.training.seed
 
     @property
     def key_value_heads(self) -> int:
@@ -141,17 +155,34 @@ class TrainingSpec:
     learning_rate: float = 3.0e-4  # YAML: learningRate
     seed: int = 0
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    precision: str = "fp32"  # bf16: autocast compute, fp32 master weights, fp32 gradient reductions
+    precision: str = "fp32"  # bf16: autocast compute, fp32 master weights, bf16 boundary tensors and TP reductions
     recompute: str = "none"  # full: recompute each block's activations in the backward (per stage: stages[].recompute)
     grad_clip: float | None = None  # YAML: gradClip; max global gradient norm; None: no clipping
     lr_schedule: LrScheduleSpec | None = None  # YAML: lrSchedule; None: a constant learningRate
     eval_every: int = 0  # YAML: evalEvery; steps between validation losses; 0 = never
     eval_batches: int = 2  # YAML: evalBatches; global batches of validation data per evaluation
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    overlap_grad_reduce: bool = True  # YAML: overlapGradReduce; start each bucket's reduction during the backward
+    grad_bucket_mib: float = 25.0  # YAML: gradBucketMiB; gradients per data-parallel reduction (torch DDP's 25)
+    # YAML: gradReduceDtype; the data-parallel gradient reductions' dtype. fp32 by default: Megatron forces its
+    # accumulate_allreduce_grads_in_fp32 under bf16, as bf16's 8-bit sums lose small gradients; bf16 halves the bytes
+    grad_reduce_dtype: str = "fp32"
+    weight_decay_embeddings: bool = True  # YAML: weightDecayEmbeddings (Megatron decays them); norms, biases never
 
     @property
     def microbatch_size(self) -> int:
         return self.global_batch // self.microbatches
+
+    @property
+    def activation_itemsize(self) -> int:
+        """Bytes of one element of what crosses a stage boundary: activations and their gradients travel in
+        the training dtype (bf16 under precision bf16, Megatron's pipeline_dtype)."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def grad_reduce_itemsize(self) -> int:
+        """Bytes of one gradient element in the data-parallel reductions (gradReduceDtype)."""
+        return 2 if self.grad_reduce_dtype == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -205,6 +236,17 @@ class ReshardingSpec:
 class ScheduleSpec:
     kind: str = "eager-1f1b"
     weight_grad_delay: int | str = AUTO  # YAML: weightGradDelay; "auto" or W's to delay (0: no split)
+
+
+@dataclass(frozen=True)
+class TunedForSpec:
+    """The cluster `meshjob tune` chose the plan for (written by it): `meshjob plan` and `meshjob simulate`
+    predict the plan on it unless their flags say otherwise (meshjob.search.settings reads it)."""
+
+    hosts: int
+    nic_rate: str  # YAML: nicRate; per host and direction, tc style (100gbit)
+    device: str  # a device profile of meshjob.costs.devices (h100, a100)
+    memory: str = ""  # per device, e.g. 80Gi; "": the device profile's
 
 
 @dataclass(frozen=True)
@@ -282,6 +324,7 @@ class TrainingJob:
     edges: tuple[EdgeSpec, ...] = ()  # always filled after parsing (defaults resolved)
     resharding: ReshardingSpec = field(default_factory=ReshardingSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    tuned_for: TunedForSpec | None = None  # YAML: tunedFor; the cluster meshjob tune chose the plan for
     run_policy: RunPolicy = field(default_factory=RunPolicy)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
     resources: Mapping[str, Any] = field(default_factory=dict)  # k8s ResourceRequirements per device
@@ -355,8 +398,16 @@ def default_edges(model: ModelSpec, stages: tuple[StageSpec, ...]) -> tuple[Edge
 
 def tensor_parallel_sizes(m: ModelSpec) -> dict[str, int]:
     """The model dims a tensor-parallel degree must divide (Megatron: attention heads, the MLP's
-    inner width; llama also key/value heads and the vocabulary of its vocab-parallel embedding)."""
+    inner width; llama also the vocabulary of its vocab-parallel embedding). Llama's key/value heads
+    need only kv_heads_split (below)."""
     sizes = {"heads": m.heads, "hidden": m.hidden, "ffnHidden": m.ffn_width}
     if m.kind == "llama":
-        sizes |= {"kvHeads": m.key_value_heads, "vocab": m.vocab}
+        sizes |= {"vocab": m.vocab}
     return sizes
+
+
+def kv_heads_split(m: ModelSpec, degree: int) -> bool:
+    """Whether llama's key/value heads go to `degree` tensor-parallel ranks: kvHeads / degree each, or,
+    with fewer heads than ranks, each head replicated on degree / kvHeads ranks (as Megatron does)."""
+    kv = m.key_value_heads
+    return kv % degree == 0 or degree % kv == 0

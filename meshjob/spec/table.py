@@ -22,6 +22,9 @@ from meshjob.spec.model import (
     CHUNKS_AUTO,
     CLEAN_POD_POLICIES,
     DATA_KINDS,
+    GRAD_REDUCE_DTYPES,
+    INIT_KINDS,
+    INIT_MODEL_KINDS,
     INT32_MAX,
     INT64_MAX,
     MAX_BUDGET_SECONDS,
@@ -66,7 +69,7 @@ from meshjob.spec.model import (
 # dataclasses; RULES adds what the Python types cannot say.
 
 
-RENAMES = {"src": "from", "dst": "to"}
+RENAMES = {"src": "from", "dst": "to", "grad_bucket_mib": "gradBucketMiB"}
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = r"^(activation|skip[0-9]+)$"
 # a Python import path and the function in it, as setuptools writes entry points
@@ -109,7 +112,9 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("ModelSpec", "vocab"): count(MAX_VOCAB, why="vocabulary size; at most 2^20 (the largest published: 256k)"),
     ("ModelSpec", "seq_len"): count(MAX_SEQ_LEN, why="tokens per sequence; at most 2^20 (1M-token contexts)"),
     ("ModelSpec", "kv_heads"): count(
-        MAX_HEADS, why="llama: key/value heads of grouped-query attention; divides heads (default: heads)"
+        MAX_HEADS,
+        why="llama: key/value heads of grouped-query attention; divides heads (default: heads); fewer than a "
+        "stage's tensor-parallel degree are replicated",
     ),
     ("ModelSpec", "ffn_hidden"): count(
         MAX_FFN_HIDDEN,
@@ -131,6 +136,17 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
         "embedding, blocks, head and boundary shape (meshjob_trainer.custom)",
     ),
     ("ModelSpec", "config"): {"description": "custom: free-form settings handed to the entry point"},
+    ("ModelSpec", "init"): {
+        "description": f"{', '.join(INIT_MODEL_KINDS)}: start from these weights instead of random ones from "
+        "spec.training.seed"
+    },
+    ("InitSpec", "kind"): {
+        "enum": INIT_KINDS,
+        "description": "huggingface: a save_pretrained directory (config.json, model.safetensors) whose config "
+        "matches spec.model",
+    },
+    ("InitSpec", "path"): chars(MAX_PATH, 1, "the directory of the weights (relative: to the working directory)")
+    | {"required": True},
     ("DataSpec", "kind"): {
         "enum": DATA_KINDS,
         "description": "synthetic: a seeded bigram chain; tokens: token files (nanoGPT's flat binary format)",
@@ -164,7 +180,25 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("TrainingSpec", "seed"): count(MAX_SEED, 0, "random seed; 0..2^32-1"),
     ("TrainingSpec", "precision"): {
         "enum": PRECISIONS,
-        "description": "bf16: autocast compute with fp32 master weights and fp32 gradient reductions",
+        "description": "bf16: autocast compute with fp32 master weights; boundary tensors and tensor-parallel "
+        "reductions in bf16, data-parallel gradient reductions in gradReduceDtype",
+    },
+    ("TrainingSpec", "overlap_grad_reduce"): {
+        "description": "start each bucket's data-parallel gradient reduction as its last backward pass completes "
+        "it (overlapped); false: all after the step's backward"
+    },
+    ("TrainingSpec", "grad_bucket_mib"): {
+        "minimum": 0,
+        "exclusive_minimum": True,
+        "maximum": 65536,
+        "description": "MiB of fp32 gradients per data-parallel reduction bucket",
+    },
+    ("TrainingSpec", "grad_reduce_dtype"): {
+        "enum": GRAD_REDUCE_DTYPES,
+        "description": "dtype of the data-parallel gradient reductions (bf16 halves their bytes, sums rounded)",
+    },
+    ("TrainingSpec", "weight_decay_embeddings"): {
+        "description": "decay the embeddings, as Megatron does (norms and biases never are)"
     },
     ("TrainingSpec", "recompute"): {
         "enum": RECOMPUTE,
@@ -246,6 +280,10 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
         "gradients delays N, at most microbatches - 1); 0 = no delay (the backward is "
         "not split)",
     },
+    ("TunedForSpec", "hosts"): count(MAX_JOB_HOSTS, why="hosts of the cluster meshjob tune chose the plan for"),
+    ("TunedForSpec", "nic_rate"): chars(32, 1, "NIC rate per host and direction it was tuned for, tc style: 100gbit"),
+    ("TunedForSpec", "device"): chars(32, 1, "device profile it was tuned for: h100, a100 or TFLOP/s"),
+    ("TunedForSpec", "memory"): chars(32, why="memory per device it was tuned for, e.g. 80Gi; empty: the profile's"),
     ("RunPolicy", "backoff_limit"): count(INT32_MAX, 0, "gang restarts before the job fails (int32)"),
     ("RunPolicy", "active_deadline_seconds"): count(INT64_MAX, 0, "seconds the job may run (int64)"),
     ("RunPolicy", "ttl_seconds_after_finished"): count(INT32_MAX, 0, "seconds a finished job is kept (int32)"),

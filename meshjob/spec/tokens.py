@@ -5,7 +5,8 @@ before any rank starts (`meshjob plan`, `meshjob run`, `meshjob worker`).
 Format: a headerless array of token ids, little-endian uint16 or uint32 (what nanoGPT's prepare
 scripts write with numpy's `tofile` on x86 and ARM, and Megatron's `.bin` without its `.idx`).
 The byte-level tokenizer maps each UTF-8 byte to its value: 256 token ids, no vocabulary file, no
-download, and decoding is exact.
+download, and decoding is exact. `--tokenizer tokenizer.json` uses a Hugging Face `tokenizers` file
+instead (a local file: nothing is downloaded; the package is imported only then).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshjob.errors import FieldError
+from meshjob.errors import FieldError, SpecError
 from meshjob.spec.model import TrainingJob
 
 TYPECODES = {"uint16": "H", "uint32": "I"}  # array module typecodes of 2 and 4 bytes
@@ -61,10 +62,43 @@ def read_tokens(path: str | Path, dtype: str, max_bytes: int | None = None) -> a
     return _little_endian(values)
 
 
+def tokenizer_tokens(text: bytes, tokenizer_path: str | Path, dtype: str = "uint16") -> tuple[array.array[int], int]:
+    """The tokens of UTF-8 `text` by a `tokenizers` file (tokenizer.json), without special tokens, and
+    the tokenizer's vocabulary size; a SpecError names the option at fault."""
+    try:
+        from tokenizers import Tokenizer
+    except ModuleNotFoundError:
+        raise SpecError(
+            [
+                FieldError(
+                    "--tokenizer", str(tokenizer_path), "usable with tokenizers installed (pip install tokenizers)"
+                )
+            ]
+        ) from None
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as err:  # tokenizers raises its own Exception subclass for unreadable or bad files
+        raise SpecError(
+            [FieldError("--tokenizer", str(tokenizer_path), f"a tokenizers file, tokenizer.json ({err})")]
+        ) from None
+    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    if vocab > 1 << (8 * itemsize(dtype)):
+        raise SpecError([FieldError("--dtype", dtype, f"uint32: the tokenizer's {vocab} token ids do not fit {dtype}")])
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(
+            [FieldError("TEXT", f"byte {err.start}", "UTF-8 text (a tokenizer reads characters)")]
+        ) from None
+    ids: list[int] = tokenizer.encode(decoded, add_special_tokens=False).ids
+    return array.array(TYPECODES[dtype], ids), vocab
+
+
 @dataclass(frozen=True)
 class Prepared:
     train_tokens: int
     val_tokens: int
+    vocab: int = BYTE_VOCAB  # token ids run below it: spec.model.vocab must be at least this
 
 
 def prepare(
@@ -73,16 +107,19 @@ def prepare(
     val_out: str | Path | None = None,
     val_fraction: float = 0.1,
     dtype: str = "uint16",
+    tokenizer: str | Path | None = None,
 ) -> Prepared:
-    """Tokenize a text file byte by byte into `out`; with `val_out`, its last `val_fraction` goes
-    there instead (nanoGPT's split: the first 90% trains, the last 10% validates)."""
+    """Tokenize a text file byte by byte (or with a `tokenizers` file) into `out`; with `val_out`, its last
+    `val_fraction` goes there instead (nanoGPT's split: the first 90% trains, the last 10% validates)."""
     text = Path(text_path).read_bytes()
-    tokens = byte_tokens(text, dtype)
+    tokens, vocab = byte_tokens(text, dtype), BYTE_VOCAB
+    if tokenizer is not None:
+        tokens, vocab = tokenizer_tokens(text, tokenizer, dtype)
     cut = len(tokens) - round(len(tokens) * val_fraction) if val_out is not None else len(tokens)
     write_tokens(out, tokens[:cut])
     if val_out is not None:
         write_tokens(val_out, tokens[cut:])
-    return Prepared(cut, len(tokens) - cut)
+    return Prepared(cut, len(tokens) - cut, vocab)
 
 
 # --- checks before any rank starts ------------------------------------------------------------

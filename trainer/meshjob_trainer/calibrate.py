@@ -66,25 +66,28 @@ def needs_calibration(plan: Plan) -> bool:
     return plan.job.schedule.weight_grad_delay == "auto" and plan.split_backward
 
 
+class Arrived:
+    """A transfer that is already done (a transport without peers hands these out)."""
+
+    def __init__(self, value: torch.Tensor | None) -> None:
+        self.value = value
+
+    def result(self) -> torch.Tensor | None:
+        return self.value
+
+    def wait(self) -> torch.Tensor | None:
+        return self.value
+
+
 class _Synthetic:
     """A pipeline transport for profiling: receives return random tensors of the stage's natural tile
     (what resharding would deliver), sends go nowhere."""
 
-    class _Done:
-        def __init__(self, value: torch.Tensor | None) -> None:
-            self.value = value
-
-        def result(self) -> torch.Tensor | None:
-            return self.value
-
-        def wait(self) -> torch.Tensor | None:
-            return self.value
-
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         self.shape, self.device = shape, device
 
-    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> _Synthetic._Done:
-        return self._Done(None if local is not None else torch.randn(self.shape, device=self.device))
+    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Arrived:
+        return Arrived(None if local is not None else torch.randn(self.shape, device=self.device))
 
 
 def natural_shape(plan: Plan, stage: int, rank: int) -> tuple[int, ...]:

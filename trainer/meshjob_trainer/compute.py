@@ -2,28 +2,35 @@
 
 RealCompute runs the module (autograd, the I/W split of zero-bubble pipelining, AdamW).
 EmulatedCompute (`--compute emulated --device ...`, meshjob.costs.devices) does no math: each forward, input
-gradient, weight gradient and optimizer step waits the time meshjob.costs.device_costs gives the stage on
-the device (time.sleep: no CPU), and hands back tensors of the real shapes and dtype, so the transfers
-that follow move the real bytes through the real resharding and pipeline executors. Their contents are
-meaningless, and so are the losses of this mode.
+gradient (with full recompute's forward), weight gradient and optimizer step waits the time
+meshjob.costs.device_costs gives the stage on the device, and hands back tensors of the real shapes and
+dtype, so the transfers that follow move the real bytes through the real resharding and pipeline
+executors. A tensor-parallel stage also all-reduces what Megatron's layers all-reduce
+(meshjob.costs.device_costs.tp_reductions) over its real group, so a stage split across hosts loads their
+NICs. Contents are meaningless, and so are the losses of this mode.
+
+The waits go to deadlines on a per-rank clock (DeadlineClock), not one time.sleep each: a sleep overshoots
+(a 2 us sleep takes ~73 us on a loaded host), and the next deadline makes the overshoot up, so a run of
+waits takes the modelled time, not the modelled time plus one overshoot per wait.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from meshjob.costs.device_costs import EmulatedCost
+from meshjob.costs.device_costs import AllReduce, EmulatedCost, TPReductions
 from meshjob.spec.manifest import TrainingJob
 from meshjob_trainer.model import PipelineStage
 from meshjob_trainer.optim import StageOptimizer, clip_global_norm, lr_at
-from meshjob_trainer.parallel import StageGroups, tie_gradients
+from meshjob_trainer.parallel import StageGroups, TPGroup, tie_gradients
+from meshjob_trainer.recompute import WeightGrad, deferring_weight_grads, run_weight_grads
 
 
 class SplitStash(Protocol):
@@ -31,6 +38,7 @@ class SplitStash(Protocol):
 
     inputs: dict[str, torch.Tensor]  # the stage inputs that need a gradient
     param_groups: list[dict[str, Any]] | None  # what I kept for W (None: W runs the whole backward)
+    weight_grads: list[WeightGrad]  # what I deferred of recomputed blocks (meshjob_trainer.recompute)
     roots: list[torch.Tensor]
     root_grads: list[torch.Tensor | None]
 
@@ -106,12 +114,16 @@ class RealCompute:
             return []
         # off the last stage every output's gradient came back (pipeline: the roots are those outputs)
         out_grads = None if self.module.is_last else cast(list[torch.Tensor], grads)
-        in_grads, stash.param_groups = stage_backward_input(roots, out_grads, leaves, iter(self.params))
+        # recomputed blocks run once here and keep for W only their linear layers' inputs and output gradients
+        with deferring_weight_grads() as deferred:
+            in_grads, stash.param_groups = stage_backward_input(roots, out_grads, leaves, iter(self.params))
+        stash.weight_grads = deferred
         return list(in_grads)
 
     def weight_grad(self, stash: SplitStash) -> None:
         if stash.param_groups is not None:
             stage_backward_weight(iter(self.params), stash.param_groups)
+            run_weight_grads(stash.weight_grads)
         else:
             torch.autograd.backward(stash.roots, stash.root_grads, inputs=self.params)
 
@@ -127,10 +139,35 @@ class RealCompute:
         return norm
 
 
+class DeadlineClock:
+    """A rank's modelled compute, waited on the host clock to deadlines: each wait ends `seconds` after the
+    later of the previous deadline and now less the previous wait's overshoot, so an overshoot is made up
+    by the next wait while time the rank spent elsewhere (a transfer it waited for) still counts."""
+
+    def __init__(
+        self, now: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        self.now, self.sleep = now, sleep
+        self.late = 0.0  # how far past its deadline the last wait ended
+        self.deadline = now()  # the last wait's deadline
+        self.modelled = 0.0  # seconds of modelled compute waited for so far
+
+    def wait(self, seconds: float) -> None:
+        """Wait until `seconds` of modelled compute past where the rank's clock stands (no CPU used)."""
+        now = self.now()
+        self.deadline = max(self.deadline, now - self.late) + seconds
+        self.modelled += seconds
+        if self.deadline > now:
+            self.sleep(self.deadline - now)
+        self.late = max(0.0, self.now() - self.deadline)
+
+
 class EmulatedCompute:
     """Waits the modelled time of each compute; outputs are uninitialised tensors of the stage's
     natural activation tile (`shape`, `dtype`), one buffer per output name reused for every microbatch
-    (the contents are never read as numbers), input gradients likewise one per input name."""
+    (the contents are never read as numbers), input gradients likewise one per input name. With
+    tensor parallelism (`tp`) each pass's modelled time is split evenly between its all-reduces
+    (`reductions`), each issued after its share: Megatron's layers compute, then reduce."""
 
     emulated = True
 
@@ -142,19 +179,46 @@ class EmulatedCompute:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         dp_group: dist.ProcessGroup | None = None,
+        tp: TPGroup = TPGroup(),
+        reductions: TPReductions | None = None,
+        clock: DeadlineClock | None = None,
     ) -> None:
         self.module, self.cost, self.dp_group = module, cost, dp_group
+        self.tp = tp
+        self.reductions = reductions if reductions is not None and tp.size > 1 else TPReductions()
+        self.clock = clock or DeadlineClock()
         self._grads: torch.Tensor | None = None
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._reduce_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.modelled: dict[str, float] = {}  # seconds waited for per compute kind: what a test adds up
+        self.tp_bytes = 0  # bytes all-reduced over the tensor-parallel group
 
     def _buffer(self, name: str) -> torch.Tensor:
         if name not in self._buffers:
             self._buffers[name] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self._buffers[name]
 
+    def _run(self, kind: str, seconds: float, reductions: tuple[AllReduce, ...] = ()) -> None:
+        """Wait `seconds` of modelled compute, issuing `reductions` over the TP group between its shares."""
+        self.modelled[kind] = self.modelled.get(kind, 0.0) + seconds
+        if not reductions:
+            self.clock.wait(seconds)
+            return
+        for r in reductions:
+            self.clock.wait(seconds / len(reductions))
+            self._all_reduce(r)
+
+    def _all_reduce(self, r: AllReduce) -> None:
+        key = (r.elements, r.itemsize)
+        if key not in self._reduce_buffers:  # zeros: no denormal arithmetic in the reduction
+            dtype = torch.bfloat16 if r.itemsize == 2 else torch.float32
+            self._reduce_buffers[key] = torch.zeros(r.elements, dtype=dtype, device=self.device)
+        dist.all_reduce(self._reduce_buffers[key], group=self.tp.group)
+        self.tp_bytes += r.nbytes
+
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        time.sleep(self.cost.stage.forward_s)
+        self._run("F", self.cost.stage.forward_s, self.reductions.forward)
         if self.module.is_last:
             return {"loss": torch.full((), math.nan, device=self.device)}  # not a loss: reported as NaN
         return {name: self._buffer(name) for name in self.module.output_names()}
@@ -166,24 +230,27 @@ class EmulatedCompute:
     def backward(
         self, roots: list[torch.Tensor], grads: list[torch.Tensor | None], leaves: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
-        time.sleep(self.cost.stage.backward_s)
+        r = self.reductions
+        self._run("B", self.cost.stage.backward_s, r.input_grad + r.weight_grad)
         return self._input_grads(len(leaves))
 
     def input_grad(
         self, stash: SplitStash, roots: list[torch.Tensor], grads: list[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
-        time.sleep(self.cost.stage.input_grad_s)
+        self._run("I", self.cost.stage.input_grad_s, self.reductions.input_grad)
         return self._input_grads(len(stash.inputs))
 
     def weight_grad(self, stash: SplitStash) -> None:
-        time.sleep(self.cost.stage.weight_grad_s)
+        self._run("W", self.cost.stage.weight_grad_s, self.reductions.weight_grad)
 
     def update(self, rt: StepState, step: int) -> float:
         """The data-parallel reduction's bytes really cross the network (one all-reduce of a buffer
-        as large as the stage's local gradients); the optimizer step is a wait."""
+        as large as the stage's local gradients, in the gradients' reduction dtype); the optimizer
+        step is a wait."""
         if self.dp_group is not None:
             if self._grads is None:
-                self._grads = torch.empty(self.cost.params, dtype=torch.float32, device=self.device)
+                dtype = torch.bfloat16 if rt.job.training.grad_reduce_itemsize == 2 else torch.float32
+                self._grads = torch.zeros(self.cost.params, dtype=dtype, device=self.device)
             dist.all_reduce(self._grads, group=self.dp_group)
-        time.sleep(self.cost.optimizer_s)
+        self._run("optimizer", self.cost.optimizer_s)
         return math.nan

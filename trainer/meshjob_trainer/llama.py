@@ -10,7 +10,9 @@ the tokens that fall in them and the partial embeddings are summed), and so are 
 loss: each rank computes the logits of its vocabulary slice and the cross-entropy is assembled
 from per-slice maxima, sums of exponentials and target logits (VocabParallelCrossEntropy), so no
 rank ever holds the full logits. Query head j reads key/value head j // (heads / kvHeads); slicing
-both by rank keeps every group on one rank.
+both by rank keeps every group on one rank. With fewer key/value heads than ranks each rank holds
+the one its query heads read, replicated on tp / kvHeads ranks, and the gradients of those copies
+are summed over them (ReplicatedGrad), as Megatron does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshjob.spec.manifest import ModelSpec
+from meshjob.spec.manifest import ModelSpec, kv_heads_split
+from meshjob.spec.model import RMS_NORM_EPS
 from meshjob_trainer.model import Initializer, PipelineStage, PreNormBlock
 from meshjob_trainer.numerics import Numerics
 from meshjob_trainer.parallel import (
@@ -32,10 +35,9 @@ from meshjob_trainer.parallel import (
     TPGroup,
     copy_to_tp,
     reduce_from_tp,
+    shard_info,
     sharded,
 )
-
-NORM_EPS = 1e-5
 
 
 def check_llama(config: ModelSpec, tp: TPGroup) -> None:
@@ -46,16 +48,16 @@ def check_llama(config: ModelSpec, tp: TPGroup) -> None:
         )
     if config.heads % config.key_value_heads:
         raise ValueError(f"model.kvHeads: {config.kv_heads} is invalid: must divide model.heads ({config.heads})")
-    for name, size in (
-        ("heads", config.heads),
-        ("kvHeads", config.key_value_heads),
-        ("ffnHidden", config.ffn_width),
-        ("vocab", config.vocab),
-    ):
+    for name, size in (("heads", config.heads), ("ffnHidden", config.ffn_width), ("vocab", config.vocab)):
         if size % tp.size:
             raise ValueError(
                 f"model.{name}: {size} is invalid: must be divisible by the tensor-parallel size {tp.size}"
             )
+    if not kv_heads_split(config, tp.size):
+        raise ValueError(
+            f"model.kvHeads: {config.key_value_heads} is invalid: must divide the tensor-parallel size {tp.size} "
+            f"or be divisible by it"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +67,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # the statistics in fp32 whatever the compute precision
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)).to(x.dtype) * self.weight
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +85,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+class ReplicatedGrad(torch.autograd.Function):
+    """Identity forward; backward, the sum of the gradients of the copies of one key/value weight slice
+    held by several TP ranks: each rank's slice goes into a zero buffer of the full weight, the
+    buffer is all-reduced over the TP group, and each rank keeps its slice (the key/value weights are
+    small: the full buffer costs little)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp, ctx.info = tp, shard_info(weight)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        info = ctx.info
+        full = torch.zeros((grad.shape[0] * info.parts, *grad.shape[1:]), dtype=torch.float32, device=grad.device)
+        full.chunk(info.parts, dim=0)[info.index].copy_(grad)
+        dist.all_reduce(full, group=ctx.tp.group)
+        return full.chunk(info.parts, dim=0)[info.index].to(grad.dtype), None
+
+
+class KeyValueLinear(nn.Module):
+    """k or v: column-parallel over the key/value heads when the TP ranks are at most kvHeads; with more
+    ranks, rank r holds head r * kvHeads // tp (the one its query heads read), a copy on tp / kvHeads ranks."""
+
+    def __init__(self, weight: torch.Tensor, kv_heads: int, tp: TPGroup):
+        super().__init__()
+        parts = min(kv_heads, tp.size)
+        self.tp, self.replicated = tp, parts < tp.size
+        self.weight = sharded(weight, ShardInfo(0, tp.rank * parts // tp.size, parts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = ReplicatedGrad.apply(self.weight, self.tp) if self.replicated else self.weight
+        return F.linear(x, weight)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings; this rank's heads / tp query heads."""
 
@@ -91,11 +128,11 @@ class Attention(nn.Module):
         hidden, heads, kv_heads = config.hidden, config.heads, config.key_value_heads
         self.tp, self.theta = tp, config.rope_theta
         self.head_dim = hidden // heads
-        self.local_heads, self.local_kv = heads // tp.size, kv_heads // tp.size
+        self.local_heads, self.local_kv = heads // tp.size, max(1, kv_heads // tp.size)
         kv_width = kv_heads * self.head_dim
         self.q = ColumnParallelLinear(init.normal(f"{prefix}.q.weight", (hidden, hidden)), None, tp)
-        self.k = ColumnParallelLinear(init.normal(f"{prefix}.k.weight", (kv_width, hidden)), None, tp)
-        self.v = ColumnParallelLinear(init.normal(f"{prefix}.v.weight", (kv_width, hidden)), None, tp)
+        self.k = KeyValueLinear(init.normal(f"{prefix}.k.weight", (kv_width, hidden)), kv_heads, tp)
+        self.v = KeyValueLinear(init.normal(f"{prefix}.v.weight", (kv_width, hidden)), kv_heads, tp)
         self.o = RowParallelLinear(init.normal(f"{prefix}.o.weight", (hidden, hidden), True), None, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,9 +264,13 @@ class LlamaStage(PipelineStage):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of this rank's vocabulary slice, from the last block's output x."""
         weight = self.embed_tokens.weight if self.tied else self.head.weight
-        logits = F.linear(copy_to_tp(self.norm(x), self.tp), weight)  # this rank's vocabulary slice
+        return F.linear(copy_to_tp(self.norm(x), self.tp), weight)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(x)  # this rank's vocabulary slice
         logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if self.tp.size == 1:
             return F.cross_entropy(logits.float(), targets, reduction="sum")

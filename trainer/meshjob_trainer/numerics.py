@@ -1,5 +1,5 @@
 """How a stage computes: precision (fp32, or bf16 autocast over fp32 master weights) and activation
-recomputation (keep each block's input, recompute its activations in the backward).
+recomputation (keep each block's input, recompute its activations once in the backward).
 
 bf16 here is mixed precision, not a bf16 model: parameters, gradients and optimizer state stay
 fp32, autocast runs the matrix products in bf16, and every reduction (tensor-parallel, data-parallel,
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from meshjob.spec.manifest import TrainingJob
+from meshjob_trainer.recompute import recompute_block
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,9 +45,8 @@ class Numerics:
         return torch.autocast(device_type, dtype=PRECISION_DTYPES[self.precision])
 
     def run_block(self, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """block(x), keeping only x for the backward when recomputing. Non-reentrant checkpointing:
-        it recomputes under the same autocast state, and works with torch.autograd.grad on chosen
-        inputs, which the split backward (I, then W) needs."""
+        """block(x), keeping only x for the backward when recomputing: the backward recomputes the
+        block once, under the same autocast state, also when split into I and W (meshjob_trainer.recompute)."""
         if not self.recompute or not torch.is_grad_enabled():
             return block(x)
-        return checkpoint(block, x, use_reentrant=False)
+        return recompute_block(block, x)

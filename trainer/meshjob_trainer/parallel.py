@@ -29,6 +29,7 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
     rank: int = 0
     size: int = 1
+    dtype: torch.dtype = torch.float32  # what its reductions add in: bf16 under spec.training.precision bf16
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ def _lines(mesh: Mesh, dim: int) -> list[tuple[int, ...]]:
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
-def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int) -> StageGroups:
+def build_groups(
+    stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int, tp_dtype: torch.dtype = torch.float32
+) -> StageGroups:
     """Create the DP, TP and tie groups of every stage (its spec names the DP and TP mesh dims, the
-    plan's mesh holds its ranks). Collective: every rank calls it with the same stages and meshes, so
-    new_group is called in the same order everywhere."""
+    plan's mesh holds its ranks; `tp_dtype` the tensor-parallel reductions'). Collective: every rank
+    calls it with the same stages and meshes, so new_group is called in the same order everywhere."""
     stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
     tp, dp_group, dp_rank, dp_size = TPGroup(), None, 0, 1
     for spec, mesh in zip(stages, meshes):
@@ -73,7 +76,7 @@ def build_groups(stages: Sequence[StageSpec], meshes: Sequence[Mesh], rank: int)
                 group = dist.new_group(list(members))
                 if rank in members:
                     if kind == "tp":
-                        tp = TPGroup(group, members.index(rank), len(members))
+                        tp = TPGroup(group, members.index(rank), len(members), tp_dtype)
                     else:
                         dp_group, dp_rank, dp_size = group, members.index(rank), len(members)
     tie_group, tie_members = None, len(meshes[stage].ranks)
@@ -106,7 +109,13 @@ def _replica_rank(spec: StageSpec, mesh: Mesh, rank: int) -> int:
 def all_reduce_fp32(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum over `group` of a (possibly bf16) tensor, added in fp32 and returned in x's dtype: partial
     sums rounded to bf16 once each, not again at every addition."""
-    total = x.to(torch.float32, copy=True).contiguous()
+    return all_reduce_in(x, group, torch.float32)
+
+
+def all_reduce_in(x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over `group` of x added in `dtype`, returned in x's dtype. The tensor-parallel reductions of
+    activations and their gradients run in the training dtype (Megatron's): bf16 halves their bytes."""
+    total = x.to(dtype, copy=True).contiguous()
     dist.all_reduce(total, group=group)
     return total.to(x.dtype)
 
@@ -116,31 +125,31 @@ def all_reduce_fp32(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.dtype = group, dtype
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_fp32(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_reduce_in(grad, ctx.group, ctx.dtype), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce_fp32(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> torch.Tensor:
+        return all_reduce_in(x, group, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp.group)
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp.group, tp.dtype)
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group)
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group, tp.dtype)
 
 
 # --- sharded parameters -------------------------------------------------------------------
@@ -171,6 +180,13 @@ def sharded(full: torch.Tensor, info: ShardInfo) -> nn.Parameter:
 
 def shard_info(param: torch.Tensor) -> ShardInfo:
     return getattr(param, "shard", ShardInfo(None))
+
+
+def first_tp_copy(info: ShardInfo, tp: TPGroup) -> bool:
+    """Whether this rank holds the first of the identical copies the TP ranks keep of a parameter's slice:
+    tp / parts copies (a replicated weight: all of them; llama's key/value heads when fewer than the ranks)."""
+    parts = 1 if info.dim is None else info.parts
+    return tp.rank % (tp.size // parts) == 0
 
 
 class ColumnParallelLinear(nn.Module):

@@ -25,6 +25,10 @@ The math itself is the `compute` strategy's (meshjob_trainer.compute): the modul
 or waits of a device profile's modelled time with tensors of the real shapes (EmulatedCompute); this
 executor does the bookkeeping either way (stash, receives, sends, gradients taken and kept).
 
+With data parallelism the step's last backward action (B, or the last W) tells the optimizer's gradient
+reduction (meshjob_trainer.optim) which weight gradients are complete, so each bucket's reduction starts
+during that backward; a split W computes its weights group by group for that.
+
 Per stage we record compute seconds, waiting seconds (blocked on a transfer) and the peak number
 of stashed microbatches: forwarded but not yet fully backwarded (B, or W when split). Times are read
 on the step's clock (meshjob_trainer.step_clock): the host's on a CPU, the compute stream's on a GPU,
@@ -35,17 +39,19 @@ where the host only launches kernels; either way at the step's end, like the las
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob_trainer.compute import RealCompute, StageCompute
 from meshjob_trainer.data import Batch
 from meshjob_trainer.model import PipelineStage
+from meshjob_trainer.recompute import WeightGrad
 from meshjob_trainer.step_clock import HostClock, StepClock
 
 
@@ -63,6 +69,19 @@ class Transport(Protocol):
     def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle: ...
 
 
+class GradientReady(Protocol):
+    """The data-parallel gradient reduction as the executor drives it (meshjob_trainer.optim.StageOptimizer)."""
+
+    def arm(self, on_start: Callable[[str], None] | None = None) -> None:
+        """The step's last backward action begins: complete buckets start reducing (on_start(name) each)."""
+
+    def ready(self, params: Iterable[torch.Tensor]) -> None:
+        """These parameters' gradients are complete (a B's are reported by the optimizer's own hooks)."""
+
+    def flush(self) -> None:
+        """The last backward action ended: start what has not started."""
+
+
 class PipelineError(RuntimeError):
     """An action list this executor cannot run; the message names the stage and the action."""
 
@@ -77,6 +96,8 @@ class StageStats:
     # (action or "wait", start, end) in seconds from the step's start; merged stats keep the last step's
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
     timeline_origin: float = 0.0  # the host's time.perf_counter() at the step's start (one for all processes)
+    # (bucket, seconds from the step's start) at which each data-parallel gradient reduction started
+    reductions: list[tuple[str, float]] = field(default_factory=list)
 
     def merge_step(self, other: StageStats) -> None:
         self.compute_s += other.compute_s
@@ -84,6 +105,7 @@ class StageStats:
         self.peak_stashed = max(self.peak_stashed, other.peak_stashed)
         self.steps += other.steps
         self.timeline, self.timeline_origin = other.timeline, other.timeline_origin
+        self.reductions = other.reductions
 
 
 @dataclass
@@ -92,6 +114,7 @@ class _Stash:
     outputs: dict[str, torch.Tensor]
     split_done: bool = False  # I has run
     param_groups: list[dict[str, Any]] | None = None  # what I kept for W (None: W runs the whole backward)
+    weight_grads: list[WeightGrad] = field(default_factory=list)  # what I deferred of recomputed blocks
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -109,7 +132,9 @@ class PipelineExecutor:
         recv_depth: Mapping[BoundaryKey, int] | None = None,
         compute: StageCompute | None = None,
         clock: StepClock | None = None,
+        gradients: GradientReady | None = None,
     ):
+        self.gradients = gradients  # the data-parallel reduction to start during the last backward (None: none)
         self.stage, self.module, self.actions, self.transport = stage, module, list(actions), transport
         self.clock = clock or HostClock()  # meshjob_trainer.step_clock.clock_for(device) on a GPU
         self.loss_scale = loss_scale  # 1 / tokens of the global batch: losses add up to its mean
@@ -153,9 +178,13 @@ class _StepRun:
         # action or a "wait"; read into stats at the step's end, when the device (if any) has run it all
         self.marks: list[Any] = []  # the clock's own kind of mark (StepClock.mark)
         self.spans: list[tuple[str, int, int]] = []
+        self.started: list[tuple[str, int]] = []  # (bucket, mark) of each gradient reduction started
+        self.last_backward: Action | None = None  # the action after which every weight gradient is complete
         self.stats.timeline_origin = ex.clock.start()
 
     def run(self, actions: Sequence[Action]) -> None:
+        if self.training and self.ex.gradients is not None:
+            self.last_backward = next((a for a in reversed(actions) if a.kind in ("B", "W")), None)
         self.post_receives(actions)
         for action in actions:
             if action.kind not in ("RECV_F", "RECV_B"):
@@ -178,6 +207,7 @@ class _StepRun:
             self.stats.compute_s += at[end] - begin
             self.stats.timeline.append((name, begin, at[end]))
             waits.clear()
+        self.stats.reductions = [(name, at[mark]) for name, mark in self.started]
 
     def fail(self, action: Action, why: str) -> PipelineError:
         return PipelineError(f"stage {self.ex.stage}: action {action}: {why}")
@@ -212,9 +242,14 @@ class _StepRun:
     def do(self, action: Action) -> None:
         kind = action.kind
         if kind in ("F", "B", "I", "W"):
+            gradients = self.ex.gradients if action is self.last_backward else None
+            if gradients is not None:
+                gradients.arm(lambda name: self.started.append((name, self.mark())))
             start = self.mark()
             getattr(self, f"_{kind}")(action)
             self.spans.append((str(action), start, self.mark()))
+            if gradients is not None:
+                gradients.flush()
         elif kind == "RECV_F":
             self.recv_f[(action.tensor, action.mb)] = self._start(action, None)
         elif kind == "RECV_B":
@@ -325,7 +360,22 @@ class _StepRun:
         stash = self._stash_for(action)
         if not stash.split_done:
             raise self.fail(action, f"W before I for microbatch {action.mb}")
-        self.ex.compute.weight_grad(stash)
+        groups = stash.param_groups
+        if action is self.last_backward and groups is not None and self.ex.gradients is not None:
+            # group by group, so each bucket starts reducing as soon as its weights are done
+            weights = {_get_grad_fn_or_grad_acc(p): p for p in self.ex.params}
+            if stash.weight_grads:  # recomputed blocks' weights are in no group: I deferred them
+                done = [p for work in stash.weight_grads for p in work.params()]
+                stash.param_groups = []
+                self.ex.compute.weight_grad(stash)
+                self.ex.gradients.ready(done)
+            for group in groups:
+                stash.param_groups = [group]
+                done = [weights[node] for node in group["params"] if node in weights]
+                self.ex.compute.weight_grad(stash)
+                self.ex.gradients.ready(done)
+        else:
+            self.ex.compute.weight_grad(stash)
         del self.stash[action.mb]  # frees the retained graph
 
     def finish(self) -> None:

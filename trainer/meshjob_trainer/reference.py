@@ -4,9 +4,9 @@ gradient norms and final weights); it is the oracle every feature is tested agai
 
 What it shares with a pipelined run is only what defines the mathematics: the model family
 (families.build_stage, the whole model as one stage), the data (data.make_data), the loss scaling,
-the learning-rate schedule and AdamW (optim.lr_at, optim.make_optimizer). Clipping is torch's own
-torch.nn.utils.clip_grad_norm_ over the one model, tensor parallelism and ZeRO-1 do not exist here,
-and recomputation is off (it changes memory, not results).
+the learning-rate schedule and AdamW with its weight-decay groups (optim.lr_at, optim.make_optimizer,
+optim.weight_decay_groups). Clipping is torch's own torch.nn.utils.clip_grad_norm_ over the one model,
+tensor parallelism and ZeRO-1 do not exist here, and recomputation is off (it changes memory, not results).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from meshjob_trainer.data import TRAIN, VAL, Dataset, make_data
 from meshjob_trainer.families import build_stage
 from meshjob_trainer.model import PipelineStage
 from meshjob_trainer.numerics import Numerics
-from meshjob_trainer.optim import lr_at, make_optimizer
+from meshjob_trainer.optim import lr_at, make_optimizer, weight_decay_groups
 
 
 @dataclass
@@ -53,7 +53,8 @@ def train_reference(
 ) -> ReferenceResult:
     """Train `model` (the whole model as one stage) as meshjob.spec.manifest.TrainingSpec `training` says."""
     t = training
-    optimizer = make_optimizer(model.parameters(), t.learning_rate, t.optimizer.weight_decay)
+    groups = weight_decay_groups(model, t.optimizer.weight_decay, t.weight_decay_embeddings)
+    optimizer = make_optimizer(groups, t.learning_rate)
     result = ReferenceResult([], {})
     for step in range(t.steps):
         for group in optimizer.param_groups:

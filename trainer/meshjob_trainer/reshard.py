@@ -254,7 +254,7 @@ class ReshardExecutor:
         events: MetricsSink | None = None,
         *,
         routes: Sequence[Route] | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         host: str = "",
         wire: Wire | None = None,
@@ -265,7 +265,9 @@ class ReshardExecutor:
         small_in_flight_per_link: int | None = None,
         cpu_wire: str = "gloo",
     ) -> None:
-        self.rank, self.events, self.dtype = rank, events, dtype
+        self.rank, self.events = rank, events
+        # the wire's dtype: the plan's job's training dtype (its byte counts assume it), else fp32
+        self.dtype = dtype or (wire_dtype(plan.job.training.activation_itemsize) if plan is not None else torch.float32)
         self.device = torch.device(device or "cpu")
         self.recv_depth: dict[BoundaryKey, int] = {}
         if isinstance(order, str) and order != "plan":
@@ -436,6 +438,11 @@ class ReshardExecutor:
         self.engine.close(timeout_s)
         if self._own_wire:
             close_wire(self.wire)
+
+
+def wire_dtype(itemsize: int) -> torch.dtype:
+    """The dtype boundary tensors cross in (meshjob.spec.manifest.TrainingSpec.activation_itemsize's bytes)."""
+    return torch.bfloat16 if itemsize == 2 else torch.float32
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ from meshjob.layout.sharding import (
 )
 from meshjob.network.host_task import Link
 from meshjob.network.model import NetworkModel
-from meshjob.plan.build import ITEMSIZE, Boundary, Plan
+from meshjob.plan.build import Boundary, Plan
 from meshjob.plan.host_order import Side
 from meshjob.plan.program import RankProgram, in_link, out_link, planned_keys, rank_programs
 from meshjob.resharding.tasks import CROSS_HOST, INTRA_HOST, Step
@@ -113,7 +113,7 @@ class Route:
         """Every rank's program (meshjob.plan.program), on plain links as Plan.program orders them."""
         if not hasattr(self, "_programs"):
             plain = dataclasses.replace(self.network, burst_bytes=0.0)
-            self._programs = rank_programs(self.steps, self.host_of, plain, ITEMSIZE)
+            self._programs = rank_programs(self.steps, self.host_of, plain, self.boundary.itemsize)
         return self._programs
 
     def planned_sides(self) -> tuple[Side, ...]:
@@ -122,7 +122,7 @@ class Route:
         meshjob.plan.host_order merges into each host's link order."""
         if not hasattr(self, "_sides"):
             plain = dataclasses.replace(self.network, burst_bytes=0.0)
-            key = planned_keys(self.steps, self.host_of, plain, ITEMSIZE)
+            key = planned_keys(self.steps, self.host_of, plain, self.boundary.itemsize)
             index = {s.id: i for i, s in enumerate(self.steps)}
             ordered = [(index[s.id], s) for s in sorted(self.steps, key=lambda s: key[s.id])]
             ordered += [(len(self.steps) + j, g) for j, g in enumerate(self.gather)]

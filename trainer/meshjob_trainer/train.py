@@ -5,8 +5,9 @@ Loss convention: each microbatch's loss is the token cross-entropy SUM of the ra
 1 / (tokens of the global batch), so the sum over microbatches and data-parallel ranks is the
 global-batch mean (what the single-process reference reports), and gradients add up exactly.
 
-A step: the action list (forward and backward of every microbatch), then the tied embedding's
-gradient (parallel.tie_gradients), the data-parallel reduction (all-reduce, or ZeRO-1's
+A step: the action list (forward and backward of every microbatch; during its last backward pass the
+data-parallel reduction's buckets start as their gradients complete), then the tied embedding's
+gradient (parallel.tie_gradients), the wait for the data-parallel reduction (all-reduce, or ZeRO-1's
 reduce-scatter), clipping to spec.training.gradClip by the global norm, and AdamW at the
 schedule's learning rate (optim). Every spec.training.evalEvery steps the validation loss: the
 forward actions of the same list over spec.training.evalBatches validation batches.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshjob.costs.device_costs import emulated_cost
+from meshjob.costs.device_costs import emulated_cost, tp_reductions
 from meshjob.costs.devices import REAL, ComputeMode
 from meshjob.plan.build import Plan, build_plan
 from meshjob.schedule.actions import Action
@@ -48,12 +49,13 @@ from meshjob_trainer.events import (
     StepFinished,
 )
 from meshjob_trainer.families import build_stage
+from meshjob_trainer.flops import job_layer
 from meshjob_trainer.model import PipelineStage, local_shards
 from meshjob_trainer.numerics import Numerics
-from meshjob_trainer.optim import StageOptimizer
+from meshjob_trainer.optim import GRAD_REDUCE_DTYPES, StageOptimizer, no_decay_parameters
 from meshjob_trainer.parallel import ShardInfo, StageGroups, build_groups
 from meshjob_trainer.pipeline import PipelineExecutor, StageStats
-from meshjob_trainer.reshard import ReshardExecutor
+from meshjob_trainer.reshard import ReshardExecutor, wire_dtype
 from meshjob_trainer.step_clock import HostClock, clock_for
 
 
@@ -74,18 +76,43 @@ class TrainResult:
     payload_bound_bytes: int = 0  # the plan's bound on it
 
 
-class ReshardTransport:
-    """pipeline.Transport over the rank's ReshardExecutor, timing the transfers it started."""
+class WidenedHandle:
+    """A transfer that crosses in a narrower dtype (bf16) than the stage computes its boundary tensors in
+    (fp32: the residual stream stays fp32): what arrives is widened back once."""
 
-    def __init__(self, reshard: ReshardExecutor):
-        self.reshard = reshard
+    def __init__(self, handle: Handle, dtype: torch.dtype):
+        self.handle, self.dtype = handle, dtype
+        self._value: torch.Tensor | None = None
+
+    def _widen(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is None or self._value is not None:
+            return value if value is None else self._value
+        self._value = value.to(self.dtype)
+        return self._value
+
+    def result(self) -> torch.Tensor | None:
+        return self._widen(self.handle.result())
+
+    def wait(self) -> torch.Tensor | None:
+        return self._widen(self.handle.wait())
+
+
+class ReshardTransport:
+    """pipeline.Transport over the rank's ReshardExecutor, timing the transfers it started. Tensors cross
+    in the executor's dtype (the training dtype, meshjob_trainer.reshard.wire_dtype), arrive in fp32."""
+
+    def __init__(self, reshard: ReshardExecutor, widen: bool = True):
+        self.reshard, self.widen = reshard, widen  # widen False: emulated compute never reads the numbers
         self.comm_s = 0.0
         self._handles: list[Handle] = []
 
-    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle:
+    def start(self, key: BoundaryKey, mb: int, local: torch.Tensor | None) -> Handle | WidenedHandle:
+        wire = self.reshard.dtype
+        if local is not None and local.is_floating_point() and local.dtype != wire:
+            local = local.to(wire)
         handle = self.reshard.start(key, mb, local)
         self._handles.append(handle)
-        return handle
+        return handle if wire == torch.float32 or not self.widen else WidenedHandle(handle, torch.float32)
 
     def collect_seconds(self) -> float:
         """Transfer wall time of the handles started since the last call (all already waited)."""
@@ -130,7 +157,8 @@ def build_runtime(ctx: WorkerContext) -> StageRuntime:
     t = job.training
     torch.manual_seed(t.seed)
     meshes = [plan.mesh(s) for s in range(len(job.stages))]
-    groups = build_groups(job.stages, meshes, ctx.rank)  # collective: all ranks, same order
+    # collective: all ranks, same order; tensor-parallel reductions in the training dtype, as boundary tensors
+    groups = build_groups(job.stages, meshes, ctx.rank, wire_dtype(t.activation_itemsize))
     module, compute = _stage_and_compute(ctx, groups)
     check_edges(module, stage, job.edges)
     optimizer = (
@@ -143,9 +171,13 @@ def build_runtime(ctx: WorkerContext) -> StageRuntime:
             t.optimizer.weight_decay,
             t.optimizer.zero_stage,
             tied=module.tied_weights(),
+            no_decay=no_decay_parameters(module, t.weight_decay_embeddings),
+            overlap=t.overlap_grad_reduce,
+            bucket_mib=t.grad_bucket_mib,
+            reduce_dtype=GRAD_REDUCE_DTYPES[t.grad_reduce_dtype],
         )
     )
-    transport = ReshardTransport(ctx.reshard)
+    transport = ReshardTransport(ctx.reshard, widen=compute is None)
     tokens = t.global_batch * job.model.seq_len
     # emulated compute waits on the host: its time is the host's, whatever the device
     clock = clock_for(ctx.device) if compute is None else HostClock()
@@ -158,6 +190,7 @@ def build_runtime(ctx: WorkerContext) -> StageRuntime:
         recv_depth=ctx.reshard.recv_depth,
         compute=compute,
         clock=clock,
+        gradients=optimizer if optimizer is not None and optimizer.buckets else None,
     )
     val = make_data(job, VAL) if t.eval_every > 0 else None
     return StageRuntime(
@@ -191,7 +224,14 @@ def _stage_and_compute(ctx: WorkerContext, groups: StageGroups) -> tuple[Pipelin
     module = PipelineStage(job.model, first, last)
     shape = natural_shape(ctx.plan, stage, ctx.rank)
     return module, EmulatedCompute(
-        module, emulated_cost(job, stage, mode.device), shape, ctx.reshard.dtype, ctx.device, groups.dp_group
+        module,
+        emulated_cost(job, stage, mode.device, job_layer(job)),
+        shape,
+        ctx.reshard.dtype,
+        ctx.device,
+        groups.dp_group,
+        groups.tp,
+        tp_reductions(job, stage),
     )
 
 
@@ -217,7 +257,10 @@ def _batches(rt: StageRuntime, data: Dataset, step: int) -> Callable[[int], Batc
 def train_step(rt: StageRuntime, step: int) -> tuple[float, StageStats, float]:
     """One optimizer step; returns (this rank's share of the loss, stats, the global gradient norm
     before clipping, or NaN without spec.training.gradClip)."""
-    rt.module.zero_grad(set_to_none=True)
+    if rt.optimizer is not None:
+        rt.optimizer.zero_grad()  # bucketed gradients: zeroed views of the reduction's buffer
+    else:
+        rt.module.zero_grad(set_to_none=True)
     local, stats = rt.executor.run_step(_batches(rt, rt.data, step))
     norm = rt.executor.compute.update(rt, step)
     return local, stats, norm
@@ -349,7 +392,7 @@ def train_rank(
             job=job,
             plan=plan,
             stage=plan.placement.stage_of(env.rank),
-            reshard=ReshardExecutor(plan, env.rank, device=device),
+            reshard=ReshardExecutor(plan, env.rank, events, device=device),
             checkpoints=checkpoints,
             device=device,
             compute=compute,

@@ -135,7 +135,9 @@ def calibrated(
         if compute is not None and compute.emulated:
             if compute.device is None:
                 raise DistError("emulated compute needs a device profile (meshjob.costs.devices.parse_compute)")
-            plan = calibrated_plan(setup.plan, emulated_costs(setup.job, compute.device))
+            from meshjob_trainer.flops import job_layer
+
+            plan = calibrated_plan(setup.plan, emulated_costs(setup.job, compute.device, job_layer(setup.job)))
         else:
             plan = calibrate(setup.plan, rank, device)
         agree_on_plan(plan, rank)

@@ -45,7 +45,8 @@ class RunStats:
     step_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # max over ranks
     step_tokens: dict[int, int] = field(default_factory=dict)
     loss: float = math.nan
-    losses: list[tuple[int, float]] = field(default_factory=list)
+    # step -> global-batch loss: every last-stage rank reports the same one; a restart's rerun replaces it
+    losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     reshard_bytes: int = 0
     reshard_seconds: float = 0.0  # summed over receivers: includes waiting for the peer stage
@@ -84,7 +85,7 @@ class RunStats:
         self.step_tokens[event.step] = event.tokens
         if not math.isnan(event.loss):
             self.loss = event.loss
-            self.losses.append((event.step, event.loss))
+            self.losses[event.step] = event.loss
 
     @_add.register
     def _evaluated(self, event: Evaluated, rank: int) -> None:
@@ -175,7 +176,7 @@ class RunStats:
             "steps_completed": self.step,
             "total_steps": self.total_steps,
             "final_loss": None if math.isnan(self.loss) else self.loss,
-            "losses": self.losses,
+            "losses": sorted(self.losses.items()),  # [step, loss], each step once
             "final_val_loss": self.val_losses[max(self.val_losses)] if self.val_losses else None,
             "val_losses": sorted(self.val_losses.items()),
             "tokens_per_s_mean": self.mean_tokens_per_s,
