@@ -56,3 +56,33 @@ def test_zero1_shards_the_optimizer_state_over_data_parallel_ranks():
         0,
     )
     assert zero.optimizer == pytest.approx(plain.optimizer / 4, rel=1e-6)
+
+
+def test_boundary_buffers_are_counted_in_the_dtype_that_crosses_stages():
+    m = ModelSpec(kind="llama", layers=4, hidden=128, heads=4, vocab=256, seq_len=64, kv_heads=2)
+    fp32, bf16 = (
+        stage_memory(m, TrainingSpec(global_batch=16, microbatches=4, precision=p), 0, 2, 1, 1, 4, "none", 2)
+        for p in ("fp32", "bf16")
+    )
+    assert fp32.buffers == 2 * 4 * 4 * 64 * 128  # two directions of one microbatch (4 samples), fp32
+    assert bf16.buffers * 2 == fp32.buffers
+    assert bf16.parameters == fp32.parameters  # fp32 master weights either way
+
+
+def test_a_replicated_key_value_head_costs_each_rank_a_whole_head():
+    """kvHeads 1 at tensor parallel 4: every rank holds one whole key/value head, as with kvHeads 4."""
+    shared, replicated = (
+        stage_memory(
+            ModelSpec(kind="llama", layers=4, hidden=128, heads=4, vocab=256, seq_len=64, kv_heads=kv),
+            TrainingSpec(global_batch=16, microbatches=4),
+            1,
+            3,
+            1,
+            4,
+            4,
+            "none",
+            0,
+        )
+        for kv in (4, 1)
+    )
+    assert replicated.parameters == pytest.approx(shared.parameters, abs=4 * 4)  # rounding of the split only

@@ -10,7 +10,8 @@ Four parts, each from the model's shapes (pure arithmetic, no torch):
   elements: s*b*h*(5 + 12/t + 2.5*a*s/(h*t))), or with full recompute only each block's input plus the
   block being recomputed with its backward's temporaries (RECOMPUTE_LIVE_BLOCKS); the first stage's embedding
   output and the last stage's logits;
-- resharding buffers: one activation-sized buffer per boundary direction the stage sends or receives.
+- resharding buffers: one activation-sized buffer per boundary direction the stage sends or receives, in the
+  training dtype (what crosses stages: bf16 under precision bf16).
 
 bf16 with autocast saves low-precision copies beside the fp32 tensors (BF16_ACTIVATION_FACTOR). Both factors are
 measured by `meshjob bench memory` (bench/results/memory.json; tests/test_memory_model.py checks them against it).
@@ -76,6 +77,15 @@ def stage_parameters(model: ModelSpec, first: int, last: int) -> int:
     return n
 
 
+def replicated_kv_parameters(model: ModelSpec, tp: int) -> int:
+    """Per device and block, what replicated key/value heads add to an even split over tp: with fewer kvHeads
+    than the degree every rank holds a whole head's key and value weights."""
+    if model.kind != "llama" or model.key_value_heads >= tp:
+        return 0
+    head = model.hidden // model.heads
+    return 2 * model.hidden * head - 2 * model.hidden * model.key_value_heads * head // tp
+
+
 def block_activation_bytes(model: ModelSpec, samples: float, tp: int) -> float:
     """Bytes one block saves for its backward, for `samples` samples on one device of tensor-parallel degree tp."""
     s, h, a = model.seq_len, model.hidden, model.heads
@@ -126,7 +136,7 @@ def stage_memory(
 ) -> Memory:
     """Peak bytes on one device of the stage holding blocks [first, last)
     (training: meshjob.spec.manifest.TrainingSpec)."""
-    params = -(-stage_parameters(model, first, last) // tp)
+    params = -(-stage_parameters(model, first, last) // tp) + (last - first) * replicated_kv_parameters(model, tp)
     moments = 2 * params * FLOAT32
     if training.optimizer.zero_stage == 1:
         moments = -(-moments // dp)
@@ -134,5 +144,6 @@ def stage_memory(
     acts = activation_bytes(
         model, last - first, samples, tp, stashed, recompute, training.precision, first == 0, last == model.layers
     )
-    buffers = boundary_directions * FLOAT32 * samples * model.seq_len * model.hidden
+    # boundary tensors travel in the training dtype (bf16 under precision bf16)
+    buffers = boundary_directions * training.activation_itemsize * samples * model.seq_len * model.hidden
     return Memory(params * FLOAT32, params * FLOAT32, int(moments), int(acts), int(buffers))
