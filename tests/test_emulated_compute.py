@@ -347,3 +347,45 @@ def test_an_emulated_step_waits_the_modelled_times_with_recompute_and_no_less():
         modelled = math.fsum(seconds for seconds, _, _ in waits)
         assert modelled == pytest.approx(job.training.steps * step)
         assert waits[-1][2] - waits[0][1] >= modelled  # deadlines: the overshoots are made up, never skipped
+
+
+def _dp_rank_sync_times(env, overlap: bool):
+    """One emulated step of a one-stage job on 2 data-parallel ranks: when (in modelled compute) each gradient
+    bucket's all-reduce started, and how much modelled compute the step's backward passes held."""
+    import torch.distributed as dist
+
+    from meshjob_trainer.compute import DPSync, EmulatedCompute
+    from meshjob_trainer.dist import init_distributed
+    from meshjob_trainer.model import PipelineStage
+
+    init_distributed(env, timeout_s=30)
+    job = one_rank_job(microbatches=3)
+    cost = emulated_cost(job, 0, parse_device("1000"))  # a fast device: a step of milliseconds
+    sync = DPSync(microbatches=3, overlap=overlap, bucket_bytes=cost.params, itemsize=4)  # 4 buckets
+    stage = PipelineStage(job.model, 0, 2)
+    compute = EmulatedCompute(stage, cost, (1, 4), torch.float32, dp_group=dist.group.WORLD, dp_sync=sync)
+    before_last = 0.0
+    for _ in range(3):
+        compute.forward({})
+        before_last = compute.clock.modelled
+        compute.backward([], [], [])
+    started_by_backward = list(compute.dp_started)
+    compute.update(None, 0)  # type: ignore[arg-type]  # emulated compute reads nothing of the step's state
+    dist.destroy_process_group()
+    return started_by_backward, before_last, compute.clock.modelled, sync.buckets(cost.params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_emulated_data_parallel_buckets_start_during_the_last_backward_pass(gang, overlap):
+    """overlapGradReduce: each bucket's all-reduce starts during the step's last backward pass, spread over it
+    (as its weight gradients would be done), and the optimizer step waits for them; off: none starts before it."""
+    import functools
+
+    for started, before_last, end, buckets in gang(2, functools.partial(_dp_rank_sync_times, overlap=overlap)):
+        if not overlap:
+            assert started == []
+            continue
+        assert buckets == 4 and len(started) == buckets
+        assert all(before_last < t <= end for t in started)  # inside the last B pass, none before it
+        assert started == sorted(started) and started[0] < started[-1]  # spread over it, in order

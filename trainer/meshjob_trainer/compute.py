@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshjob.costs.device_costs import AllReduce, EmulatedCost, TPReductions
-from meshjob.spec.manifest import TrainingJob
+from meshjob.spec.manifest import TrainingJob, TrainingSpec
 from meshjob_trainer.model import PipelineStage
 from meshjob_trainer.optim import StageOptimizer, clip_global_norm, lr_at
 from meshjob_trainer.parallel import StageGroups, TPGroup, tie_gradients
@@ -182,8 +183,13 @@ class EmulatedCompute:
         tp: TPGroup = TPGroup(),
         reductions: TPReductions | None = None,
         clock: DeadlineClock | None = None,
+        dp_sync: DPSync | None = None,
     ) -> None:
         self.module, self.cost, self.dp_group = module, cost, dp_group
+        self.dp_sync = dp_sync or DPSync()
+        self._weight_passes = 0  # B or W passes this step: the last one of the step starts the buckets
+        self._dp_pending: list[dist.Work] = []
+        self.dp_started: list[float] = []  # modelled compute (clock.modelled) when each bucket's reduction started
         self.tp = tp
         self.reductions = reductions if reductions is not None and tp.size > 1 else TPReductions()
         self.clock = clock or DeadlineClock()
@@ -199,15 +205,44 @@ class EmulatedCompute:
             self._buffers[name] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self._buffers[name]
 
-    def _run(self, kind: str, seconds: float, reductions: tuple[AllReduce, ...] = ()) -> None:
-        """Wait `seconds` of modelled compute, issuing `reductions` over the TP group between its shares."""
+    def _run(self, kind: str, seconds: float, reductions: tuple[AllReduce, ...] = (), buckets: int = 0) -> None:
+        """Wait `seconds` of modelled compute, issuing `reductions` over the TP group between its shares and
+        starting `buckets` data-parallel gradient buckets evenly over it (the step's last weight pass)."""
         self.modelled[kind] = self.modelled.get(kind, 0.0) + seconds
-        if not reductions:
-            self.clock.wait(seconds)
-            return
-        for r in reductions:
-            self.clock.wait(seconds / len(reductions))
-            self._all_reduce(r)
+        events = sorted(
+            [((i + 1) / len(reductions), 0, i) for i in range(len(reductions))]
+            + [((j + 1) / buckets, 1, j) for j in range(buckets)]
+        )
+        done = 0.0
+        for at, what, index in events:
+            self.clock.wait(seconds * (at - done))
+            done = at
+            if what == 0:
+                self._all_reduce(reductions[index])
+            else:
+                self._start_bucket(index, buckets)
+        self.clock.wait(seconds * (1.0 - done))
+
+    def _grad_buffer(self, itemsize: int) -> torch.Tensor:
+        if self._grads is None:
+            dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+            self._grads = torch.zeros(self.cost.params, dtype=dtype, device=self.device)
+        return self._grads
+
+    def _start_bucket(self, index: int, buckets: int) -> None:
+        grads = self._grad_buffer(self.dp_sync.itemsize)
+        size = -(-grads.numel() // buckets)
+        work = dist.all_reduce(grads[index * size : (index + 1) * size], group=self.dp_group, async_op=True)
+        assert work is not None
+        self._dp_pending.append(work)
+        self.dp_started.append(self.clock.modelled)
+
+    def _weight_pass(self) -> int:
+        """Buckets the data-parallel sync starts during this B or W pass: all of them during the step's last one
+        when the sync overlaps the backward (DDP's and Megatron's design), else none."""
+        self._weight_passes += 1
+        last = self._weight_passes == self.dp_sync.microbatches
+        return self.dp_sync.buckets(self.cost.params) if last and self.dp_sync.overlap and self.dp_group else 0
 
     def _all_reduce(self, r: AllReduce) -> None:
         key = (r.elements, r.itemsize)
@@ -231,7 +266,7 @@ class EmulatedCompute:
         self, roots: list[torch.Tensor], grads: list[torch.Tensor | None], leaves: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
         r = self.reductions
-        self._run("B", self.cost.stage.backward_s, r.input_grad + r.weight_grad)
+        self._run("B", self.cost.stage.backward_s, r.input_grad + r.weight_grad, self._weight_pass())
         return self._input_grads(len(leaves))
 
     def input_grad(
@@ -241,16 +276,41 @@ class EmulatedCompute:
         return self._input_grads(len(stash.inputs))
 
     def weight_grad(self, stash: SplitStash) -> None:
-        self._run("W", self.cost.stage.weight_grad_s, self.reductions.weight_grad)
+        self._run("W", self.cost.stage.weight_grad_s, self.reductions.weight_grad, self._weight_pass())
 
     def update(self, rt: StepState, step: int) -> float:
-        """The data-parallel reduction's bytes really cross the network (one all-reduce of a buffer
-        as large as the stage's local gradients, in the gradients' reduction dtype); the optimizer
-        step is a wait."""
+        """The data-parallel reduction's bytes really cross the network (a buffer as large as the stage's local
+        gradients, in the gradients' reduction dtype): the buckets started during the last weight pass are
+        waited for, or, with overlapGradReduce off, one all-reduce runs now. The optimizer step is a wait."""
         if self.dp_group is not None:
-            if self._grads is None:
-                dtype = torch.bfloat16 if rt.job.training.grad_reduce_itemsize == 2 else torch.float32
-                self._grads = torch.zeros(self.cost.params, dtype=dtype, device=self.device)
-            dist.all_reduce(self._grads, group=self.dp_group)
+            if self._dp_pending:
+                for work in self._dp_pending:
+                    work.wait()
+            else:
+                dist.all_reduce(self._grad_buffer(self.dp_sync.itemsize), group=self.dp_group)
+        self._dp_pending, self._weight_passes = [], 0
         self._run("optimizer", self.cost.optimizer_s)
         return math.nan
+
+
+@dataclass(frozen=True)
+class DPSync:
+    """How emulated compute reduces data-parallel gradients: spec.training's overlapGradReduce, gradBucketMiB
+    and gradReduceDtype, and the step's microbatches (its last weight pass starts the buckets)."""
+
+    microbatches: int = 1
+    overlap: bool = False
+    bucket_bytes: int = 25 * 2**20
+    itemsize: int = 4
+
+    @classmethod
+    def of(cls, training: TrainingSpec) -> DPSync:
+        return cls(
+            microbatches=training.microbatches,
+            overlap=training.overlap_grad_reduce,
+            bucket_bytes=max(1, int(training.grad_bucket_mib * 2**20)),
+            itemsize=training.grad_reduce_itemsize,
+        )
+
+    def buckets(self, params: int) -> int:
+        return max(1, -(-params * self.itemsize // self.bucket_bytes))

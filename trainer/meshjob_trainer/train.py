@@ -34,7 +34,7 @@ from meshjob.schedule.boundary import BoundaryKey
 from meshjob.spec.manifest import EdgeSpec, TrainingJob
 from meshjob_trainer.calibrate import natural_shape
 from meshjob_trainer.checkpoint import Checkpointer, spec_fingerprint
-from meshjob_trainer.compute import EmulatedCompute, StageCompute
+from meshjob_trainer.compute import DPSync, EmulatedCompute, StageCompute
 from meshjob_trainer.data import TRAIN, VAL, Batch, Dataset, make_data
 from meshjob_trainer.dist import WorkerContext, WorkerEnv, device_for_backend, init_distributed, shutdown_distributed
 from meshjob_trainer.engine_job import Handle
@@ -232,6 +232,7 @@ def _stage_and_compute(ctx: WorkerContext, groups: StageGroups) -> tuple[Pipelin
         groups.dp_group,
         groups.tp,
         tp_reductions(job, stage),
+        dp_sync=DPSync.of(job.training),
     )
 
 
