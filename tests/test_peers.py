@@ -251,3 +251,18 @@ def test_meshjob_simulate_says_which_schedule_family_wins(tmp_path, capsys):
     assert set(steps) == set(TORCH_SCHEDULES) - {"ScheduleDualPipeV"}  # torch's: M >= stages (4 < 6)
     # the textbook order on the same pipeline: GPipe no faster than interleaving, interleaving than zero bubble
     assert steps["ScheduleGPipe"] >= steps["ScheduleInterleaved1F1B"] >= steps["ScheduleZBVZeroBubble"] > 0
+
+
+@pytest.mark.parametrize("model", ["gpt", "utransformer"])
+def test_the_interleaved_rows_cut_the_same_layers_into_twice_the_stages(model):
+    """torch's two-stages-per-rank schedules run the job cut in twice as many stages; the U-Transformer's skip
+    edges are derived for the new cut (the old cut's named stages that no longer exist)."""
+    from meshjob_bench.peers import split_job
+    from meshjob_bench.pipeline import bench_job
+
+    job = bench_job(model, "eager-1f1b", 2, quick=True)
+    split = split_job(job, 2)
+    assert len(split.stages) == 2 * len(job.stages)
+    assert [s.layers for s in split.stages][0][0] == 0 and split.stages[-1].layers[1] == job.model.layers
+    if model == "utransformer":
+        assert any(e.tensor != "activation" for e in split.edges)  # skip edges kept, between the new stages

@@ -82,6 +82,7 @@ def split_job(job: TrainingJob, per_rank: int) -> TrainingJob:
     width = LAYERS_PER_STAGE // per_rank
     count = len(job.stages) * per_rank
     doc["spec"]["stages"] = [{"layers": [width * i, width * (i + 1)], "mesh": [1, 1]} for i in range(count)]
+    doc["spec"].pop("edges", None)  # the old cut's edges name its stages: the new cut's are derived afresh
     return parse_job(doc)
 
 
