@@ -105,12 +105,7 @@ async def _until_pods(c: h.Cluster, namespace: str, jobs: dict[str, int], timeou
     """Until every job has its pods; one namespace-wide list per poll (cheap for the server)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = await c.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
-        counts: dict[str, int] = {}
-        for pod in (found or {}).get("items") or []:
-            job = (pod["metadata"].get("labels") or {}).get("meshjob.io/job-name")
-            if job is not None:
-                counts[job] = counts.get(job, 0) + 1
+        counts = await _pods_by_job(c, namespace)
         if all(counts.get(job, 0) >= n for job, n in jobs.items()):
             return
         await asyncio.sleep(0.02)
@@ -242,6 +237,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _pods_by_job(c: h.Cluster, namespace: str) -> dict[str, int]:
+    """Pods per job in `namespace`: one namespace-wide list (cheap for the server)."""
     found = await c.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods")
     counts: dict[str, int] = {}
     for pod in (found or {}).get("items") or []:
