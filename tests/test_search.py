@@ -107,7 +107,7 @@ def test_a_fixed_mesh_is_used_as_written():
     doc = manifest(4, stages=[{"layers": [0, 2], "mesh": [1, 2], "tensorParallelDim": 1}, {}])
     p = problem(doc, 2, 2, microbatches=(2,), strategies=("broadcast",), balancers=("greedy",))
     best = search(p, max_evaluations=10**6).best.candidate
-    assert (best.choices[0].mesh, best.choices[0].tp_dim, best.choices[0].dp_dim) == ((1, 2), 1, None)
+    assert (best.choices[0].mesh, best.choices[0].tp_dim, best.choices[0].dp_dims) == ((1, 2), 1, ())
 
 
 def test_a_model_too_large_for_the_cluster_reports_the_smallest_overflow():

@@ -43,6 +43,8 @@ def with_value(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         if isinstance(node, dict) and key not in node:
             node[key] = [] if isinstance(after, int) else {}
         node = node[key]
+        if isinstance(node, list) and isinstance(after, int) and len(node) <= after:
+            node.extend([None] * (after + 1 - len(node)))  # a list the document leaves out (dataParallelDims)
     node[keys[-1]] = value
     return doc
 

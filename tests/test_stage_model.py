@@ -44,7 +44,7 @@ def test_stage_compute_and_optimizer_step_are_device_costs_on_the_clusters_devic
     job = base_job(d, 2)
     for profile in (SLOW_MEMORY, replace(SLOW_MEMORY, memory_gbytes_per_s=5000.0)):
         own = work_cost(range_work(job.model, job.training, 1, 3, 2, 1), profile)
-        got = stage_figures(job.model, job.training, cluster(profile=profile), 1, 3, StageChoice((1, 2), 1, None))
+        got = stage_figures(job.model, job.training, cluster(profile=profile), 1, 3, StageChoice((1, 2), (1,), None))
         assert got.cost == own.stage
         assert got.optimizer_s == own.optimizer_s > 0
 
@@ -56,7 +56,7 @@ def test_the_search_objective_includes_the_optimizer_step():
     job = base_job(d, c.devices_per_host)
     fixed = read_fixed(d)
     p = Problem(d, job, c, fixed, default_space(job, fixed, c))
-    one = StageChoice((1, 1), None, None)
+    one = StageChoice((1, 1), (), None)
     prediction = p.predict(Candidate(1, "gpipe", "0", (4,), (one,)))
     own = work_cost(range_work(job.model, job.training, 0, 4, 1, 1), c.device.profile)
     assert prediction.step_s == pytest.approx(own.stage.forward_s + own.stage.backward_s + own.optimizer_s)
@@ -65,7 +65,7 @@ def test_the_search_objective_includes_the_optimizer_step():
 def test_a_ring_across_hosts_moves_the_devices_gradients_through_each_nic_once_per_device_on_it():
     job = base_job(doc(), 2)
     c = cluster(hosts=4)
-    choice = StageChoice((4, 2), 0, 1)
+    choice = StageChoice((4, 2), (0,), 1)
     fig = stage_figures(job.model, job.training, c, 0, 4, choice)
     params = work_cost(range_work(job.model, job.training, 0, 4, 4, 2), c.device.profile).params
     assert fig.sync.flows == 2
@@ -77,12 +77,12 @@ def test_a_gradient_ring_inside_a_host_runs_at_the_networks_intra_host_rate_a_te
     job = base_job(doc(), 2)
     slow_loopback = replace(cluster(), network=NetworkModel(intra_host_bytes_per_s=1e9))
     fast = cluster()
-    dp = StageChoice((1, 2), 1, None)
+    dp = StageChoice((1, 2), (1,), None)
     assert (
         stage_figures(job.model, job.training, slow_loopback, 0, 4, dp).allreduce_s
         > 10 * stage_figures(job.model, job.training, fast, 0, 4, dp).allreduce_s
     )
-    tp = StageChoice((1, 2), None, 1)
+    tp = StageChoice((1, 2), (), 1)
     assert (
         stage_figures(job.model, job.training, slow_loopback, 0, 4, tp).cost
         == stage_figures(job.model, job.training, fast, 0, 4, tp).cost

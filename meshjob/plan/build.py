@@ -45,6 +45,7 @@ from meshjob.plan import delay_choice
 from meshjob.plan.comm_order import TransferOrder, transfer_order
 from meshjob.plan.placement import Host, Placement, default_hosts, place
 from meshjob.plan.program import RankProgram, rank_programs
+from meshjob.plan.recent import Recent
 from meshjob.resharding import balance as bal
 from meshjob.resharding import strategies
 from meshjob.resharding.strategies import lower
@@ -425,12 +426,30 @@ def timed_together(
     return simulate_transfer(steps, host_of, network, itemsize).makespan_s
 
 
+# ------------------------------------------------------------------------------ recent results
+# Candidates of a search that differ only in schedule share their boundaries (balancing their windows is slow);
+# those that differ only in strategy or balancer often move the same bytes in the same times, so share their
+# delay choice (simulating its candidates is most of building a plan).
+KEPT = 32
+_BOUNDARIES: Recent[tuple[list[Boundary], list[Window]]] = Recent(KEPT)
+_CHOICES: Recent[tuple[delay_choice.DelayChoice, Mapping[int, Sequence[Action]]]] = Recent(KEPT)
+
+
 def _boundaries(job: TrainingJob, placement: Placement, network: NetworkModel) -> tuple[list[Boundary], list[Window]]:
-    edges = _directions(job, placement)
-    groups = window_groups(schedule_kind(job.schedule.kind).forwards_first, [e.key.grad for e in edges])
-    return _plan_windows(
-        edges, groups, job.resharding, placement.host_of, network, job.training.seed, job.training.activation_itemsize
-    )
+    forwards_first = schedule_kind(job.schedule.kind).forwards_first
+    training = job.training
+    key = (placement, network, job.resharding, training.seed, training.activation_itemsize, forwards_first)
+    key_job = (tuple(job.activation_shape()), tuple(job.edges))
+
+    def plan() -> tuple[list[Boundary], list[Window]]:
+        directions = _directions(job, placement)
+        groups = window_groups(forwards_first, [e.key.grad for e in directions])
+        return _plan_windows(
+            directions, groups, job.resharding, placement.host_of, network, training.seed, training.activation_itemsize
+        )
+
+    boundaries, windows = _BOUNDARIES.get((key, key_job), plan)
+    return list(boundaries), list(windows)
 
 
 def plan_boundary(
@@ -512,16 +531,31 @@ def simulated_delays(plan: Plan, rooms: Mapping[int, int]) -> Plan:
     if not delay_choice.within_budget(plan.weight_delay, plan.schedules, rooms, leads):
         return replace(plan, delay_choice=delay_choice.unsimulated(plan.weight_delay))
     cost = plan_cost(plan)
-    choice, lists = delay_choice.choose(
+    compute, transfers = compute_costs(plan, cost), transfer_costs(plan, cost)
+    # the lists are generate()'s of the rest, so these name every input of the choice
+    key = (
         job.schedule.kind,
         job.training.microbatches,
-        _edges(job),
-        plan.weight_delay,
-        plan.schedules,
-        rooms,
-        compute_costs(plan, cost),
-        transfer_costs(plan, cost),
+        tuple(_edges(job)),
+        tuple(plan.weight_delay.items()),
+        tuple(rooms.items()),
+        tuple(compute.items()),
+        tuple((k, t.seconds, tuple(t.per_link.items()), t.early_s) for k, t in transfers.items()),
         cost,
+    )
+    choice, lists = _CHOICES.get(
+        key,
+        lambda: delay_choice.choose(
+            job.schedule.kind,
+            job.training.microbatches,
+            _edges(job),
+            plan.weight_delay,
+            plan.schedules,
+            rooms,
+            compute,
+            transfers,
+            cost,
+        ),
     )
     if choice.chosen.name == delay_choice.RULE:
         return _with_order(replace(plan, delay_choice=choice), choice.chosen.order)

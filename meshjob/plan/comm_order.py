@@ -50,15 +50,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshjob.costs.compute import CostModel
+from meshjob.plan.recent import Recent  # imports nothing of the plan: no cycle
 from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob.simulate.simulator import (
     PipelineResult,
+    PipelineRun,
     PlanView,
+    TransferCost,
     TransferInput,
     compute_costs,
     plan_cost,
-    simulate_pipeline,
     transfer_costs,
 )
 
@@ -67,6 +69,7 @@ TIES = ("sent", "used")  # a need order's ties: in the send order, or the transf
 NEED_ORDER_ROUNDS = 3  # need orders tried, each from the run of the one before
 TOLERANCE = 0.01  # another order replaces the send order only when its run is this much faster
 WORK_BUDGET = 2_000_000  # actions x stages of one run: above it, the send order stands unsimulated
+SENDS, RECVS = ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
 
 
 @dataclass(frozen=True)
@@ -91,22 +94,35 @@ class TransferOrder:
     def of_run(cls, run: Sequence[tuple[int, Action]], links_order: Sequence[Transfer] | None = None) -> TransferOrder:
         """From the (stage, action) sequence of a causal run of the step's action lists; its links took
         the transfers in `links_order` (None: as they were sent)."""
+        # boundaries by number while counting (one key per (stage, kind, peer, tensor))
+        numbers: dict[tuple[int, str, int | None, str], int] = {}
+        index: dict[BoundaryKey, int] = {}
+        keys: list[BoundaryKey] = []
+        in_flight: list[int] = []
+        most: list[int] = []
+        sent: dict[int, None] = {}  # numbers by their first SEND: the depths' order
         transfers: list[Transfer] = []
-        in_flight: dict[BoundaryKey, int] = {}
-        depth: dict[BoundaryKey, int] = {}
         for stage, action in run:
-            if not action.is_comm:
+            kind = action.kind
+            if kind not in SENDS and kind not in RECVS:
                 continue
-            key = BoundaryKey.of_action(stage, action)
-            if action.kind.startswith("SEND"):
-                transfers.append((key, action.mb))
-                in_flight[key] = in_flight.get(key, 0) + 1
-                depth[key] = max(depth.get(key, 0), in_flight[key])
+            name = (stage, kind, action.peer, action.tensor)
+            b = numbers.get(name)
+            if b is None:
+                key = BoundaryKey.of_action(stage, action)
+                b = numbers[name] = index.setdefault(key, len(keys))
+                if b == len(keys):
+                    keys.append(key)
+                    in_flight.append(0)
+                    most.append(0)
+            if kind in SENDS:
+                transfers.append((keys[b], action.mb))
+                in_flight[b] += 1
+                most[b] = max(most[b], in_flight[b])
+                sent[b] = None
             else:
-                in_flight[key] = in_flight.get(key, 0) - 1
-        return cls(
-            tuple(links_order if links_order is not None else transfers), {key: most + 1 for key, most in depth.items()}
-        )
+                in_flight[b] -= 1
+        return cls(tuple(links_order if links_order is not None else transfers), {keys[b]: most[b] + 1 for b in sent})
 
     def forward_only(self) -> TransferOrder:
         """The order of a pass of forwards only (evaluation): the step's, less its gradients. Still
@@ -120,6 +136,9 @@ class TransferOrder:
             "transfers": [[str(k), mb] for k, mb in self.transfers],
             "depth": {str(k): d for k, d in sorted(self.depth.items())},
         }
+
+
+Fastest = tuple[TransferOrder, float, PipelineRun]  # an order, its simulated step, the run of that step
 
 
 def transfer_order(plan: PlanView) -> TransferOrder:
@@ -140,28 +159,92 @@ def fastest_order(
     """(the order, its simulated step) of the fastest run of `schedules`: the send order's, or one of
     `rounds` need orders' per tie rule of `ties` (arguments as meshjob.simulate.simulator.simulate_pipeline takes
     them)."""
-    sent_run = simulate_pipeline(schedules, compute_s, transfers, cost)
-    best, best_s = TransferOrder.of_run(sent_run.order), sent_run.step_s
-    if run_work(schedules) > WORK_BUDGET:
-        return best, best_s
-    # each order run once: the two rules agree where nothing ties
-    runs: list[tuple[list[Transfer], PipelineResult]] = []
+    key = (
+        tuple((stage, tuple(actions)) for stage, actions in schedules.items()),
+        tuple(compute_s.items()),
+        tuple((k, t.seconds, tuple(t.per_link.items()), t.early_s) for k, t in _costs(transfers).items()),
+        cost,
+        rounds,
+        tuple(ties),
+    )
+    return _FASTEST.get(key, lambda: fastest_run(schedules, compute_s, transfers, cost, rounds, ties)[:2])
+
+
+# Plans of a search that differ only in strategy or balancer often move the same bytes in the same times: the
+# same lists and costs, the same runs.
+_FASTEST: Recent[tuple[TransferOrder, float]] = Recent(32)
+
+
+def _costs(transfers: Mapping[BoundaryKey, TransferInput]) -> dict[BoundaryKey, TransferCost]:
+    return {k: TransferCost(*t) for k, t in transfers.items()}  # a plain pair: not paced, as PipelineRun reads it
+
+
+def fastest_run(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[BoundaryKey, TransferInput],
+    cost: CostModel,
+    rounds: int = NEED_ORDER_ROUNDS,
+    ties: Sequence[str] = TIES,
+) -> Fastest:
+    """fastest_order's (order, step), and the PipelineRun of that step, its links planned in that order from
+    there on, which a caller may run more steps on (meshjob.simulate.steady.period_on)."""
+    sent = _simulate(schedules, compute_s, transfers, cost)
+    sent_run = sent.result()
+    best: Fastest = (TransferOrder.of_run(sent_run.order), sent_run.step_s, sent)
+    if run_work(schedules) <= WORK_BUDGET:
+        best = _need_orders(schedules, compute_s, transfers, cost, rounds, ties, best, sent_run)
+    if best[2] is sent:  # the run the send order planned gives: each transfer went as it was sent
+        sent.plan_links()
+    return best
+
+
+def _need_orders(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[BoundaryKey, TransferInput],
+    cost: CostModel,
+    rounds: int,
+    ties: Sequence[str],
+    best: Fastest,
+    sent_run: PipelineResult,
+) -> Fastest:
+    """fastest_run's need orders, each tried against `best`, the send order's."""
+    # each order run once: the two rules agree where nothing ties. A need order that is the send order runs as
+    # the send order's run did: each transfer is first on its links when it is sent, and goes at once.
+    runs: list[tuple[list[Transfer], PipelineResult]] = [(list(best[0].transfers), sent_run)]
     for rule in ties:
         run = sent_run
         for _ in range(rounds):
             order = need_order(run, rule)
             done = next((r for o, r in runs if o == order), None)  # (lists differ early: cheaper than hashing)
+            if done is run:  # the run gives its own order: the rounds after it would repeat it
+                break
             if done is not None:
                 run = done
                 continue
             try:
-                run = simulate_pipeline(schedules, compute_s, transfers, cost, order)
+                planned = _simulate(schedules, compute_s, transfers, cost, order)
             except ValueError:  # a link would wait on a transfer never sent: not an order to run
                 break
+            run = planned.result()
             runs.append((order, run))
-            if run.step_s < best_s * (1 - TOLERANCE):
-                best, best_s = TransferOrder.of_run(run.order, order), run.step_s
-    return best, best_s
+            if run.step_s < best[1] * (1 - TOLERANCE):
+                best = (TransferOrder.of_run(run.order, order), run.step_s, planned)
+    return best
+
+
+def _simulate(
+    schedules: Mapping[int, Sequence[Action]],
+    compute_s: Mapping[tuple[int, str], float],
+    transfers: Mapping[BoundaryKey, TransferInput],
+    cost: CostModel,
+    order: Sequence[Transfer] | None = None,
+) -> PipelineRun:
+    """simulate_pipeline's run, kept to be run on."""
+    run = PipelineRun(compute_s, transfers, cost, planned=order is not None)
+    run.extend(schedules, order or ())
+    return run
 
 
 def run_work(schedules: Mapping[int, Sequence[Action]]) -> int:
@@ -181,26 +264,40 @@ def need_order(run: PipelineResult, ties: str = TIES[0]) -> list[Transfer]:
     whose receiver starts the compute that takes it first (then in the send order)."""
     if ties not in TIES:
         raise ValueError(f"ties {ties!r} is invalid: one of {', '.join(TIES)}")
-    sent: dict[Transfer, float] = {}
-    needed: dict[Transfer, float] = {}
+    # transfers as (boundary number, mb) while timing them: pairs of ints hash fast
+    numbers: dict[tuple[int, str, int | None, str], int] = {}
+    index: dict[BoundaryKey, int] = {}
+    sent: dict[tuple[int, int], float] = {}
+    needed: dict[tuple[int, int], float] = {}
     reached: dict[int, float] = {}  # stage -> when it reached the first RECV of the run it is in
-    waiting: dict[int, list[Transfer]] = {}  # stage -> the transfers of the RECV run it is in
-    used: dict[Transfer, float] = {}  # when the compute after the RECV run started
+    waiting: dict[int, list[tuple[int, int]]] = {}  # stage -> the transfers of the RECV run it is in
+    used: dict[tuple[int, int], float] = {}  # when the compute after the RECV run started
     for (stage, action), at in zip(run.order, run.started_s):
-        if action.kind.startswith("RECV"):
-            waiting.setdefault(stage, []).append((BoundaryKey.of_action(stage, action), action.mb))
-            at = reached.setdefault(stage, at)
-        else:
-            reached.pop(stage, None)
-            for t in waiting.pop(stage, []):
+        kind = action.kind
+        if kind in RECVS or kind in SENDS:
+            name = (stage, kind, action.peer, action.tensor)
+            b = numbers.get(name)
+            if b is None:
+                b = numbers[name] = index.setdefault(BoundaryKey.of_action(stage, action), len(index))
+            transfer = (b, action.mb)
+            if kind in RECVS:
+                waiting.setdefault(stage, []).append(transfer)
+                needed[transfer] = reached.setdefault(stage, at)
+                continue
+        reached.pop(stage, None)
+        if stage in waiting:
+            for t in waiting.pop(stage):
                 used[t] = at
-        if action.is_comm:
-            transfer = (BoundaryKey.of_action(stage, action), action.mb)
-            (sent if action.kind.startswith("SEND") else needed)[transfer] = at
-    rank = {t: i for i, t in enumerate(sent)}
+        if kind in SENDS:
+            sent[transfer] = at
+    # sorted by key, then by the send order (each key ends with the transfer's place in it: no ties)
+    listed = list(sent.items())
     if ties == "used":
-        return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), used.get(t, math.inf), rank[t]))
-    return sorted(sent, key=lambda t: (max(sent[t], needed.get(t, sent[t])), rank[t]))
+        keys = [(max(at, needed.get(t, at)), used.get(t, math.inf), i) for i, (t, at) in enumerate(listed)]
+    else:
+        keys = [(max(at, needed.get(t, at)), math.inf, i) for i, (t, at) in enumerate(listed)]
+    boundaries = list(index)  # by number
+    return [(boundaries[listed[k[2]][0][0]], listed[k[2]][0][1]) for k in sorted(keys)]
 
 
 def recv_depths(schedules: Mapping[int, Sequence[Action]], order: TransferOrder) -> dict[int, dict[BoundaryKey, int]]:

@@ -44,13 +44,13 @@ from meshjob.plan.comm_order import (  # imports nothing of the plan: no cycle
     NEED_ORDER_ROUNDS,
     TIES,
     TransferOrder,
-    fastest_order,
+    fastest_run,
     run_work,
 )
 from meshjob.schedule.actions import Action, Edge, generate, warmup_forwards
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob.simulate.simulator import TransferInput
-from meshjob.simulate.steady import STEADY_STEPS, steady_period_s
+from meshjob.simulate.steady import STEADY_STEPS, period_on
 
 TOLERANCE = 0.01  # a candidate within 1% of the fastest simulated period counts as fast as it
 WORK_BUDGET = 10_000_000  # actions x stages, summed over the candidates
@@ -209,8 +209,8 @@ def choose(
     for name, delays in listed:
         if name not in lists:
             lists[name] = generate(kind, num_stages, microbatches, edges, True, delays)
-        order, _ = fastest_order(lists[name], compute_s, transfers, cost, NEED_ORDER_ROUNDS, ties)  # (): send order
-        period = steady_period_s(lists[name], compute_s, transfers, cost, microbatches, order.transfers)
+        order, _, run = fastest_run(lists[name], compute_s, transfers, cost, NEED_ORDER_ROUNDS, ties)  # (): send order
+        period = period_on(run, lists[name], microbatches, order.transfers)  # its run is the period's first step
         simulated.append(DelayCandidate(name, delays, period, order if ties == TIES else None))
     chosen = pick(simulated, tolerance)
     return DelayChoice(chosen, tuple(simulated), tolerance), lists[chosen.name]

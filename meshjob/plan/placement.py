@@ -10,6 +10,7 @@ when the preferred choice leaves a later row without a host):
      stage (racks are ordered by first appearance in the host list; "near" = close in that order),
      then racks by distance from it;
   2. hosts that already hold the previous stage (adjacent stages on one host talk over loopback);
+     "previous" in spec.topology.stageOrder (meshjob.layout.stage_order: chain, or fold for skip edges);
   3. best fit (fewest devices left over, which keeps big hosts for big rows), then host order.
 Global ranks run stage by stage, row-major over each mesh.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from meshjob.errors import FieldError, PlacementError, SpecError
 from meshjob.layout.mesh import Mesh
+from meshjob.layout.stage_order import stage_order
 from meshjob.spec.manifest import MAX_DEVICES_PER_HOST, MAX_NAME, TrainingJob
 from meshjob.spec.safeyaml import dump_yaml, load_one, read_text, source_name
 
@@ -141,8 +143,9 @@ class _Search:
     """Depth-first assignment of rows to hosts in preference order (an explicit stack: a job may
     have thousands of rows)."""
 
-    def __init__(self, rows: list[_Row], hosts: Sequence[Host]):
+    def __init__(self, rows: list[_Row], hosts: Sequence[Host], previous: dict[int, int] | None = None):
         self.rows = rows
+        self.previous = previous or {r.stage: r.stage - 1 for r in rows}  # stage -> the stage placed before it
         self.racks = list(dict.fromkeys(h.rack for h in hosts))
         self.rack_index = [self.racks.index(h.rack) for h in hosts]
         self.free = [h.devices for h in hosts]
@@ -196,14 +199,14 @@ class _Search:
         self.stage_hosts[row.stage].discard(host)
 
     def _home_rack(self, row: _Row) -> int:
-        previous = self.home.get(row.stage - 1, 0)
+        previous = self.home.get(self.previous[row.stage], 0)
         fitting = Counter(self.rack_index[i] for i, f in enumerate(self.free) if f >= row.devices)
         fits = [r for r in range(len(self.racks)) if fitting[r] >= self.stage_rows[row.stage]]
         return min(fits, key=lambda r: (abs(r - previous), r)) if fits else previous
 
     def _candidates(self, row: _Row) -> list[int]:
         used_by_stage = self.stage_hosts.get(row.stage, set())
-        previous_stage_hosts = self.stage_hosts.get(row.stage - 1, set())
+        previous_stage_hosts = self.stage_hosts.get(self.previous[row.stage], set())
         home = self.home[row.stage]
         # hosts alike in free devices, rack and previous-stage membership are interchangeable for
         # every later row: trying one of each kind keeps the search small when it must backtrack
@@ -230,10 +233,22 @@ class _Search:
         return (len(self.assignment), tuple(sorted(kinds.items())))
 
 
-def _assign(rows: list[_Row], hosts: Sequence[Host]) -> list[int] | None:
+def _assign(rows: list[_Row], hosts: Sequence[Host], order: Sequence[int] | None = None) -> list[int] | None:
+    """Each row's host (rows in stage order), the stages placed in `order` (default: stage by stage)."""
     if sum(r.devices for r in rows) > sum(h.devices for h in hosts):
         return None  # quick necessary check before searching
-    return _Search(rows, hosts).run()
+    if order is None:
+        return _Search(rows, hosts).run()
+    position = {stage: i for i, stage in enumerate(order)}
+    placed = sorted(range(len(rows)), key=lambda i: (position[rows[i].stage], rows[i].row))
+    previous = {stage: order[i - 1] if i else -1 for i, stage in enumerate(order)}
+    found = _Search([rows[i] for i in placed], hosts, previous).run()
+    if found is None:
+        return None
+    out = [0] * len(rows)
+    for i, host in zip(placed, found):
+        out[i] = host
+    return out
 
 
 def _missing(job: TrainingJob, rows: list[_Row], hosts: Sequence[Host]) -> tuple[int, int]:
@@ -256,7 +271,8 @@ def place(job: TrainingJob, hosts: Sequence[Host]) -> Placement:
     """Put every stage's mesh on the hosts, or raise PlacementError saying what is missing."""
     _check_hosts(hosts)
     rows = _rows(job)
-    assignment = _assign(rows, hosts)
+    order = stage_order(job.topology.stage_order).order(len(job.stages))
+    assignment = _assign(rows, hosts, order)
     if assignment is None:
         resource = job.topology.device_resource
         extra_hosts, devices = _missing(job, rows, hosts)

@@ -21,6 +21,7 @@ delaying"), the rest drain at the end.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -63,6 +64,11 @@ class Action:
         return self.kind in COMM_KINDS
 
     def __str__(self) -> str:
+        return self.text
+
+    @functools.cached_property
+    def text(self) -> str:
+        """str(action), kept: the simulator writes it for every compute action of every run."""
         text = f"{self.kind}{self.mb}"
         if self.peer is not None:
             text += f"@{self.peer}"
@@ -85,6 +91,13 @@ class Action:
             peer=None if peer is None else int(peer),
             tensor=match["tensor"] or DEFAULT_TENSOR,
         )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def shared_action(kind: str, mb: int, peer: int | None = None, tensor: str = DEFAULT_TENSOR) -> Action:
+    """Action(kind, mb, peer, tensor), one object per value: schedules are generated and repeated for every
+    simulated candidate, and a kept action is cheaper than a checked new one (and keeps its text)."""
+    return Action(kind, mb, peer, tensor)
 
 
 @dataclass(frozen=True)
@@ -151,19 +164,19 @@ def _check_edges(edges: Iterable[Edge], num_stages: int) -> list[Edge]:
 
 
 def _recvs_f(stage: int, mb: int, edges: Sequence[Edge]) -> list[Action]:
-    return [Action("RECV_F", mb, s, t) for s, d, t in edges if d == stage]
+    return [shared_action("RECV_F", mb, s, t) for s, d, t in edges if d == stage]
 
 
 def _sends_f(stage: int, mb: int, edges: Sequence[Edge]) -> list[Action]:
-    return [Action("SEND_F", mb, d, t) for s, d, t in edges if s == stage]
+    return [shared_action("SEND_F", mb, d, t) for s, d, t in edges if s == stage]
 
 
 def _recvs_b(stage: int, mb: int, edges: Sequence[Edge]) -> list[Action]:
-    return [Action("RECV_B", mb, d, t) for s, d, t in edges if s == stage]
+    return [shared_action("RECV_B", mb, d, t) for s, d, t in edges if s == stage]
 
 
 def _sends_b(stage: int, mb: int, edges: Sequence[Edge]) -> list[Action]:
-    return [Action("SEND_B", mb, s, t) for s, d, t in edges if d == stage]
+    return [shared_action("SEND_B", mb, s, t) for s, d, t in edges if d == stage]
 
 
 def generate(
@@ -208,20 +221,23 @@ def stage_actions(
     """One stage's action list (edges already checked and sorted; `warmup` as compute_order takes it)."""
     actions: list[Action] = []
     pending_w: list[int] = []  # microbatches whose W waits behind later I's
+    ins = [(s, t) for s, d, t in edges if d == stage]  # as _recvs_f and _sends_b list them
+    outs = [(d, t) for s, d, t in edges if s == stage]  # as _sends_f and _recvs_b list them
+    backward = "I" if split_backward else "B"
     for compute, mb in compute_order(kind, stage, num_stages, microbatches, warmup):
         if compute == "F":
-            actions += _recvs_f(stage, mb, edges)
-            actions.append(Action("F", mb))
-            actions += _sends_f(stage, mb, edges)
+            actions += [shared_action("RECV_F", mb, s, t) for s, t in ins]
+            actions.append(shared_action("F", mb))
+            actions += [shared_action("SEND_F", mb, d, t) for d, t in outs]
             continue
-        actions += _recvs_b(stage, mb, edges)
-        actions.append(Action("I" if split_backward else "B", mb))
-        actions += _sends_b(stage, mb, edges)
+        actions += [shared_action("RECV_B", mb, d, t) for d, t in outs]
+        actions.append(shared_action(backward, mb))
+        actions += [shared_action("SEND_B", mb, s, t) for s, t in ins]
         if split_backward:
             pending_w.append(mb)
             while len(pending_w) > delay:
-                actions.append(Action("W", pending_w.pop(0)))
-    actions += [Action("W", mb) for mb in pending_w]  # drain the delayed weight gradients
+                actions.append(shared_action("W", pending_w.pop(0)))
+    actions += [shared_action("W", mb) for mb in pending_w]  # drain the delayed weight gradients
     return actions
 
 
@@ -235,8 +251,14 @@ def max_delay_within(
 ) -> int:
     """The largest weight delay that keeps the stage's peak stash at or below `bound` (or at its
     undelayed peak, when that is higher already). The peak grows with the delay: binary search."""
-    edge_list = _check_edges(edges, num_stages)
+    return _max_delay_within(kind, stage, num_stages, microbatches, tuple(_check_edges(edges, num_stages)), bound)
 
+
+@functools.cache
+def _max_delay_within(
+    kind: str, stage: int, num_stages: int, microbatches: int, edge_list: tuple[Edge, ...], bound: int
+) -> int:
+    # the plans of a search's candidates with one stage count, microbatch count and schedule ask the same
     def peak(delay: int) -> int:
         return peak_stashed_stage(stage_actions(kind, stage, num_stages, microbatches, edge_list, True, delay))
 
@@ -282,7 +304,7 @@ def _expected_actions(stage: int, microbatches: int, edges: Sequence[Edge], spli
     expected: set[Action] = set()
     for mb in range(microbatches):
         kinds = ("F", "I", "W") if split_backward else ("F", "B")
-        expected |= {Action(k, mb) for k in kinds}
+        expected |= {shared_action(k, mb) for k in kinds}
         expected |= set(_recvs_f(stage, mb, edges) + _sends_f(stage, mb, edges))
         expected |= set(_recvs_b(stage, mb, edges) + _sends_b(stage, mb, edges))
     return expected
@@ -318,10 +340,10 @@ def _check_stage(stage: int, actions: Sequence[Action], microbatches: int, edges
             )
 
     for mb in range(microbatches):
-        f, b = Action("F", mb), Action(backward, mb)
+        f, b = shared_action("F", mb), shared_action(backward, mb)
         require_before(f, b)
         if split:
-            require_before(b, Action("W", mb))
+            require_before(b, shared_action("W", mb))
         for recv in _recvs_f(stage, mb, edges):
             require_before(recv, f)
         for send in _sends_f(stage, mb, edges):
@@ -335,7 +357,7 @@ def _check_stage(stage: int, actions: Sequence[Action], microbatches: int, edges
 def _matching_send(stage: int, recv: Action) -> tuple[int, Action]:
     kind = "SEND_F" if recv.kind == "RECV_F" else "SEND_B"
     assert recv.peer is not None
-    return recv.peer, Action(kind, recv.mb, stage, recv.tensor)
+    return recv.peer, shared_action(kind, recv.mb, stage, recv.tensor)
 
 
 def _simulate(schedules: Mapping[int, Sequence[Action]]) -> None:
@@ -373,6 +395,16 @@ def validate(
     """Raise ScheduleError (naming the stage and the action) unless every stage runs each of
     its computations and transfers exactly once, in dependency order, and all stages together
     finish without deadlock."""
+    lists = tuple((stage, tuple(actions)) for stage, actions in schedules.items())
+    _validate(lists, tuple(edges), microbatches, split_backward)
+
+
+@functools.lru_cache(maxsize=64)
+def _validate(
+    lists: tuple[tuple[int, tuple[Action, ...]], ...], edges: tuple[Edge, ...], microbatches: int, split_backward: bool
+) -> None:
+    # a search's plans with one stage count, microbatch count and schedule have the same lists: checked once
+    schedules = dict(lists)
     num_stages = len(schedules)
     if sorted(schedules) != list(range(num_stages)):
         raise ScheduleError(f"schedules must cover stages 0..{num_stages - 1}, got {sorted(schedules)}")

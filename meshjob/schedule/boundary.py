@@ -9,6 +9,7 @@ simulator results, progress events and metric labels; `parse` is its only reader
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,9 +46,7 @@ class BoundaryKey:
         """The boundary a SEND_F/RECV_F/SEND_B/RECV_B action of `stage` moves (a SEND sends from `stage`)."""
         if action.peer is None:
             raise ValueError(f"action {action} of stage {stage} moves no tensor: only SEND/RECV actions do")
-        sends = action.kind.startswith("SEND")
-        src, dst = (stage, action.peer) if sends else (action.peer, stage)
-        return cls(src, dst, action.tensor, grad=action.kind.endswith("_B"))
+        return _of_action(stage, action.kind, action.peer, action.tensor)
 
     @property
     def edge(self) -> tuple[int, int]:
@@ -57,3 +56,10 @@ class BoundaryKey:
     def backward(self) -> BoundaryKey:
         """The gradient's boundary of this forward one."""
         return BoundaryKey(self.dst, self.src, self.tensor, grad=True)
+
+
+@functools.cache
+def _of_action(stage: int, kind: str, peer: int, tensor: str) -> BoundaryKey:
+    # the simulator and the transfer order ask for every action's boundary many times per run: one object each
+    src, dst = (stage, peer) if kind.startswith("SEND") else (peer, stage)
+    return BoundaryKey(src, dst, tensor, grad=kind.endswith("_B"))

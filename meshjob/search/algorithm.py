@@ -175,14 +175,15 @@ def _seeds(problem: Problem, groups: Sequence[Group]) -> list[Listed]:
     """Per group (microbatches, schedule): the walk's first structure of 1 to SEED_STAGES stages (the most
     even cut, each stage its best-bound option), and uniform pipelines: every stage count and stage choice,
     the layers cut evenly, every stage on the same choice (Megatron's layouts among them); each with the
-    first strategy and balancer, sorted by bound, as the search simulates them."""
+    first strategy and balancer in each stage order, sorted by bound, as the search simulates them."""
     out: dict[Candidate, Listed] = {}
     n, devices = problem.job.model.layers, problem.cluster.devices
 
     def add(m: int, kind: str, delay: int | str, layers: Sequence[int], choices: Sequence[StageChoice]) -> None:
-        c = problem.expand(m, kind, delay, layers, choices)[0]
-        if c not in out and max(problem.memory(c)) <= problem.cluster.memory:
-            out[c] = (problem.bound(c), problem.estimate(c), 0, c)
+        first = {c.stage_order: c for c in reversed(problem.expand(m, kind, delay, layers, choices))}
+        for c in first.values():  # each stage order with the first strategy and balancer
+            if c not in out and max(problem.memory(c)) <= problem.cluster.memory:
+                out[c] = (problem.bound(c), problem.estimate(c), 0, c)
 
     for m, kind, delay in groups:
         for stages in problem.stage_counts():
@@ -299,9 +300,9 @@ def _list(
                 if n == per_stage_count or structure is None:
                     complete = False  # this stage count has more: listed the first (balanced cuts first)
                     break
-                lb, est = problem.bound(structure), problem.estimate(structure)
+                lb, est = problem.pipeline_bound(structure), problem.estimate(structure)
                 for i, c in enumerate(problem.expand(m, kind, delay, structure.layers, structure.choices)):
-                    out.append((lb, est, i, c))
+                    out.append((max(lb, problem.nic_floor_s(c)), est, i, c))
     out.sort()
     return out, complete
 

@@ -2,9 +2,11 @@
 
 Left to the search: spec.stages (missing or `auto`), spec.training.microbatches (missing or `auto`),
 spec.schedule.kind (missing or `auto`), spec.schedule.weightGradDelay (missing), spec.resharding.strategy
-and .balancer (missing or `auto`). Every other field is kept as written. A stages list fixes the number
+and .balancer (missing or `auto`), spec.topology.stageOrder (missing or `auto`; searched where the model has skip
+edges). Every other field is kept as written. A stages list fixes the number
 of stages; an entry's `layers` fixes its range, its `mesh` (two dims: hosts, devices per host) fixes the
-mesh with the parallel dims as written. The rest of the manifest is validated as `meshjob plan` does.
+mesh with the parallel dims as written (dataParallelDim d and dataParallelDims [d] alike). The rest of
+the manifest is validated as `meshjob plan` does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def read_fixed(doc: Mapping[str, Any]) -> Fixed:
     training = spec.get("training") or {}
     schedule = spec.get("schedule") or {}
     resharding = spec.get("resharding") or {}
+    topology = spec.get("topology") or {}
     stages = spec.get("stages")
     per_stage: tuple[StageFix, ...] = ()
     if not _free(stages):
@@ -44,6 +47,7 @@ def read_fixed(doc: Mapping[str, Any]) -> Fixed:
         strategy=None if _free(resharding.get("strategy")) else resharding["strategy"],
         balancer=None if _free(resharding.get("balancer")) else resharding["balancer"],
         chunks=resharding.get("chunks", AUTO),
+        stage_order=None if _free(topology.get("stageOrder")) else topology["stageOrder"],
     )
 
 
@@ -55,10 +59,24 @@ def _stage_fix(i: int, stage: Any) -> StageFix:
     mesh = stage.get("mesh")
     if mesh is not None and (not isinstance(mesh, list) or len(mesh) != 2):
         raise UsageError(f"{path}.mesh: {mesh!r} is invalid for meshjob tune: two dims [hosts, devices per host]")
-    choice = (
-        None if mesh is None else StageChoice(tuple(mesh), stage.get("dataParallelDim"), stage.get("tensorParallelDim"))
-    )
+    choice = None if mesh is None else StageChoice(tuple(mesh), _dp_dims(path, stage), stage.get("tensorParallelDim"))
     return StageFix(None if layers is None else tuple(layers), choice)
+
+
+def _dp_dims(path: str, stage: Mapping[str, Any]) -> tuple[int, ...]:
+    """The data-parallel dims a stage entry writes: dataParallelDims, or dataParallelDim d as [d] (one form, so
+    that either spelling fixes the same choice)."""
+    dim, dims = stage.get("dataParallelDim"), stage.get("dataParallelDims")
+    if dims is None:
+        return () if dim is None else (dim,)
+    if dim is not None:
+        raise UsageError(
+            f"{path}.dataParallelDims: {dims!r} is invalid: unset when dataParallelDim is set ({dim!r}): write one "
+            f"of them, dataParallelDim d (the same as dataParallelDims [d]) or dataParallelDims (e.g. [0, 1])"
+        )
+    if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise UsageError(f"{path}.dataParallelDims: {dims!r} is invalid: a list of mesh dims, e.g. [0, 1]")
+    return tuple(dims)
 
 
 def base_job(doc: Mapping[str, Any], devices_per_host: int) -> TrainingJob:
@@ -72,6 +90,8 @@ def base_job(doc: Mapping[str, Any], devices_per_host: int) -> TrainingJob:
         training["microbatches"] = 1
     spec["training"] = training
     spec["topology"] = {**(spec.get("topology") or {}), "devicesPerHost": devices_per_host}
+    if spec["topology"].get("stageOrder") == AUTO:
+        spec["topology"].pop("stageOrder")
     for section, keys in (("schedule", ("kind",)), ("resharding", ("strategy", "balancer"))):
         values = dict(spec.get(section) or {})
         for key in keys:

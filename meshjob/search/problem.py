@@ -11,10 +11,12 @@ optimizer step (Prediction).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshjob.errors import PlacementError, UsageError
+from meshjob.layout.stage_order import DEFAULT_STAGE_ORDER, STAGE_ORDERS
+from meshjob.plan.placement import place
 from meshjob.resharding.strategies import SEARCHED
 from meshjob.schedule.actions import Action, peak_stashed_stage
 from meshjob.search.cluster import Cluster
@@ -23,7 +25,7 @@ from meshjob.search.memory_model import FLOAT32
 from meshjob.search.settings import Settings
 from meshjob.search.stage_model import StageChoice, StageFigures, stage_figures
 from meshjob.search.tables import INF, Option, Tables, stashed
-from meshjob.spec.manifest import TrainingJob, parse_job
+from meshjob.spec.manifest import StageSpec, TrainingJob, parse_job, skip_pairs
 from meshjob.units import format_rate
 
 BALANCERS = ("greedy", "load_balance")  # dfs: the same answers as greedy here, at many times the work
@@ -53,6 +55,7 @@ class Fixed:
     strategy: str | None = None
     balancer: str | None = None
     chunks: int | str = "auto"
+    stage_order: str | None = None  # spec.topology.stageOrder
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Space:
     balancers: tuple[str, ...]
     max_stages: int
     chunks: int | str = "auto"
+    stage_orders: tuple[str, ...] = (DEFAULT_STAGE_ORDER,)
 
 
 def default_space(
@@ -90,6 +94,8 @@ def default_space(
             (fixed.kind or "eager-1f1b", "auto" if fixed.weight_grad_delay is None else fixed.weight_grad_delay),
         )
     stages = min(job.model.layers, cluster.devices, max_stages) if fixed.stages is None else fixed.stages
+    # fold pays where stage k and S-1-k exchange tensors: the skip edges; elsewhere it only splits the chain
+    orders = tuple(STAGE_ORDERS) if skip_pairs(job.model) else (DEFAULT_STAGE_ORDER,)
     return Space(
         ms,
         schedules,
@@ -97,6 +103,7 @@ def default_space(
         (fixed.balancer,) if fixed.balancer else BALANCERS,
         stages,
         fixed.chunks,
+        (fixed.stage_order,) if fixed.stage_order else orders,
     )
 
 
@@ -110,6 +117,7 @@ class Candidate:
     choices: tuple[StageChoice, ...]
     strategy: str = "broadcast"
     balancer: str = "greedy"
+    stage_order: str = DEFAULT_STAGE_ORDER
 
     @property
     def weight_grad_delay(self) -> int | str:
@@ -133,6 +141,7 @@ class Candidate:
         return (
             f"{len(self.layers)} stages [{stages}], M={self.microbatches}, {self.kind} "
             f"delay {self.delay}, {self.strategy}/{self.balancer}"
+            + ("" if self.stage_order == DEFAULT_STAGE_ORDER else f", {self.stage_order} order")
         )
 
 
@@ -192,6 +201,7 @@ class Problem:
         # False: an auto weight delay by the ratio rule alone (faster; no longer what `meshjob simulate` says)
         self.simulate_delays = simulate_delays
         self._tables: dict[int, Tables] = {}
+        self._nic_floors: dict[tuple[tuple[int, ...], tuple[StageChoice, ...], str], float] = {}
 
     def tables(self, microbatches: int) -> Tables:
         if microbatches not in self._tables:
@@ -208,6 +218,8 @@ class Problem:
         spec.setdefault("training", {})["microbatches"] = c.microbatches
         topology = spec.setdefault("topology", {})
         topology["devicesPerHost"] = self.cluster.devices_per_host
+        if c.stage_order != DEFAULT_STAGE_ORDER or "stageOrder" in topology:
+            topology["stageOrder"] = c.stage_order
         spec["schedule"] = {**spec.get("schedule", {}), "kind": c.kind, "weightGradDelay": c.weight_grad_delay}
         spec["tunedFor"] = self.settings.to_spec()
         spec["resharding"] = {
@@ -242,6 +254,47 @@ class Problem:
         ]
 
     def bound(self, c: Candidate) -> float:
+        """A lower bound of the candidate's predicted step: the pipeline's (pipeline_bound) or the busiest
+        ingress link's (nic_floor_s), whichever is more."""
+        return max(self.pipeline_bound(c), self.nic_floor_s(c))
+
+    def nic_floor_s(self, c: Candidate) -> float:
+        """The least time the busiest host's ingress link takes for what its stages must receive from other
+        hosts in a step, beyond one burst: each edge's activations (chain and skip edges) into every host of
+        its destination that holds none of its source, and their gradients back the same way. It depends on
+        where placement puts the stages (the candidate's stage order), not on microbatches or schedule; INF
+        where the stages cannot be placed."""
+        key = (c.layers, c.choices, c.stage_order)
+        if key not in self._nic_floors:
+            self._nic_floors[key] = self._nic_floor(c)
+        return self._nic_floors[key]
+
+    def _nic_floor(self, c: Candidate) -> float:
+        ranges = c.ranges
+        stages = tuple(StageSpec(layers=r, mesh=ch.mesh) for r, ch in zip(ranges, c.choices))
+        topology = replace(self.job.topology, devices_per_host=self.cluster.devices_per_host, stage_order=c.stage_order)
+        try:
+            placement = place(
+                TrainingJob(name=self.job.name, stages=stages, topology=topology), self.cluster.host_list()
+            )
+        except PlacementError:
+            return INF
+        hosts = [set(placement.mesh(k).hosts) for k in range(len(stages))]
+        stage_of = [k for k, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        edges = [(k, k + 1) for k in range(len(stages) - 1)]
+        edges += [(stage_of[i], stage_of[j]) for i, j in skip_pairs(self.job.model) if stage_of[i] != stage_of[j]]
+        training, model = self.job.training, self.job.model
+        sample = training.activation_itemsize * model.seq_len * model.hidden
+        into: dict[int, float] = {}
+        for src, dst in edges:  # activations forward into dst's hosts, their gradients back into src's
+            for to, frm in ((dst, src), (src, dst)):
+                share = training.global_batch / c.choices[to].dp_hosts * sample  # one mesh row's samples
+                for h in hosts[to] - hosts[frm]:
+                    into[h] = into.get(h, 0.0) + share
+        net = self.cluster.network
+        return max((max(0.0, b - net.burst_bytes) / net.nic_bytes_per_s for b in into.values()), default=0.0)
+
+    def pipeline_bound(self, c: Candidate) -> float:
         """A lower bound of the candidate's predicted step. Stage k cannot start before microbatch 0's forwards
         and transfers ahead of it reached it (`ahead`), nor its first backward before that microbatch went
         down the rest of the pipeline and its gradient came back (`trip`: forwards, input gradients and a
@@ -270,7 +323,7 @@ class Problem:
         both stages may sit on one host (neither on whole hosts), through the host's link if that is less."""
         net, per_host = self.cluster.network, self.cluster.devices_per_host
         training, model = self.job.training, self.job.model
-        samples = training.global_batch // microbatches / (dst.mesh[0] if dst.dp_dim == 0 else 1)
+        samples = training.global_batch // microbatches / dst.dp_hosts
         share = samples * training.activation_itemsize * model.seq_len * model.hidden
         rate = net.nic_bytes_per_s if net.burst_bytes <= 0 else max(net.nic_bytes_per_s, net.line_bytes_per_s)
         between = net.message_s + share / rate
@@ -328,9 +381,10 @@ class Problem:
     def expand(
         self, m: int, kind: str, delay: int | str, layers: Sequence[int], choices: Sequence[StageChoice]
     ) -> list[Candidate]:
-        """The structure with every strategy and balancer of the space."""
+        """The structure with every stage order, strategy and balancer of the space."""
         return [
-            Candidate(m, kind, str(delay), tuple(layers), tuple(choices), s, b)
+            Candidate(m, kind, str(delay), tuple(layers), tuple(choices), s, b, o)
+            for o in self.space.stage_orders
             for s in self.space.strategies
             for b in self.space.balancers
         ]
@@ -352,7 +406,7 @@ def _find(options: Sequence[Option], choice: StageChoice) -> Option:
         if o.choice == choice:
             return o
     raise UsageError(
-        f"stage mesh {list(choice.mesh)} (dataParallelDim {choice.dp_dim}, tensorParallelDim "
+        f"stage mesh {list(choice.mesh)} (dataParallelDims {list(choice.dp_dims)}, tensorParallelDim "
         f"{choice.tp_dim}) is not one the search may use on this cluster and model"
     )
 

@@ -4,7 +4,8 @@ range of layers costs on it (seconds per microbatch, gradient all-reduce, bytes 
 Submeshes follow Alpa's stage construction: (1, d) for d a power of two below the devices per host, or
 (n, D) whole hosts, so that every set of them with at most the cluster's devices packs onto its hosts.
 Within a submesh the stage shards the batch over one mesh dim and the layers' weights over the other
-(Megatron tensor parallelism); a dim of size 1 carries neither.
+(Megatron tensor parallelism), or, on several whole hosts, the batch over both dims (all data parallel:
+across the hosts, then over each host's devices); a dim of size 1 carries neither.
 
 Compute: meshjob.costs.device_costs' roofline of the stage's shapes on the cluster's device (the one emulated compute
 waits: F, I, W of a microbatch, and the optimizer step); full recompute adds a forward to I. Tensor parallel
@@ -12,11 +13,13 @@ adds Megatron's two all-reduces of the activation per block in F and two in I; d
 all-reduce of the stage's gradients after the step (meshjob.search.gradient_sync, which also shares a host's NIC
 between stages whose rings cross it), then the optimizer step. A tensor-parallel ring inside a host runs at the
 device link's rate, a gradient ring inside a host at the network model's intra-host rate (on a real cluster
-both are the device link); a ring across hosts shares each host's NIC with the host's other rings.
+both are the device link); a ring across hosts (tensor or data parallel over mesh dim 0) shares each host's NIC
+with the host's other rings; an all-data-parallel stage's one ring over all its devices crosses each NIC once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshjob.costs.compute import StageCost
@@ -36,16 +39,18 @@ from meshjob.spec.manifest import (
 
 @dataclass(frozen=True)
 class StageChoice:
-    """A submesh [hosts, devices per host] and the mesh dims data and tensor parallelism run over."""
+    """A submesh [hosts, devices per host], the mesh dims data parallelism runs over (major first; () for
+    none, (0, 1) for all data parallel) and the one tensor parallelism runs over."""
 
     mesh: tuple[int, int]
-    dp_dim: int | None
+    dp_dims: tuple[int, ...]
     tp_dim: int | None
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
-        """Sort key (None sorts first)."""
-        return (*self.mesh, -1 if self.dp_dim is None else self.dp_dim, -1 if self.tp_dim is None else self.tp_dim)
+    def key(self) -> tuple[int, int, int, int, int]:
+        """Sort key (None sorts first): one data-parallel dim sorts as it did before all-data-parallel choices."""
+        dp = (*self.dp_dims, -1, -1)
+        return (*self.mesh, dp[0], -1 if self.tp_dim is None else self.tp_dim, dp[1])
 
     def __lt__(self, other: StageChoice) -> bool:
         return self.key < other.key
@@ -56,17 +61,30 @@ class StageChoice:
 
     @property
     def dp(self) -> int:
-        return 1 if self.dp_dim is None else self.mesh[self.dp_dim]
+        return math.prod(self.mesh[d] for d in self.dp_dims)
 
     @property
     def tp(self) -> int:
         return 1 if self.tp_dim is None else self.mesh[self.tp_dim]
 
+    @property
+    def dp_dim(self) -> int | None:
+        """The major data-parallel mesh dim (None without data parallelism): 0 when the batch splits across hosts."""
+        return self.dp_dims[0] if self.dp_dims else None
+
+    @property
+    def dp_hosts(self) -> int:
+        """The parts the batch splits into across hosts: mesh[0] when data parallelism runs over mesh dim 0."""
+        return self.mesh[0] if 0 in self.dp_dims else 1
+
     def to_stage(self, first: int, last: int) -> dict[str, object]:
-        """The manifest's spec.stages[] entry."""
+        """The manifest's spec.stages[] entry: dataParallelDim for one data-parallel dim (as written before
+        dataParallelDims existed), dataParallelDims for several."""
         out: dict[str, object] = {"layers": [first, last], "mesh": list(self.mesh)}
-        if self.dp_dim is not None:
-            out["dataParallelDim"] = self.dp_dim
+        if len(self.dp_dims) == 1:
+            out["dataParallelDim"] = self.dp_dims[0]
+        elif self.dp_dims:
+            out["dataParallelDims"] = list(self.dp_dims)
         if self.tp_dim is not None:
             out["tensorParallelDim"] = self.tp_dim
         return out
@@ -81,15 +99,17 @@ def submeshes(cluster: Cluster) -> list[tuple[int, int]]:
     return partial + [(n, d) for n in range(1, cluster.hosts + 1)]
 
 
-def _splits(mesh: tuple[int, int]) -> list[tuple[int | None, int | None]]:
+def _splits(mesh: tuple[int, int]) -> list[tuple[tuple[int, ...], int | None]]:
+    """(data-parallel dims, tensor-parallel dim) of a submesh: each dim of size > 1 carries one of them, or,
+    on several whole hosts, both dims carry the batch (Alpa's all-data-parallel stage)."""
     n, d = mesh
     if n > 1 and d > 1:
-        return [(0, 1), (1, 0)]
+        return [((0,), 1), ((1,), 0), ((0, 1), None)]
     if n > 1:
-        return [(0, None), (None, 0)]
+        return [((0,), None), ((), 0)]
     if d > 1:
-        return [(1, None), (None, 1)]
-    return [(None, None)]
+        return [((1,), None), ((), 1)]
+    return [((), None)]
 
 
 def stage_choices(model: ModelSpec, training: TrainingSpec, cluster: Cluster) -> list[StageChoice]:
@@ -97,8 +117,8 @@ def stage_choices(model: ModelSpec, training: TrainingSpec, cluster: Cluster) ->
     sizes = tensor_parallel_sizes(model) if model.kind in BUILTIN_MODEL_KINDS else {}
     out: list[StageChoice] = []
     for mesh in submeshes(cluster):
-        for dp_dim, tp_dim in _splits(mesh):
-            c = StageChoice(mesh, dp_dim, tp_dim)
+        for dp_dims, tp_dim in _splits(mesh):
+            c = StageChoice(mesh, dp_dims, tp_dim)
             if training.microbatch_size % c.dp:
                 continue
             if c.tp > 1 and (not sizes or any(size % c.tp for size in sizes.values())):
@@ -124,14 +144,21 @@ def _ring_s(nbytes: float, ranks: int, dim: int | None, choice: StageChoice, clu
 
 def gradient_sync(nbytes: float, choice: StageChoice, cluster: Cluster, optimizer_s: float) -> GradientSync:
     """The stage's tail: a ring all-reduce of its nbytes of local gradients among its data-parallel devices,
-    then its optimizer step. Across hosts (dp over mesh dim 0) each of its devices on a host runs its own
-    ring through that host's NIC; inside a host the ring runs at the network model's intra-host rate (the device
-    link on a real cluster, where the two are the same; loopback between an emulated host's ranks)."""
+    then its optimizer step. Across hosts (dp over mesh dim 0 alone) each of its devices on a host runs its own
+    ring through that host's NIC; all data parallel (dims 0 and 1), one ring runs over every device, host by
+    host: it crosses each host's NIC once each way, and its hops inside a host run at the intra-host rate
+    alongside (the slower of the two paces it). Inside a host the ring runs at the network model's intra-host
+    rate (the device link on a real cluster, where the two are the same; loopback between an emulated host's
+    ranks)."""
     ranks, net = choice.dp, cluster.network
     if ranks <= 1:
         return GradientSync(0.0, 0, optimizer_s)
     share = 2 * (ranks - 1) / ranks * nbytes  # what each device sends and receives
-    if choice.dp_dim == 0:
+    if choice.dp_hosts > 1 and ranks > choice.dp_hosts:
+        nic_s = share / net.nic_bytes_per_s
+        inside = max(0.0, share / net.intra_host_bytes_per_s - nic_s)  # the intra-host hops, where they are slower
+        return GradientSync(nic_s, 1, inside + 2 * (ranks - 1) * net.message_s + optimizer_s)
+    if choice.dp_hosts > 1:
         flows = choice.mesh[1]
         return GradientSync(share * flows / net.nic_bytes_per_s, flows, 2 * (ranks - 1) * net.message_s + optimizer_s)
     return GradientSync(
@@ -185,7 +212,7 @@ def job_figures(job: TrainingJob, cluster: Cluster) -> list[StageFigures]:
             raise ValueError(
                 f"spec.stages[{i}].mesh {list(st.mesh)} is invalid here: two dims [hosts, devices per host]"
             )
-        choice = StageChoice((st.mesh[0], st.mesh[1]), st.data_parallel_dim, st.tensor_parallel_dim)
+        choice = StageChoice((st.mesh[0], st.mesh[1]), st.dp_dims, st.tensor_parallel_dim)
         out.append(stage_figures(job.model, job.training, cluster, *st.layers, choice))
     return out
 

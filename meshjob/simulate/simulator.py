@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -40,6 +41,9 @@ from meshjob.schedule.actions import Action
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob.spec.manifest import job_to_dict, parse_job
 from meshjob.spec.model import TrainingJob
+
+COMPUTE = ("F", "B", "I", "W")
+SENDS = ("SEND_F", "SEND_B")
 
 __all__ = [
     "CostModel",
@@ -310,6 +314,12 @@ class PipelineRun:
         self.started: list[float] = []
         self.bookings = 0  # transfers booked on the links: the work a run did (tests count it)
 
+    def plan_links(self) -> None:
+        """Links take the transfers of later `extend` calls in their planned order. A run without one so far is
+        the run its own send order planned gives (each transfer is first on its links when sent, and goes at
+        once), and runs on as that one would."""
+        self.queue.planned = True
+
     def pause(self, stage: int, seconds: float) -> None:
         """The stage spends `seconds` after its last action so far (its optimizer step, before the actions
         `extend` adds)."""
@@ -336,48 +346,60 @@ class PipelineRun:
         # the lists): the stage a stable sort by free time would try first. A stage stopped at the
         # RECV of a transfer not sent waits aside until its SEND books it.
         schedules, stats, pos, pause_s, sent = self.schedules, self.stats, self.pos, self.pause_s, self.sent
+        compute_s, send, book, order, started = self.compute_s, self.queue.send, self._book, self.order, self.started
+        heappop, heappush = heapq.heappop, heapq.heappush
         rank = {stage: i for i, stage in enumerate(schedules)}
         ids: dict[tuple[int, str, int | None, str], int] = {}  # an action's boundary (of_action is slow)
         ready = [(stats[s].busy_until_s, rank[s], s) for s, acts in schedules.items() if pos[s] < len(acts)]
         heapq.heapify(ready)
         waiting: dict[tuple[int, int], int] = {}  # a transfer not sent -> the stage stopped at its RECV
         while ready:
-            _, _, stage = heapq.heappop(ready)
+            _, r, stage = heappop(ready)
             acts, st, i = schedules[stage], stats[stage], pos[stage]
-            a = acts[i]
-            now = st.busy_until_s
-            if a.kind in ("F", "B", "I", "W"):
-                dur = self.compute_s[(stage, a.kind)]
-                st.timeline.append((str(a), now, now + dur))
-                st.compute_s += dur
-                st.busy_until_s = now + dur
-            else:
-                b = ids.get((stage, a.kind, a.peer, a.tensor))
-                if b is None:
-                    key = BoundaryKey.of_action(stage, a)
-                    sends = a.kind in ("SEND_F", "SEND_B")
-                    b = ids[(stage, a.kind, a.peer, a.tensor)] = self.ids[key] if sends else self.ids.get(key, -1)
-                if a.kind in ("SEND_F", "SEND_B"):
-                    for transfer, at in self.queue.send((b, a.mb), now):
-                        self._book(transfer, at)
-                        peer = waiting.pop(transfer, None)
-                        if peer is not None:  # its RECV can run now, from when the peer is free
-                            heapq.heappush(ready, (stats[peer].busy_until_s, rank[peer], peer))
-                else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
-                    arrival = sent.get((b, a.mb))
-                    if arrival is None:
-                        waiting[(b, a.mb)] = stage  # the peer has not sent yet: other stages first
-                        continue
-                    wait = max(0.0, arrival - now)
-                    st.exposed_comm_s += wait
-                    st.busy_until_s = now + wait
-            if pause_s:  # none: no lookup (adding 0.0 changes no time)
-                st.busy_until_s += pause_s.get((stage, i), 0.0)
-            pos[stage] = i + 1
-            self.order.append((stage, a))
-            self.started.append(now)
-            if i + 1 < len(acts):
-                heapq.heappush(ready, (st.busy_until_s, rank[stage], stage))
+            # the stage runs on while it would be the heap's first again (ranks differ: no ties)
+            while True:
+                a = acts[i]
+                kind = a.kind
+                now = st.busy_until_s
+                if kind in COMPUTE:
+                    dur = compute_s[(stage, kind)]
+                    st.timeline.append((a.text, now, now + dur))
+                    st.compute_s += dur
+                    st.busy_until_s = now + dur
+                else:
+                    b = ids.get((stage, kind, a.peer, a.tensor))
+                    if b is None:
+                        key = BoundaryKey.of_action(stage, a)
+                        b = self.ids[key] if kind in SENDS else self.ids.get(key, -1)
+                        ids[(stage, kind, a.peer, a.tensor)] = b
+                    if kind in SENDS:
+                        for transfer, at in send((b, a.mb), now):
+                            book(transfer, at)
+                            peer = waiting.pop(transfer, None)
+                            if peer is not None:  # its RECV can run now, from when the peer is free
+                                heappush(ready, (stats[peer].busy_until_s, rank[peer], peer))
+                    else:  # RECV_F / RECV_B: wait for the matching SEND's arrival
+                        arrival = sent.get((b, a.mb))
+                        if arrival is None:
+                            waiting[(b, a.mb)] = stage  # the peer has not sent yet: other stages first
+                            break
+                        wait = max(0.0, arrival - now)
+                        st.exposed_comm_s += wait
+                        st.busy_until_s = now + wait
+                if pause_s:  # none: no lookup (adding 0.0 changes no time)
+                    st.busy_until_s += pause_s.get((stage, i), 0.0)
+                i += 1
+                order.append((stage, a))
+                started.append(now)
+                if i == len(acts):
+                    break
+                busy = st.busy_until_s
+                if ready:
+                    top = ready[0]
+                    if not (busy < top[0] or (busy == top[0] and r < top[1])):
+                        heappush(ready, (busy, r, stage))
+                        break
+            pos[stage] = i
         if waiting:
             blocked = {s: str(acts[pos[s]]) for s, acts in schedules.items() if pos[s] < len(acts)}
             raise ValueError(f"schedule deadlocks: stages wait on {blocked}")
@@ -504,21 +526,34 @@ class _LinkQueue:
         # No other ready transfer was first on all its links (the last call took every one that was), so
         # only this one can start; then only new heads of links just freed: rounds of those, each round
         # the ones first on all their links, in the order they were sent.
-        out = []
-        batch = [transfer] if self._first(transfer) else []
+        if not self._first(transfer):
+            return []
+        heads, ready = self.heads, self.ready
+        out: list[tuple[tuple[int, int], float]] = []
+        batch = [transfer]
         while batch:
             freed: list[int] = []
             for t in batch:
                 for g in self.groups_of[t[0]]:
-                    self.heads[g].popleft()
+                    heads[g].popleft()
                     freed.append(g)
-                out.append((t, self.ready.pop(t)))
-            candidates = {self.heads[g][0] for g in freed if self.heads[g]}
-            batch = sorted((t for t in candidates if t in self.ready and self._first(t)), key=self.arrived.__getitem__)
+                out.append((t, ready.pop(t)))
+            batch = []
+            for g in freed:
+                if heads[g]:
+                    t = heads[g][0]
+                    if t in ready and t not in batch and self._first(t):
+                        batch.append(t)
+            if len(batch) > 1:
+                batch.sort(key=self.arrived.__getitem__)
         return out
 
     def _first(self, transfer: tuple[int, int]) -> bool:
-        return all(self.heads[g] and self.heads[g][0] == transfer for g in self.groups_of[transfer[0]])
+        heads = self.heads
+        for g in self.groups_of[transfer[0]]:
+            if not heads[g] or heads[g][0] != transfer:
+                return False
+        return True
 
 
 def compute_costs(plan: PlanView, cost: CostModel) -> dict[tuple[int, str], float]:
@@ -597,14 +632,21 @@ def scale_job(job: TrainingJob, hosts: int) -> TrainingJob:
     the global batch grows so every data-parallel replica keeps whole samples. Re-validated like a manifest."""
     per_stage = max(1, hosts // len(job.stages))
     doc = job_to_dict(job)
+    degrees = []
     for stage in doc["spec"]["stages"]:
         stage["mesh"] = [per_stage] + list(stage["mesh"][1:])
         if stage.get("tensorParallelDim") == 0:  # dim 0 now spans hosts: keep tensor parallel inside hosts
             stage.pop("tensorParallelDim")
-        stage["dataParallelDim"] = 0
+        listed = stage.pop("dataParallelDims", None)
+        dims = [0] if listed is None else sorted({0, *listed})  # dim 0 joins the data-parallel dims, major first
+        if listed is None:
+            stage["dataParallelDim"] = 0
+        else:
+            stage["dataParallelDims"] = dims
+        degrees.append(math.prod(stage["mesh"][d] for d in dims))
     doc["spec"].pop("edges", None)  # default edges follow the new natural layouts
     training = doc["spec"]["training"]
-    unit = training["microbatches"] * per_stage
+    unit = training["microbatches"] * math.lcm(*degrees)
     training["globalBatch"] = max(unit, -(-training["globalBatch"] // unit) * unit)
     return parse_job(doc)
 

@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from meshjob.costs.compute import CostModel
-from meshjob.schedule.actions import Action
+from meshjob.schedule.actions import Action, shared_action
 from meshjob.schedule.boundary import BoundaryKey
 from meshjob.simulate.simulator import (
     PipelineResult,
@@ -45,7 +45,7 @@ def repeated(
     `first`)."""
     return {
         stage: [
-            Action(a.kind, a.mb + k * microbatches, a.peer, a.tensor)
+            shared_action(a.kind, a.mb + k * microbatches, a.peer, a.tensor)
             for k in range(first, first + steps)
             for a in actions
         ]
@@ -97,10 +97,24 @@ def step_and_period(
     as steady_period_s) from one run: the steps after the first run on from where it ended. With a planned
     order that gives the times of the steps run together from the start (PipelineRun)."""
     _check(steps)
-    tail_s = tail_s or {}
     run = PipelineRun(compute_s, transfers, cost, planned=True)
     run.extend(schedules, order)
     first = run.result()
+    return first, period_on(run, schedules, microbatches, order, tail_s, steps)
+
+
+def period_on(
+    run: PipelineRun,
+    schedules: Mapping[int, Sequence[Action]],
+    microbatches: int,
+    order: Sequence[tuple[BoundaryKey, int]],
+    tail_s: Mapping[int, float] | None = None,
+    steps: int = STEADY_STEPS,
+) -> float:
+    """step_and_period's period, from `run`: a fresh planned PipelineRun that ran one step of `schedules` in
+    `order` and nothing else (e.g. the fastest of meshjob.plan.comm_order's runs). Runs the steps after it on."""
+    _check(steps)
+    tail_s = tail_s or {}
     for stage, actions in schedules.items():
         if actions:  # the optimizer step after the step's last action
             run.pause(stage, tail_s.get(stage, 0.0))
@@ -112,7 +126,7 @@ def step_and_period(
     }
     later = [(key, mb + k * microbatches) for k in range(1, steps) for key, mb in order]
     run.extend(repeated(schedules, microbatches, steps - 1, first=1), later, pause)
-    return first, _period(run, schedules, steps)
+    return _period(run, schedules, steps)
 
 
 def _check(steps: int) -> None:

@@ -169,22 +169,28 @@ def _check_stages(r: FieldReader, job: TrainingJob) -> None:
         for key, dim in (("dataParallelDim", st.data_parallel_dim), ("tensorParallelDim", st.tensor_parallel_dim)):
             if r.clean(f"{p}.{key}") and dim is not None and dim >= dims:
                 r.fail(f"{p}.{key}", dim, f"a mesh dim in 0..{dims - 1} (spec.stages[{i}].mesh has {dims} dims)")
-        dp, tp = st.data_parallel_dim, st.tensor_parallel_dim
-        if r.clean(f"{p}.dataParallelDim", f"{p}.tensorParallelDim") and dp is not None and dp == tp:
-            r.fail(f"{p}.tensorParallelDim", tp, f"a mesh dim other than dataParallelDim ({dp})")
+        _check_data_parallel_dims(r, st, p)
+        dp_key = "dataParallelDims" if st.data_parallel_dims is not None else "dataParallelDim"
+        dp_ok = r.clean(f"{p}.dataParallelDim", f"{p}.dataParallelDims")
+        dp, tp = st.dp_dims, st.tensor_parallel_dim
+        if dp_ok and r.clean(f"{p}.tensorParallelDim") and tp is not None and tp in dp:
+            written = list(dp) if st.data_parallel_dims is not None else dp[0]
+            r.fail(f"{p}.tensorParallelDim", tp, f"a mesh dim other than {dp_key} ({written})")
         if r.clean(f"{p}.tensorParallelDim", "spec.model.kind") and tp is not None and tp < dims:
             _check_tensor_parallel(r, m, f"{p}.mesh[{tp}]", st.mesh[tp])
         if (
-            r.clean(f"{p}.dataParallelDim", "spec.training")
-            and dp is not None
-            and dp < dims
+            dp_ok
+            and r.clean("spec.training")
+            and dp
             and t.global_batch % t.microbatches == 0
-            and t.microbatch_size % st.mesh[dp]
+            and t.microbatch_size % st.data_parallel
         ):
+            path, value = (f"{p}.mesh[{dp[0]}]", st.mesh[dp[0]]) if len(dp) == 1 else (f"{p}.mesh", list(st.mesh))
+            sizes = "" if len(dp) == 1 else f" (mesh dims {list(dp)} multiply to {st.data_parallel})"
             r.fail(
-                f"{p}.mesh[{dp}]",
-                st.mesh[dp],
-                f"a data-parallel degree dividing the microbatch "
+                path,
+                value,
+                f"a data-parallel degree{sizes} dividing the microbatch "
                 f"size {t.microbatch_size} (spec.training.globalBatch / microbatches)",
             )
     if ranges_ok and job.stages and expect != m.layers:
@@ -193,6 +199,30 @@ def _check_stages(r: FieldReader, job: TrainingJob) -> None:
             f"spec.stages[{i}].layers",
             list(job.stages[i].layers),
             f"a range ending at spec.model.layers ({m.layers}): stages cover every layer",
+        )
+
+
+def _check_data_parallel_dims(r: FieldReader, st: StageSpec, p: str) -> None:
+    """dataParallelDims: mesh dims of this mesh, each once, in increasing order (the order of the trainer's
+    data-parallel ranks and of the batch's tiles is then the mesh's row-major one); not with dataParallelDim."""
+    dims, key = st.data_parallel_dims, f"{p}.dataParallelDims"
+    if dims is None or not r.clean(key):
+        return
+    if st.data_parallel_dim is not None:
+        r.fail(
+            key,
+            list(dims),
+            f"unset when dataParallelDim is set ({st.data_parallel_dim}): write one of them, dataParallelDim d "
+            f"(one mesh dim, the same as dataParallelDims [d]) or dataParallelDims (several, e.g. [0, 1])",
+        )
+    elif any(d >= len(st.mesh) for d in dims):
+        r.fail(key, list(dims), f"mesh dims in 0..{len(st.mesh) - 1} ({p}.mesh has {len(st.mesh)} dims)")
+    elif any(a >= b for a, b in zip(dims, dims[1:])):
+        r.fail(
+            key,
+            list(dims),
+            "distinct mesh dims in increasing order, e.g. [0, 1]: the batch splits over the first (major), "
+            "then within each part over the next",
         )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshjob.layout.stage_order import DEFAULT_STAGE_ORDER
 from meshjob.spec.api import TRAINER_METRICS_PORT
 
 MODEL_KINDS = ("gpt", "utransformer", "llama", "custom")
@@ -191,13 +192,17 @@ class TopologySpec:
     host_label: str = "kubernetes.io/hostname"
     rack_label: str = "topology.kubernetes.io/zone"
     device_resource: str = "cpu"  # or nvidia.com/gpu
+    stage_order: str = DEFAULT_STAGE_ORDER  # YAML: stageOrder; meshjob.layout.stage_order
 
 
 @dataclass(frozen=True)
 class StageSpec:
     layers: tuple[int, int]  # half-open [first, last) layer range
     mesh: tuple[int, ...]  # dim 0 across hosts, the rest within a host; 1-3 dims
-    data_parallel_dim: int | None = None  # YAML: dataParallelDim
+    # As the manifest writes them: one dim (dataParallelDim) or several (dataParallelDims, major first).
+    # Read dp_dims, which is both in one form.
+    data_parallel_dim: int | None = None  # YAML: dataParallelDim; the same as dataParallelDims [d]
+    data_parallel_dims: tuple[int, ...] | None = None  # YAML: dataParallelDims; mesh dims, major first
     tensor_parallel_dim: int | None = None  # YAML: tensorParallelDim
     recompute: str | None = None  # overrides spec.training.recompute for this stage
 
@@ -207,8 +212,17 @@ class StageSpec:
         return math.prod(self.mesh)
 
     @property
+    def dp_dims(self) -> tuple[int, ...]:
+        """The mesh dims the batch is sharded over, major first: dataParallelDims, else (dataParallelDim,),
+        else () (no data parallelism)."""
+        if self.data_parallel_dims is not None:
+            return self.data_parallel_dims
+        return () if self.data_parallel_dim is None else (self.data_parallel_dim,)
+
+    @property
     def data_parallel(self) -> int:
-        return self.mesh[self.data_parallel_dim] if self.data_parallel_dim is not None else 1
+        """The data-parallel degree: the product of the data-parallel mesh dims' sizes."""
+        return math.prod(self.mesh[d] for d in self.dp_dims if d < len(self.mesh))
 
     @property
     def tensor_parallel(self) -> int:
@@ -359,11 +373,11 @@ class TrainingJob:
 
 
 def natural_layout(stage: StageSpec) -> str:
-    """Batch sharded over the data-parallel mesh dim, replicated otherwise (canonical spec)."""
-    dp = stage.data_parallel_dim
-    if dp is not None and dp < len(stage.mesh) and stage.mesh[dp] > 1:
-        return f"S{dp}RR"
-    return "RRR"
+    """Batch sharded over the data-parallel mesh dims (major first), replicated otherwise (canonical spec):
+    S0RR, S01RR for a batch split over hosts and then over each host's devices. Dims of size 1 split
+    nothing and are left out."""
+    dims = [d for d in stage.dp_dims if d < len(stage.mesh) and stage.mesh[d] > 1]
+    return f"S{''.join(map(str, dims))}RR" if dims else "RRR"
 
 
 def skip_pairs(model: ModelSpec) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meshjob.errors import FieldError
+from meshjob.layout.stage_order import STAGE_ORDERS
 from meshjob.resharding.balance import BALANCERS
 from meshjob.resharding.strategies import STRATEGIES
 from meshjob.schedule.actions import SCHEDULE_KINDS
@@ -220,6 +221,10 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
     ("TopologySpec", "device_resource"): chars(
         MAX_LABEL_KEY, why="resource requested per device: cpu or nvidia.com/gpu"
     ),
+    ("TopologySpec", "stage_order"): {
+        "enum": tuple(STAGE_ORDERS),
+        "description": "the order stages are placed on hosts: chain, or fold (stage k beside stage S-1-k)",
+    },
     ("StageSpec", "layers"): {
         "item_minimum": 0,
         "item_maximum": MAX_LAYERS,
@@ -236,7 +241,17 @@ RULES: dict[tuple[str, str], dict[str, Any]] = {
             f"{MAX_JOB_HOSTS} hosts (dim 0 summed over the stages) per job"
         ),
     },
-    ("StageSpec", "data_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim the batch is sharded over"),
+    ("StageSpec", "data_parallel_dim"): count(
+        MAX_MESH_DIMS - 1, 0, "mesh dim the batch is sharded over (the same as dataParallelDims [d])"
+    ),
+    ("StageSpec", "data_parallel_dims"): {
+        "item_minimum": 0,
+        "item_maximum": MAX_MESH_DIMS - 1,
+        "min_items": 1,
+        "max_items": MAX_MESH_DIMS,
+        "description": "mesh dims the batch is sharded over, in increasing order (major first: [0, 1] splits "
+        "it across hosts, then over each host's devices); instead of dataParallelDim",
+    },
     ("StageSpec", "tensor_parallel_dim"): count(MAX_MESH_DIMS - 1, 0, "mesh dim of tensor parallelism"),
     ("StageSpec", "recompute"): {
         "enum": RECOMPUTE,

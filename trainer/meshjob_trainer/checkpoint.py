@@ -106,7 +106,12 @@ def spec_fingerprint(job: TrainingJob, world_size: int) -> dict[str, Any]:
     for i, st in enumerate(job.stages):
         fp[f"spec.stages[{i}].layers"] = list(st.layers)
         fp[f"spec.stages[{i}].mesh"] = list(st.mesh)
-        fp[f"spec.stages[{i}].dataParallelDim"] = st.data_parallel_dim
+        # by what they mean, not how they are written: dataParallelDim d is dataParallelDims [d], and a job with
+        # at most one data-parallel dim keeps the fingerprint its checkpoints were written with
+        dp = st.dp_dims
+        fp[f"spec.stages[{i}].dataParallelDim"] = dp[0] if len(dp) == 1 else None
+        if len(dp) > 1:
+            fp[f"spec.stages[{i}].dataParallelDims"] = list(dp)
         fp[f"spec.stages[{i}].tensorParallelDim"] = st.tensor_parallel_dim
     return fp
 

@@ -2,8 +2,9 @@
 and the gradient reductions that make a sharded stage compute what one process would.
 
 Conventions (the natural layout, meshjob.spec.manifest.natural_layout): a stage's activation is sharded
-over the batch along its data-parallel mesh dim and replicated along its tensor-parallel dim. Mesh dims that are
-neither are redundant replicas (same inputs, same gradients: nothing to reduce).
+over the batch along its data-parallel mesh dims (one, or several: S01 splits it over dim 0, then dim 1) and
+replicated along its tensor-parallel dim. Mesh dims that are neither are redundant replicas (same inputs, same
+gradients: nothing to reduce).
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ class StageGroups:
     is_first_stage: bool = True
 
 
-def _lines(mesh: Mesh, dim: int) -> list[tuple[int, ...]]:
-    """Every set of ranks that differ only along mesh dim `dim`, in a fixed order."""
+def _lines(mesh: Mesh, dims: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every set of ranks that differ only along the mesh dims `dims` (they share every other coordinate), in
+    a fixed order; each set's ranks in row-major mesh order, which for increasing `dims` is the mixed-radix
+    order of their coordinates along `dims`, major first (the order of the batch's tiles, S01)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank in mesh.ranks:
         index = list(mesh.index_of(rank))
-        index[dim] = 0
+        for dim in dims:
+            index[dim] = 0
         groups.setdefault(tuple(index), []).append(rank)
     return [tuple(g) for _, g in sorted(groups.items())]
 
@@ -69,10 +73,11 @@ def build_groups(
     stage = next(s for s, m in enumerate(meshes) if rank in m.ranks)
     tp, dp_group, dp_rank, dp_size = TPGroup(), None, 0, 1
     for spec, mesh in zip(stages, meshes):
-        for dim, kind in ((spec.tensor_parallel_dim, "tp"), (spec.data_parallel_dim, "dp")):
-            if dim is None or mesh.shape[dim] == 1:
+        tp_dims = () if spec.tensor_parallel_dim is None else (spec.tensor_parallel_dim,)
+        for dims, kind in ((tp_dims, "tp"), (spec.dp_dims, "dp")):
+            if math.prod(mesh.shape[d] for d in dims) == 1:
                 continue
-            for members in _lines(mesh, dim):
+            for members in _lines(mesh, dims):
                 group = dist.new_group(list(members))
                 if rank in members:
                     if kind == "tp":
@@ -101,7 +106,7 @@ def _replica_rank(spec: StageSpec, mesh: Mesh, rank: int) -> int:
     """This rank's index along the mesh dims that are neither data- nor tensor-parallel."""
     index = 0
     for dim, (coord, size) in enumerate(zip(mesh.index_of(rank), mesh.shape)):
-        if dim not in (spec.data_parallel_dim, spec.tensor_parallel_dim):
+        if dim not in spec.dp_dims and dim != spec.tensor_parallel_dim:
             index = index * size + coord
     return index
 
