@@ -118,7 +118,7 @@ def test_targets_are_checked_on_the_measured_rows_only():
 
 def test_quick_run_writes_every_field_a_timeline_and_a_bar_chart(tmp_path):
     out = tmp_path / "results"
-    assert main(["--quick", "--comm-fractions", "1.0", "--out", str(out)]) == 0
+    assert main(["--quick", "--parts", "sweep", "--comm-fractions", "1.0", "--out", str(out)]) == 0
     report = json.loads((out / "pipeline.json").read_text())
     assert report["transport"] == "gloo" and report["machine"]["torch"] and report["machine"]["cpus"] >= 1
     rows = {r["variant"]: r for r in report["rows"]}

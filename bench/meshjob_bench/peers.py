@@ -53,7 +53,7 @@ from meshjob_bench.pipeline import (
 )
 from meshjob_bench.pipeline_report import _plt
 from meshjob_bench.pipeline_rows import Config
-from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_trainer.emulate.netns import DEFAULT_BURST, EmulatedCluster, cleanup_stale
 from meshjob_trainer.launch import RankContext, launch
 
 MESHJOB_VARIANTS = ("1f1b", "eager-1f1b", "eager-1f1b+wdelay", "signal")
@@ -410,6 +410,12 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         "quick": bool(args.quick),
         "device": args.device,
         "netns": not args.no_netns,
+        "network": (
+            f"{STAGES} emulated hosts (network namespaces), NIC rate per row (tbf, burst {DEFAULT_BURST})"
+            if not args.no_netns
+            else "loopback (no NIC emulation)"
+        ),
+        "transport": "gloo",
         "wall_seconds": time.monotonic() - t0,
         "rows": rows,
         "targets": targets,

@@ -27,6 +27,18 @@ checked on the measured rows; a table, JSON, a timeline PNG per model like figur
 like figure 9 (the targets, the table and the figures: meshjob_bench.pipeline_report).
 Under emulated compute the JSON's `emulated_compute` also checks the device's waits themselves: one rank, no
 network, its measured step and forward over the modelled ones (target: within 5%).
+
+`--parts` picks what runs: `sweep` (the above; the JSON's top-level keys) and `recompute` (its keys `recompute`
+and `precision`), both by default. The recompute part runs the GPT at 4 stages on NICs at 30% of compute
+(`SECTION_*`) under gpipe, 1f1b, eager-1f1b and eager-1f1b+wdelay, each with spec.training.recompute none and
+full (emulated compute waits full recompute's forward in I or B: meshjob.costs.device_costs), and reports per
+schedule the step with recompute over the step without (the issue's target: at most 1.4x under
+eager-1f1b+wdelay), the peak stashed microbatches, and the peak activations' ratio from `bench memory`'s
+bench/results/memory.json where it is (real compute; not measured here: emulated compute keeps no activations).
+Then eager-1f1b+wdelay without recompute again in bf16 (spec.training.precision): the boundary bytes the ranks
+counted landing (meshjob_trainer.reshard's Resharded events), bf16's over fp32's (expected 0.5: boundary
+tensors travel in the training dtype). A run of some parts only merges their keys into the existing
+pipeline.json and keeps the others (the report: meshjob_bench.pipeline_report).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from meshjob.costs.devices import ComputeMode, DeviceProfile, parse_compute, par
 from meshjob.errors import FieldError, SpecError
 from meshjob.network.model import EMULATED_MESSAGE_CPU_S, NetworkModel, with_alone
 from meshjob.plan.build import build_plan
+from meshjob.resharding.tasks import CROSS_HOST
 from meshjob.simulate.simulator import simulate_plan
 from meshjob.simulate.steady import plan_period_s
 from meshjob.simulate.step_bound import nic_bytes, step_bound
@@ -53,10 +66,21 @@ from meshjob.spec.api import API_VERSION, KIND
 from meshjob.spec.manifest import TrainingJob, job_to_dict, parse_job
 from meshjob_bench import parsed_arguments
 from meshjob_bench.machine import machine, transport_here
-from meshjob_bench.pipeline_report import check_targets, plot_bars, plot_timelines, print_table, print_targets
+from meshjob_bench.pipeline_report import (
+    check_targets,
+    plot_bars,
+    plot_recompute,
+    plot_timelines,
+    precision_section,
+    print_recompute,
+    print_table,
+    print_targets,
+    recompute_section,
+)
 from meshjob_bench.pipeline_rows import Config, Measured, StageMeasured
 from meshjob_trainer.commands.run import add_compute_arguments
 from meshjob_trainer.emulate.netns import EmulatedCluster, cleanup_stale
+from meshjob_trainer.events import Event, Resharded
 from meshjob_trainer.launch import RankContext, launch
 
 VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-grad delay, strategy
@@ -65,6 +89,15 @@ VARIANTS: dict[str, dict[str, str | int]] = {  # name -> schedule kind, weight-g
     "eager-1f1b+wdelay": {"kind": "eager-1f1b", "delay": "auto", "strategy": "broadcast"},
     "signal": {"kind": "eager-1f1b", "delay": "auto", "strategy": "signal"},
 }
+# the recompute part's schedules: bench memory's four (meshjob_bench.memory.SCHEDULES), broadcast transfers
+SCHEDULES: dict[str, dict[str, str | int]] = {
+    "gpipe": {"kind": "gpipe", "delay": 0, "strategy": "broadcast"},
+    **{name: VARIANTS[name] for name in ("1f1b", "eager-1f1b", "eager-1f1b+wdelay")},
+}
+SECTION_MODEL, SECTION_STAGES, SECTION_COMM_FRACTION = "gpt", 4, 0.3  # the recompute part's one configuration
+PRECISION_SCHEDULE = "eager-1f1b+wdelay"  # the schedule the recompute part runs in bf16 as well
+PARTS = ("sweep", "recompute")
+PART_KEYS = {"recompute": ("recompute", "precision")}  # pipeline.json's keys of each part but the sweep (the rest)
 MODELS = ("gpt", "utransformer")
 LAYERS_PER_STAGE = 4
 SHAPES = {
@@ -101,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="communication / compute per microbatch to set each NIC rate for (default 0.1,0.3,1.0; quick 0.3,1.0)",
     )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma separated: sweep (schedules over NIC rates) and recompute (recompute none/full per schedule, "
+        "bf16/fp32 boundary bytes); a run of some parts keeps the others' keys of an existing pipeline.json "
+        f"(default {','.join(PARTS)})",
+    )
     parser.add_argument("--out", default="bench/results", help="folder for pipeline.json and PNGs")
     parser.add_argument("--no-netns", action="store_true", help="loopback: no NIC emulation (results say so)")
     add_compute_arguments(parser, default="emulated")
@@ -112,14 +152,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4) -> TrainingJob:
-    """`stages` stages of LAYERS_PER_STAGE layers on as many hosts of one device: every boundary crosses a NIC."""
-    v = VARIANTS[variant]
+def bench_job(
+    model: str,
+    variant: str,
+    steps: int,
+    quick: bool,
+    stages: int = 4,
+    recompute: str = "none",
+    precision: str = "fp32",
+) -> TrainingJob:
+    """`stages` stages of LAYERS_PER_STAGE layers on as many hosts of one device: every boundary crosses a NIC.
+    `variant`: one of VARIANTS or SCHEDULES; `recompute` and `precision`: spec.training's."""
+    v = {**VARIANTS, **SCHEDULES}[variant]
     layers = LAYERS_PER_STAGE * stages
+    suffix = "".join(f"-{x}" for x in (recompute, precision) if x not in ("none", "fp32"))
     doc = {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {"name": f"bench-{model}-{stages}-{variant.replace('+', '-')}"},
+        "metadata": {"name": f"bench-{model}-{stages}-{variant.replace('+', '-')}{suffix}"},
         "spec": {
             "model": {"kind": model, "layers": layers, **SHAPES["quick" if quick else "full"]},
             "training": {
@@ -128,6 +178,8 @@ def bench_job(model: str, variant: str, steps: int, quick: bool, stages: int = 4
                 "microbatches": MICROBATCHES,
                 "learningRate": 1e-3,
                 "seed": 0,
+                "recompute": recompute,
+                "precision": precision,
             },
             "topology": {"devicesPerHost": 1},
             "stages": [
@@ -183,11 +235,25 @@ def nic_rate_for(job: TrainingJob, device, comm_fraction: float) -> float:
     return busiest_link_bytes(job) / (comm_fraction * compute)
 
 
-def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -> dict:
+class LandedBytes:
+    """A rank's events sink that adds up, per scope, the boundary-tensor bytes its receives counted landing
+    (meshjob_trainer.reshard's Resharded events: each message's elements times the element size of what
+    arrived): summed over the receiving ranks, the bytes sent across the stages, as the run counted them."""
+
+    def __init__(self) -> None:
+        self.by_scope: dict[str, int] = {}
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Resharded):
+            self.by_scope[event.scope] = self.by_scope.get(event.scope, 0) + event.nbytes
+
+
+def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode, count_bytes: bool = False) -> dict:
     # in the forked rank only: the benchmark module imports without torch and the trainer (`meshjob bench --help`)
     from meshjob_trainer.train import train_rank
 
-    result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute, plan=plan)
+    landed = LandedBytes() if count_bytes else None
+    result = train_rank(ctx.env, job, timeout_s=120.0, compute=compute, plan=plan, events=landed)
     return {
         "rank": result.rank,
         "stage": result.stage,
@@ -200,12 +266,20 @@ def _rank_main(job: TrainingJob, plan, ctx: RankContext, compute: ComputeMode) -
         "timeline": result.stats.timeline,
         "origin": result.stats.timeline_origin,
         "losses": result.losses,
+        "bytes_received": landed.by_scope if landed is not None else {},
     }
 
 
 def run_variant(
-    job: TrainingJob, plan, config: Config, variant: str, use_netns: bool, compute: ComputeMode
+    job: TrainingJob,
+    plan,
+    config: Config,
+    variant: str,
+    use_netns: bool,
+    compute: ComputeMode,
+    count_bytes: bool = False,
 ) -> tuple[Measured, str]:
+    """One training job on a fresh emulated cluster; `count_bytes`: the Measured's bytes_received too."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with EmulatedCluster(len(job.stages), config.nic_rate, use_netns=use_netns) as cluster:
@@ -214,7 +288,7 @@ def run_variant(
             used = sorted(set(ranks))
             result = launch(
                 len(ranks),
-                lambda ctx: _rank_main(job, plan, ctx, compute),
+                lambda ctx: _rank_main(job, plan, ctx, compute, count_bytes),
                 **cluster.gang([used.index(h) for h in ranks]).launch_args(),
             )
     if not result.ok:
@@ -249,6 +323,10 @@ def measure(job: TrainingJob, records: list[dict], config: Config, variant: str)
         timelines[r["stage"]] = (o, r["timeline"])
     losses = [x for r in records for x in r["losses"]]
     tokens = job.training.global_batch * job.model.seq_len
+    landed: dict[str, int] = {}
+    for r in records:
+        for scope, nbytes in r.get("bytes_received", {}).items():
+            landed[scope] = landed.get(scope, 0) + nbytes
     return Measured(
         config,
         variant,
@@ -257,6 +335,7 @@ def measure(job: TrainingJob, records: list[dict], config: Config, variant: str)
         stages,
         timelines,
         losses[-1] if losses else float("nan"),
+        landed,
     )
 
 
@@ -388,6 +467,89 @@ def run_config(
     return measured, rows, network
 
 
+def run_recompute(args, compute: ComputeMode, steps: int) -> tuple[list[dict], str]:
+    """The recompute part: SECTION_MODEL at SECTION_STAGES on NICs at SECTION_COMM_FRACTION of compute (the rate
+    set from 1f1b without recompute, kept for every run), every schedule with recompute none then full (one
+    after the other: a drift of the machine's load hits both), then PRECISION_SCHEDULE without recompute in
+    bf16. Every run counts the boundary bytes that landed. One row per run (section_row)."""
+    device = compute.device or parse_compute("emulated", None).device
+    model, stages, fraction = SECTION_MODEL, SECTION_STAGES, SECTION_COMM_FRACTION
+    base = bench_job(model, "1f1b", steps, args.quick, stages)
+    config = Config(model, stages, fraction, nic_rate_for(base, device, fraction))
+    runs = [(s, r, "fp32") for s in SCHEDULES for r in ("none", "full")] + [(PRECISION_SCHEDULE, "none", "bf16")]
+    rows: list[dict] = []
+    network = ""
+    for schedule, recompute, precision in runs:
+        job = bench_job(model, schedule, steps, args.quick, stages, recompute, precision)
+        cost = cost_model(job, device, config.nic_bytes_per_s)
+        plan = build_plan(job, cost=cost, network=cost.network)
+        m, network = run_variant(job, plan, config, schedule, not args.no_netns, compute, count_bytes=True)
+        prediction = predict(job, plan, m, config, compute, "namespaces" in network)
+        rows.append(section_row(job, plan, m, prediction))
+        print(
+            f"{schedule} recompute {recompute} {precision}: step {m.step_s * 1e3:.0f} ms, "
+            f"{rows[-1]['bytes_per_step'] / 2**20:.1f} MiB landed per step"
+        )
+    return rows, network
+
+
+def section_row(job: TrainingJob, plan, m: Measured, prediction: dict) -> dict:
+    """One run of the recompute part: its schedule, recompute and precision, the measured step, the peak stashed
+    microbatches per stage, the boundary bytes the ranks counted landing per step (every step moves the same:
+    the run's total over its steps) and the plan's NIC bytes per step beside them."""
+    t, steps = job.training, job.training.steps
+    return {
+        "schedule": m.variant,
+        "recompute": t.recompute,
+        "precision": t.precision,
+        "nic_rate": m.config.nic_rate,
+        "weight_delay": {str(s): d for s, d in sorted(plan.weight_delay.items())},
+        "step_s": m.step_s,
+        "tokens_per_s": m.tokens_per_s,
+        "bubble": statistics.mean(s["bubble"] for s in m.stages.values()),
+        "peak_stashed": [m.stages[i]["peak_stashed"] for i in sorted(m.stages)],
+        "bytes_per_step": sum(m.bytes_received.values()) / steps,
+        "cross_host_bytes_per_step": m.bytes_received.get(CROSS_HOST, 0) / steps,
+        "planned_nic_bytes_per_step": sum(egress for egress, _ in plan.host_bytes_per_step().values()),
+        "predicted_step_s": prediction["predicted_step_s"],
+        "predicted_over_measured": prediction["predicted_over_measured"],
+    }
+
+
+def memory_activations(folder: str) -> dict[str, Any] | None:
+    """`bench memory`'s per-schedule peak activations, recompute full over none (real compute), from
+    memory.json in `folder`; None where there is none."""
+    path = os.path.join(folder, "memory.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    pipeline, quick = data.get("pipeline") or {}, bool(data.get("quick"))
+    ratios = {name: r["activations"] for name, r in (pipeline.get("ratios") or {}).items() if "activations" in r}
+    model = pipeline.get("model") or {}
+    return {
+        "file": "memory.json",
+        "quick": quick,
+        "what": f"bench memory: {model.get('kind', '?')}, hidden {model.get('hidden', '?')}, "
+        f"{pipeline.get('stages', '?')} stages each alone in one process, real compute; the busiest stage's peak",
+        "activations_full_over_none": ratios,
+    }
+
+
+def merge_results(old: Mapping[str, Any], new: Mapping[str, Any], parts: Sequence[str]) -> dict[str, Any]:
+    """pipeline.json after a run of `parts`: `new` (the keys the run wrote) over `old` (the file before it). A
+    run of the sweep replaces every key but the other parts' (PART_KEYS); a run without it keeps old's."""
+    others = {k for p in PARTS if p != "sweep" and p not in parts for k in PART_KEYS[p]}
+    kept = {k: v for k, v in old.items() if "sweep" not in parts or k in others}
+    section = {k for p in parts if p != "sweep" for k in PART_KEYS[p]}
+    return {
+        **{k: v for k, v in new.items() if k not in section},  # the sweep's keys first, as a full run writes them
+        **kept,
+        **{k: v for k, v in new.items() if k in section},
+    }
+
+
 def row(job: TrainingJob, plan, m: Measured, compute: ComputeMode, prediction: dict) -> dict:
     """One JSON row: the exact configuration, the measurement and the simulator's prediction."""
     st = m.stages
@@ -482,19 +644,10 @@ def emulated_compute_check() -> dict[str, Any]:
     }
 
 
-def main(args: argparse.Namespace | list[str] | None = None) -> int:
-    args = parsed_arguments(args, "meshjob bench pipeline", __doc__, add_arguments)
-    steps = args.steps or (2 if args.quick else 3)
-    if steps < 2:
-        raise SpecError([FieldError("--steps", steps, "at least 2 (the first step is not timed)")])
-    compute = parse_compute(
-        args.compute, args.device if args.device is not None or args.compute == "real" else DEFAULT_DEVICE
-    )
+def sweep_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -> dict[str, Any]:
+    """The sweep: every model, stage count, fraction and variant; its table, targets and figures; its
+    keys of pipeline.json."""
     models, stage_counts, fractions, variants = parse_sweep(args)
-    os.makedirs(args.out, exist_ok=True)
-    import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
-
-    cleanup_stale()
     measured: list[Measured] = []
     rows: list[dict] = []
     network = ""
@@ -520,7 +673,11 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             f"emulated compute on one rank: step {check['step_over_modelled']:.3f} x modelled, "
             f"forward {check['forward_over_modelled']:.3f} x modelled"
         )
-    out = {
+    print(
+        f"sweep: {', '.join(pngs)}; simulator |predicted/measured - 1|: max {max(errors):.1%}, "
+        f"median {statistics.median(errors):.1%}"
+    )
+    return {
         "compute": compute.to_json(),
         "network": network,
         "emulated": emulated,
@@ -544,13 +701,73 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         "step_bound bounds"
         + ("" if compute.emulated else "; real compute: the costs calibrated from the measured compute"),
     }
-    path = os.path.join(args.out, "pipeline.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2)
-    print(
-        f"wrote {path} and {', '.join(pngs)}; simulator |predicted/measured - 1|: max {max(errors):.1%}, "
-        f"median {statistics.median(errors):.1%}"
+
+
+def recompute_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -> dict[str, Any]:
+    """The recompute part (run_recompute): its table and figure; its keys of pipeline.json (PART_KEYS)."""
+    t0 = time.monotonic()
+    rows, network = run_recompute(args, compute, steps)
+    emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
+    shape = SHAPES["quick" if args.quick else "full"]
+    common = {
+        "model": SECTION_MODEL,
+        "stages_count": SECTION_STAGES,
+        "comm_fraction": SECTION_COMM_FRACTION,
+        "nic_rate": rows[0]["nic_rate"],
+        "hidden": shape["hidden"],
+        "microbatches": MICROBATCHES,
+        "compute": compute.to_json(),
+        "network": network,
+        "emulated": emulated,
+        "transport": transport_here(),
+        "machine": machine(),
+        "steps": steps,
+        "timed_steps": steps - 1,
+        "quick": bool(args.quick),
+        "wall_seconds": time.monotonic() - t0,
+    }
+    recompute = {**common, **recompute_section(rows, memory_activations(args.out))}
+    precision = {**common, **precision_section(rows, PRECISION_SCHEDULE)}
+    subtitle = (
+        f"{SECTION_MODEL}, {SECTION_STAGES} stages, hidden {shape['hidden']}, M={MICROBATCHES}, compute "
+        f"{compute.describe()}, NICs {rows[0]['nic_rate']} ({emulated}, {SECTION_COMM_FRACTION:.0%} of compute)"
     )
+    print_recompute(recompute, precision, f"meshjob bench pipeline: recompute — {subtitle}")
+    plot = plot_recompute(recompute, precision, args.out, subtitle)
+    recompute["plot"] = precision["plot"] = plot
+    return {"recompute": recompute, "precision": precision}
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    args = parsed_arguments(args, "meshjob bench pipeline", __doc__, add_arguments)
+    steps = args.steps or (2 if args.quick else 3)
+    if steps < 2:
+        raise SpecError([FieldError("--steps", steps, "at least 2 (the first step is not timed)")])
+    compute = parse_compute(
+        args.compute, args.device if args.device is not None or args.compute == "real" else DEFAULT_DEVICE
+    )
+    parts = _list(args.parts, ",".join(PARTS), str, "--parts", f"one of {', '.join(PARTS)}", lambda p: p in PARTS)
+    if "sweep" in parts:
+        parse_sweep(args)  # its flags checked before anything runs
+    os.makedirs(args.out, exist_ok=True)
+    import torch  # noqa: F401 - imported once here, so forked ranks start without importing it
+
+    cleanup_stale()
+    new: dict[str, Any] = {}
+    if "sweep" in parts:
+        new.update(sweep_part(args, compute, steps))
+    if "recompute" in parts:
+        new.update(recompute_part(args, compute, steps))
+    path = os.path.join(args.out, "pipeline.json")
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = {}
+    with open(path, "w") as f:
+        json.dump(merge_results(old, new, parts), f, indent=2)
+    kept = sorted(set(old) - set(new)) if "sweep" not in parts else []
+    print(f"wrote {path}" + (f" (kept its other keys: {', '.join(kept)})" if kept else ""))
     return 0
 
 

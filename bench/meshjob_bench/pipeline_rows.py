@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 
@@ -40,3 +40,5 @@ class Measured:
     stages: dict[int, StageMeasured]
     timelines: dict[int, tuple[float, list]]  # stage -> (origin, last step's timeline)
     final_loss: float
+    # scope -> boundary-tensor bytes the ranks counted landing over the whole run (run_variant's count_bytes only)
+    bytes_received: dict[str, int] = field(default_factory=dict)

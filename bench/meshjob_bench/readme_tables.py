@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshjob_bench.pipeline_report import RECOMPUTE_HEADER, precision_line, recompute_table_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = {"one_to_many": "one-to-many", "many_to_many": "many-to-many", "paper_scale": "paper scale"}
 # summary key -> the name the tables print; the headline shows the first four
@@ -109,6 +111,22 @@ def headline(results: Path) -> str:
         value = " / ".join(f"{r['vs_1f1b']:.2f}x" for r in delayed)
         bench = f"`bench pipeline`, {MODELS.get(model, model)}, {stages} stages"
         rows.append([bench, figure, value, nic(pipeline, *(r["nic_rate"] for r in delayed)), machine(pipeline)])
+    peers = load(results, "peers")
+    for model in dict.fromkeys(t["model"] for t in peers["targets"]):
+        targets = sorted((t for t in peers["targets"] if t["model"] == model), key=lambda t: t["comm_fraction"])
+        shares = " / ".join(f"{t['comm_fraction']:.0%}" for t in targets)
+        carried = " (meshjob carries the skip edges, torch cannot)" if model == "utransformer" else ""
+        figure = f"eager-1F1B + W delay over torch's best schedule{carried}, communication {shares}; peak stash vs ZBV"
+        stash = {(t["peak_stash_ours"], t["peak_stash_zbv"]) for t in targets}
+        value = (
+            " / ".join(f"{t['ours_over_torch_best']:.3f}x" for t in targets)
+            + "; "
+            + ", ".join(f"{ours:g} vs {zbv:g}" for ours, zbv in sorted(stash))
+        )
+        bench = f"`bench peers`, {MODELS.get(model, model)}, 4 ranks"
+        fractions = {t["comm_fraction"] for t in targets}
+        used = [r["nic_rate"] for r in peers["rows"] if r["model"] == model and r["comm_fraction"] in fractions]
+        rows.append([bench, figure, value, nic(peers, *dict.fromkeys(used)), machine(peers)])
     e2e = load(results, "e2e")
     for row in e2e["rows"]:
         if row["config"] == "meshjob":
@@ -175,7 +193,30 @@ def pipeline_cases(results: Path) -> str:
         "step bound / signal",
         "predicted / measured",
     ]
-    return markdown(header, rows) + f"\n\nNICs at the rate shown ({emulation(data)}). Machine: {machine(data)}."
+    table = markdown(header, rows) + f"\n\nNICs at the rate shown ({emulation(data)}). Machine: {machine(data)}."
+    if "recompute" in data and "precision" in data:
+        table += "\n\n" + pipeline_recompute(data["recompute"], data["precision"])
+    return table
+
+
+def pipeline_recompute(recompute: dict[str, Any], precision: dict[str, Any]) -> str:
+    """`bench pipeline --parts recompute`: per schedule the step with recompute over the step without on the
+    emulated cluster; bf16's boundary bytes over fp32's."""
+    target = recompute["target"]
+    met = {True: "met", False: "not met", None: "not measured"}[target["met"]]
+    value = "-" if target["value"] is None else f"{target['value']:.2f}x"
+    setup = (
+        f"{MODELS.get(recompute['model'], recompute['model'])}, {recompute['stages_count']} stages, hidden "
+        f"{recompute['hidden']}, M={recompute['microbatches']}, emulated compute, NICs {rate(recompute['nic_rate'])} "
+        f"({recompute['comm_fraction']:.0%} of compute; {emulation(recompute)})"
+    )
+    activations = recompute.get("activations_from")
+    source = f"; activations: {activations['what']}" if activations else ""
+    return (
+        markdown(RECOMPUTE_HEADER, recompute_table_rows(recompute))
+        + f"\n\n{setup}{source}. Target: {target['target']}: {met} ({value}). {precision_line(precision)}. "
+        f"Machine: {machine(recompute)}."
+    )
 
 
 def recompute_schedules(results: Path) -> str:

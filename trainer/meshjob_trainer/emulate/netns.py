@@ -200,6 +200,9 @@ class EmulatedHost:
         os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-emulated-host{self.index}"
 
 
+DEFAULT_BURST = "128kb"  # tc tbf's bucket per NIC
+
+
 class EmulatedCluster:
     """Context manager: `with EmulatedCluster(4, "1gbit") as c: c.hosts[i].enter() ...`.
 
@@ -211,7 +214,7 @@ class EmulatedCluster:
         self,
         num_hosts: int,
         nic_rate: str = "1gbit",
-        burst: str = "128kb",
+        burst: str = DEFAULT_BURST,
         latency: str = "10ms",
         use_netns: bool = True,
         prefix: str | None = None,
