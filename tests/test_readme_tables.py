@@ -15,7 +15,7 @@ import pytest
 from meshjob_bench import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-USED = ("resharding", "pipeline", "e2e", "cluster", "memory", "peers", "grad_sync", "operator")
+USED = ("resharding", "pipeline", "e2e", "cluster", "memory", "peers", "grad_sync", "operator", "tune")
 
 
 @pytest.fixture
@@ -60,8 +60,15 @@ def test_every_headline_cell_comes_from_its_json(checkout: Path):
     e2e["nic_rate"] = "250mbit"
     e2e["rows"][0]["vs_alpa"] = 5.43
     (results / "e2e.json").write_text(json.dumps(e2e))
+    peers = json.loads((results / "peers.json").read_text())
+    peers["targets"][0]["ours_over_torch_best"] = 3.21
+    (results / "peers.json").write_text(json.dumps(peers))
+    tune = json.loads((results / "tune.json").read_text())
+    tune["hand_written"]["cases"][0]["hand_over_tuned"] = 6.54
+    (results / "tune.json").write_text(json.dumps(tune))
 
     readme = readme_tables.generated(checkout)[checkout / "README.md"]
+    assert "3.210x" in readme and "6.54x" in readme
     assert "| 9.87 / " in readme
     assert "7.65x" in readme
     assert "5.43x" in readme and "250 mbit (tbf" in readme

@@ -90,6 +90,10 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def hosts_of(case: dict[str, Any]) -> int:
+    return int(case["hosts"])
+
+
 def headline(results: Path) -> str:
     """README's one table: resharding as time over L, eager-1F1B + W delay over 1F1B, end to end over Alpa's."""
     rows: list[list[str]] = []
@@ -127,6 +131,13 @@ def headline(results: Path) -> str:
         fractions = {t["comm_fraction"] for t in targets}
         used = [r["nic_rate"] for r in peers["rows"] if r["model"] == model and r["comm_fraction"] in fractions]
         rows.append([bench, figure, value, nic(peers, *dict.fromkeys(used)), machine(peers)])
+    hand = load(results, "tune").get("hand_written")
+    for nic_rate, model in dict.fromkeys((c["nic_rate"], c["model"]) for c in (hand or {}).get("cases", [])):
+        cases = sorted((c for c in hand["cases"] if (c["nic_rate"], c["model"]) == (nic_rate, model)), key=hosts_of)
+        sizes = " / ".join(f"{c['hosts']}x{c['devices_per_host']}" for c in cases)
+        figure = f"the tuned plan over the best hand-written one (simulated, H100s), {sizes} hosts"
+        value = " / ".join(f"{c['hand_over_tuned']:.2f}x" for c in cases)
+        rows.append([f"`bench tune`, {MODELS.get(model, model)}", figure, value, rate(nic_rate), "simulated"])
     e2e = load(results, "e2e")
     for row in e2e["rows"]:
         if row["config"] == "meshjob":
@@ -134,7 +145,7 @@ def headline(results: Path) -> str:
             figure = "meshjob over Alpa's defaults (meshjob / signal bound)"
             value = f"{row['vs_alpa']:.2f}x ({row['vs_signal']:.2f})"
             rows.append([bench, figure, value, nic(e2e, e2e["nic_rate"]), machine(e2e)])
-    machines = {row[-1] for row in rows}
+    machines = {row[-1] for row in rows if row[-1] != "simulated"}
     if len(machines) == 1:  # one machine ran them all: said once, under the table
         return markdown(["benchmark", "figure", "measured", "NIC"], [row[:-1] for row in rows]) + (
             f"\n\nMachine: {machines.pop()}."
