@@ -131,12 +131,12 @@ def headline(results: Path) -> str:
         fractions = {t["comm_fraction"] for t in targets}
         used = [r["nic_rate"] for r in peers["rows"] if r["model"] == model and r["comm_fraction"] in fractions]
         rows.append([bench, figure, value, nic(peers, *dict.fromkeys(used)), machine(peers)])
-    hand = load(results, "tune").get("hand_written")
-    for nic_rate, model in dict.fromkeys((c["nic_rate"], c["model"]) for c in (hand or {}).get("cases", [])):
-        cases = sorted((c for c in hand["cases"] if (c["nic_rate"], c["model"]) == (nic_rate, model)), key=hosts_of)
-        sizes = " / ".join(f"{c['hosts']}x{c['devices_per_host']}" for c in cases)
+    tuned: list[dict[str, Any]] = (load(results, "tune").get("hand_written") or {}).get("cases", [])
+    for nic_rate, model in dict.fromkeys((c["nic_rate"], c["model"]) for c in tuned):
+        sized = sorted((c for c in tuned if (c["nic_rate"], c["model"]) == (nic_rate, model)), key=hosts_of)
+        sizes = " / ".join(f"{c['hosts']}x{c['devices_per_host']}" for c in sized)
         figure = f"the tuned plan over the best hand-written one (simulated, H100s), {sizes} hosts"
-        value = " / ".join(f"{c['hand_over_tuned']:.2f}x" for c in cases)
+        value = " / ".join(f"{c['hand_over_tuned']:.2f}x" for c in sized)
         rows.append([f"`bench tune`, {MODELS.get(model, model)}", figure, value, rate(nic_rate), "simulated"])
     e2e = load(results, "e2e")
     for row in e2e["rows"]:
