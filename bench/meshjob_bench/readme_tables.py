@@ -303,7 +303,7 @@ def peer_schedules(results: Path) -> str:
     header = ["model", "comm / compute", "runtime", "schedule", "throughput / signal", "peak stash", "MiB sent"]
     verdicts = [
         f"{MODELS.get(t['model'], t['model'])} at {t['comm_fraction']:.0%}: eager-1f1b+wdelay is "
-        f"{t['ours_over_torch_best']:.2f}x torch's best ({t['torch_best']}; target {t['target']:g}x), peak stash "
+        f"{t['ours_over_torch_best']:.3f}x torch's best ({t['torch_best']}; target {t['target']:g}x), peak stash "
         f"{t['peak_stash_ours']:g} against ZBV's {t['peak_stash_zbv'] if t['peak_stash_zbv'] is not None else 'n/a'} "
         f"(throughput target {'met' if t['throughput_met'] else 'not met'}, stash target "
         f"{'met' if t['stash_met'] else 'not met'})"
