@@ -644,6 +644,26 @@ def emulated_compute_check() -> dict[str, Any]:
     }
 
 
+def nic_emulation(network: str) -> str:
+    """How a run's network description says its NICs were emulated."""
+    return "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
+
+
+def run_record(args: argparse.Namespace, compute: ComputeMode, network: str, steps: int, t0: float) -> dict[str, Any]:
+    """What every part of pipeline.json says of its run: compute, network and its emulation, machine, steps."""
+    return {
+        "compute": compute.to_json(),
+        "network": network,
+        "emulated": nic_emulation(network),
+        "transport": transport_here(),
+        "machine": machine(),
+        "steps": steps,
+        "timed_steps": steps - 1,
+        "quick": bool(args.quick),
+        "wall_seconds": time.monotonic() - t0,
+    }
+
+
 def sweep_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -> dict[str, Any]:
     """The sweep: every model, stage count, fraction and variant; its table, targets and figures; its
     keys of pipeline.json."""
@@ -657,7 +677,7 @@ def sweep_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -> di
             ms, rs, network = run_config(model, stages, fractions, variants, args, compute, steps)
             measured += ms
             rows += rs
-    emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
+    emulated = nic_emulation(network)
     subtitle = (
         f"compute {compute.describe()}, NICs {emulated}, M={MICROBATCHES}, {LAYERS_PER_STAGE} layers/stage, "
         f"hidden {SHAPES['quick' if args.quick else 'full']['hidden']}"
@@ -678,15 +698,7 @@ def sweep_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -> di
         f"median {statistics.median(errors):.1%}"
     )
     return {
-        "compute": compute.to_json(),
-        "network": network,
-        "emulated": emulated,
-        "transport": transport_here(),
-        "machine": machine(),
-        "steps": steps,
-        "timed_steps": steps - 1,
-        "quick": bool(args.quick),
-        "wall_seconds": time.monotonic() - t0,
+        **run_record(args, compute, network, steps, t0),
         "rows": rows,
         "targets": targets,
         "plots": pngs,
@@ -707,7 +719,7 @@ def recompute_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -
     """The recompute part (run_recompute): its table and figure; its keys of pipeline.json (PART_KEYS)."""
     t0 = time.monotonic()
     rows, network = run_recompute(args, compute, steps)
-    emulated = "netns + tbf" if "namespaces" in network else "loopback, NOT rate-limited"
+    emulated = nic_emulation(network)
     shape = SHAPES["quick" if args.quick else "full"]
     common = {
         "model": SECTION_MODEL,
@@ -716,15 +728,7 @@ def recompute_part(args: argparse.Namespace, compute: ComputeMode, steps: int) -
         "nic_rate": rows[0]["nic_rate"],
         "hidden": shape["hidden"],
         "microbatches": MICROBATCHES,
-        "compute": compute.to_json(),
-        "network": network,
-        "emulated": emulated,
-        "transport": transport_here(),
-        "machine": machine(),
-        "steps": steps,
-        "timed_steps": steps - 1,
-        "quick": bool(args.quick),
-        "wall_seconds": time.monotonic() - t0,
+        **run_record(args, compute, network, steps, t0),
     }
     recompute = {**common, **recompute_section(rows, memory_activations(args.out))}
     precision = {**common, **precision_section(rows, PRECISION_SCHEDULE)}
