@@ -143,9 +143,9 @@ class _Search:
     """Depth-first assignment of rows to hosts in preference order (an explicit stack: a job may
     have thousands of rows)."""
 
-    def __init__(self, rows: list[_Row], hosts: Sequence[Host], previous: dict[int, int] | None = None):
+    def __init__(self, rows: list[_Row], hosts: Sequence[Host], previous: dict[int, int]):
         self.rows = rows
-        self.previous = previous or {r.stage: r.stage - 1 for r in rows}  # stage -> the stage placed before it
+        self.previous = previous  # stage -> the stage placed before it (-1: none)
         self.racks = list(dict.fromkeys(h.rack for h in hosts))
         self.rack_index = [self.racks.index(h.rack) for h in hosts]
         self.free = [h.devices for h in hosts]
@@ -238,7 +238,7 @@ def _assign(rows: list[_Row], hosts: Sequence[Host], order: Sequence[int] | None
     if sum(r.devices for r in rows) > sum(h.devices for h in hosts):
         return None  # quick necessary check before searching
     if order is None:
-        return _Search(rows, hosts).run()
+        order = sorted({r.stage for r in rows})
     position = {stage: i for i, stage in enumerate(order)}
     placed = sorted(range(len(rows)), key=lambda i: (position[rows[i].stage], rows[i].row))
     previous = {stage: order[i - 1] if i else -1 for i, stage in enumerate(order)}
