@@ -243,7 +243,7 @@ async def test_unschedulable_until_a_node_appears(cluster, operator):
 async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster, operator):
     """The operator placed the job, but the scheduler finds no node for one pod (another tenant took the
     node's memory, say): condition Unschedulable quotes the scheduler's message, with a Warning Event, rather than
-    a phase Created that hides the wait; it clears once the pod is placed."""
+    a phase Created that hides the wait; a new reason gets a new Event; it clears once the pod is placed."""
     tag = "podunsched"
     await prepare_namespace(cluster, tag)
     await add_nodes(cluster, tag, 2)
@@ -261,6 +261,16 @@ async def test_a_pod_the_scheduler_places_nowhere_makes_the_job_say_why(cluster,
         return [e for e in await cluster.events(tag) if e.get("reason") == "Unschedulable"] or None
 
     assert why in (await eventually(warned, what="a Warning Event Unschedulable"))[0]["message"]
+    later = "0/2 nodes are available: 2 node(s) had untolerated taint {meshjob.io/maintenance: now}."
+    await cluster.set_pod_scheduled(pod, tag, unschedulable=later)
+
+    await wait_status(cluster, tag, lambda s: later in condition(s, "Unschedulable").get("message", ""), "new reason")
+
+    async def warned_again() -> list[dict] | None:
+        return [e for e in await warned() or [] if later in e.get("message", "")] or None
+
+    if cluster.real:  # kmock ignores generateName, so kopf's second Event collides with the first by name
+        await eventually(warned_again, what="a second Warning Event with the scheduler's new reason")
     await cluster.set_pod_scheduled(pod, tag)
     status = await wait_status(
         cluster, tag, lambda s: condition(s, "Unschedulable").get("status") == "False", "scheduled"

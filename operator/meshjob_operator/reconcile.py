@@ -395,13 +395,15 @@ class Reconciler:
         self, body: Mapping[str, Any], draft: Draft, pods: list[PodView], now: datetime.datetime
     ) -> None:
         """Pods the scheduler places nowhere: condition Unschedulable with its message and a Warning Event
-        (the phase alone would say Created while they wait); cleared once every pod is placed."""
+        for each new message (the phase alone would say Created while they wait); cleared once every pod is placed."""
         waiting = [p for p in pods if p.unschedulable and not p.deleting]
         if waiting:
             shown = "; ".join(f"pod {p.name}: {p.unschedulable}" for p in waiting[:SHOWN_PODS])
             more = f" (and {len(waiting) - SHOWN_PODS} more)" if len(waiting) > SHOWN_PODS else ""
             message = f"the scheduler places {len(waiting)} pod(s) nowhere: {shown}{more}"
-            if draft.condition("Unschedulable", True, POD_UNSCHEDULABLE, message, now):
+            said = (get_condition(draft.conditions, "Unschedulable") or {}).get("message")
+            # the scheduler's reason changes as the cluster does (a claim bound, a node tainted): say each one
+            if draft.condition("Unschedulable", True, POD_UNSCHEDULABLE, message, now) or said != message:
                 self.emit(body, "Warning", "Unschedulable", message)
         elif (get_condition(draft.conditions, "Unschedulable") or {}).get("reason") == POD_UNSCHEDULABLE:
             draft.clear("Unschedulable", "Scheduled", "the scheduler placed every pod", now)
