@@ -234,7 +234,7 @@ spec:
   model: {kind: gpt, layers: 2, hidden: 32, heads: 2, vocab: 256, seqLen: 16}
   data: {kind: tokens, path: DATA, valPath: examples/data/shakespeare-val.bin}
   training:
-    steps: 400
+    steps: 200
     globalBatch: 8
     microbatches: 2
     learningRate: 1.0e-3
@@ -279,7 +279,7 @@ def _finished(cluster: LocalCluster, name: str, timeout: float = 600) -> dict[st
 
 def _final_loss(cluster: LocalCluster, name: str) -> str:
     logs = "".join(cluster.pod_log("team-t", f"{name}-host-{i}") for i in range(2))
-    losses = re.findall(r"^step 400/400 stage 1: loss ([0-9.]+)", logs, re.M)
+    losses = re.findall(r"^step 200/200 stage 1: loss ([0-9.]+)", logs, re.M)
     assert losses, logs[-2000:]
     return losses[-1]
 
@@ -402,8 +402,15 @@ def test_a_node_tainted_or_filled_after_the_plan_puts_the_schedulers_own_message
         # the pod didn't tolerate, ..." and "1 Insufficient cpu"
         assert re.search(r"0/4 nodes are available: .*taint \{meshjob.io/maintenance: now\}", message), message
         assert "Insufficient cpu" in message, message
-        events = cluster.kubectl("get", "events", "-n", "team-t", "--field-selector", "involvedObject.name=late").stdout
-        assert "meshjob.io/maintenance" in events, events
+
+        def events() -> str:  # kopf posts Events from a queue: a moment after the status
+            about_late = ("--field-selector", "involvedObject.name=late")
+            return cluster.kubectl("get", "events", "-n", "team-t", *about_late).stdout
+
+        deadline = time.monotonic() + 30
+        while "meshjob.io/maintenance" not in events() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "meshjob.io/maintenance" in events(), events()
     finally:
         cluster.kubectl("delete", "tj", "-n", "team-t", "late", "--wait=true", "--timeout=120s", check=False)
         cluster.kubectl("delete", "pod", "-n", "team-t", "filler", "--grace-period=0", "--force", check=False)

@@ -410,9 +410,9 @@ async def test_fifty_small_jobs_that_all_fit_are_all_placed_without_colliding(cl
     """50 jobs of 2 hosts created at once on 128 free nodes: each plan reserves its devices before the next
     plan reads what is free, so every job gets pods on nodes of its own and none waits Unschedulable (they all
     used to plan on the same first nodes and collide). 50 on the real API server; kmock, which answers every
-    request on the test's own event loop, takes 20."""
+    request on the test's own event loop, takes 8."""
     tag = "fiftysmall"
-    count = 50 if cluster.real else 20
+    count = 50 if cluster.real else 8
     await prepare_namespace(cluster, tag)
     added = set(await add_nodes(cluster, tag, 128))
 
