@@ -114,3 +114,20 @@ def test_a_folded_job_trains_to_the_chained_jobs_losses(tmp_path):
     chained = _losses(tmp_path, "chain", with_order("chain"))
     assert [step for step, _ in folded] == [1, 2, 3]
     assert [loss for _, loss in folded] == pytest.approx([loss for _, loss in chained], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_folded_stages_on_one_device_of_each_of_two_hosts_train_to_the_one_host_jobs_losses(tmp_path):
+    """`meshjob tune`'s strided submeshes: stage 0 and its mirror each take one device of the same two hosts (the
+    skip edge stays on each host); data parallel over the hosts, they train as stages on both devices of one host."""
+
+    def two_stages(mesh: list[int], dp_dim: int) -> dict[str, Any]:
+        doc = with_order("fold")
+        doc["spec"]["stages"] = [
+            {"layers": [2 * i, 2 * i + 2], "mesh": mesh, "dataParallelDim": dp_dim} for i in (0, 1)
+        ]
+        return doc
+
+    strided = _losses(tmp_path, "strided", two_stages([2, 1], 0))
+    one_host = _losses(tmp_path, "one-host", two_stages([1, 2], 1))
+    assert [loss for _, loss in strided] == pytest.approx([loss for _, loss in one_host], abs=1e-5)

@@ -328,7 +328,7 @@ class Problem:
         rate = net.nic_bytes_per_s if net.burst_bytes <= 0 else max(net.nic_bytes_per_s, net.line_bytes_per_s)
         between = net.message_s + share / rate
         if src.mesh[1] < per_host and dst.mesh[1] < per_host:
-            return min(between, net.intra_message_s + share / dst.devices / net.intra_host_bytes_per_s)
+            return min(between, net.intra_message_s + share / dst.mesh[1] / net.intra_host_bytes_per_s)
         return between
 
     def hop_floor_s(self) -> float:

@@ -2,7 +2,9 @@
 range of layers costs on it (seconds per microbatch, gradient all-reduce, bytes per device).
 
 Submeshes follow Alpa's stage construction: (1, d) for d a power of two below the devices per host, or
-(n, D) whole hosts, so that every set of them with at most the cluster's devices packs onto its hosts.
+(n, D) whole hosts, so that every set of them with at most the cluster's devices packs onto its hosts. For a
+model with skip edges the space adds (n, d), d devices on each of n hosts, which a folded stage order pairs
+with the mirror stage on the same hosts (a set that does not pack is dropped when placement fails).
 Within a submesh the stage shards the batch over one mesh dim and the layers' weights over the other
 (Megatron tensor parallelism), or, on several whole hosts, the batch over both dims (all data parallel:
 across the hosts, then over each host's devices); a dim of size 1 carries neither.
@@ -33,6 +35,7 @@ from meshjob.spec.manifest import (
     TrainingJob,
     TrainingSpec,
     kv_heads_split,
+    skip_pairs,
     tensor_parallel_sizes,
 )
 
@@ -93,10 +96,18 @@ class StageChoice:
         return f"{self.mesh[0]}x{self.mesh[1]} dp{self.dp} tp{self.tp}"
 
 
-def submeshes(cluster: Cluster) -> list[tuple[int, int]]:
+def submeshes(cluster: Cluster, strided: bool = False) -> list[tuple[int, int]]:
+    """Alpa's (1, w) for w below the devices per host, and (n, D) whole hosts; `strided` adds (n, w), w devices
+    on each of n hosts (n a power of two), so that a folded stage takes the hosts' other devices and the
+    skip edges between them stay on each host."""
     d = cluster.devices_per_host
-    partial = [(1, 1 << k) for k in range(d.bit_length()) if (1 << k) < d and d % (1 << k) == 0]
-    return partial + [(n, d) for n in range(1, cluster.hosts + 1)]
+    widths = [1 << k for k in range(d.bit_length()) if (1 << k) < d and d % (1 << k) == 0]
+    rows = [1 << k for k in range(1, cluster.hosts.bit_length())] if strided else []
+    return sorted(
+        [(1, w) for w in widths]
+        + [(n, w) for n in rows for w in widths]
+        + [(n, d) for n in range(1, cluster.hosts + 1)]
+    )
 
 
 def _splits(mesh: tuple[int, int]) -> list[tuple[tuple[int, ...], int | None]]:
@@ -116,7 +127,7 @@ def stage_choices(model: ModelSpec, training: TrainingSpec, cluster: Cluster) ->
     """Every (submesh, split) the spec would accept: dp divides the microbatch, tp the model's dims."""
     sizes = tensor_parallel_sizes(model) if model.kind in BUILTIN_MODEL_KINDS else {}
     out: list[StageChoice] = []
-    for mesh in submeshes(cluster):
+    for mesh in submeshes(cluster, strided=bool(skip_pairs(model))):
         for dp_dims, tp_dim in _splits(mesh):
             c = StageChoice(mesh, dp_dims, tp_dim)
             if training.microbatch_size % c.dp:
