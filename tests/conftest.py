@@ -28,6 +28,24 @@ def failed_only_forming_the_mesh(result) -> bool:
     )
 
 
+def run_losses(folder, name: str, doc: dict) -> list[list[float]]:
+    """[step, loss] of each step of a real `meshjob run` of manifest `doc` (written to `folder`), which must
+    train every step it asks for."""
+    import json
+
+    import yaml
+
+    from meshjob.cli import main as cli_main
+
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = folder / f"{name}.json"
+    assert cli_main(["run", str(path), "--no-netns", "--quiet", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["steps_completed"] == doc["spec"]["training"]["steps"]
+    return summary["losses"]
+
+
 @pytest.fixture
 def gang():
     """launch(world_size, target(env), **kw) -> values; fails the test with every rank's traceback. A gang

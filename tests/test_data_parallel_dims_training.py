@@ -6,31 +6,18 @@ to the losses of the same job with the stage on a [4, 1] mesh."""
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import pytest
-import yaml
+from conftest import run_losses
+from test_data_parallel_dims import DOC as MANIFEST
 
-from meshjob.cli import main as cli_main
 from meshjob.layout.mesh import Mesh
 from meshjob.spec.manifest import StageSpec, parse_job
 from meshjob_trainer.checkpoint import spec_fingerprint
 
-ALL_DP = {"layers": [1, 2], "mesh": [2, 2], "dataParallelDims": [0, 1]}
-DOC: dict[str, Any] = {
-    "apiVersion": "meshjob.io/v1alpha1",
-    "kind": "TrainingJob",
-    "metadata": {"name": "all-dp"},
-    "spec": {
-        "model": {"kind": "gpt", "layers": 2, "hidden": 16, "heads": 2, "vocab": 32, "seqLen": 8},
-        "training": {"steps": 2, "globalBatch": 8, "microbatches": 2, "learningRate": 1.0e-2, "seed": 0},
-        "topology": {"devicesPerHost": 2},
-        "stages": [{"layers": [0, 1], "mesh": [1, 1]}, ALL_DP],
-        "resharding": {"strategy": "broadcast", "chunks": 2, "balancer": "greedy"},
-        "schedule": {"kind": "1f1b", "weightGradDelay": 0},
-    },
-}
+DOC: dict[str, Any] = copy.deepcopy(MANIFEST)  # the manifest tests' job, trained: a learning rate and a seed
+DOC["spec"]["training"].update({"learningRate": 1.0e-2, "seed": 0})
 
 
 def with_stage1(stage: dict[str, Any]) -> dict[str, Any]:
@@ -82,24 +69,14 @@ def test_a_data_parallel_group_spans_both_dims_ranked_as_the_batchs_tiles(gang):
         assert over_hosts == (row, 2, column, float(column + (2 + column)))
 
 
-def _run(tmp_path, name: str, doc: dict[str, Any]) -> list[list[float]]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    out = tmp_path / f"{name}.json"
-    assert cli_main(["run", str(path), "--no-netns", "--quiet", "--json", str(out)]) == 0
-    summary = json.loads(out.read_text())
-    assert summary["ok"] and summary["steps_completed"] == DOC["spec"]["training"]["steps"]
-    return summary["losses"]
-
-
 @pytest.mark.slow
 def test_an_all_data_parallel_stage_on_two_hosts_trains_as_one_data_parallel_over_four_hosts(tmp_path):
     """The same 4 data-parallel ranks, the batch split in the same 4 parts: [2, 2] over dims 0 and 1 (two hosts
     of two devices), [4, 1] over dim 0 (four hosts of one), both behind a one-device stage, so the edge into
     the stage (S01RR / S0RR) and its gradient back are resharded, and the last stage's targets are sliced by
     its data-parallel rank."""
-    two_by_two = _run(tmp_path, "all-dp", DOC)
-    four_by_one = _run(tmp_path, "dp0", with_stage1({"layers": [1, 2], "mesh": [4, 1], "dataParallelDim": 0}))
+    two_by_two = run_losses(tmp_path, "all-dp", DOC)
+    four_by_one = run_losses(tmp_path, "dp0", with_stage1({"layers": [1, 2], "mesh": [4, 1], "dataParallelDim": 0}))
     assert [step for step, _ in two_by_two] == [1, 2]
     assert [step for step, _ in four_by_one] == [1, 2]
     assert [loss for _, loss in two_by_two] == pytest.approx([loss for _, loss in four_by_one], abs=1e-5)

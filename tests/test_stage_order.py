@@ -5,11 +5,11 @@ The trainer follows the plan's placement, so a folded job trains to the chained 
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import pytest
 import yaml
+from conftest import run_losses
 
 from meshjob.cli import main as cli_main
 from meshjob.errors import SpecError
@@ -98,20 +98,10 @@ def test_the_cli_exits_2_on_an_unknown_stage_order(tmp_path, capsys):
     assert "spec.topology.stageOrder" in capsys.readouterr().err
 
 
-def _losses(tmp_path, name: str, doc: dict[str, Any]) -> list[list[float]]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    out = tmp_path / f"{name}.json"
-    assert cli_main(["run", str(path), "--no-netns", "--quiet", "--json", str(out)]) == 0
-    summary = json.loads(out.read_text())
-    assert summary["ok"] and summary["steps_completed"] == 3
-    return summary["losses"]
-
-
 @pytest.mark.slow
 def test_a_folded_job_trains_to_the_chained_jobs_losses(tmp_path):
-    folded = _losses(tmp_path, "fold", with_order("fold"))
-    chained = _losses(tmp_path, "chain", with_order("chain"))
+    folded = run_losses(tmp_path, "fold", with_order("fold"))
+    chained = run_losses(tmp_path, "chain", with_order("chain"))
     assert [step for step, _ in folded] == [1, 2, 3]
     assert [loss for _, loss in folded] == pytest.approx([loss for _, loss in chained], abs=1e-6)
 
@@ -128,6 +118,6 @@ def test_folded_stages_on_one_device_of_each_of_two_hosts_train_to_the_one_host_
         ]
         return doc
 
-    strided = _losses(tmp_path, "strided", two_stages([2, 1], 0))
-    one_host = _losses(tmp_path, "one-host", two_stages([1, 2], 1))
+    strided = run_losses(tmp_path, "strided", two_stages([2, 1], 0))
+    one_host = run_losses(tmp_path, "one-host", two_stages([1, 2], 1))
     assert [loss for _, loss in strided] == pytest.approx([loss for _, loss in one_host], abs=1e-5)
